@@ -1,0 +1,152 @@
+"""Numeric witness: the matched nodes themselves against the programs that replace them.
+
+A proof covers the identity; the witness covers the glue (which operand is the residual,
+the eps, γ's offset, the chain replayed onto r, each program's outputs). It replays the
+*original graph nodes* of the match on random float64 inputs of small shapes and runs the
+rewrite's programs through the reference interpreter on the same inputs. A disagreement
+means the checker or a pattern is wrong: the rewrite is rejected and reported as a
+checker bug, never applied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..canonical import meta
+from ..kernels import reference
+from .decision import Rejection
+from .row_scale import chain_op
+
+_MAX_ELEMS = 1 << 16
+
+
+class _Unreplayable(Exception):
+    pass
+
+
+def _eval(node: fx.Node, env: dict, first=None):
+    def arg(n):
+        if n is node.args[0] and first is not None:
+            return first
+        if n not in env:
+            raise _Unreplayable(f"{n.name} is computed outside the match")
+        return env[n]
+    args = fx.node.map_arg(node.args, arg)
+    kwargs = fx.node.map_arg(node.kwargs, arg)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _size(s) -> int:
+    if isinstance(s, torch.SymInt):
+        return s.node.hint if s.node.hint is not None else 2
+    return int(s)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def witness(match, consumers) -> str | Rejection:
+    lead_full = [_size(s) for s in meta(match.norm.input).shape[:-1]]
+    attempts = [[min(s, 3) for s in lead_full]]
+    if lead_full != attempts[0] and _prod(lead_full) * match.norm.dim <= _MAX_ELEMS:
+        attempts.append(lead_full)
+    last_err = ""
+    for lead in attempts:
+        try:
+            return _witness(match, consumers, lead)
+        except _Unreplayable as e:
+            return f"skipped: {e}"
+        except (RuntimeError, IndexError, ValueError) as e:  # shape-bound op in a chain
+            last_err = str(e).splitlines()[0]
+    return f"skipped: the matched nodes do not replay at small shapes ({last_err})"
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def _witness(match, consumers, lead) -> str | Rejection:
+    norm, prod = match.norm, match.producer
+    d = norm.dim
+    g = torch.Generator().manual_seed(1234)
+
+    def rand(*shape, base=0.0):
+        return base + torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    env: dict = {}
+    ops_in, reference_outs, rewritten_outs, names = [], [], [], []
+    if norm.weight is not None:
+        env[norm.weight] = rand(d, base=1.0) * 0.5
+    if prod is not None:
+        k = min(_size(meta(prod.x).shape[-1]), 16)
+        env[prod.x] = rand(*lead, k)
+        env[prod.weight] = rand(d, k)
+        if prod.bias is not None:
+            env[prod.bias] = rand(d)
+        env[prod.residual] = rand(*lead, d)
+        env[prod.linear] = _eval(prod.linear, env)
+        env[prod.add] = _eval(prod.add, env)
+        ops_in = [env[prod.x].reshape(-1, k), env[prod.weight],
+                  [*([env[prod.bias]] if prod.bias is not None else []),
+                   env[prod.residual].reshape(-1, d)]]
+    else:
+        env[norm.input] = rand(*lead, d)
+        ops_in = [None, None, [env[norm.input].reshape(-1, d)]]
+    if norm.weight is not None:
+        ops_in[2].append(env[norm.weight])
+    for n in norm.nodes:
+        env[n] = _eval(n, env)
+
+    outs = reference.run_program(match.norm_program, *ops_in)
+    if prod is not None:
+        z, h2, r = outs
+        reference_outs.append(env[prod.add])
+        rewritten_outs.append(z.reshape(env[prod.add].shape))
+        names.append(prod.add.name)
+    else:
+        h2, r = outs
+    h2 = h2.reshape(*lead, d)
+    r = r.reshape(*lead, 1)
+
+    for c in consumers:
+        n_out = min(_size(meta(c.weight).shape[0]), 8)
+        env[c.weight] = rand(n_out, d)
+        if c.bias is not None:
+            env[c.bias] = rand(n_out)
+        for node in c.chain:
+            env[node] = _eval(node, env)
+        ref = _eval(c.linear, env)
+        hc, rc = h2, r
+        for node in c.chain:
+            kind, _ = chain_op(node, d)
+            new_h = _eval(node, env, first=hc)
+            if kind == "index":
+                rc = _eval(node, env, first=rc)
+            elif kind == "reshape":
+                rc = rc.reshape(*new_h.shape[:-1], 1)
+            hc = new_h
+        ops = [rc.reshape(-1), *([env[c.bias]] if c.bias is not None else [])]
+        (out,) = reference.run_program(match.consumer_programs[c.linear],
+                                       hc.reshape(-1, d), env[c.weight], ops)
+        reference_outs.append(ref)
+        rewritten_outs.append(out.reshape(ref.shape))
+        names.append(c.linear.name)
+
+    low_precision = any(m is not None and m.dtype in (torch.float16, torch.bfloat16)
+                        for m in map(meta, [norm.input, norm.output, *norm.nodes,
+                                            *(c.linear for c in consumers)]))
+    tol = 3e-2 if low_precision else 1e-6
+    errs = [_rel(a, b) for a, b in zip(rewritten_outs, reference_outs)]
+    shown = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs))
+    if not all(e <= tol for e in errs):  # NaN fails too
+        return Rejection(f"checker bug: the float64 witness disagrees ({shown}; tol {tol:g}); "
+                         "the rewrite is not applied", match.path)
+    return f"float64 replay on rows {lead}: rel. error {shown} (tol {tol:g})"

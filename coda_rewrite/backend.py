@@ -1,0 +1,45 @@
+"""The ``"coda"`` torch.compile backend.
+
+Each dynamo graph (one per graph break, one per compiled block in TorchTitan-style
+per-block compiles) is rewritten on its own, then handed to Inductor, which traces the
+``coda::`` ops as custom ops (fake implementations, no graph breaks), or returned as is
+with ``options={"inductor": False}``.
+
+``torch.compile(m, backend="coda")`` works after ``import coda_rewrite`` and also without
+it: the package declares a ``torch_dynamo_backends`` entry point, and dynamo registers
+entry-point backends itself when the name is first looked up (which is why
+``coda_rewrite/__init__.py`` registers the name only when no entry point declares it).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .options import Options
+from .pipeline import rewrite_graph
+from .report import Report
+
+# Reports of compiles that went through the string name, where the caller holds no
+# backend object to ask (see coda_rewrite.last_report()).
+SESSION_REPORT = Report()
+
+
+class CodaBackend:
+    """A dynamo backend object with its own options and report."""
+
+    def __init__(self, options: Options | None = None, report: Report | None = None):
+        self.options = options or Options()
+        self.report = report if report is not None else Report()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, **_):
+        g = rewrite_graph(gm, self.options, index=len(self.report.graphs))
+        self.report.add(g, self.options.dump_dir)
+        if self.options.inductor:
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+        return gm.forward
+
+
+def coda_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
+    """``torch.compile(model, backend="coda", options={...})``; options as in Options."""
+    return CodaBackend(Options.make(options), SESSION_REPORT)(gm, example_inputs)

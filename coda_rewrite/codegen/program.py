@@ -1,0 +1,270 @@
+"""The epilogue-program IR: the one vocabulary that patterns, algebra, codegen and the
+reference implementation share.
+
+A program says what happens to a GEMM's output tile while it is still on chip: the
+accumulator ``acc[i, j] = sum_k a[i, k] * b[j, k]`` (``b`` in nn.Linear's [N, K] layout)
+flows through a short straight-line body and leaves as tile stores and per-row values.
+A program without a GEMM reads its tile from memory instead (a norm whose input is a
+graph input has no producing GEMM to ride on).
+
+Why data and not code: four readers consume the same program. The pattern that built it,
+the algebra that checks it (tile locality, reduction decomposition), the code generator
+that turns it into a QuACK ``gemm_epilogue`` function, and the reference interpreter that
+runs it in plain torch on any device. A new combination of primitives is a new program,
+never new kernel code.
+
+Value kinds (what a value varies along; they broadcast like [M, N], [M, 1], [1, N], []):
+
+    TILE         one value per output element            acc, a residual tile
+    PER_ROW      one value per row i (QuACK: ColVec)      the deferred rstd r[i]
+    PER_FEATURE  one value per output feature j (RowVec)  gamma[j], a bias
+    SCALAR       one value                                 eps, 1/d
+
+The primitive classes of DESIGN.md, and where each lives here:
+
+    1 elementwise map       body ops in ``ELEMENTWISE`` (add, mul, rsqrt, silu, cast, ...)
+    3 vector load           operands of kind PER_ROW / PER_FEATURE
+    4 tile load / store     operands of kind TILE / outputs of kind TILE
+    5 tile reduction        ``row_sum`` / ``row_max``: per-tile partials merged by an
+                            associative, commutative merge with identity; values computed
+                            from a reduction are *final* (known only after every tile of
+                            the row is done), so they may feed per-row outputs only
+    2 pairwise map          (SwiGLU/RoPE over adjacent features) and
+    6 stateful reduction    (online log-sum-exp, target select) join the vocabulary with
+                            the pattern families that produce and test them.
+
+Programs are immutable and serialise to a canonical JSON text, which is what travels
+through the graph as the ``coda::gemm_epilogue`` op's first argument: the op is
+self-contained (Inductor's FX cache, pickling, another process), and the text is the
+cache key of the generated kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+from typing import Union
+
+Arg = Union[str, float]  # a value name, or a literal constant
+
+
+class Kind(str, enum.Enum):
+    TILE = "tile"
+    PER_ROW = "per_row"
+    PER_FEATURE = "per_feature"
+    SCALAR = "scalar"
+
+
+# name -> arity. Every op computes in the program's compute dtype (float32, or float64
+# when an input is float64); ``cast`` rounds through a storage dtype and back.
+ELEMENTWISE = {
+    "add": 2, "sub": 2, "mul": 2, "div": 2,
+    "neg": 1, "square": 1, "rsqrt": 1, "sqrt": 1, "exp": 1,
+    "silu": 1, "sigmoid": 1, "gelu_tanh": 1, "cast": 1,
+}
+# Row reductions over the feature dim; the merge of per-tile partials is the same op.
+REDUCTIONS = {"row_sum": "sum", "row_max": "max"}
+
+ACC = "acc"  # the accumulator's reserved value name
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    name: str
+    kind: Kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    out: str
+    op: str
+    args: tuple[Arg, ...]
+    dtype: str | None = None  # ``cast`` only: the storage dtype to round through
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    value: str
+    kind: Kind  # TILE or PER_ROW
+    dtype: str  # storage dtype, e.g. "bfloat16"
+
+
+class ProgramError(ValueError):
+    """A program that breaks the IR's rules (unknown value, non-local read, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueProgram:
+    name: str
+    gemm: bool
+    operands: tuple[Operand, ...]
+    body: tuple[Instr, ...]
+    outputs: tuple[Output, ...]
+
+    def __post_init__(self):
+        self.value_kinds()  # validates
+
+    # ---- analysis -------------------------------------------------------------------
+    def value_kinds(self) -> dict[str, tuple[Kind, bool]]:
+        """Kind of every value, and whether it is *final* (depends on a reduction).
+
+        Enforces tile locality: a tile output may read only the accumulator, its own
+        row's and feature's vector values and same-position tiles; a value that needs the
+        whole row (a reduction result) can only reach per-row outputs.
+        """
+        env: dict[str, tuple[Kind, bool]] = {}
+        if self.gemm:
+            env[ACC] = (Kind.TILE, False)
+        for o in self.operands:
+            if o.name in env:
+                raise ProgramError(f"{self.name}: operand {o.name!r} defined twice")
+            env[o.name] = (Kind(o.kind), False)
+        if not self.gemm and not any(o.kind == Kind.TILE for o in self.operands):
+            raise ProgramError(f"{self.name}: a program without a GEMM needs a tile operand")
+
+        def kind_of(a: Arg) -> tuple[Kind, bool]:
+            if isinstance(a, str):
+                if a not in env:
+                    raise ProgramError(f"{self.name}: {a!r} is read before it is defined")
+                return env[a]
+            return (Kind.SCALAR, False)
+
+        for ins in self.body:
+            if ins.out in env:
+                raise ProgramError(f"{self.name}: value {ins.out!r} assigned twice")
+            kinds = [kind_of(a) for a in ins.args]
+            if ins.op in ELEMENTWISE:
+                if len(ins.args) != ELEMENTWISE[ins.op]:
+                    raise ProgramError(f"{self.name}: {ins.op} takes {ELEMENTWISE[ins.op]} args")
+                if ins.op == "cast" and not ins.dtype:
+                    raise ProgramError(f"{self.name}: cast needs a dtype")
+                env[ins.out] = (_join([k for k, _ in kinds]), any(f for _, f in kinds))
+            elif ins.op in REDUCTIONS:
+                (k, final), = kinds
+                if k != Kind.TILE or final:
+                    raise ProgramError(f"{self.name}: {ins.op} reduces a tile value")
+                env[ins.out] = (Kind.PER_ROW, True)
+            else:
+                raise ProgramError(f"{self.name}: unknown op {ins.op!r}")
+            k, final = env[ins.out]
+            if final and k in (Kind.TILE, Kind.PER_FEATURE):
+                raise ProgramError(
+                    f"{self.name}: {ins.out!r} mixes a whole-row reduction into a tile value "
+                    "(not tile-local: the row is complete only after every tile is done)")
+        for o in self.outputs:
+            k, final = kind_of(o.value)
+            if o.kind == Kind.TILE and final:
+                raise ProgramError(f"{self.name}: tile output {o.value!r} is not tile-local")
+            if o.kind == Kind.PER_ROW and k not in (Kind.PER_ROW, Kind.SCALAR):
+                raise ProgramError(f"{self.name}: per-row output {o.value!r} is a {k.value}")
+            if o.kind not in (Kind.TILE, Kind.PER_ROW):
+                raise ProgramError(f"{self.name}: outputs are tiles or per-row vectors")
+        return env
+
+    # ---- serialisation ----------------------------------------------------------------
+    def to_text(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_text().encode()).hexdigest()[:10]
+
+    @property
+    def key(self) -> str:
+        """Short readable handle: name and digest."""
+        return f"{self.name}#{self.digest}"
+
+    def pretty(self) -> str:
+        """The program as readable math (for explain() and the dump)."""
+        head = f"program {self.key}"
+        if self.gemm:
+            head += "   acc[i, j] = Σ_k a[i, k]·b[j, k]"
+        lines = [head]
+        if self.operands:
+            lines.append("  operands: " + ", ".join(f"{o.name} ({o.kind.value})"
+                                                    for o in self.operands))
+        kinds = self.value_kinds()
+        for ins in self.body:
+            args = ", ".join(_fmt_arg(a) for a in ins.args)
+            rhs = {"add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}",
+                   "div": "{0} / {1}"}.get(ins.op)
+            if rhs:
+                rhs = rhs.format(*(_fmt_arg(a) for a in ins.args))
+            elif ins.op == "cast":
+                rhs = f"round_{ins.dtype}({args})"
+            else:
+                rhs = f"{ins.op}({args})"
+            note = "   # per-tile partials, merged" if ins.op in REDUCTIONS else ""
+            lines.append(f"  {ins.out} = {rhs}    [{kinds[ins.out][0].value}]{note}")
+        lines.append("  out: " + ", ".join(f"{o.value} ({o.kind.value}, {o.dtype})"
+                                           for o in self.outputs))
+        return "\n".join(lines)
+
+
+def _fmt_arg(a: Arg) -> str:
+    return a if isinstance(a, str) else repr(float(a))
+
+
+def _join(kinds: list[Kind]) -> Kind:
+    s = set(kinds) - {Kind.SCALAR}
+    if not s:
+        return Kind.SCALAR
+    if Kind.TILE in s or s == {Kind.PER_ROW, Kind.PER_FEATURE}:
+        return Kind.TILE
+    return s.pop()
+
+
+@functools.lru_cache(maxsize=1024)
+def parse(text: str) -> EpilogueProgram:
+    """Inverse of ``to_text`` (cached: the op wrapper parses on every call)."""
+    d = json.loads(text)
+    return EpilogueProgram(
+        name=d["name"],
+        gemm=d["gemm"],
+        operands=tuple(Operand(o["name"], Kind(o["kind"])) for o in d["operands"]),
+        body=tuple(Instr(i["out"], i["op"], tuple(i["args"]), i["dtype"]) for i in d["body"]),
+        outputs=tuple(Output(o["value"], Kind(o["kind"]), o["dtype"]) for o in d["outputs"]),
+    )
+
+
+class ProgramBuilder:
+    """Small helper to write programs as straight-line math::
+
+        p = ProgramBuilder("rowscale", gemm=True)
+        r = p.operand("r", Kind.PER_ROW)
+        p.output(p.mul(ACC, r), Kind.TILE, "bfloat16")
+    """
+
+    def __init__(self, name: str, gemm: bool):
+        self.name, self.gemm = name, gemm
+        self._operands: list[Operand] = []
+        self._body: list[Instr] = []
+        self._outputs: list[Output] = []
+        self._n = 0
+
+    def operand(self, name: str, kind: Kind) -> str:
+        self._operands.append(Operand(name, kind))
+        return name
+
+    def emit(self, op: str, *args: Arg, dtype: str | None = None, name: str | None = None) -> str:
+        if name is None:
+            self._n += 1
+            name = f"t{self._n}"
+        args = tuple(a if isinstance(a, str) else float(a) for a in args)
+        self._body.append(Instr(name, op, args, dtype))
+        return name
+
+    def __getattr__(self, op: str):
+        if op in ELEMENTWISE or op in REDUCTIONS:
+            return functools.partial(self.emit, op)
+        raise AttributeError(op)
+
+    def output(self, value: str, kind: Kind, dtype: str) -> None:
+        self._outputs.append(Output(value, kind, dtype))
+
+    def build(self) -> EpilogueProgram:
+        return EpilogueProgram(self.name, self.gemm, tuple(self._operands),
+                               tuple(self._body), tuple(self._outputs))

@@ -1,0 +1,111 @@
+"""Reference implementation of epilogue programs in plain torch.
+
+It runs on every device and dtype, and follows the generated kernel's order of
+operations: the GEMM accumulates in float32 from the 16-bit operands (float64 when an
+input is float64), the whole body runs in that compute dtype on the unrounded
+accumulator, and each output is rounded once, when it is stored. So kernel and reference
+agree to rounding, and a tolerance measures the rewrite, not the implementation.
+
+It is written in differentiable torch ops on purpose: the op's backward recomputes the
+program and differentiates this function (see ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..codegen.program import ACC, ELEMENTWISE, REDUCTIONS, EpilogueProgram, Kind
+
+_DTYPES = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float64": torch.float64,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64
+                                for t in tensors) else torch.float32
+
+
+_UNARY = {
+    "neg": torch.neg,
+    "square": torch.square,
+    "rsqrt": torch.rsqrt,
+    "sqrt": torch.sqrt,
+    "exp": torch.exp,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+
+
+def problem_size(program: EpilogueProgram, a, b, operands) -> tuple[int, int]:
+    """(M, N) of the output tile grid."""
+    if program.gemm:
+        return a.shape[0], b.shape[0]
+    for spec, t in zip(program.operands, operands):
+        if spec.kind == Kind.TILE:
+            return t.shape[0], t.shape[1]
+    raise AssertionError("validated programs without a GEMM have a tile operand")
+
+
+def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tensor | None,
+                operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Evaluate ``program``. Shapes: a [M, K], b [N, K]; operands per their kind:
+    tile [M, N], per-row [M], per-feature [N], scalar []. Returns tiles [M, N] and per-row
+    outputs [M], in each output's storage dtype."""
+    cd = compute_dtype(a, b, *operands)
+    env: dict[str, torch.Tensor] = {}
+    if program.gemm:
+        env[ACC] = a.to(cd) @ b.to(cd).t()
+    for spec, t in zip(program.operands, operands):
+        t = t.to(cd)
+        if spec.kind == Kind.PER_ROW:
+            t = t.reshape(-1, 1)
+        elif spec.kind == Kind.PER_FEATURE:
+            t = t.reshape(1, -1)
+        env[spec.name] = t
+
+    def val(x):
+        return env[x] if isinstance(x, str) else x
+
+    for ins in program.body:
+        args = [val(x) for x in ins.args]
+        if ins.op in _BINARY:
+            out = _BINARY[ins.op](*args)
+        elif ins.op == "cast":
+            out = args[0].to(_DTYPES[ins.dtype]).to(cd)
+        elif ins.op in _UNARY:
+            out = _UNARY[ins.op](args[0])
+        elif ins.op == "row_sum":
+            out = args[0].sum(dim=1, keepdim=True)
+        elif ins.op == "row_max":
+            out = args[0].amax(dim=1, keepdim=True)
+        else:  # validated programs never get here
+            raise AssertionError(f"op {ins.op} not in {sorted(ELEMENTWISE) + sorted(REDUCTIONS)}")
+        env[ins.out] = out
+
+    m, n = problem_size(program, a, b, operands)
+    results = []
+    for o in program.outputs:
+        v = env[o.value]
+        if not isinstance(v, torch.Tensor):
+            v = torch.tensor(v, dtype=cd, device=_device(a, operands))
+        shape = (m, n) if o.kind == Kind.TILE else (m, 1)
+        v = v.expand(shape).to(_DTYPES[o.dtype])
+        results.append(v.reshape(m) if o.kind == Kind.PER_ROW else v)
+    return results
+
+
+def _device(a, operands):
+    return a.device if a is not None else operands[0].device

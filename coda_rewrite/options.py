@@ -1,0 +1,33 @@
+"""Options of optimize(), explain() and the "coda" backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .report import dump_dir_from_env
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    # Hand the rewritten graph to Inductor (the backend's default). optimize() runs the
+    # rewritten graph as is unless asked.
+    inductor: bool = True
+    # Write the report, canonical graph, rewritten graph and programs here
+    # (default: $CODA_DUMP_DIR, else nowhere).
+    dump_dir: str | None = None
+    # Replay every match on float64 inputs before applying it (algebra/witness.py).
+    witness: bool = True
+    # Patterns to apply; the others are still matched and reported as disabled.
+    patterns: tuple[str, ...] = ("residual_rmsnorm_gemm",)
+
+    @classmethod
+    def make(cls, options: dict | None = None, **kw) -> "Options":
+        merged = {**(options or {}), **kw}
+        unknown = set(merged) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown coda_rewrite option(s): {sorted(unknown)}; "
+                            f"known: {[f.name for f in dataclasses.fields(cls)]}")
+        if "patterns" in merged:
+            merged["patterns"] = tuple(merged["patterns"])
+        opts = cls(**merged)
+        return dataclasses.replace(opts, dump_dir=dump_dir_from_env(opts.dump_dir))

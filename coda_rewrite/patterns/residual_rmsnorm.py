@@ -1,0 +1,203 @@
+"""GEMM → residual add → RMSNorm → GEMM(s): the row-scale deferral.
+
+In a pre-norm decoder the norm sits between two GEMMs, three times per layer boundary
+(attention out-proj → post-attention norm → gate/up; down-proj → next input norm →
+q/k/v; last down-proj → final norm → LM head), and once with no GEMM before it (the first
+layer's input norm reads the embedding). Eager reads and writes the residual stream
+between them twice. The rewrite:
+
+    producer GEMM epilogue:  z = x·W0ᵀ (+ b0) + residual      (the residual stream, kept)
+                             h2 = z ⊙ γ                        (what the consumers read)
+                             ss[i] = Σ_j z[i, j]²              (per-tile partials, merged)
+    finaliser:               r[i] = rsqrt(ss[i] / d + eps)
+    each consumer epilogue:  out = r[i] · (h2·Wkᵀ)[i, j] (+ bk[j])
+
+which holds because r is one scalar per row and a GEMM that contracts over features
+commutes with a row scale: (diag(r)·H)·W = diag(r)·(H·W) (algebra/row_scale.py proves it
+and checks the side conditions on the matched graph). A norm with no producing GEMM gets
+the same deferral from a row-wise program.
+
+This module only finds matches and builds their programs. Whether a match is legal is
+the algebra's call; how the graph changes is rewrite.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..canonical import NearMiss, RmsNorm, canon, find_rms_norms, meta
+from ..capture import describe, model_path
+from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
+from ..kernels.reference import dtype_name
+
+NAME = "residual_rmsnorm_gemm"
+_CHAIN_DEPTH = 4
+
+
+@dataclasses.dataclass
+class Producer:
+    linear: fx.Node
+    add: fx.Node          # the residual add; the norm reads its value
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    residual: fx.Node
+
+
+@dataclasses.dataclass
+class Consumer:
+    linear: fx.Node
+    chain: tuple[fx.Node, ...]   # nodes between the norm output and the GEMM, in order
+    weight: fx.Node
+    bias: fx.Node | None
+
+
+@dataclasses.dataclass
+class Match:
+    norm: RmsNorm
+    producer: Producer | None
+    producer_note: str                    # why there is no producing GEMM, if none
+    consumers: list[Consumer]
+    other_readers: list[fx.Node]          # readers of the normalised value that are not GEMMs
+    norm_program: EpilogueProgram | None = None
+    consumer_programs: dict[fx.Node, EpilogueProgram] = dataclasses.field(default_factory=dict)
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.norm.output) or model_path(self.norm.nodes[-1])
+
+
+@dataclasses.dataclass
+class NoMatch:
+    """A norm (or near miss) this pattern could not use, and why (for the report)."""
+    node: fx.Node
+    reason: str
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.node)
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    results: list[Match | NoMatch] = []
+    for norm in find_rms_norms(graph):
+        if isinstance(norm, NearMiss):
+            results.append(NoMatch(norm.node, norm.reason))
+            continue
+        consumers, others = _consumers(norm.output)
+        if not consumers:
+            what = ", ".join(describe(n) for n in others) or "nothing"
+            results.append(NoMatch(norm.output, "no GEMM reads the normalised value "
+                                   f"(read by {what}): nothing to defer the row scale into"))
+            continue
+        producer, note = _producer(norm)
+        results.append(Match(norm, producer, note, consumers, others))
+    return results
+
+
+def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
+    z = norm.input
+    c = canon(z)
+    if z.op == "placeholder":
+        return None, f"the norm's input {z.name} is a graph input (no producing GEMM here)"
+    if c is None or c.name != "add":
+        return None, f"the norm's input {describe(z)} is not a residual add"
+    for lin, res in (c.args, c.args[::-1]):
+        cl = canon(lin) if isinstance(lin, fx.Node) else None
+        if cl is None or cl.name != "linear" or not isinstance(res, fx.Node):
+            continue
+        if len(lin.users) != 1:
+            return None, (f"the GEMM output {describe(lin)} is also read elsewhere: fusing "
+                          "the residual add would have to materialise it")
+        ml, mr = meta(lin), meta(res)
+        if ml is None or mr is None or tuple(ml.shape) != tuple(mr.shape):
+            return None, "the residual is broadcast against the GEMM output"
+        x, w, b = cl.args
+        if meta(w) is None or meta(w).dim() != 2 or (b is not None and not isinstance(b, fx.Node)):
+            return None, f"{describe(lin)} has a weight or bias that is not a 2-D/1-D tensor"
+        return Producer(lin, z, x, w, b, res), ""
+    return None, f"neither operand of the residual add {describe(z)} is a GEMM"
+
+
+def _consumers(h: fx.Node) -> tuple[list[Consumer], list[fx.Node]]:
+    """GEMMs that read ``h`` (possibly through a short chain of single-input ops: the
+    algebra decides whether each chain keeps rows intact), and every other reader."""
+    consumers, others = [], []
+
+    def walk(node: fx.Node, chain: tuple[fx.Node, ...]):
+        for u in node.users:
+            c = canon(u)
+            if c is not None and c.name == "linear" and c.args[0] is node \
+                    and node not in (c.args[1], c.args[2]):
+                consumers.append(Consumer(u, chain, c.args[1], c.args[2]))
+            elif len(chain) < _CHAIN_DEPTH and _single_tensor_input(u, node):
+                walk(u, chain + (u,))
+            else:
+                others.append(u)
+
+    walk(h, ())
+    return consumers, others
+
+
+def _single_tensor_input(node: fx.Node, src: fx.Node) -> bool:
+    """``node`` reads ``src`` as its first argument and produces a tensor."""
+    return (node.op in ("call_function", "call_method") and bool(node.args)
+            and node.args[0] is src and meta(node) is not None)
+
+
+# ---- programs -------------------------------------------------------------------------
+
+def _dt(node: fx.Node) -> str:
+    return dtype_name(meta(node).dtype)
+
+
+def stat_dtype(norm: RmsNorm) -> str:
+    """dtype of the deferred row scale r: float32, or float64 for a float64 model."""
+    return "float64" if meta(norm.input).dtype == torch.float64 else "float32"
+
+
+def norm_program(norm: RmsNorm, producer: Producer | None) -> EpilogueProgram:
+    """The producer's epilogue (or, with no producer, a row-wise program)."""
+    p = ProgramBuilder("residual_rmsnorm" if producer else "rmsnorm_rowscale",
+                       gemm=producer is not None)
+    if producer is not None:
+        v = ACC
+        if producer.bias is not None:
+            v = p.add(v, p.operand("bias", Kind.PER_FEATURE))
+        z = p.add(v, p.operand("residual", Kind.TILE), name="z")
+    else:
+        z = p.operand("x", Kind.TILE)
+    h2 = z
+    if norm.weight is not None:
+        g = p.operand("gamma", Kind.PER_FEATURE)
+        if norm.weight_offset:
+            g = p.add(g, norm.weight_offset, name="scale")
+        h2 = p.mul(z, g, name="h2")
+    ss = p.row_sum(p.square(z), name="ss")
+    r = p.rsqrt(p.add(p.div(ss, float(norm.dim)), norm.eps), name="r")
+    if producer is not None:
+        p.output(z, Kind.TILE, _dt(producer.add))
+    p.output(h2, Kind.TILE, _dt(norm.output))
+    p.output(r, Kind.PER_ROW, stat_dtype(norm))
+    return p.build()
+
+
+def rowscale_program(consumer: Consumer) -> EpilogueProgram:
+    """out = r[i] · acc[i, j] (+ b[j])."""
+    p = ProgramBuilder("rowscale", gemm=True)
+    v = p.mul(ACC, p.operand("r", Kind.PER_ROW), name="y")
+    if consumer.bias is not None:
+        v = p.add(v, p.operand("bias", Kind.PER_FEATURE), name="y_b")
+    p.output(v, Kind.TILE, _dt(consumer.linear))
+    return p.build()
+
+
+def build_programs(match: Match) -> None:
+    match.norm_program = norm_program(match.norm, match.producer)
+    match.consumer_programs = {c.linear: rowscale_program(c) for c in match.consumers}

@@ -1,0 +1,85 @@
+"""The pass over one captured graph: match → decide → rewrite, recording everything.
+
+Matches are found once, then decided and applied in graph order. A rewrite replaces nodes
+that a later match may name (the residual add one norm's producer fuses is the residual
+input of the next), so each match is brought up to date before its turn: replaced nodes
+are followed to their replacements, and a producing GEMM that an earlier rewrite already
+turned into a fused op is not fused a second time (the later norm then gets the
+row-wise program, and the report says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch.fx as fx
+
+from . import algebra, canonical, rewrite
+from .capture import describe
+from .options import Options
+from .patterns import residual_rmsnorm
+from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
+
+
+def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> GraphReport:
+    t0 = time.perf_counter()
+    graph = gm.graph
+    canonical_text = canonical.render(graph)
+    records: list[MatchRecord] = []
+    replaced: dict[fx.Node, fx.Node] = {}
+    enabled = residual_rmsnorm.NAME in options.patterns
+
+    for m in residual_rmsnorm.find(graph):
+        if isinstance(m, residual_rmsnorm.NoMatch):
+            records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
+            continue
+        m = _refresh(m, replaced)
+        residual_rmsnorm.build_programs(m)
+        record = MatchRecord(
+            m.pattern, m.path, REJECTED,
+            producer=describe(m.producer.linear) if m.producer else m.producer_note,
+            consumers=[describe(c.linear) for c in m.consumers],
+        )
+        records.append(record)
+        if not enabled:
+            record.reason = "pattern disabled by options.patterns"
+            continue
+        if options.witness:
+            decision, per_consumer, accepted = algebra.decide_row_scale(m, graph)
+        else:
+            decision, per_consumer = algebra.row_scale.check(m, graph)
+            accepted = [c for c in m.consumers
+                        if decision.accepted and per_consumer[c.linear].accepted]
+        record.decision = decision
+        record.consumer_decisions = [(describe(n), d) for n, d in per_consumer.items()]
+        if not accepted:
+            record.reason = decision.condition if not decision.accepted else ""
+            continue
+        alive, replacements = rewrite.apply(graph, m, accepted)
+        replaced.update(replacements)
+        record.status = REWRITTEN
+        record.materialised = [describe(n) for n in alive]
+        record.programs = [m.norm_program, *(m.consumer_programs[c.linear] for c in accepted)]
+
+    graph.lint()
+    gm.recompile()
+    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+
+
+def _refresh(m, replaced):
+    """Bring a match found before earlier rewrites up to date."""
+    def cur(n):
+        while n in replaced:
+            n = replaced[n]
+        return n
+
+    norm = dataclasses.replace(m.norm, input=cur(m.norm.input))
+    producer, note = m.producer, m.producer_note
+    if producer is not None and (producer.linear in replaced or producer.add in replaced):
+        producer, note = None, (f"the producing GEMM {producer.linear.name} already carries "
+                                "another rewrite's epilogue")
+    if producer is not None:
+        producer = dataclasses.replace(producer, residual=cur(producer.residual),
+                                       x=cur(producer.x))
+    return dataclasses.replace(m, norm=norm, producer=producer, producer_note=note)

@@ -1,0 +1,150 @@
+"""The report: what was matched, what was rewritten, why, and what the graph became.
+
+explain() returns it, the backend collects it, and ``dump_dir=`` / ``CODA_DUMP_DIR``
+writes it to disk, one folder per captured graph:
+
+    graph_000/report.txt      matches, decisions, programs, runtime counters
+    graph_000/canonical.txt   the captured graph in the canonical vocabulary
+    graph_000/rewritten.py    the rewritten graph as Python
+    graph_000/programs.txt    every epilogue program as math, and its JSON text
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+from .algebra.decision import Decision
+from .codegen.program import EpilogueProgram
+from .kernels.ops import runtime_summary
+
+REWRITTEN, REJECTED, NOT_MATCHED = "rewritten", "rejected", "not matched"
+
+
+@dataclasses.dataclass
+class MatchRecord:
+    pattern: str
+    path: str
+    status: str
+    reason: str = ""                     # one line: why rejected / not matched
+    decision: Decision | None = None
+    producer: str = ""                   # the producing GEMM, or why there is none
+    consumers: list[str] = dataclasses.field(default_factory=list)
+    consumer_decisions: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
+    materialised: list[str] = dataclasses.field(default_factory=list)
+    programs: list[EpilogueProgram] = dataclasses.field(default_factory=list)
+
+    def render(self, i: int) -> str:
+        head = f"[{i}] {self.pattern} at {self.path or '<top level>'}: {self.status.upper()}"
+        lines = [head]
+        if self.reason:
+            lines.append(f"    why: {self.reason}")
+        if self.producer:
+            lines.append(f"    producer: {self.producer}")
+        if self.consumers:
+            lines.append("    consumers: " + ", ".join(self.consumers))
+        for name, d in self.consumer_decisions:
+            if not d.accepted:
+                lines.append(f"    consumer {name} left as is:")
+                lines.append(d.render("      "))
+        if self.materialised:
+            lines.append("    materialised (still read outside the rewrite): "
+                         + ", ".join(self.materialised))
+        if self.decision is not None:
+            lines.append(self.decision.render("    "))
+        if self.programs:
+            lines.append("    programs: " + ", ".join(p.key for p in self.programs))
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class GraphReport:
+    index: int
+    records: list[MatchRecord]
+    canonical: str
+    rewritten_code: str
+    seconds: float
+
+    @property
+    def rewritten(self) -> list[MatchRecord]:
+        return [r for r in self.records if r.status == REWRITTEN]
+
+    @property
+    def programs(self) -> dict[str, EpilogueProgram]:
+        return {p.key: p for r in self.records for p in r.programs}
+
+    def summary(self) -> str:
+        n = len(self.records)
+        return (f"graph {self.index}: {n} candidate(s), {len(self.rewritten)} rewritten, "
+                f"{n - len(self.rewritten)} not ({self.seconds * 1e3:.0f} ms)")
+
+    def render(self, with_code: bool = True) -> str:
+        out = [self.summary()]
+        if not self.records:
+            out.append("    nothing matched: no RMSNorm (mean of squares over the last dim, "
+                       "rsqrt, scale) with a GEMM reading its output was found in this graph")
+        out += [r.render(i) for i, r in enumerate(self.records)]
+        if self.programs:
+            out.append("\nepilogue programs:")
+            out += [p.pretty() for p in self.programs.values()]
+        if with_code:
+            out.append("\nrewritten graph:")
+            out.append(readable_code(self.rewritten_code, self.programs.values()))
+        return "\n".join(out)
+
+    def dump(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.txt").write_text(self.render(with_code=False) + "\n\nruntime:\n"
+                                           + "\n".join(runtime_summary()) + "\n")
+        (folder / "canonical.txt").write_text(self.canonical)
+        (folder / "rewritten.py").write_text(
+            readable_code(self.rewritten_code, self.programs.values()))
+        (folder / "programs.txt").write_text("\n\n".join(
+            f"{p.pretty()}\n{p.to_text()}" for p in self.programs.values()))
+
+
+def readable_code(code: str, programs) -> str:
+    """Replace the JSON program texts in graph code by their short keys."""
+    for p in programs:
+        code = code.replace(repr(p.to_text()), f"P['{p.key}']")
+    return re.sub(r"\n\s*\n", "\n", code).strip() + "\n"
+
+
+class Report:
+    """All graphs one optimize()/explain()/backend captured."""
+
+    def __init__(self):
+        self.graphs: list[GraphReport] = []
+
+    def add(self, g: GraphReport, dump_dir: str | None) -> None:
+        self.graphs.append(g)
+        if dump_dir:
+            g.dump(Path(dump_dir) / f"graph_{g.index:03d}")
+
+    @property
+    def records(self) -> list[MatchRecord]:
+        return [r for g in self.graphs for r in g.records]
+
+    def count(self, status: str = REWRITTEN, pattern: str | None = None) -> int:
+        return sum(1 for r in self.records
+                   if r.status == status and (pattern is None or r.pattern == pattern))
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "coda_rewrite: no graph was captured"
+        head = (f"coda_rewrite report: {len(self.graphs)} graph(s), "
+                f"{self.count()} rewrite(s) applied, "
+                f"{len(self.records) - self.count()} candidate(s) left as is")
+        body = "\n\n".join(g.render() for g in self.graphs)
+        runtime = runtime_summary()
+        tail = ("\nruntime (coda::gemm_epilogue calls so far):\n  " + "\n  ".join(runtime)
+                if runtime else "")
+        return f"{head}\n\n{body}{tail}"
+
+    __repr__ = __str__
+
+
+def dump_dir_from_env(explicit: str | None) -> str | None:
+    return explicit or os.environ.get("CODA_DUMP_DIR") or None

@@ -1,0 +1,113 @@
+"""Rewrite: replace a proved match by calls of the fused ops.
+
+The graph keeps every value it had before: the residual stream comes out of the fused
+producer and replaces the residual add; each accepted consumer GEMM is replaced by a
+row-scaled GEMM; the original norm nodes are left where they were and removed only if
+nothing reads them any more. So a normalised tensor that is also returned, or read by
+something that is not a GEMM, is still computed exactly as eager computes it
+(materialised), and every other reader of the region is untouched.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from .algebra.row_scale import chain_op
+from .canonical import meta
+from .kernels import ops
+
+
+def _copy_meta(new: fx.Node, old: fx.Node) -> None:
+    for key in ("nn_module_stack", "source_fn_stack", "stack_trace"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+
+
+def _cast_for_gemm(graph: fx.Graph, linear: fx.Node, *tensors):
+    """Where eager's GEMM ran in another dtype than its inputs (autocast), cast the
+    operands as autocast would have: the fused op computes in its operands' dtype."""
+    target = meta(linear).dtype
+    out = []
+    for t in tensors:
+        m = meta(t) if isinstance(t, fx.Node) else None
+        if m is not None and m.dtype != target:
+            t = graph.call_method("to", (t, target))
+        out.append(t)
+    return out
+
+
+def _results(graph: fx.Graph, call: fx.Node, n: int, like: fx.Node) -> list[fx.Node]:
+    outs = []
+    for i in range(n):
+        g = graph.call_function(operator.getitem, (call, i))
+        _copy_meta(g, like)
+        outs.append(g)
+    return outs
+
+
+def _replay_chain(graph: fx.Graph, chain, d: int, h2: fx.Node, r: fx.Node):
+    """Apply the row-preserving ops between the norm and a GEMM to h2 and to r."""
+    for node in chain:
+        kind, _ = chain_op(node, d)
+        new_h2 = graph.node_copy(node, lambda n: h2 if n is node.args[0] else n)
+        if kind == "index":
+            r = graph.node_copy(node, lambda n: r if n is node.args[0] else n)
+        elif kind == "reshape":
+            r = graph.call_function(ops.rows_like, (r, new_h2))
+        h2 = new_h2
+    return h2, r
+
+
+def _erase_if_dead(graph: fx.Graph, nodes) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted((n for n in nodes if n in order), key=order.get, reverse=True):
+        if not n.users and n.op not in ("placeholder", "output"):
+            graph.erase_node(n)
+
+
+def apply(graph: fx.Graph, match, accepted_consumers):
+    """Rewrite one match in place. Returns the original norm's nodes that are still
+    alive (materialised for readers that are not rewritten) and {replaced: replacement}."""
+    replacements: dict[fx.Node, fx.Node] = {}
+    norm, prod = match.norm, match.producer
+    text = match.norm_program.to_text()
+    gamma = [norm.weight] if norm.weight is not None else []
+    if prod is not None:
+        with graph.inserting_before(prod.add):
+            x, w, *b = _cast_for_gemm(graph, prod.linear, prod.x, prod.weight,
+                                      *([prod.bias] if prod.bias is not None else []))
+            call = graph.call_function(ops.fused_linear, (text, x, w, *b, prod.residual, *gamma))
+            _copy_meta(call, prod.linear)
+            z, h2, r = _results(graph, call, 3, norm.output)
+        prod.add.replace_all_uses_with(z)
+        replacements[prod.add] = z
+        z.meta.update({k: v for k, v in prod.add.meta.items() if k not in z.meta})
+    else:
+        with graph.inserting_before(norm.output.next):
+            call = graph.call_function(ops.fused_rowwise, (text, norm.input, *gamma))
+            _copy_meta(call, norm.output)
+            h2, r = _results(graph, call, 2, norm.output)
+
+    for c in accepted_consumers:
+        program = match.consumer_programs[c.linear].to_text()
+        with graph.inserting_before(c.linear):
+            h2c, rc = _replay_chain(graph, c.chain, norm.dim, h2, r)
+            x, w, *b = _cast_for_gemm(graph, c.linear, h2c, c.weight,
+                                      *([c.bias] if c.bias is not None else []))
+            call = graph.call_function(ops.fused_linear, (program, x, w, rc, *b))
+            _copy_meta(call, c.linear)
+            (out,) = _results(graph, call, 1, c.linear)
+        out.meta.update({k: v for k, v in c.linear.meta.items() if k not in out.meta})
+        c.linear.replace_all_uses_with(out)
+        replacements[c.linear] = out
+        graph.erase_node(c.linear)
+        _erase_if_dead(graph, c.chain)
+
+    dead_candidates = [*norm.nodes]
+    if prod is not None:
+        dead_candidates += [prod.add, prod.linear]
+    _erase_if_dead(graph, dead_candidates)
+    alive = {n for n in graph.nodes}
+    return [n for n in norm.nodes if n in alive], replacements
