@@ -157,7 +157,7 @@ class RmsNorm:
     output: fx.Node           # y, the last node of the idiom
     weight: fx.Node | None    # the 1-D tensor the scale is computed from
     weight_offset: float      # scale = weight + offset (Gemma: 1.0; Llama: 0.0)
-    eps: float
+    eps: float | fx.Node      # a constant, or a 0-d tensor read at run time
     dim: int                  # the normalised (last) dim's size
     nodes: tuple[fx.Node, ...]  # every node of the idiom, input excluded
     spelling: str             # "decomposed" | "rms_norm"
@@ -172,6 +172,25 @@ class NearMiss:
 
 def _const(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def runtime_scalar(node: Any) -> fx.Node | None:
+    """The 0-d tensor behind a scalar that is only known at run time: a 0-d tensor node
+    itself, or the tensor whose ``.item()`` it is (dynamo turns a module's float
+    attribute into one under dynamic=True)."""
+    if not isinstance(node, fx.Node):
+        return None
+    m = meta(node)
+    if m is not None:
+        return node if m.numel() == 1 and m.dim() == 0 and m.is_floating_point() else None
+    if node.op == "call_method" and node.target == "item":
+        return runtime_scalar(node.args[0])
+    return None
+
+
+def _eps(eps: Any) -> float | fx.Node | None:
+    c = _const(eps)
+    return c if c is not None else runtime_scalar(eps)
 
 
 def _strip_casts(node: Any) -> Any:
@@ -257,9 +276,9 @@ def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
                             f"(feature) dim of a {mx.dim()}-d tensor: not a row norm")
     if not keepdim:
         return NearMiss(rs, "mean of squares without keepdim: not the RMSNorm broadcast")
-    if _const(eps) is None:
-        return NearMiss(rs, f"eps is the tensor {getattr(eps, 'name', eps)!r}, not a "
-                            "constant: the deferred rstd needs a compile-time eps")
+    if _eps(eps) is None:
+        return NearMiss(rs, f"eps is {getattr(eps, 'name', eps)!r}, neither a constant nor "
+                            "a 0-d tensor: the deferred rstd needs one eps for every row")
     dim = mx.shape[-1]
     if not isinstance(dim, int):
         return NearMiss(rs, "feature dim is symbolic")
@@ -277,7 +296,7 @@ def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
         return NearMiss(rs, "rsqrt(mean(x²) + eps) is not multiplied back onto x")
     nodes = [n for n in (xf,) if n is not x] + [sq, ms, den, rs, y]
     out, weight, offset = _extend_forward(y, dim, nodes)
-    return RmsNorm(x, out, weight, offset, float(eps), dim, tuple(nodes), "decomposed")
+    return RmsNorm(x, out, weight, offset, _eps(eps), dim, tuple(nodes), "decomposed")
 
 
 def _recognise_fused(node: fx.Node) -> RmsNorm | NearMiss | None:
@@ -292,8 +311,9 @@ def _recognise_fused(node: fx.Node) -> RmsNorm | NearMiss | None:
         return NearMiss(node, "weight is not a tensor of the graph")
     if eps is None:
         eps = torch.finfo(mx.dtype).eps
-    if _const(eps) is None:
-        return NearMiss(node, "eps is a tensor, not a constant")
+    if _eps(eps) is None:
+        return NearMiss(node, f"eps is {getattr(eps, 'name', eps)!r}, neither a constant "
+                              "nor a 0-d tensor")
     nodes = [node]
     out, weight2, offset = _extend_forward(node, shape[0], nodes)
     if w is not None and weight2 is not None:
@@ -301,7 +321,7 @@ def _recognise_fused(node: fx.Node) -> RmsNorm | NearMiss | None:
         out, nodes = node, [node]
         weight2, offset = None, 0.0
     return RmsNorm(x, out, w if w is not None else weight2,
-                   offset if w is None else 0.0, float(eps), shape[0], tuple(nodes),
+                   offset if w is None else 0.0, _eps(eps), shape[0], tuple(nodes),
                    "rms_norm")
 
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 from .algebra.row_scale import chain_op
 from .canonical import meta
 from .kernels import ops
+from .patterns import residual_rmsnorm
 
 
 def _copy_meta(new: fx.Node, old: fx.Node) -> None:
@@ -73,7 +74,7 @@ def apply(graph: fx.Graph, match, accepted_consumers):
     replacements: dict[fx.Node, fx.Node] = {}
     norm, prod = match.norm, match.producer
     text = match.norm_program.to_text()
-    gamma = [norm.weight] if norm.weight is not None else []
+    gamma = residual_rmsnorm.norm_operands(norm)
     if prod is not None:
         with graph.inserting_before(prod.add):
             x, w, *b = _cast_for_gemm(graph, prod.linear, prod.x, prod.weight,

@@ -189,6 +189,7 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         f"(a) the mean of squares runs over the last dim ({norm.dim} features) with "
         f"keepdim, so r is one scalar per row [{norm.spelling}]",
         "(c) no value of the region or an alias of one is updated in place",
-        f"eps = {norm.eps:g} is a constant",
+        f"eps = {norm.eps:g} is a constant" if isinstance(norm.eps, float) else
+        f"eps is the 0-d tensor {norm.eps.name}, one value for every row (read at run time)",
     )
     return Proof(statement, assumptions, deferral_identity()), per_consumer

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..canonical import meta
 from ..kernels import reference
+from ..patterns import residual_rmsnorm
 from .decision import Rejection
 from .row_scale import chain_op
 
@@ -100,8 +101,12 @@ def _witness(match, consumers, lead) -> str | Rejection:
     else:
         env[norm.input] = rand(*lead, d)
         ops_in = [None, None, [env[norm.input].reshape(-1, d)]]
-    if norm.weight is not None:
-        ops_in[2].append(env[norm.weight])
+    if isinstance(norm.eps, fx.Node):
+        env[norm.eps] = torch.tensor(1e-5, dtype=torch.float64)
+        for u in norm.eps.users:  # the idiom may read it through .item()
+            if u.op == "call_method" and u.target == "item":
+                env[u] = 1e-5
+    ops_in[2] += [env[n] for n in residual_rmsnorm.norm_operands(norm)]
     for n in norm.nodes:
         env[n] = _eval(n, env)
 

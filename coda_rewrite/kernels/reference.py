@@ -31,9 +31,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+def compute_dtype(program: EpilogueProgram, a, b, operands) -> torch.dtype:
+    """float64 when the GEMM operands or a tile are float64 (a float64 model), else
+    float32. Vectors and scalars do not decide it: a float64 eps stays a scalar."""
+    tiles = [t for s, t in zip(program.operands, operands) if s.kind == Kind.TILE]
     return torch.float64 if any(t is not None and t.dtype == torch.float64
-                                for t in tensors) else torch.float32
+                                for t in (a, b, *tiles)) else torch.float32
 
 
 _UNARY = {
@@ -64,7 +67,7 @@ def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tenso
     """Evaluate ``program``. Shapes: a [M, K], b [N, K]; operands per their kind:
     tile [M, N], per-row [M], per-feature [N], scalar []. Returns tiles [M, N] and per-row
     outputs [M], in each output's storage dtype."""
-    cd = compute_dtype(a, b, *operands)
+    cd = compute_dtype(program, a, b, operands)
     env: dict[str, torch.Tensor] = {}
     if program.gemm:
         env[ACC] = a.to(cd) @ b.to(cd).t()

@@ -179,8 +179,9 @@ def norm_program(norm: RmsNorm, producer: Producer | None) -> EpilogueProgram:
         if norm.weight_offset:
             g = p.add(g, norm.weight_offset, name="scale")
         h2 = p.mul(z, g, name="h2")
+    eps = norm.eps if isinstance(norm.eps, float) else p.operand("eps", Kind.SCALAR)
     ss = p.row_sum(p.square(z), name="ss")
-    r = p.rsqrt(p.add(p.div(ss, float(norm.dim)), norm.eps), name="r")
+    r = p.rsqrt(p.add(p.div(ss, float(norm.dim)), eps), name="r")
     if producer is not None:
         p.output(z, Kind.TILE, _dt(producer.add))
     p.output(h2, Kind.TILE, _dt(norm.output))
@@ -196,6 +197,12 @@ def rowscale_program(consumer: Consumer) -> EpilogueProgram:
         v = p.add(v, p.operand("bias", Kind.PER_FEATURE), name="y_b")
     p.output(v, Kind.TILE, _dt(consumer.linear))
     return p.build()
+
+
+def norm_operands(norm: RmsNorm) -> list[fx.Node]:
+    """The norm's operands, in the order norm_program declares them after the GEMM's."""
+    return ([norm.weight] if norm.weight is not None else []) + \
+        ([norm.eps] if isinstance(norm.eps, fx.Node) else [])
 
 
 def build_programs(match: Match) -> None:

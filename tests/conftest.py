@@ -1,0 +1,80 @@
+"""Shared fixtures: small Hugging Face models from configs (random weights, no
+downloads), the plain-PyTorch Llama, and a clean dynamo state per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the GPU image runs the tests from the source tree
+    sys.path.insert(0, ROOT)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--inductor", action="store_true", default=False,
+                     help="hand every rewritten graph to Inductor (slow on CPU); by "
+                          "default only the tests marked `inductor` do")
+
+
+@pytest.fixture
+def inductor(request) -> bool:
+    return request.config.getoption("--inductor")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Each test compiles new model instances of the same classes; without a reset the
+    # recompile limit would silently send later tests to eager.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ---- models ---------------------------------------------------------------------------
+
+HF_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
+             dtype=torch.float32, **overrides):
+    """A small Hugging Face causal LM with grouped-query attention and random weights."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, attn_implementation="sdpa")
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+    }[family]
+    if family in ("gemma", "gemma2"):
+        common["head_dim"] = hidden // 4
+    cfg = cfg_cls(**{**common, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():  # non-trivial norm weights, so a dropped or misplaced γ shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if family.startswith("gemma") else p.uniform_(0.5, 1.5)
+    return model.to(dtype)
+
+
+def plain_llama(*, layers: int = 2, dim: int = 64, seed: int = 0, **kw):
+    from coda_rewrite.models import Llama, LlamaArgs
+
+    torch.manual_seed(seed)
+    return Llama(LlamaArgs(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2,
+                           vocab_size=256, ffn_dim=2 * dim, max_seq_len=128, **kw))
+
+
+def tokens(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
