@@ -81,12 +81,29 @@ def _transposed_2d(node: Any) -> fx.Node | None:
         return src
     if node.op == "call_method" and node.target in _TRANSPOSE_METHODS:
         rest = [a % 2 if isinstance(a, int) else a for a in node.args[1:]]
-        if node.target == "t" or sorted(rest) == [0, 1] and rest != [0, 1]:
+        if len(rest) == 1 and isinstance(rest[0], (tuple, list)):  # permute((1, 0))
+            rest = [a % 2 for a in rest[0]]
+        if node.target == "t" or (node.target == "transpose" and sorted(rest) == [0, 1]) \
+                or (node.target == "permute" and rest == [1, 0]):
             return src
     if node.op == "call_function" and node.target in (torch.t, torch.transpose):
         rest = [a % 2 for a in node.args[1:]]
         if node.target is torch.t or rest in ([0, 1], [1, 0]):
             return src
+    return None
+
+
+def _bias_add(y: Any, b: Any) -> COp | None:
+    """linear(x, w, b) for ``(x @ w.T) + b``: a bias-less GEMM read only here, plus a
+    vector with one value per output feature."""
+    if not isinstance(y, fx.Node) or not isinstance(b, fx.Node) or len(y.users) != 1:
+        return None
+    c = canon(y)
+    mb, my = meta(b), meta(y)
+    if c is None or c.name != "linear" or c.args[2] is not None or mb is None or my is None:
+        return None
+    if mb.dim() == 1 and mb.shape[0] == my.shape[-1] and mb.dtype == my.dtype:
+        return COp("linear", (c.args[0], c.args[1], b))
     return None
 
 
@@ -114,6 +131,10 @@ def canon(node: fx.Node) -> COp | None:
         a, b = args
         if name == "mul" and a is b:
             return COp("square", (a,))
+        if name == "add":
+            biased = _bias_add(a, b) or _bias_add(b, a)
+            if biased:
+                return biased
         return COp(name, (a, b))
     if key in (torch.pow, operator.pow, "pow") and len(args) == 2 and args[1] == 2:
         return COp("square", (args[0],))

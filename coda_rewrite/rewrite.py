@@ -14,7 +14,7 @@ import operator
 
 import torch.fx as fx
 
-from .algebra.row_scale import chain_op
+from .algebra.row_scale import chain_op, mutated_value
 from .canonical import meta
 from .kernels import ops
 from .patterns import residual_rmsnorm
@@ -62,10 +62,18 @@ def _replay_chain(graph: fx.Graph, chain, d: int, h2: fx.Node, r: fx.Node):
 
 
 def _erase_if_dead(graph: fx.Graph, nodes) -> None:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in sorted((n for n in nodes if n in order), key=order.get, reverse=True):
-        if not n.users and n.op not in ("placeholder", "output"):
-            graph.erase_node(n)
+    """Erase the given nodes once nothing reads them, then whatever only they read
+    (the transpose under ``x @ w.T``, the upcast before a norm), never a graph input,
+    an impure node or one that updates a value in place."""
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output", "get_attr") \
+                or n.is_impure() or mutated_value(n) is not None:
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        todo.extend(inputs)
 
 
 def apply(graph: fx.Graph, match, accepted_consumers):

@@ -168,7 +168,7 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     for c in match.consumers:
         kinds = [chain_op(n, norm.dim) for n in c.chain]
         bad = next((why for kind, why in kinds if kind == "reject"), None)
-        mx = meta(c.linear.args[0])
+        mx = meta(c.chain[-1] if c.chain else norm.output)
         if bad is None and (mx is None or mx.shape[-1] != norm.dim):
             bad = f"{describe(c.linear)} does not contract over the {norm.dim} normalised features"
         if bad is not None:

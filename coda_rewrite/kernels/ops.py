@@ -52,11 +52,16 @@ def _run_reference(program, a, b, operands):
 
 
 def _fresh(outs, inputs):
-    """Custom-op outputs may not alias inputs (an output that is an operand passed
-    through, e.g. an unchanged residual tile, would)."""
-    ptrs = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
-    return [o.clone() if o.untyped_storage().data_ptr() in ptrs or not o.is_contiguous()
-            else o for o in outs]
+    """Custom-op outputs may alias neither an input nor each other (a program may store
+    an operand unchanged, or one value twice)."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    fresh = []
+    for o in outs:
+        if o.untyped_storage().data_ptr() in taken or not o.is_contiguous():
+            o = o.clone(memory_format=torch.contiguous_format)
+        taken.add(o.untyped_storage().data_ptr())
+        fresh.append(o)
+    return fresh
 
 
 @torch.library.custom_op("coda::gemm_epilogue", mutates_args=())
