@@ -224,21 +224,27 @@ def _is_last_dim(dims: tuple[int, ...], ndim: int) -> bool:
     return len(dims) == 1 and dims[0] % ndim == ndim - 1
 
 
-def _scale_vector(node: Any, dim: int) -> tuple[fx.Node, float] | None:
-    """(w, offset) if ``node`` is a per-feature vector w + offset (casts allowed)."""
-    node = _strip_casts(node)
+def _scale_vector(node: Any, dim: int, path: list[fx.Node]) -> tuple[fx.Node, float] | None:
+    """(w, offset) if ``node`` is a per-feature vector w + offset (casts allowed); the
+    nodes between ``node`` and w are appended to ``path``, outermost last."""
+    seen: list[fx.Node] = []
+    while isinstance(node, fx.Node) and canon_name(node) == "cast":
+        seen.append(node)
+        node = node.args[0]
     c = canon(node) if isinstance(node, fx.Node) else None
     if c is not None and c.name == "add":
         a, b = c.args
         if _const(a) is not None:
             a, b = b, a
         if _const(b) is not None:
-            inner = _scale_vector(a, dim)
+            inner = _scale_vector(a, dim, path)
             if inner is not None:
+                path.extend([node, *reversed(seen)])
                 return inner[0], inner[1] + _const(b)
         return None
     m = meta(node)
     if m is not None and m.dim() == 1 and m.shape[0] == dim and m.is_floating_point():
+        path.extend(reversed(seen))
         return node, 0.0
     return None
 
@@ -260,10 +266,12 @@ def _extend_forward(y: fx.Node, dim: int, nodes: list[fx.Node]):
             y = nxt
         elif c.name == "mul" and weight is None:
             other = c.args[1] if c.args[0] is y else c.args[0]
-            sv = _scale_vector(other, dim)
+            path: list[fx.Node] = []
+            sv = _scale_vector(other, dim, path)
             if sv is None:
                 return y, weight, offset
             weight, offset = sv
+            nodes.extend(path)  # the scale's own casts / offset, evaluated before use
             y = nxt
         else:
             return y, weight, offset

@@ -49,6 +49,8 @@ class MatchRecord:
             if not d.accepted:
                 lines.append(f"    consumer {name} left as is:")
                 lines.append(d.render("      "))
+            elif "direct" not in d.assumptions[0]:
+                lines.append(f"    consumer {name}: {d.assumptions[0]}")
         if self.materialised:
             lines.append("    materialised (still read outside the rewrite): "
                          + ", ".join(self.materialised))

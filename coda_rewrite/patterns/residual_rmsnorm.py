@@ -109,6 +109,7 @@ def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
     if c is None or c.name != "add":
         return None, f"the norm's input {describe(z)} is not a residual add"
     for lin, res in (c.args, c.args[::-1]):
+        lin = _through_upcast(lin)
         cl = canon(lin) if isinstance(lin, fx.Node) else None
         if cl is None or cl.name != "linear" or not isinstance(res, fx.Node):
             continue
@@ -123,6 +124,20 @@ def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
             return None, f"{describe(lin)} has a weight or bias that is not a 2-D/1-D tensor"
         return Producer(lin, z, x, w, b, res), ""
     return None, f"neither operand of the residual add {describe(z)} is a GEMM"
+
+
+def _through_upcast(node):
+    """The GEMM under ``gemm(...).float()`` when that upcast is its only reader: the
+    fused epilogue adds the residual to the float32 accumulator, which the upcast of
+    the rounded GEMM output only approximates."""
+    if not isinstance(node, fx.Node) or canon(node) is None or canon(node).name != "cast":
+        return node
+    src = node.args[0]
+    ms, mo = meta(src), meta(node)
+    if isinstance(src, fx.Node) and len(src.users) == 1 and ms is not None and \
+            torch.finfo(mo.dtype).bits > torch.finfo(ms.dtype).bits:
+        return src
+    return node
 
 
 def _consumers(h: fx.Node) -> tuple[list[Consumer], list[fx.Node]]:

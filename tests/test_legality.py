@@ -1,0 +1,299 @@
+"""Never a wrong number: models without the pattern, bad inputs and near misses are left
+untouched (or rewritten only where legal), and the report says why."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import coda_rewrite
+from coda_rewrite.numerics import rel_err
+
+from conftest import hf_model, tokens
+
+D = 32
+
+
+def rms(x, g, eps=1e-6, dim=-1):
+    xf = x.float()
+    return g * (xf * torch.rsqrt(xf.pow(2).mean(dim, keepdim=True) + eps)).to(x.dtype)
+
+
+class Block(nn.Module):
+    """linear → residual → norm → linear, with a hook to bend it out of shape."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.w0 = nn.Linear(D, D, bias=False)
+        self.w1 = nn.Linear(D, D, bias=False)
+        self.g = nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, x, res):
+        return self.body(self, x, res)
+
+
+def run(body, *inputs):
+    torch.manual_seed(0)
+    model = Block(body)
+    ref = copy.deepcopy(model)
+    if not inputs:
+        g = torch.Generator().manual_seed(0)
+        inputs = (torch.randn(2, 6, D, generator=g), torch.randn(2, 6, D, generator=g))
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(*inputs), ref(*inputs)
+    return fast.report, got, want
+
+
+def same(got, want, tol=0.0):
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for a, b in zip(got, want):
+        if tol == 0.0:
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a, b) <= tol
+
+
+# ---- models without the pattern ------------------------------------------------------
+
+class PostNormLayerNorm(nn.Module):
+    """BERT-style: LayerNorm after the residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.ln = nn.ModuleList(nn.LayerNorm(D) for _ in range(3))
+
+    def forward(self, x):
+        for lin, ln in zip(self.lin, self.ln):
+            x = ln(x + lin(x))
+        return x
+
+
+def test_layernorm_post_norm_model_is_unchanged():
+    model = PostNormLayerNorm()
+    x = torch.randn(2, 5, D)
+    fast = coda_rewrite.optimize(model)
+    assert torch.equal(fast(x), model(x))
+    report = fast.report
+    assert report.count() == 0 and not report.records
+    assert "nothing matched" in str(report) and "RMSNorm" in str(report)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_norm_before_the_residual_stays_right(family):
+    """Gemma 2 / OLMo 2 normalise the block output before the residual add: no norm
+    has a producing GEMM; outputs stay right and the report says why."""
+    model = hf_model(family, layers=2).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    report = fast.report
+    producers = [r for r in report.records if r.programs and r.programs[0].name == "residual_rmsnorm"]
+    assert not producers, str(report)
+    text = str(report)
+    assert "no GEMM reads the normalised value" in text  # the post-block norms
+    if family == "gemma2":
+        assert "neither operand of the residual add" in text
+
+
+def test_gemma_scale_offset_is_rewritten():
+    model = hf_model("gemma", layers=2).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    assert fast.report.count() == 5, str(fast.report)
+    assert "gamma + 1.0" in str(fast.report)
+
+
+# ---- bad input -----------------------------------------------------------------------
+
+def test_mixed_dtypes_cast_between_norm_and_gemm():
+    def body(self, x, res):
+        z = res + self.w0(x.to(self.w0.weight.dtype)).float()
+        h = rms(z, self.g.float())
+        return self.w1(h.to(self.w1.weight.dtype))
+
+    torch.manual_seed(0)
+    model = Block(body)
+    model.w0.to(torch.bfloat16)
+    model.w1.to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    x, res = torch.randn(2, 6, D), torch.randn(2, 6, D)
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(x, res), ref(x, res)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert rel_err(got, want) <= 1e-2
+    rec = fast.report.records[0]
+    assert rec.status == "rewritten", str(fast.report)
+    producer, consumer = rec.programs
+    assert producer.name == "residual_rmsnorm"  # through the GEMM output's upcast
+    assert [o.dtype for o in producer.outputs] == ["float32", "bfloat16", "float32"]
+    assert consumer.outputs[0].dtype == "bfloat16"
+    assert "skipped" not in str(rec.decision.witness)
+
+
+def test_eps_as_0d_tensor_is_read_at_run_time():
+    def body(self, x, res):
+        z = self.w0(x) + res
+        zf = z.float()
+        return self.w1(self.g * (zf * torch.rsqrt(zf.pow(2).mean(-1, keepdim=True)
+                                                  + self.eps)))
+
+    torch.manual_seed(0)
+    model = Block(body)
+    model.register_buffer("eps", torch.tensor(0.5))  # large: a wrong eps would show
+    ref = copy.deepcopy(model)
+    x, res = torch.randn(2, 6, D), torch.randn(2, 6, D)
+    fast = coda_rewrite.optimize(model)
+    same(fast(x, res), ref(x, res), tol=1e-5)
+    assert fast.report.count() == 1, str(fast.report)
+    model.eps.fill_(2.0)
+    ref.eps.fill_(2.0)
+    same(fast(x, res), ref(x, res), tol=1e-5)
+
+
+def test_eps_as_vector_is_left_alone():
+    def body(self, x, res):
+        z = self.w0(x) + res
+        return self.w1(self.g * z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    torch.manual_seed(0)
+    model = Block(body)
+    model.register_buffer("eps", torch.full((2, 6, 1), 1e-5))
+    x, res = torch.randn(2, 6, D), torch.randn(2, 6, D)
+    ref = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(model)
+    same(fast(x, res), ref(x, res))
+    assert fast.report.count() == 0
+    assert "neither a constant nor a 0-d tensor" in str(fast.report)
+
+
+@pytest.mark.parametrize("dim", [1, 0])
+def test_norm_over_a_dim_other_than_the_last(dim):
+    report, got, want = run(lambda s, x, r: s.w1(rms(s.w0(x) + r, 1.0, dim=dim)))
+    same(got, want)
+    assert report.count() == 0
+    assert "not the last (feature) dim" in str(report)
+
+
+def test_output_hidden_states_agree_with_eager():
+    model = hf_model("llama", layers=2).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        got = fast(ids, output_hidden_states=True)
+        want = model(ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert rel_err(a, b) <= 1e-5
+    assert rel_err(got.logits, want.logits) <= 1e-5
+    # transformers breaks the graph before the LM head when it collects hidden states;
+    # every norm whose consumer GEMM is in the same graph is still rewritten
+    assert fast.report.count() >= 4, str(fast.report)
+
+
+def test_non_contiguous_inputs():
+    def body(self, x, res):
+        return self.w1(rms(self.w0(x) + res, self.g))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 2, D, generator=g).transpose(0, 1)
+    res = torch.randn(2, D, 6, generator=g).transpose(1, 2)
+    assert not x.is_contiguous() and not res.is_contiguous()
+    report, got, want = run(body, x, res)
+    same(got, want, tol=1e-5)
+    assert report.count() == 1
+    ids = tokens(seq=32)[:, ::2]
+    assert not ids.is_contiguous()
+    model = hf_model("llama", layers=2).eval()
+    with torch.no_grad():
+        assert rel_err(coda_rewrite.optimize(model)(ids).logits, model(ids).logits) <= 1e-5
+
+
+# ---- near misses ---------------------------------------------------------------------
+
+def test_activation_between_norm_and_gemm():
+    report, got, want = run(lambda s, x, r: s.w1(F.silu(rms(s.w0(x) + r, s.g))))
+    same(got, want)
+    assert report.count() == 0
+    assert "silu" in str(report) and "sits between the norm and the GEMM" in str(report)
+
+
+def test_gemm_contracting_over_the_normalised_rows():
+    # h has shape [6, D]; W @ h contracts over the 6 rows
+    def body(self, x, res):
+        h = rms(self.w0(x) + res, self.g)
+        return self.w1.weight[:6, :6] @ h
+
+    g = torch.Generator().manual_seed(0)
+    report, got, want = run(body, torch.randn(6, D, generator=g), torch.randn(6, D, generator=g))
+    same(got, want)
+    assert report.count() == 0
+    assert "no GEMM reads the normalised value" in str(report)
+
+
+def test_in_place_update_of_the_residual_after_the_norm():
+    def body(self, x, res):
+        z = self.w0(x) + res
+        h = rms(z, self.g)
+        z.mul_(2.0)
+        return self.w1(h), z
+
+    report, got, want = run(body)
+    same(got, want)
+    assert report.count() == 0
+    assert "in place" in str(report)
+
+
+def test_normalised_value_also_returned_is_materialised():
+    def body(self, x, res):
+        h = rms(self.w0(x) + res, self.g)
+        return self.w1(h), h
+
+    report, got, want = run(body)
+    same(got, want, tol=1e-5)
+    rec = report.records[0]
+    assert rec.status == "rewritten" and rec.materialised, str(report)
+
+
+def test_rows_gathered_before_the_gemm_move_r_with_them():
+    def body(self, x, res):
+        h = rms(self.w0(x) + res, self.g)
+        idx = torch.tensor([5, 0, 3])
+        return self.w1(h[:, idx]), self.w1(h[-1])
+
+    report, got, want = run(body)
+    same(got, want, tol=1e-5)
+    assert report.count() == 1, str(report)
+    assert report.records[0].consumer_decisions[0][1].accepted
+
+
+def test_feature_slice_before_the_gemm_is_rejected():
+    def body(self, x, res):
+        h = rms(self.w0(x) + res, self.g)
+        return F.linear(h[..., :16], self.w1.weight[:, :16])
+
+    report, got, want = run(body)
+    same(got, want)
+    assert report.count() == 0
+    assert "indexes the feature dim" in str(report)
+
+
+def test_gemm_output_read_twice_keeps_the_producer_unfused():
+    def body(self, x, res):
+        y = self.w0(x)
+        h = rms(y + res, self.g)
+        return self.w1(h) + y
+
+    report, got, want = run(body)
+    same(got, want, tol=1e-5)
+    rec = report.records[0]
+    assert rec.status == "rewritten" and "also read elsewhere" in rec.producer
