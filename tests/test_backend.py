@@ -1,0 +1,194 @@
+"""torch.compile(backend="coda"): the string path with and without the import, full
+graphs, graph breaks, per-block compiles (TorchTitan style, with activation
+checkpointing), and one Inductor end-to-end run per model family."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import coda_rewrite
+from coda_rewrite.numerics import rel_err
+
+from conftest import ROOT, hf_model, plain_llama, tokens
+
+_SNIPPET = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import plain_llama, tokens
+{imports}
+model = plain_llama().eval()
+ids = tokens()
+with torch.no_grad():
+    got = torch.compile(model, backend="coda", options={{"inductor": False}})(ids)
+    want = model(ids)
+assert ((got - want).norm() / want.norm()).item() <= 1e-5
+import coda_rewrite
+n = coda_rewrite.last_report().count()
+assert n == 5, n
+print("OK", n)
+"""
+
+
+@pytest.mark.parametrize("imports", ["", "import coda_rewrite"], ids=["entry_point", "import"])
+def test_backend_by_name_in_a_fresh_process(imports):
+    """Without the import, dynamo finds "coda" through the entry point; with it, the
+    name must not be registered twice ("duplicate name")."""
+    code = _SNIPPET.format(tests=os.path.join(ROOT, "tests"), imports=imports)
+    env = {**os.environ, "PYTHONPATH": ""}  # the installed package, as TorchTitan sees it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=600)
+    assert out.returncode == 0 and "OK 5" in out.stdout, out.stderr[-3000:]
+
+
+def test_fullgraph():
+    model = hf_model("llama").eval()
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, fullgraph=True)(tokens()).logits
+        want = model(tokens()).logits
+    assert rel_err(got, want) <= 1e-5
+    assert len(backend.report.graphs) == 1 and backend.report.count() == 5
+
+
+class BrokenLlama(torch.nn.Module):
+    """The plain Llama (three blocks) with a graph break after every block. Unrolled:
+    a break inside a loop would make dynamo give up on the whole frame."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        m = self.inner
+        h = m.tok_embeddings(ids)
+        freqs = m.freqs[: ids.shape[1]]
+        h = m.layers[0](h, freqs)
+        torch._dynamo.graph_break()
+        h = m.layers[1](h, freqs)
+        torch._dynamo.graph_break()
+        h = m.layers[2](h, freqs)
+        torch._dynamo.graph_break()
+        return m.output(m.norm(h))
+
+
+def test_graph_breaks_rewrite_every_graph():
+    model = BrokenLlama(plain_llama(layers=3)).eval()
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(tokens())
+        want = model(tokens())
+    assert rel_err(got, want) <= 1e-5
+    report = backend.report
+    assert len(report.graphs) == 4, str(report)
+    # each block's graph starts at a graph input: both of its norms are rewritten, the
+    # first without a producing GEMM; the last graph has the final norm
+    assert [g.summary().split(",")[1].strip() for g in report.graphs] == \
+        ["2 rewritten", "2 rewritten", "2 rewritten", "1 rewritten"]
+    assert report.count() == 7
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_per_block_compile(checkpointed):
+    """TorchTitan compiles each block on its own (optionally under activation
+    checkpointing); a norm whose input is a graph input is handled like the first
+    layer's."""
+    model = plain_llama(layers=3).train()
+    ref = copy.deepcopy(model)
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
+    for i, block in enumerate(model.layers):
+        compiled = torch.compile(block, backend=backend)
+        if checkpointed:
+            compiled = _Checkpointed(compiled)
+        model.layers[i] = compiled
+    ids = tokens()
+    loss = model(ids).float().pow(2).mean()
+    want = ref(ids).float().pow(2).mean()
+    assert abs(loss.item() - want.item()) <= 1e-5 * want.item()
+    loss.backward()
+    want.backward()
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        name = name.replace("._orig_mod", "").replace(".block", "")
+        assert rel_err(p.grad, grads[name].grad) <= 1e-4, name
+    # the three blocks share one code object: dynamo may reuse one graph for all
+    assert backend.report.count() == 2 * len(backend.report.graphs) >= 2
+    kinds = {r.programs[0].name for r in backend.report.records}
+    assert kinds == {"rmsnorm_rowscale", "residual_rmsnorm"}
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, freqs):
+        return checkpoint(self.block, x, freqs, use_reentrant=False)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "plain"])
+def test_inductor_end_to_end(family):
+    model = (plain_llama() if family == "plain" else hf_model(family)).train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    compiled = torch.compile(model, backend="coda")
+    out = compiled(ids) if family == "plain" else compiled(ids, labels=ids)
+    want = ref(ids) if family == "plain" else ref(ids, labels=ids)
+    if family == "plain":
+        loss, ref_loss = out.float().pow(2).mean(), want.float().pow(2).mean()
+        assert rel_err(out, want) <= 1e-5
+    else:
+        loss, ref_loss = out.loss, want.loss
+        assert rel_err(out.logits, want.logits) <= 1e-5
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
+    assert coda_rewrite.last_report().graphs[-1].summary().count("5 rewritten") == 1
+
+
+def test_explain_dump_and_env(tmp_path, monkeypatch):
+    model = plain_llama().eval()
+    report = coda_rewrite.explain(model, tokens(), dump_dir=str(tmp_path / "a"))
+    text = str(report)
+    for needle in ("layers.1.ffn_norm", "PROVED", "witness", "rewritten graph",
+                   "P['rowscale#", "program residual_rmsnorm#"):
+        assert needle in text, needle
+    files = sorted(p.name for p in (tmp_path / "a" / "graph_000").iterdir())
+    assert files == ["canonical.txt", "programs.txt", "report.txt", "rewritten.py"]
+    assert "rms_norm(" in (tmp_path / "a" / "graph_000" / "canonical.txt").read_text()
+    monkeypatch.setenv("CODA_DUMP_DIR", str(tmp_path / "b"))
+    torch._dynamo.reset()
+    coda_rewrite.explain(model, tokens())
+    assert (tmp_path / "b" / "graph_000" / "report.txt").exists()
+
+
+def test_cli_explain_and_demo(tmp_path):
+    factory = tmp_path / "factories.py"
+    factory.write_text(textwrap.dedent("""
+        from coda_rewrite.models import Llama, LlamaArgs
+        def tiny():
+            return Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128))
+    """))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-m", "coda_rewrite", "explain", "factories:tiny",
+                          "--dump", str(tmp_path / "d")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "5 rewritten" in out.stdout and "layers.0.attention_norm" in out.stdout
+    assert (tmp_path / "d" / "graph_000" / "rewritten.py").exists()
+    out = subprocess.run([sys.executable, "-m", "coda_rewrite", "demo"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "rewritten norms: 5" in out.stdout and "ratio" in out.stdout and "OK in" in out.stdout
+    seconds = float(out.stdout.rsplit("OK in", 1)[1].split()[0])
+    assert seconds < 60
