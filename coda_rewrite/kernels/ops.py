@@ -1,10 +1,11 @@
 """The ``coda::`` custom ops and the functions the rewritten graph calls.
 
 One op runs every program: ``coda::gemm_epilogue(program, a, b, operands)``. The program
-text (codegen/program.py) says what the epilogue does, so a new pattern needs no new op,
-and the codegen work only swaps what runs underneath on Hopper. Here every call runs the
-reference interpreter (kernels/reference.py), on any device; ``RUNTIME`` counts which
-implementation ran and why, and the report shows it.
+text (codegen/program.py) says what the epilogue does, so a new pattern needs no new op.
+On Hopper, with tensors that meet the layout contract, the op launches the kernel
+generated from the program (kernels/quack_path.py); everywhere else it runs the reference
+interpreter (kernels/reference.py). ``RUNTIME`` counts which implementation ran and why,
+and the report shows it: a fallback is never silent.
 
 Autograd: the backward recomputes the program from the saved inputs (the accumulator
 included) and differentiates the reference. That is correct for any program and costs one
@@ -25,7 +26,7 @@ import threading
 import torch
 
 from ..codegen.program import Kind, parse
-from . import reference
+from . import quack_path, reference
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
 RUNTIME: collections.Counter = collections.Counter()
@@ -68,8 +69,13 @@ def _fresh(outs, inputs):
 def gemm_epilogue(program: str, a: torch.Tensor | None, b: torch.Tensor | None,
                   operands: list[torch.Tensor]) -> list[torch.Tensor]:
     prog = parse(program)
-    _count(prog, "reference", "no generated kernel for this device yet")
-    outs = _run_reference(prog, a, b, operands)
+    kernel, why = quack_path.select(prog, program, a, b, operands)
+    if kernel is not None:
+        _count(prog, "kernel", "generated QuACK epilogue")
+        outs = quack_path.run(*kernel, a, b, operands)
+    else:
+        _count(prog, "reference", why)
+        outs = _run_reference(prog, a, b, operands)
     return _fresh(outs, [a, b, *operands])
 
 

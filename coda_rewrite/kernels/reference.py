@@ -52,6 +52,28 @@ _UNARY = {
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
+def eval_body(body, env: dict, cd: torch.dtype) -> None:
+    """Run instructions over ``env`` (value name -> tensor), in place."""
+    def val(x):
+        return env[x] if isinstance(x, str) else x
+
+    for ins in body:
+        args = [val(x) for x in ins.args]
+        if ins.op in _BINARY:
+            out = _BINARY[ins.op](*args)
+        elif ins.op == "cast":
+            out = args[0].to(_DTYPES[ins.dtype]).to(cd)
+        elif ins.op in _UNARY:
+            out = _UNARY[ins.op](args[0])
+        elif ins.op == "row_sum":
+            out = args[0].sum(dim=1, keepdim=True)
+        elif ins.op == "row_max":
+            out = args[0].amax(dim=1, keepdim=True)
+        else:  # validated programs never get here
+            raise AssertionError(f"op {ins.op} not in {sorted(ELEMENTWISE) + sorted(REDUCTIONS)}")
+        env[ins.out] = out
+
+
 def problem_size(program: EpilogueProgram, a, b, operands) -> tuple[int, int]:
     """(M, N) of the output tile grid."""
     if program.gemm:
@@ -79,24 +101,7 @@ def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tenso
             t = t.reshape(1, -1)
         env[spec.name] = t
 
-    def val(x):
-        return env[x] if isinstance(x, str) else x
-
-    for ins in program.body:
-        args = [val(x) for x in ins.args]
-        if ins.op in _BINARY:
-            out = _BINARY[ins.op](*args)
-        elif ins.op == "cast":
-            out = args[0].to(_DTYPES[ins.dtype]).to(cd)
-        elif ins.op in _UNARY:
-            out = _UNARY[ins.op](args[0])
-        elif ins.op == "row_sum":
-            out = args[0].sum(dim=1, keepdim=True)
-        elif ins.op == "row_max":
-            out = args[0].amax(dim=1, keepdim=True)
-        else:  # validated programs never get here
-            raise AssertionError(f"op {ins.op} not in {sorted(ELEMENTWISE) + sorted(REDUCTIONS)}")
-        env[ins.out] = out
+    eval_body(program.body, env, cd)
 
     m, n = problem_size(program, a, b, operands)
     results = []

@@ -1,0 +1,228 @@
+"""Lower an epilogue program to the source of a QuACK ``gemm_epilogue`` module.
+
+QuACK's front end (quack/epilogue/frontend.py) turns a Python function over one
+accumulator element into a fused Hopper/Blackwell GEMM; the GEMM mainloop, TMA, the
+epilogue pipeline, per-tile reductions and their merge are QuACK's. This module writes
+that function from a program, so a new combination of primitives is a new kernel with no
+new kernel code. The program splits in two stages:
+
+  tile stage   everything computable per element while the tile is on chip: the
+               generated ``epilogue(acc, ...)`` function. Tile outputs become ``D``
+               and auxiliary TileStores; row reductions become ColVecReduce sinks
+               (``scaled=True`` with the two factors when the reduced value is a
+               product, so the fold is one FMA and the product is never rounded).
+  row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
+               a few per-row torch ops on the GPU after the kernel (the finaliser),
+               run by the reference interpreter so there is one definition of them.
+
+Operands bind to QuACK by kind, always pinned with ``ops=`` (QuACK infers the kind from
+shapes and cannot when M == N). Mind QuACK's names: a per-row vector is a *column*
+vector there (ColVecLoad, one value per row i), a per-feature vector a *row* vector
+(RowVecLoad). The first tile operand rides the GEMM's C operand; others are TileLoads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from .program import ACC, REDUCTIONS, EpilogueProgram, Instr, Kind
+
+GENERATOR_VERSION = "1"
+
+
+class Unlowerable(ValueError):
+    """A program (or part of one) this generator cannot turn into a kernel."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    name: str          # the program's operand name
+    kind: Kind
+    param: str         # the generated function's parameter ("c" for the C operand)
+    quack_op: str      # the pinned QuACK op (source text), or "C operand"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    value: str         # the program value holding the merged reduction
+    sink: str          # QuACK's sink name (what the kernel call returns)
+    combine: str       # "add" | "max"
+    scaled: bool       # folded as fma(x, y, acc) from two factors
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutContract:
+    """What the kernel expects of its tensors; checked before every launch."""
+    program_key: str
+    operands: tuple[Binding, ...]
+    tile_outputs: tuple[tuple[str, str], ...]   # (program value, kernel output name)
+    reductions: tuple[Reduction, ...]
+    weight_permutation: str = "none"            # re-layouts join with the pairwise work
+
+    def render(self) -> str:
+        lines = [f"layout contract of {self.program_key}",
+                 "  a   [M, K]  bf16/fp16, K contiguous, 16-byte aligned rows",
+                 "  b   [N, K]  nn.Linear layout, same dtype as a; QuACK reads it as (K, N)",
+                 f"  weight permutation: {self.weight_permutation}"]
+        for b in self.operands:
+            shape = {Kind.TILE: "[M, N]", Kind.PER_ROW: "[M]", Kind.PER_FEATURE: "[N]",
+                     Kind.SCALAR: "[]"}[b.kind]
+            lines.append(f"  {b.name:<10} {shape:<7} {b.kind.value:<11} -> {b.quack_op}")
+        for value, out in self.tile_outputs:
+            lines.append(f"  out {value:<6} [M, N]  tile store '{out}'")
+        for r in self.reductions:
+            how = "scaled fma" if r.scaled else r.combine
+            lines.append(f"  reduce {r.value:<3} [M]     ColVecReduce '{r.sink}' ({how}), "
+                         "per-tile partials merged by QuACK")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSource:
+    program: EpilogueProgram
+    module_name: str
+    source: str
+    contract: LayoutContract
+    row_stage: tuple[Instr, ...]   # the finaliser, run after the kernel
+
+
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_CALLS = {
+    "rsqrt": "cute.math.rsqrt({})",
+    "sqrt": "cute.math.sqrt({})",
+    "exp": "pexp({})",
+    "silu": "silu({})",
+    "sigmoid": "sigmoid({})",
+    "gelu_tanh": "gelu_tanh_approx({})",
+    "neg": "(-{})",
+    "square": "({0} * {0})",
+}
+
+
+def generate(program: EpilogueProgram) -> KernelSource:
+    if not program.gemm:
+        raise Unlowerable("no GEMM: a row-wise program runs as plain torch ops")
+    kinds = program.value_kinds()
+    tile_body = [i for i in program.body
+                 if i.op not in REDUCTIONS and not kinds[i.out][1]]
+    row_stage = tuple(i for i in program.body
+                      if i.op not in REDUCTIONS and kinds[i.out][1])
+    reductions_ir = [i for i in program.body if i.op in REDUCTIONS]
+
+    # operands
+    bindings, first_tile = [], True
+    for o in program.operands:
+        if o.kind == Kind.TILE and first_tile:
+            bindings.append(Binding(o.name, o.kind, "c", "C operand"))
+            first_tile = False
+            continue
+        op = {Kind.TILE: "TileLoad", Kind.PER_ROW: "ColVecLoad",
+              Kind.PER_FEATURE: "RowVecLoad", Kind.SCALAR: "Scalar"}[o.kind]
+        param = f"o_{o.name}"  # prefixed: no clash with imports or the C operand
+        bindings.append(Binding(o.name, o.kind, param, f'{op}("{param}")'))
+    names = {b.name: b.param for b in bindings}
+
+    def _arg(a) -> str:
+        if not isinstance(a, str):
+            return repr(float(a))
+        return "acc" if a == ACC else names.get(a, f"v_{a}")
+
+    # reductions: sinks, folding a product into a scaled reduce
+    uses: dict[str, int] = {}
+    for i in program.body:
+        for a in i.args:
+            if isinstance(a, str):
+                uses[a] = uses.get(a, 0) + 1
+    for o in program.outputs:
+        uses[o.value] = uses.get(o.value, 0) + 1
+    defs = {i.out: i for i in program.body}
+    reductions, sink_values, folded = [], {}, set()
+    for i, r in enumerate(reductions_ir):
+        (x,) = r.args
+        sink = f"red{i}_{r.out}"
+        combine = REDUCTIONS[r.op]
+        src = defs.get(x)
+        if combine == "sum" and src is not None and uses.get(x) == 1 \
+                and src.op in ("square", "mul"):
+            factors = (src.args[0], src.args[0]) if src.op == "square" else src.args
+            sink_values[sink] = f"({_arg(factors[0])}, {_arg(factors[1])})"
+            folded.add(x)
+            reductions.append(Reduction(r.out, sink, "add", True))
+        else:
+            sink_values[sink] = _arg(x)
+            reductions.append(Reduction(r.out, sink, "add" if combine == "sum" else "max",
+                                        False))
+
+    # tile outputs: the first is D, the others auxiliary TileStores
+    tile_outputs, returned = [], []
+    for k, o in enumerate(o for o in program.outputs if o.kind == Kind.TILE):
+        tile_outputs.append((o.value, "D" if k == 0 else f"out{k}_{o.value}"))
+        returned.append(_arg(o.value))
+
+    # the function body
+    lines = []
+    for i in tile_body:
+        if i.out in folded:
+            continue
+        args = [_arg(a) for a in i.args]
+        if i.op in _BINARY:
+            rhs = f"{args[0]} {_BINARY[i.op]} {args[1]}"
+        elif i.op in _CALLS:
+            rhs = _CALLS[i.op].format(*args)
+        else:
+            raise Unlowerable(f"{i.op} has no kernel lowering yet")
+        lines.append(f"{_arg(i.out)} = {rhs}")
+    ret = [f'"{name}": {value}' for (_, name), value in zip(tile_outputs, returned)]
+    ret += [f'"{s}": {v}' for s, v in sink_values.items()]
+    lines.append("return {" + ", ".join(ret) + "}")
+
+    body_src = "\n".join(lines)
+    params = ["acc"] + [b.param for b in bindings if _used(b.param, body_src)]
+    pins = [f'"{b.param}": {b.quack_op}' for b in bindings
+            if b.param != "c" and b.param in params]
+    aux = [name for _, name in tile_outputs if name != "D"]
+    reduces = [f'"{r.sink}": ColVecReduce("{r.sink}"'
+               + (", scaled=True" if r.scaled else "")
+               + (', combine="max"' if r.combine == "max" else "") + ")"
+               for r in reductions]
+    module_name = f"coda_epi_{program.name}_{program.digest}"
+    decorator = ["@gemm_epilogue("]
+    if aux:
+        decorator.append(f"    outputs=({', '.join(repr(a) for a in aux)},),")
+    if pins:
+        decorator.append(f"    ops={{{', '.join(pins)}}},")
+    if reduces:
+        decorator.append(f"    reduces={{{', '.join(reduces)}}},")
+    decorator.append(")")
+    doc = "\n".join("    " + ln if ln else "" for ln in program.pretty().splitlines())
+    source = "\n".join([
+        f'"""Generated by coda_rewrite (generator v{GENERATOR_VERSION}) from program',
+        f"{program.key}. Do not edit: regenerated from the program text below.",
+        '"""',
+        "",
+        "import cutlass.cute as cute",
+        "from quack.activation import gelu_tanh_approx, sigmoid, silu",
+        "from quack.epilogue.frontend import gemm_epilogue",
+        "from quack.epilogue.math import pexp",
+        "from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, Scalar, TileLoad",
+        "",
+        f"PROGRAM = {program.to_text()!r}",
+        "",
+        "",
+        *decorator,
+        f"def epilogue({', '.join(params)}):",
+        f'    """{program.key}, tile stage:',
+        "",
+        doc,
+        '    """',
+        *("    " + ln for ln in body_src.splitlines()),
+        "",
+    ])
+    contract = LayoutContract(program.key, tuple(bindings), tuple(tile_outputs),
+                              tuple(reductions))
+    return KernelSource(program, module_name, source, contract, row_stage)
+
+
+def _used(name: str, src: str) -> bool:
+    return re.search(rf"\b{name}\b", src) is not None
