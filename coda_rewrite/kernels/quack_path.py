@@ -104,15 +104,20 @@ def _aligned(t: torch.Tensor) -> bool:
         (t.dim() == 1 or (t.stride(0) * es) % 16 == 0)
 
 
-def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
-    """Why these tensors cannot go to the generated kernel (None: they can)."""
-    if not program.gemm:
-        return "no GEMM in the program (row-wise torch ops)"
+def device_violation(a: torch.Tensor) -> str | None:
+    """Why this device cannot run generated kernels (None: it can)."""
     if a.device.type != "cuda":
         return f"device {a.device.type} (generated kernels are CUDA only)"
     major, minor = torch.cuda.get_device_capability(a.device)
     if major not in SUPPORTED_ARCH_MAJOR:
         return f"sm_{major}{minor}: generated kernels are validated on sm_90 only"
+    return None
+
+
+def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
+    """Why these tensors break the layout contract (None: they meet it)."""
+    if not program.gemm:
+        return "no GEMM in the program (row-wise torch ops)"
     if a.dtype not in _GEMM_DTYPES or b.dtype != a.dtype:
         return f"GEMM operands {a.dtype}/{b.dtype} (QuACK's GEMM takes bf16/fp16 pairs)"
     m, k = a.shape
@@ -143,7 +148,8 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
 
 def select(program: EpilogueProgram, program_text: str, a, b, operands):
     """(KernelSource, module) to launch, or (None, why not)."""
-    why = contract_violation(program, a, b, operands)
+    why = (contract_violation(program, a, b, operands)
+           or device_violation(a))
     if why is None:
         why = quack_available()
     if why is not None:
@@ -165,7 +171,9 @@ def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
         if bnd.param == "c":
             c = t
         elif bnd.param in module.epilogue.fn.__code__.co_varnames:
-            kwargs[bnd.param] = t
+            # a scalar goes by device pointer: no host sync, safe in CUDA graphs
+            kwargs[bnd.param] = t.float().reshape(1).contiguous() \
+                if bnd.kind == Kind.SCALAR else t
     out_dtype = {o.value: reference.dtype_from_name(o.dtype) for o in prog.outputs}
     out = {name: torch.empty(m, n, device=a.device, dtype=out_dtype[value])
            for value, name in ks.contract.tile_outputs}

@@ -1,0 +1,102 @@
+"""Compile generated kernels ahead of time, without a GPU.
+
+CuTeDSL compiles for sm_90a on a machine with no GPU when told the arch
+(``CUTE_DSL_ARCH=sm_90a``, ``QUACK_ARCH=90``, ``CUDA_VISIBLE_DEVICES=``, set before
+cutlass is imported) and when QuACK's one driver query, the number of co-resident
+clusters for its persistent scheduler, gets a stand-in. ``plan()`` then traces,
+compiles and caches the kernel without launching it. CI uses this to compile every
+kernel the test models produce and to check the PTX for Hopper's wgmma and TMA;
+on a GPU machine it warms the disk cache before a run.
+
+    python -m coda_rewrite.kernels.aot PROGRAMS.json [--keep-ptx DIR]
+
+PROGRAMS.json is a list of program texts. Prints one JSON line per kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+H100_SMS = 132  # the stand-in for the driver's co-resident cluster count
+
+
+def _prepare_env(keep_ptx: str | None) -> None:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ.setdefault("QUACK_ARCH", "90")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if keep_ptx:
+        os.makedirs(keep_ptx, exist_ok=True)  # CuTeDSL does not create it
+        os.environ["CUTE_DSL_KEEP"] = "ptx"
+        os.environ["CUTE_DSL_DUMP_DIR"] = keep_ptx
+
+
+def _install_driver_stand_in() -> None:
+    """QuACK asks the driver once (co-resident clusters) and checks that a scalar
+    operand's pointer is a CUDA tensor; neither can be answered without a GPU, and
+    neither changes the generated code."""
+    import quack.gemm_runtime.host as host
+    from quack.epilogue.ops import Scalar
+
+    host.get_max_active_clusters = lambda cluster_size: H100_SMS // cluster_size
+    Scalar._validate_pointer_value = lambda self, value: None
+
+
+def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
+                    dtype: str = "bfloat16") -> dict:
+    """Trace and compile one program's kernel for the configured arch (no launch)."""
+    import torch
+
+    from ..codegen.program import Kind, parse
+    from .quack_path import load
+    from .reference import dtype_from_name
+
+    ks, module = load(text)
+    prog = parse(text)
+    dt = dtype_from_name(dtype)
+    a = torch.randn(m, k, dtype=dt)
+    b = torch.randn(n, k, dtype=dt)
+    by_name = {}
+    for spec in prog.operands:
+        shape = {Kind.TILE: (m, n), Kind.PER_ROW: (m,), Kind.PER_FEATURE: (n,),
+                 Kind.SCALAR: ()}[spec.kind]
+        by_name[spec.name] = torch.randn(shape, dtype=torch.float32 if spec.kind in (
+            Kind.PER_ROW, Kind.SCALAR) else dt)
+        if spec.kind == Kind.SCALAR:  # passed by pointer, as the runtime does
+            by_name[spec.name] = by_name[spec.name].reshape(1)
+    c, kwargs = None, {}
+    params = module.epilogue.fn.__code__.co_varnames
+    for bnd in ks.contract.operands:
+        if bnd.param == "c":
+            c = by_name[bnd.name]
+        elif bnd.param in params:
+            kwargs[bnd.param] = by_name[bnd.name]
+    out_dtype = {o.value: dtype_from_name(o.dtype) for o in prog.outputs}
+    out = {name: torch.empty(m, n, dtype=out_dtype[value])
+           for value, name in ks.contract.tile_outputs}
+    t0 = time.perf_counter()
+    module.epilogue.plan(a, b.t(), c, out=out, **kwargs)
+    return {"program": prog.key, "module": ks.module_name,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m coda_rewrite.kernels.aot")
+    p.add_argument("programs")
+    p.add_argument("--keep-ptx", default=None)
+    a = p.parse_args(argv)
+    _prepare_env(a.keep_ptx)
+    _install_driver_stand_in()
+    with open(a.programs) as f:
+        texts = json.load(f)
+    for text in texts:
+        print(json.dumps(compile_program(text)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,211 @@
+"""Codegen: generated QuACK sources (golden text), programs no pattern produces yet,
+the layout-contract checker, and an sm_90a compile of every kernel the test models
+produce, on a machine with no GPU (PTX checked for wgmma and TMA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import coda_rewrite
+from coda_rewrite.codegen.program import ACC, Kind, ProgramBuilder
+from coda_rewrite.codegen.quack_source import Unlowerable, generate
+from coda_rewrite.kernels.quack_path import contract_violation
+
+from conftest import ROOT, hf_model, plain_llama, tokens
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def program_of(name, body, operands=(), outputs=None):
+    p = ProgramBuilder(name, gemm=True)
+    ops = {n: p.operand(n, k) for n, k in operands}
+    outs = body(p, ops)
+    for value, kind, dtype in outs:
+        p.output(value, kind, dtype)
+    return p.build()
+
+
+def residual_rmsnorm():
+    def body(p, o):
+        z = p.add(ACC, o["residual"], name="z")
+        h2 = p.mul(z, o["gamma"], name="h2")
+        r = p.rsqrt(p.add(p.div(p.row_sum(p.square(z), name="ss"), 4096.0), 1e-6), name="r")
+        return [(z, Kind.TILE, "bfloat16"), (h2, Kind.TILE, "bfloat16"),
+                (r, Kind.PER_ROW, "float32")]
+    return program_of("residual_rmsnorm", body,
+                      [("residual", Kind.TILE), ("gamma", Kind.PER_FEATURE)])
+
+
+def rowscale_bias():
+    def body(p, o):
+        return [(p.add(p.mul(ACC, o["r"], name="y"), o["bias"], name="y_b"), Kind.TILE,
+                 "bfloat16")]
+    return program_of("rowscale", body, [("r", Kind.PER_ROW), ("bias", Kind.PER_FEATURE)])
+
+
+# Programs no pattern produces yet: each is a new kernel without new kernel code.
+def gemma_offset_scaled_residual():
+    """Gemma's (1 + γ), a residual scale read at run time, a bias."""
+    def body(p, o):
+        z = p.add(p.add(p.mul(ACC, o["alpha"]), o["bias"]), o["residual"], name="z")
+        h2 = p.mul(z, p.add(o["gamma"], 1.0), name="h2")
+        ss = p.row_sum(p.square(z), name="ss")
+        r = p.rsqrt(p.add(p.div(ss, 2048.0), o["eps"]), name="r")
+        return [(z, Kind.TILE, "bfloat16"), (h2, Kind.TILE, "bfloat16"),
+                (r, Kind.PER_ROW, "float32")]
+    return program_of("gemma_residual", body, [
+        ("alpha", Kind.SCALAR), ("bias", Kind.PER_FEATURE), ("residual", Kind.TILE),
+        ("gamma", Kind.PER_FEATURE), ("eps", Kind.SCALAR)])
+
+
+def activations_and_two_tiles():
+    """Transcendentals, a second tile input (TileLoad), a max reduce, a plain sum."""
+    def body(p, o):
+        y = p.mul(p.silu(p.add(p.mul(ACC, o["r"]), o["res"])), o["gate"], name="y")
+        g = p.gelu_tanh(p.sub(y, p.sigmoid(o["gate"])), name="g")
+        e = p.exp(p.neg(p.div(g, 4.0)), name="e")
+        return [(e, Kind.TILE, "float32"), (y, Kind.TILE, "bfloat16"),
+                (p.row_max(g, name="gmax"), Kind.PER_ROW, "float32"),
+                (p.sqrt(p.row_sum(y, name="ysum"), name="root"), Kind.PER_ROW, "float32")]
+    return program_of("mixed", body, [("r", Kind.PER_ROW), ("res", Kind.TILE),
+                                      ("gate", Kind.TILE)])
+
+
+NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles]
+
+
+@pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)
+def test_golden_source(make):
+    ks = generate(make())
+    path = GOLDEN / f"{make.__name__}.py.txt"
+    if os.environ.get("CODA_UPDATE_GOLDEN"):
+        path.write_text(ks.source)
+    assert ks.source == path.read_text(), f"regenerate with CODA_UPDATE_GOLDEN=1: {path}"
+
+
+def test_new_combinations_generate_new_kernels():
+    ks = generate(gemma_offset_scaled_residual())
+    src = ks.source
+    assert 'ops={"o_alpha": Scalar("o_alpha"), "o_bias": RowVecLoad("o_bias"), ' \
+           '"o_gamma": RowVecLoad("o_gamma")}' in src, src
+    assert "o_eps" not in src  # eps is read by the row stage only
+    assert "v_t1 = acc * o_alpha" in src and "o_gamma + 1.0" in src
+    assert [i.op for i in ks.row_stage] == ["div", "add", "rsqrt"]
+    ks2 = generate(activations_and_two_tiles())
+    src2 = ks2.source
+    for needle in ('"o_gate": TileLoad("o_gate")', "silu(", "gelu_tanh_approx(", "sigmoid(",
+                   "pexp(", 'ColVecReduce("red0_gmax", combine="max")',
+                   'ColVecReduce("red1_ysum")', "outputs=('out1_y',)"):
+        assert needle in src2, (needle, src2)
+    assert [i.op for i in ks2.row_stage] == ["sqrt"]
+    assert ks.module_name != ks2.module_name
+
+
+def test_programs_that_differ_in_the_row_stage_share_a_kernel():
+    def with_eps(eps):
+        def body(p, o):
+            z = p.add(ACC, o["residual"], name="z")
+            r = p.rsqrt(p.add(p.div(p.row_sum(p.square(z)), 64.0), eps), name="r")
+            return [(z, Kind.TILE, "bfloat16"), (r, Kind.PER_ROW, "float32")]
+        return program_of("n", body, [("residual", Kind.TILE)])
+    a, b = with_eps(1e-5), with_eps(1e-6)
+    assert a.digest != b.digest
+    assert generate(a).module_name == generate(b).module_name
+
+
+def test_unlowerable_programs_say_why():
+    p = ProgramBuilder("cast", gemm=True)
+    p.output(p.cast(ACC, dtype="bfloat16"), Kind.TILE, "float32")
+    with pytest.raises(Unlowerable, match="cast"):
+        generate(p.build())
+    q = ProgramBuilder("rows", gemm=False)
+    q.output(q.operand("x", Kind.TILE), Kind.TILE, "float32")
+    with pytest.raises(Unlowerable, match="no GEMM"):
+        generate(q.build())
+
+
+# ---- the layout contract ---------------------------------------------------------------
+
+def _tensors(m=64, k=64, n=64, dtype=torch.bfloat16):
+    return (torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype),
+            [torch.randn(m, n, dtype=dtype), torch.randn(n, dtype=dtype)])
+
+
+def test_contract_accepts():
+    prog = residual_rmsnorm()
+    assert contract_violation(prog, *_tensors()) is None
+    assert contract_violation(prog, *_tensors(m=5, k=72, n=200)) is None  # ragged M and N
+    assert contract_violation(prog, *_tensors(dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("bend,why", [
+    (lambda a, b, o: (a.float(), b.float(), o), "bf16/fp16"),
+    (lambda a, b, o: (a, b.half(), o), "bf16/fp16"),
+    (lambda a, b, o: (a[:, :60], b[:, :60], o), "multiple of 8"),
+    (lambda a, b, o: (a.t().contiguous().t(), b, o), "K-contiguous"),
+    (lambda a, b, o: (a, b, [o[0][:, :32], o[1]]), "shape"),
+    (lambda a, b, o: (a, b, [o[0].double(), o[1]]), "float64"),
+    (lambda a, b, o: (a, b, [o[0].t().contiguous().t(), o[1]]), "unit-stride"),
+    (lambda a, b, o: (a[:0], b, [o[0][:0], o[1]]), "empty"),
+])
+def test_contract_rejects(bend, why):
+    a, b, ops = bend(*_tensors())
+    got = contract_violation(residual_rmsnorm(), a, b, ops)
+    assert got is not None and why in got, got
+
+
+def test_cpu_calls_fall_back_and_say_why():
+    from coda_rewrite.kernels import ops
+    before = dict(ops.RUNTIME)
+    prog = rowscale_bias()
+    a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    ops.fused_linear(prog.to_text(), a, b, torch.rand(8, 1), torch.randn(24, dtype=torch.bfloat16))
+    new = {k: v for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    assert list(new) == [(prog.key, "reference", "device cpu (generated kernels are CUDA only)")]
+
+
+# ---- sm_90a compile with no GPU ------------------------------------------------------
+
+def _model_programs() -> list[str]:
+    texts = set()
+    models = [hf_model(f).to(torch.bfloat16) for f in ("llama", "qwen2", "mistral", "gemma")]
+    models.append(plain_llama().to(torch.bfloat16))
+    for model in models:
+        torch._dynamo.reset()
+        report = coda_rewrite.explain(model.eval(), tokens())
+        assert report.count() == 5
+        texts |= {p.to_text() for r in report.records for p in r.programs if p.gemm}
+    return sorted(texts)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is None,
+                    reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
+def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
+    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS]
+    kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
+    (tmp_path / "programs.json").write_text(json.dumps(texts))
+    env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would
+           "CODA_KERNEL_DIR": str(tmp_path / "kernels"),              # skip compilation
+           "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-m", "coda_rewrite.kernels.aot",
+                          str(tmp_path / "programs.json"), "--keep-ptx", str(tmp_path / "ptx")],
+                         capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0, out.stderr[-4000:]
+    compiled = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(compiled) == len(texts)
+    assert {c["module"] for c in compiled} == kernels
+    ptx = sorted((tmp_path / "ptx").glob("*.ptx"))
+    assert len(ptx) == len(kernels), [p.name for p in ptx]  # one compile per kernel
+    for p in ptx:
+        text = p.read_text()
+        assert ".target sm_90a" in text, p.name
+        assert "wgmma.mma_async" in text, p.name
+        assert "cp.async.bulk.tensor" in text, p.name
