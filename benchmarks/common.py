@@ -1,0 +1,63 @@
+"""Shared by the benchmark scripts (run on the H200 through the device tool, never in
+CI): the environment line every figure is recorded with, timing, the kernel-time split."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def env_line() -> str:
+    import importlib.metadata as md
+
+    def v(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "-"
+    try:
+        import quack
+        qv = quack.__version__
+    except Exception:
+        qv = "-"
+    return (f"{datetime.date.today()} | {torch.cuda.get_device_name(0)} | torch {torch.__version__}"
+            f" | transformers {v('transformers')} | quack {qv} | cutlass-dsl {v('nvidia-cutlass-dsl')}")
+
+
+def bench(fn, warmup=25, rep=200) -> float:
+    """Median ms over repeats (triton's do_bench: CUDA events, L2 flushed)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "matmul", "sm90_",
+                            "cublas")):
+        return "gemm"
+    return "other"
+
+
+def kernel_split(fn) -> str:
+    """GPU kernel time of one call of ``fn``, split into GEMM / attention / other."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    tot = collections.Counter()
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[classify(e.name)] += e.device_time_total
+    s = sum(tot.values())
+    return " | ".join(f"{k} {tot[k] / 1e3:.1f} ms" for k in ("gemm", "attention", "other")) \
+        + f" | total {s / 1e3:.1f} ms"

@@ -1,0 +1,121 @@
+"""Whole-model figures: a Llama-3-8B-shaped decoder layer forward (batch 2 x 4096) and
+the Llama-3.2-1B-shaped training step (hidden 2048, 16 layers, 32/8 heads, intermediate
+8192, vocab 128256, tied embeddings, bf16, batch 2 x 4096, forward + backward + loss),
+each under eager, torch.compile, optimize() and backend="coda": ms, tokens/s, peak
+memory, and the kernel-time split of the training step.
+
+    source .gpu/setup.sh && python benchmarks/layer_and_step.py [layer|step|both]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from common import bench, env_line, kernel_split
+
+import coda_rewrite
+from coda_rewrite.kernels import ops
+from coda_rewrite.models import Block, LlamaArgs, rope_table
+
+bf = torch.bfloat16
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 20
+
+
+def layer():
+    a = LlamaArgs(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=4096)
+    torch.manual_seed(0)
+    block = Block(a).cuda().to(bf)
+    x = torch.randn(2, 4096, 4096, device="cuda", dtype=bf)
+    freqs = rope_table(128, 4096, 10000.0).cuda()
+    variants = {"eager": block, "torch.compile": torch.compile(block),
+                "optimize()": coda_rewrite.optimize(block),
+                'backend="coda"': torch.compile(block, backend="coda")}
+    rows = []
+    with torch.no_grad():
+        want = block(x, freqs)
+        for name, m in variants.items():
+            t0 = time.time()
+            got = m(x, freqs)
+            torch.cuda.synchronize()
+            first = time.time() - t0
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+            ms = bench(lambda: m(x, freqs))
+            rows.append((name, ms, err, first))
+            print(f"layer {name}: {ms:.3f} ms (first call {first:.1f} s, rel diff {err:.2e})",
+                  flush=True)
+    return rows
+
+
+def step():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0,
+                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).cuda().to(bf)
+    ids = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
+
+    def run(m):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach()
+
+    rows = []
+    for name in ("eager", "torch.compile", "optimize()", 'backend="coda"'):
+        torch._dynamo.reset()
+        m = {"eager": lambda: model, "torch.compile": lambda: torch.compile(model),
+             "optimize()": lambda: coda_rewrite.optimize(model),
+             'backend="coda"': lambda: torch.compile(model, backend="coda")}[name]()
+        t0 = time.time()
+        loss = run(m)
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        for _ in range(2):
+            run(m)
+        torch.cuda.synchronize()
+        t0 = time.time()
+        n = 5
+        for _ in range(n):
+            run(m)
+        torch.cuda.synchronize()
+        ms = (time.time() - t0) / n * 1e3
+        mem = peak_mib(lambda: run(m))
+        split = kernel_split(lambda: run(m))
+        model.zero_grad(set_to_none=True)
+        rows.append((name, ms, mem, float(loss), first, split))
+        print(f"step {name}: {ms:.1f} ms, peak {mem:.0f} MiB, loss {float(loss):.4f}, "
+              f"first call {first:.0f} s | {split}", flush=True)
+    return rows
+
+
+def main():
+    which = sys.argv[1] if len(sys.argv) > 1 else "both"
+    print(env_line(), flush=True)
+    lrows = layer() if which in ("layer", "both") else []
+    srows = step() if which in ("step", "both") else []
+    print("\nruntime:", *ops.runtime_summary()[:12], sep="\n  ")
+    print(f"\n{env_line()}")
+    if lrows:
+        print("Llama-3-8B decoder layer forward, bf16, 2 x 4096 tokens")
+        for name, ms, err, first in lrows:
+            print(f"  {name:16s} {ms:8.3f} ms  {8192 / ms * 1e3:10.0f} tok/s  rel diff {err:.1e}")
+    if srows:
+        print("Llama-3.2-1B training step, bf16, 2 x 4096 tokens (fwd + bwd + loss)")
+        for name, ms, mem, loss, first, split in srows:
+            print(f"  {name:16s} {ms:7.1f} ms  {8192 / ms * 1e3:8.0f} tok/s  peak {mem / 1024:5.1f} GiB"
+                  f"  loss {loss:.4f}  | {split}")
+
+
+if __name__ == "__main__":
+    main()

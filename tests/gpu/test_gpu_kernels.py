@@ -1,0 +1,151 @@
+"""On the H200 (pytest -m gpu tests/gpu, through the device tool): every generated
+kernel against the reference op and a float64 reference, at shapes that are not tile
+multiples and with M == N; one GEMM launch per fused op; the rewritten small Llama in
+bf16 on the GPU under the numerics policy; a contract violation falls back and says so.
+
+The GPU image has no hypothesis and no installed coda_rewrite: these tests import the
+package from the source tree (conftest) and need neither.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import statistics
+
+import pytest
+import torch
+
+import coda_rewrite
+from coda_rewrite.codegen.program import Kind
+from coda_rewrite.kernels import ops, reference
+from coda_rewrite.numerics import rel_err
+
+from conftest import hf_model
+from test_codegen import (NEW_PROGRAMS, residual_rmsnorm, rowscale_bias)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or torch.cuda.get_device_capability()[0] != 9,
+                       reason="needs a Hopper GPU"),
+]
+
+DEV = "cuda"
+SHAPES = [(256, 512, 384), (333, 200, 264), (512, 512, 512), (8, 4096, 1024),
+          (4096, 4096, 4096)]
+PROGRAMS = [residual_rmsnorm, rowscale_bias, *NEW_PROGRAMS]
+
+
+def _operands(prog, m, n, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    out = []
+    for spec in prog.operands:
+        shape = {Kind.TILE: (m, n), Kind.PER_ROW: (m,), Kind.PER_FEATURE: (n,),
+                 Kind.SCALAR: ()}[spec.kind]
+        t = torch.randn(shape, generator=g, device=DEV)
+        if spec.kind in (Kind.PER_ROW, Kind.SCALAR):
+            t = t.abs() * 0.5 + 0.5  # a row scale, an eps: positive
+            out.append(t.float())
+        else:
+            out.append(t.to(torch.bfloat16))
+    return out
+
+
+def _kernel_calls(prog):
+    return sum(n for (key, impl, _), n in ops.RUNTIME.items()
+               if key == prog.key and impl == "kernel")
+
+
+@pytest.mark.parametrize("make", PROGRAMS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_reference_and_float64(make, shape):
+    prog = make()
+    m, k, n = shape
+    g = torch.Generator(device=DEV).manual_seed(m * 7 + n)
+    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    operands = _operands(prog, m, n, seed=m + k)
+    before = _kernel_calls(prog)
+    got = ops.gemm_epilogue(prog.to_text(), a, b, operands)
+    assert _kernel_calls(prog) == before + 1, ops.runtime_summary()
+    ref = reference.run_program(prog, a, b, operands)
+    exact = reference.run_program(prog, a.double(), b.double(),
+                                  [t.double() for t in operands])
+    for o, x, y, z in zip(prog.outputs, got, ref, exact):
+        assert torch.isfinite(x).all(), o.value
+        low = o.dtype in ("bfloat16", "float16")
+        assert rel_err(x, y) <= (4e-3 if low else 1e-4), (o.value, rel_err(x, y))
+        # "no worse than the reference": both round once, from a float32 epilogue
+        assert rel_err(x, z) <= 1.25 * rel_err(y, z) + 1e-6, (o.value, rel_err(x, z),
+                                                              rel_err(y, z))
+
+
+def _cuda_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_one_gemm_launch_per_fused_op():
+    m, k, n = 1024, 1024, 1024
+    a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    prog = rowscale_bias()
+    operands = _operands(prog, m, n, 0)
+    names = _cuda_kernels(lambda: ops.gemm_epilogue(prog.to_text(), a, b, operands))
+    assert len(names) == 1, names  # the GEMM with its epilogue, nothing else
+    prog = residual_rmsnorm()
+    operands = _operands(prog, m, n, 1)
+    names = _cuda_kernels(lambda: ops.gemm_epilogue(prog.to_text(), a, b, operands))
+    gemms = [x for x in names if "gemm" in x.lower() or "kernel_cutlass" in x.lower()]
+    assert len(gemms) == 1, names
+    # the rest is the rstd finaliser on [M] vectors (merge of partials, rsqrt)
+    assert len(names) - 1 <= 5, names
+
+
+def test_contract_violation_falls_back_and_says_so():
+    prog = rowscale_bias()
+    a = torch.randn(64, 12, device=DEV, dtype=torch.bfloat16)  # K = 12: TMA rows misaligned
+    b = torch.randn(32, 12, device=DEV, dtype=torch.bfloat16)
+    operands = _operands(prog, 64, 32, 0)
+    before = dict(ops.RUNTIME)
+    got = ops.gemm_epilogue(prog.to_text(), a, b, operands)
+    assert torch.equal(got[0], reference.run_program(prog, a, b, operands)[0])
+    new = [k for k, v in ops.RUNTIME.items() if before.get(k) != v]
+    assert len(new) == 1 and new[0][1] == "reference" and "multiple of 8" in new[0][2], new
+
+
+def _llama(seed):
+    return hf_model("llama", layers=2, hidden=256, seed=seed, vocab_size=512)
+
+
+@pytest.mark.parametrize("via", ["optimize", "backend"])
+def test_small_llama_bf16_on_gpu(via):
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    eager_errs, new_errs = [], []
+    for seed in range(3):
+        torch._dynamo.reset()
+        base = _llama(seed).eval()
+        ref_model = copy.deepcopy(base).to(DEV, torch.float64)
+        model = copy.deepcopy(base).to(DEV, torch.bfloat16)
+        if via == "optimize":
+            fast = coda_rewrite.optimize(model)
+        else:
+            fast = torch.compile(model, backend="coda")
+        before = collections.Counter({k: v for k, v in ops.RUNTIME.items() if k[1] == "kernel"})
+        with torch.no_grad():
+            want = ref_model(ids).logits
+            eager = model(ids).logits
+            got = fast(ids).logits
+        kernels = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel") - sum(before.values())
+        assert kernels >= 4 * 2 + 1, ops.runtime_summary()  # every fused GEMM of the model
+        eager_errs.append(rel_err(eager, want))
+        new_errs.append(rel_err(got, want))
+    ratio = statistics.median(new_errs) / statistics.median(eager_errs)
+    print(f"{via}: eager {eager_errs} rewritten {new_errs} ratio {ratio:.3f}")
+    assert ratio <= 1.25
