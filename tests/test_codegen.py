@@ -74,7 +74,7 @@ def activations_and_two_tiles():
         e = p.exp(p.neg(p.div(g, 4.0)), name="e")
         return [(e, Kind.TILE, "float32"), (y, Kind.TILE, "bfloat16"),
                 (p.row_max(g, name="gmax"), Kind.PER_ROW, "float32"),
-                (p.sqrt(p.row_sum(y, name="ysum"), name="root"), Kind.PER_ROW, "float32")]
+                (p.sqrt(p.row_sum(e, name="esum"), name="root"), Kind.PER_ROW, "float32")]
     return program_of("mixed", body, [("r", Kind.PER_ROW), ("res", Kind.TILE),
                                       ("gate", Kind.TILE)])
 
@@ -103,7 +103,7 @@ def test_new_combinations_generate_new_kernels():
     src2 = ks2.source
     for needle in ('"o_gate": TileLoad("o_gate")', "silu(", "gelu_tanh_approx(", "sigmoid(",
                    "pexp(", 'ColVecReduce("red0_gmax", combine="max")',
-                   'ColVecReduce("red1_ysum")', "outputs=('out1_y',)"):
+                   'ColVecReduce("red1_esum")', "outputs=('out1_y',)"):
         assert needle in src2, (needle, src2)
     assert [i.op for i in ks2.row_stage] == ["sqrt"]
     assert ks.module_name != ks2.module_name

@@ -78,11 +78,15 @@ def test_kernel_matches_reference_and_float64(make, shape):
                                   [t.double() for t in operands])
     for o, x, y, z in zip(prog.outputs, got, ref, exact):
         assert torch.isfinite(x).all(), o.value
-        low = o.dtype in ("bfloat16", "float16")
-        assert rel_err(x, y) <= (4e-3 if low else 1e-4), (o.value, rel_err(x, y))
-        # "no worse than the reference": both round once, from a float32 epilogue
-        assert rel_err(x, z) <= 1.25 * rel_err(y, z) + 1e-6, (o.value, rel_err(x, z),
-                                                              rel_err(y, z))
+        if o.dtype in ("bfloat16", "float16"):
+            # both round once from a float32 epilogue: no worse than the reference
+            assert rel_err(x, y) <= 4e-3, (o.value, rel_err(x, y))
+            assert rel_err(x, z) <= 1.25 * rel_err(y, z), (o.value, rel_err(x, z),
+                                                           rel_err(y, z))
+        else:
+            # stored in float32: what is left is the GEMM's float32 accumulation
+            # order (tensor cores vs cuBLAS SGEMM on the upcast operands)
+            assert rel_err(x, z) <= 2e-5, (o.value, rel_err(x, z), rel_err(y, z))
 
 
 def _cuda_kernels(fn):
