@@ -53,13 +53,15 @@ def rowscale_bias():
 
 # Programs no pattern produces yet: each is a new kernel without new kernel code.
 def gemma_offset_scaled_residual():
-    """Gemma's (1 + γ), a residual scale read at run time, a bias."""
+    """Gemma's (1 + γ), a GEMM-output scale and eps read at run time, a bias on a
+    second output."""
     def body(p, o):
-        z = p.add(p.add(p.mul(ACC, o["alpha"]), o["bias"]), o["residual"], name="z")
+        z = p.add(p.mul(ACC, o["alpha"]), o["residual"], name="z")
         h2 = p.mul(z, p.add(o["gamma"], 1.0), name="h2")
         ss = p.row_sum(p.square(z), name="ss")
         r = p.rsqrt(p.add(p.div(ss, 2048.0), o["eps"]), name="r")
         return [(z, Kind.TILE, "bfloat16"), (h2, Kind.TILE, "bfloat16"),
+                (p.add(z, o["bias"], name="zb"), Kind.TILE, "bfloat16"),
                 (r, Kind.PER_ROW, "float32")]
     return program_of("gemma_residual", body, [
         ("alpha", Kind.SCALAR), ("bias", Kind.PER_FEATURE), ("residual", Kind.TILE),
@@ -72,9 +74,11 @@ def activations_and_two_tiles():
         y = p.mul(p.silu(p.add(p.mul(ACC, o["r"]), o["res"])), o["gate"], name="y")
         g = p.gelu_tanh(p.sub(y, p.sigmoid(o["gate"])), name="g")
         e = p.exp(p.neg(p.div(g, 4.0)), name="e")
+        # a plain (not product) sum of a value that is 0 on the padding: silu(0) = 0
+        s = p.row_sum(p.silu(p.mul(p.mul(y, y), o["r"]), name="sy"), name="ysum")
         return [(e, Kind.TILE, "float32"), (y, Kind.TILE, "bfloat16"),
                 (p.row_max(g, name="gmax"), Kind.PER_ROW, "float32"),
-                (p.sqrt(p.row_sum(e, name="esum"), name="root"), Kind.PER_ROW, "float32")]
+                (p.sqrt(p.add(s, 1.0)), Kind.PER_ROW, "float32")]
     return program_of("mixed", body, [("r", Kind.PER_ROW), ("res", Kind.TILE),
                                       ("gate", Kind.TILE)])
 
@@ -102,10 +106,10 @@ def test_new_combinations_generate_new_kernels():
     ks2 = generate(activations_and_two_tiles())
     src2 = ks2.source
     for needle in ('"o_gate": TileLoad("o_gate")', "silu(", "gelu_tanh_approx(", "sigmoid(",
-                   "pexp(", 'ColVecReduce("red0_gmax", combine="max")',
-                   'ColVecReduce("red1_esum")', "outputs=('out1_y',)"):
+                   "pexp(", 'ColVecReduce("red1_gmax", combine="max")',
+                   'ColVecReduce("red0_ysum")', "outputs=('out1_y',)"):
         assert needle in src2, (needle, src2)
-    assert [i.op for i in ks2.row_stage] == ["sqrt"]
+    assert [i.op for i in ks2.row_stage] == ["add", "sqrt"]
     assert ks.module_name != ks2.module_name
 
 
@@ -119,6 +123,25 @@ def test_programs_that_differ_in_the_row_stage_share_a_kernel():
     a, b = with_eps(1e-5), with_eps(1e-6)
     assert a.digest != b.digest
     assert generate(a).module_name == generate(b).module_name
+
+
+def test_a_sum_that_counts_the_padding_is_not_lowered():
+    """QuACK's add-reduce folds the padding lanes of a ragged last tile: a sum is only
+    lowered when its value is 0 there (exp(0) = 1 is not; a bias lane is not loaded)."""
+    for bad in (lambda p, o: p.exp(ACC), lambda p, o: p.add(ACC, o["bias"]),
+                lambda p, o: p.add(ACC, 1.0)):
+        def body(p, o, bad=bad):
+            return [(ACC, Kind.TILE, "bfloat16"),
+                    (p.row_sum(bad(p, o)), Kind.PER_ROW, "float32")]
+        with pytest.raises(Unlowerable, match="padding"):
+            generate(program_of("bad", body, [("bias", Kind.PER_FEATURE)]))
+    # the same values are fine inside a product with the accumulator, or from tiles
+    def good(p, o):
+        z = p.add(ACC, o["res"])
+        return [(z, Kind.TILE, "bfloat16"),
+                (p.row_sum(p.mul(p.exp(ACC), z)), Kind.PER_ROW, "float32"),
+                (p.row_sum(p.mul(z, o["bias"])), Kind.PER_ROW, "float32")]
+    generate(program_of("good", good, [("bias", Kind.PER_FEATURE), ("res", Kind.TILE)]))
 
 
 def test_unlowerable_programs_say_why():

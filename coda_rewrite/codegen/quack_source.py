@@ -101,6 +101,40 @@ _CALLS = {
 }
 
 
+# f(0) == 0 for these: zero in, zero out
+_ZERO_PRESERVING = {"neg", "square", "sqrt", "silu", "gelu_tanh"}
+
+
+def zero_on_padding(program: EpilogueProgram) -> dict[str, bool]:
+    """Which values are provably 0 on the padding lanes of a ragged last tile.
+
+    QuACK's add-reduce folds every lane of the tile, and a lane past N holds a zero
+    accumulator and zero-filled tile loads (TMA), but a per-feature vector lane there
+    is not loaded at all, and per-row values and constants are what they are. So a
+    row sum is exact only if its value is 0 wherever acc and the tiles are 0, for any
+    value of the rest; this is that check (a zero-lattice abstract interpretation)."""
+    zero: dict[str, bool] = {ACC: True}
+    for o in program.operands:
+        zero[o.name] = o.kind == Kind.TILE
+
+    def z(a) -> bool:
+        return zero[a] if isinstance(a, str) else a == 0.0
+
+    for i in program.body:
+        args = [z(a) for a in i.args]
+        if i.op in ("add", "sub"):
+            zero[i.out] = all(args)
+        elif i.op == "mul":
+            zero[i.out] = any(args)
+        elif i.op == "div":
+            zero[i.out] = args[0]
+        elif i.op in _ZERO_PRESERVING or i.op == "cast":
+            zero[i.out] = args[0]
+        else:  # rsqrt, exp, sigmoid, reductions
+            zero[i.out] = False
+    return zero
+
+
 def generate(program: EpilogueProgram) -> KernelSource:
     if not program.gemm:
         raise Unlowerable("no GEMM: a row-wise program runs as plain torch ops")
@@ -139,10 +173,16 @@ def generate(program: EpilogueProgram) -> KernelSource:
         uses[o.value] = uses.get(o.value, 0) + 1
     defs = {i.out: i for i in program.body}
     reductions, sink_values, folded = [], {}, set()
+    padding_zero = zero_on_padding(program)
     for i, r in enumerate(reductions_ir):
         (x,) = r.args
         sink = f"red{i}_{r.out}"
         combine = REDUCTIONS[r.op]
+        if combine == "sum" and not padding_zero[x]:
+            raise Unlowerable(
+                f"row_sum of {x!r}, which is not 0 on the padding of a ragged tile (it "
+                "reads a per-feature vector, a per-row value or a constant outside a "
+                "product with the accumulator): the kernel's sum would count the padding")
         src = defs.get(x)
         if combine == "sum" and src is not None and uses.get(x) == 1 \
                 and src.op in ("square", "mul"):
