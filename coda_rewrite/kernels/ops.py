@@ -7,10 +7,8 @@ generated from the program (kernels/quack_path.py); everywhere else it runs the 
 interpreter (kernels/reference.py). ``RUNTIME`` counts which implementation ran and why,
 and the report shows it: a fallback is never silent.
 
-Autograd: the backward recomputes the program from the saved inputs (the accumulator
-included) and differentiates the reference. That is correct for any program and costs one
-extra GEMM per fused op in the backward; a specialised backward that keeps the
-GEMM+epilogue shape is future work (DESIGN.md, "Where it leads").
+Autograd: kernels/backward.py. The backward runs its GEMMs on the 16-bit operands and
+recomputes no GEMM for the programs the patterns produce.
 
 The graph does not call the op directly but ``fused_linear`` / ``fused_rowwise`` below:
 they flatten leading dims to the op's 2-D contract and give per-row results back a
@@ -26,7 +24,7 @@ import threading
 import torch
 
 from ..codegen.program import Kind, parse
-from . import quack_path, reference
+from . import backward, quack_path, reference
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
 RUNTIME: collections.Counter = collections.Counter()
@@ -90,35 +88,34 @@ def _(program, a, b, operands):
 
 
 def _setup_context(ctx, inputs, output):
+    """Keep what the backward reads, no more: an operand it needs only the dtype of (the
+    residual stream coming in) is replaced by an empty tensor of that dtype, so the
+    previous residual is not held alive by this op."""
     program, a, b, operands = inputs
+    prog = parse(program)
+    keep_outputs, dtype_only = backward.saves(prog)
     ctx.program = program
-    ctx.n_operands = len(operands)
     ctx.has_a, ctx.has_b = a is not None, b is not None
-    ctx.save_for_backward(*(t for t in (a, b) if t is not None), *operands)
+    ctx.n_operands = len(operands)
+    kept = [t.new_empty(0) if spec.name in dtype_only else t
+            for spec, t in zip(prog.operands, operands)]
+    ctx.save_for_backward(*(t for t in (a, b) if t is not None), *kept,
+                          *(output[i] for i in keep_outputs))
+    ctx.keep_outputs = keep_outputs
+    ctx.n_outputs = len(output)
 
 
 def _backward(ctx, grads):
     saved = list(ctx.saved_tensors)
     a = saved.pop(0) if ctx.has_a else None
     b = saved.pop(0) if ctx.has_b else None
-    operands = saved
-    prog = parse(ctx.program)
-    leaves = [t for t in (a, b, *operands)
-              if t is not None and t.is_floating_point()]
-    with torch.enable_grad():
-        detached = {id(t): t.detach().requires_grad_(True) for t in leaves}
-
-        def d(t):
-            return None if t is None else detached.get(id(t), t)
-
-        outs = _run_reference(prog, d(a), d(b), [d(t) for t in operands])
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        wrt = list(detached.values())
-        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                  allow_unused=True) if pairs else [None] * len(wrt)
-    by_id = dict(zip(detached.keys(), got))
-    grad_of = lambda t: None if t is None else by_id.get(id(t))  # noqa: E731
-    return None, grad_of(a), grad_of(b), [grad_of(t) for t in operands]
+    operands, kept = saved[:ctx.n_operands], saved[ctx.n_operands:]
+    outputs = [None] * ctx.n_outputs
+    for i, t in zip(ctx.keep_outputs, kept):
+        outputs[i] = t
+    grad_a, grad_b, grad_ops = backward.vjp(parse(ctx.program), a, b, operands, outputs,
+                                            list(grads))
+    return None, grad_a, grad_b, grad_ops
 
 
 gemm_epilogue.register_autograd(_backward, setup_context=_setup_context)

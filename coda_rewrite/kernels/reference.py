@@ -85,14 +85,16 @@ def problem_size(program: EpilogueProgram, a, b, operands) -> tuple[int, int]:
 
 
 def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tensor | None,
-                operands: list[torch.Tensor]) -> list[torch.Tensor]:
+                operands: list[torch.Tensor], acc: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
     """Evaluate ``program``. Shapes: a [M, K], b [N, K]; operands per their kind:
     tile [M, N], per-row [M], per-feature [N], scalar []. Returns tiles [M, N] and per-row
-    outputs [M], in each output's storage dtype."""
+    outputs [M], in each output's storage dtype. ``acc`` replaces the GEMM when given
+    (the backward differentiates the epilogue alone)."""
     cd = compute_dtype(program, a, b, operands)
     env: dict[str, torch.Tensor] = {}
     if program.gemm:
-        env[ACC] = a.to(cd) @ b.to(cd).t()
+        env[ACC] = acc.to(cd) if acc is not None else a.to(cd) @ b.to(cd).t()
     for spec, t in zip(program.operands, operands):
         t = t.to(cd)
         if spec.kind == Kind.PER_ROW:

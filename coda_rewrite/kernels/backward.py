@@ -1,0 +1,208 @@
+"""Backward of ``coda::gemm_epilogue``: no GEMM is recomputed, and every GEMM runs on
+the 16-bit operands (tensor cores, float32 accumulation), as eager's backward does.
+
+For out = f(acc, θ) with acc = a·bᵀ, the backward is two GEMMs around the epilogue's
+vector-Jacobian product:  d_acc = (∂f/∂acc)ᵀ·d_out,  grad_a = d_acc·b,
+grad_b = d_accᵀ·a.  Where the VJP needs the accumulator itself it is read back from
+what the forward kept, never recomputed:
+
+* ``rowscale`` (y = r ⊙ acc + bias): d_acc = r ⊙ dy, and the one term that needs acc,
+  dr[i] = Σ_j dy[i, j]·acc[i, j], equals Σ_k a[i, k]·(dy·b)[i, k]: a row dot with the
+  GEMM the backward computes anyway (G = dy·b, grad_a = r ⊙ G). The backward keeps the
+  GEMM + epilogue shape (the CODA paper's Theorem 1).
+* ``residual_rmsnorm`` / ``rmsnorm_rowscale``: everything depends on z = acc + residual,
+  which the forward stores (the residual stream); r is stored too.
+  dz_total = dz + dh2 ⊙ γ' − dr ⊙ r³ ⊙ z / d.
+
+Each specialised rule states the program shape it applies to and checks it
+(``matches``); any other program takes the general rule: the accumulator recomputed as
+one 16-bit GEMM and the epilogue differentiated by autograd on the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codegen.program import ACC, EpilogueProgram, Kind
+from . import reference
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """The compute dtype of the forward: float32, or float64 for a float64 model."""
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def _gemm_grads(d_acc: torch.Tensor, a, b):
+    """grad_a = d_acc·b, grad_b = d_accᵀ·a, in the operands' dtype."""
+    d = d_acc.to(a.dtype)
+    return d @ b, d.t() @ a
+
+
+def _ops(prog):
+    return [(i.op, i.args) for i in prog.body]
+
+
+# ---- rowscale -------------------------------------------------------------------------
+
+def _is_rowscale(prog: EpilogueProgram) -> bool:
+    names = [o.name for o in prog.operands]
+    body = _ops(prog)
+    ok = prog.gemm and names[:1] == ["r"] and body[:1] == [("mul", (ACC, "r"))]
+    if names == ["r"]:
+        return ok and len(body) == 1
+    return ok and names == ["r", "bias"] and body[1:] == [("add", (prog.body[0].out, "bias"))]
+
+
+def _rowscale_vjp(prog, a, b, operands, outputs, grads):
+    (dy,) = grads
+    if dy is None:
+        return None, None, [None] * len(operands)
+    r = _up(operands[0])
+    g = _up(dy.to(b.dtype) @ b)                      # G = dy·b
+    grad_a = (g * r[:, None]).to(a.dtype)
+    grad_b = ((_up(dy) * r[:, None]).to(a.dtype)).t() @ a
+    grad_r = (g * _up(a)).sum(-1).to(operands[0].dtype)
+    rest = [_up(dy).sum(0).to(operands[1].dtype)] if len(operands) > 1 else []
+    return grad_a, grad_b, [grad_r, *rest]
+
+
+# ---- residual + RMSNorm ---------------------------------------------------------------
+
+def _is_residual_rmsnorm(prog: EpilogueProgram) -> bool:
+    """z = acc (+ bias) + residual  |  z = x;  [s = gamma + c];  h2 = z * s or h2 = z;
+    ss = row_sum(square(z)); r = rsqrt(ss / d + eps) -> outputs (z,) h2, r."""
+    try:
+        _residual_rmsnorm_parts(prog)
+        return True
+    except (AssertionError, ValueError, KeyError, IndexError):
+        return False
+
+
+def _residual_rmsnorm_parts(prog):
+    body = list(prog.body)
+    kinds = {o.name: o.kind for o in prog.operands}
+    names = [o.name for o in prog.operands]
+    i = 0
+    if prog.gemm:
+        if body[i].args == (ACC, "bias"):
+            assert body[i].op == "add" and kinds["bias"] == Kind.PER_FEATURE
+            i += 1
+        assert body[i].op == "add" and body[i].args[1] == "residual"
+        z = body[i].out
+        i += 1
+    else:
+        assert names[0] == "x" and kinds["x"] == Kind.TILE
+        z = "x"
+    offset = 0.0
+    h2 = z
+    if "gamma" in kinds:
+        if body[i].op == "add" and body[i].args[0] == "gamma":
+            offset = float(body[i].args[1])
+            i += 1
+        assert body[i].op == "mul" and body[i].args[0] == z
+        h2 = body[i].out
+        i += 1
+    sq, ss, mean, den, r = body[i:i + 5]
+    assert (sq.op, sq.args) == ("square", (z,))
+    assert (ss.op, ss.args) == ("row_sum", (sq.out,))
+    assert mean.op == "div" and mean.args[0] == ss.out and not isinstance(mean.args[1], str)
+    assert den.op == "add" and den.args[0] == mean.out
+    assert (r.op, r.args) == ("rsqrt", (den.out,))
+    assert len(body) == i + 5
+    outs = [o.value for o in prog.outputs]
+    assert outs == ([z] if prog.gemm else []) + [h2, r.out]
+    return dict(z=z, offset=offset, d=float(mean.args[1]), has_gamma="gamma" in kinds)
+
+
+def _residual_rmsnorm_vjp(prog, a, b, operands, outputs, grads):
+    parts = _residual_rmsnorm_parts(prog)
+    by_name = dict(zip((o.name for o in prog.operands), operands))
+    if prog.gemm:
+        dz, dh2, dr = grads
+        z, _, r = outputs
+    else:
+        dh2, dr = grads
+        dz = None
+        z = by_name["x"]
+        r = outputs[1]
+    zf, rf = _up(z), _up(r)[:, None]
+    total = torch.zeros_like(zf) if dz is None else _up(dz).clone()
+    grad_gamma = None
+    if dh2 is not None:
+        if parts["has_gamma"]:
+            scale = _up(by_name["gamma"]) + parts["offset"]
+            total += _up(dh2) * scale
+            grad_gamma = (_up(dh2) * zf).sum(0).to(by_name["gamma"].dtype)
+        else:
+            total += _up(dh2)
+    grad_eps = None
+    if dr is not None:
+        drf = _up(dr)[:, None]
+        total += drf * (-(rf ** 3) / parts["d"]) * zf
+        grad_eps = (drf * (-0.5) * rf ** 3).sum()
+    grads_by_name = {"gamma": grad_gamma}
+    if prog.gemm:
+        grads_by_name["residual"] = total.to(by_name["residual"].dtype)  # a dtype stand-in
+        if "bias" in by_name:
+            grads_by_name["bias"] = total.sum(0).to(by_name["bias"].dtype)
+        grad_a, grad_b = _gemm_grads(total, a, b)
+    else:
+        grads_by_name["x"] = total.to(z.dtype)
+        grad_a = grad_b = None
+    if "eps" in by_name and grad_eps is not None:
+        grads_by_name["eps"] = grad_eps.to(by_name["eps"].dtype).reshape(by_name["eps"].shape)
+    return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
+
+
+def _residual_rmsnorm_saves(prog):
+    """Outputs kept for the backward (z, r), and operands it only needs the dtype of."""
+    return ([0, 2] if prog.gemm else [1]), {"residual"}
+
+
+# (applies to, rule, what the forward must keep: (output indices, operands not needed))
+SPECIALISED = [
+    (_is_rowscale, _rowscale_vjp, lambda prog: ([], set())),
+    (_is_residual_rmsnorm, _residual_rmsnorm_vjp, _residual_rmsnorm_saves),
+]
+
+
+def saves(prog: EpilogueProgram) -> tuple[list[int], set[str]]:
+    """(outputs the backward reads, operand names it needs only the dtype of)."""
+    for matches, _, keep in SPECIALISED:
+        if matches(prog):
+            return keep(prog)
+    return [], set()
+
+
+# ---- any other program ----------------------------------------------------------------
+
+def _general_vjp(prog, a, b, operands, outputs, grads):
+    """Recompute acc as one 16-bit GEMM; autograd through the reference epilogue."""
+    acc = (a @ b.t()) if prog.gemm else None
+    leaves = [t for t in (acc, *operands) if t is not None and t.is_floating_point()]
+    with torch.enable_grad():
+        detached = {id(t): t.detach().requires_grad_(True) for t in leaves}
+
+        def d(t):
+            return None if t is None else detached.get(id(t), t)
+
+        outs = reference.run_program(prog, a, b, [d(t) for t in operands], acc=d(acc))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wrt = list(detached.values())
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                  allow_unused=True) if pairs else [None] * len(wrt)
+    by_id = dict(zip(detached.keys(), got))
+    grad_a = grad_b = None
+    if prog.gemm and by_id.get(id(acc)) is not None:
+        grad_a, grad_b = _gemm_grads(by_id[id(acc)], a, b)
+    return grad_a, grad_b, [by_id.get(id(t)) for t in operands]
+
+
+def vjp(prog: EpilogueProgram, a, b, operands, outputs, grads):
+    """(grad_a, grad_b, [grad per operand]) for ``prog``."""
+    device = (a if a is not None else operands[0]).device
+    with torch.autocast(device_type=device.type, enabled=False):
+        for matches, rule, _ in SPECIALISED:
+            if matches(prog):
+                return rule(prog, a, b, operands, outputs, grads)
+        return _general_vjp(prog, a, b, operands, outputs, grads)
