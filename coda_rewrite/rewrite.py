@@ -14,7 +14,7 @@ import operator
 
 import torch.fx as fx
 
-from .algebra.row_scale import chain_op, mutated_value
+from .algebra.row_scale import mutated_value, replay_chain
 from .canonical import meta
 from .kernels import ops
 from .patterns import residual_rmsnorm
@@ -32,9 +32,9 @@ def _cast_for_gemm(graph: fx.Graph, linear: fx.Node, *tensors):
     target = meta(linear).dtype
     out = []
     for t in tensors:
-        m = meta(t) if isinstance(t, fx.Node) else None
-        if m is not None and m.dtype != target:
-            t = graph.call_method("to", (t, target))
+        m = meta(t)
+        if isinstance(t, fx.Node) and (m is None or m.dtype != target):
+            t = graph.call_method("to", (t, target))  # a no-op where it already is
         out.append(t)
     return out
 
@@ -48,17 +48,15 @@ def _results(graph: fx.Graph, call: fx.Node, n: int, like: fx.Node) -> list[fx.N
     return outs
 
 
-def _replay_chain(graph: fx.Graph, chain, d: int, h2: fx.Node, r: fx.Node):
-    """Apply the row-preserving ops between the norm and a GEMM to h2 and to r."""
-    for node in chain:
-        kind, _ = chain_op(node, d)
-        new_h2 = graph.node_copy(node, lambda n: h2 if n is node.args[0] else n)
-        if kind == "index":
-            r = graph.node_copy(node, lambda n: r if n is node.args[0] else n)
-        elif kind == "reshape":
-            r = graph.call_function(ops.rows_like, (r, new_h2))
-        h2 = new_h2
-    return h2, r
+def _graph_replay(graph: fx.Graph):
+    """``like`` / ``call`` for replay_chain that build graph nodes."""
+    def like(node, src, x):
+        return graph.node_copy(node, lambda n: x if n is src else n)
+
+    def call(fn, *args):
+        return graph.call_function(fn, args)
+
+    return like, call
 
 
 def _erase_if_dead(graph: fx.Graph, nodes) -> None:
@@ -102,9 +100,15 @@ def apply(graph: fx.Graph, match, accepted_consumers):
     for c in accepted_consumers:
         program = match.consumer_programs[c.linear].to_text()
         with graph.inserting_before(c.linear):
-            h2c, rc = _replay_chain(graph, c.chain, norm.dim, h2, r)
-            x, w, *b = _cast_for_gemm(graph, c.linear, h2c, c.weight,
-                                      *([c.bias] if c.bias is not None else []))
+            h2c, rc, scale, shift = replay_chain(c.chain, norm.output, norm.dim, h2, r,
+                                                 *_graph_replay(graph))
+            weight, bias = c.weight, c.bias
+            if scale is not None:  # a per-feature factor, folded into the live weights
+                weight = graph.call_function(ops.fold_scale, (c.weight, scale))
+            if shift is not None:  # a bias after the norm, distributed: shift·Wᵀ (+ b)
+                bias = graph.call_function(ops.distribute_bias, (shift, c.weight, c.bias))
+            x, w, *b = _cast_for_gemm(graph, c.linear, h2c, weight,
+                                      *([bias] if bias is not None else []))
             call = graph.call_function(ops.fused_linear, (program, x, w, rc, *b))
             _copy_meta(call, c.linear)
             (out,) = _results(graph, call, 1, c.linear)

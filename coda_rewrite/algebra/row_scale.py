@@ -23,63 +23,125 @@ only r moves.
 
 from __future__ import annotations
 
-import functools
 import operator
 
-import sympy as sp
 import torch
 import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
+from . import statements
 from .decision import Decision, Proof, Rejection
-
-
-@functools.cache
-def deferral_identity() -> tuple[str, ...]:
-    """Prove (1) symbolically; returns the proof steps. Raises if sympy disagrees."""
-    i, j, k, K = sp.symbols("i j k K", integer=True, nonnegative=True)
-    r, H, W = sp.IndexedBase("r"), sp.IndexedBase("H"), sp.IndexedBase("W")
-    lhs = sp.Sum(r[i] * H[i, k] * W[k, j], (k, 0, K - 1))
-    rhs = r[i] * sp.Sum(H[i, k] * W[k, j], (k, 0, K - 1))
-    if sp.simplify(lhs - rhs) != 0:
-        raise AssertionError("row-scale deferral identity failed to simplify")
-    # The same manipulation with a factor on the contracted index must not go through:
-    bad = sp.simplify(sp.Sum(r[k] * H[i, k] * W[k, j], (k, 0, K - 1)) - rhs)
-    if bad == 0:
-        raise AssertionError("sympy proved a false deferral; the checker is unsound")
-    return (f"{sp.sstr(lhs)} - {sp.sstr(rhs)} simplifies to 0 (r[i] is constant in k)",
-            "with r[k] in place of r[i] the difference does not vanish: "
-            "a per-feature factor cannot be deferred this way")
 
 
 # ---- side condition (b): ops between the norm and its GEMM ----------------------------
 
 _VIEWLIKE = {"view", "reshape", "flatten"}
 _IDENTITY = {"contiguous", "clone", "detach"}
+_ROW_PERMUTES = {"roll", "flip", "index_select"}
 
 
-def chain_op(node: fx.Node, d: int) -> tuple[str, str]:
-    """Classify an op between the norm and the GEMM: ('index' | 'reshape' | 'cast' |
-    'identity', '') when it keeps rows intact, else ('reject', why)."""
+def _name(node: fx.Node) -> str:
     c = canon(node)
-    name = c.name if c else (node.target if node.op == "call_method" else
-                             getattr(node.target, "__name__", str(node.target)))
-    src, out = meta(node.args[0]), meta(node)
-    if c is not None and c.name == "cast":
+    if c is not None:
+        return c.name
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__",
+                                                                str(node.target))
+
+
+def _per_feature(x, d: int) -> bool:
+    """A python number, or a tensor with one value per feature ([d], [1, .., 1, d])."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return True
+    mx = meta(x)
+    return mx is not None and mx.shape[-1] == d and all(s == 1 for s in mx.shape[:-1])
+
+
+def _dims_avoid_last(dims, ndim: int) -> bool:
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return bool(dims) and all(isinstance(x, int) and x % ndim != ndim - 1 for x in dims)
+
+
+def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
+    """Classify an op between the norm and the GEMM (``src`` is its input on the path):
+
+        index / permute   selects or reorders rows: applied to r the same way
+        reshape           keeps the last dim: r follows the leading dims
+        cast, identity    h2 only
+        scale             × a per-feature vector: folded into the GEMM's weights
+        shift             + a per-feature vector: distributed as the epilogue's bias b·Wᵀ
+        reject            anything else, with why
+    """
+    name = _name(node)
+    ms, out = meta(src), meta(node)
+    if ms is None or out is None:
+        return "reject", f"{describe(node)} does not produce a tensor"
+    if name == "cast":
         return "cast", ""
     if name in _IDENTITY and len(node.args) == 1:
         return "identity", ""
-    if c is not None and c.name == "getitem":
-        if index_keeps_last_dim(node.args[1], src.dim()):
+    if name == "getitem":
+        if index_keeps_last_dim(node.args[1], ms.dim()):
             return "index", ""
         return "reject", (f"{describe(node)} indexes the feature dim: the GEMM would "
                           "no longer contract over the normalised features")
-    if name in _VIEWLIKE and out is not None and out.dim() >= 1 and out.shape[-1] == d \
-            and src.shape[-1] == d:
+    if name in _ROW_PERMUTES:
+        dims = node.args[2] if name == "roll" and len(node.args) > 2 else \
+            node.kwargs.get("dims") if name == "roll" else \
+            node.args[1] if len(node.args) > 1 else node.kwargs.get("dims", node.kwargs.get("dim"))
+        if dims is not None and _dims_avoid_last(dims, ms.dim()):
+            return "permute", ""
+        return "reject", f"{describe(node)} ({name}) moves values across the feature dim"
+    if name in _VIEWLIKE and out.dim() >= 1 and out.shape[-1] == d and ms.shape[-1] == d:
         return "reshape", ""
+    if name in ("mul", "add", "sub") and out.shape == ms.shape:
+        other = node.args[1] if node.args[0] is src else node.args[0]
+        if _per_feature(other, d) and not (name == "sub" and node.args[1] is src):
+            return ("scale" if name == "mul" else "shift"), ""
+        if name == "mul" and (meta(other) is not None and meta(other).shape[-1] == 1):
+            return "reject", (f"{describe(node)} multiplies by a per-row value: it would "
+                              "have to be deferred too (not established)")
     return "reject", (f"{describe(node)} ({name}) sits between the norm and the GEMM: "
                       "r·f(h) = f(r·h) is not established for it")
+
+
+def replay_chain(chain, head: fx.Node, d: int, h2, r, like, call):
+    """Apply the ops between the norm output ``head`` and a GEMM to the rewrite's values.
+
+    ``like(node, src, x)`` applies ``node``'s op with ``x`` in place of ``src``;
+    ``call(fn, *args)`` applies a function. The graph rewrite passes node-building
+    versions, the numeric witness evaluating ones, so both run this one definition.
+    Returns (h2, r, scale, shift): the consumer computes r ⊙ (h2·(W ⊙ scale)ᵀ) +
+    shift·Wᵀ + its own bias."""
+    scale = shift = None
+    src = head
+    for node in chain:
+        kind, why = chain_op(node, src, d)
+        if kind == "reject":
+            raise ValueError(why)
+        if kind in ("index", "permute"):
+            h2, r = like(node, src, h2), like(node, src, r)
+        elif kind == "reshape":
+            h2 = like(node, src, h2)
+            r = call(_ops().rows_like, r, h2)
+        elif kind in ("cast", "identity"):
+            h2 = like(node, src, h2)
+        else:
+            other = node.args[1] if node.args[0] is src else node.args[0]
+            if kind == "scale":
+                scale = other if scale is None else call(operator.mul, scale, other)
+                if shift is not None:
+                    shift = call(operator.mul, shift, other)
+            else:
+                sign_other = call(operator.neg, other) if _name(node) == "sub" else other
+                shift = sign_other if shift is None else call(operator.add, shift, sign_other)
+        src = node
+    return h2, r, scale, shift
+
+
+def _ops():
+    from ..kernels import ops
+    return ops
 
 
 def index_keeps_last_dim(index, ndim: int) -> bool:
@@ -166,7 +228,8 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
 
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
-        kinds = [chain_op(n, norm.dim) for n in c.chain]
+        srcs = (norm.output, *c.chain[:-1])
+        kinds = [chain_op(n, src, norm.dim) for n, src in zip(c.chain, srcs)]
         bad = next((why for kind, why in kinds if kind == "reject"), None)
         mx = meta(c.chain[-1] if c.chain else norm.output)
         if bad is None and (mx is None or mx.shape[-1] != norm.dim):
@@ -175,10 +238,19 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
             per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear))
             continue
         via = ", ".join(f"{n.name}: {k}" for n, (k, _) in zip(c.chain, kinds))
+        used = {k for k, _ in kinds}
+        steps = []
+        if "scale" in used:
+            steps.append("per-feature factor folded into the weights: "
+                         + statements.prove_per_feature_fold().statement)
+        if "shift" in used:
+            steps.append("bias after the norm distributed: "
+                         + statements.prove_bias_distribution().statement)
         per_consumer[c.linear] = Proof(
-            f"{c.linear.name} = r ⊙ (h2 · Wᵀ)" + (" + b" if c.bias is not None else ""),
+            f"{c.linear.name} = r ⊙ (h2 · W'ᵀ)" + (" + b" if c.bias is not None else "")
+            + (" + shift·Wᵀ" if "shift" in used else ""),
             (f"(b) path from the norm: {via or 'direct'}",
-             "(b') nn.Linear contracts over the last (normalised) dim"), ())
+             "(b') nn.Linear contracts over the last (normalised) dim"), tuple(steps))
     accepted = [c for c in match.consumers if per_consumer[c.linear].accepted]
     if not accepted:
         first = next(iter(per_consumer.values()))
@@ -192,4 +264,8 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         f"eps = {norm.eps:g} is a constant" if isinstance(norm.eps, float) else
         f"eps is the 0-d tensor {norm.eps.name}, one value for every row (read at run time)",
     )
-    return Proof(statement, assumptions, deferral_identity()), per_consumer
+    deferral = statements.prove_row_scale_deferral()
+    decomposition = statements.prove_reduction_decomposition("sum")
+    return Proof(statement, assumptions, deferral.steps + (
+        "rstd's sum of squares is merged from per-tile partials: " + decomposition.statement,
+    ), deferral.witness), per_consumer

@@ -17,7 +17,8 @@ from ..canonical import meta
 from ..kernels import reference
 from ..patterns import residual_rmsnorm
 from .decision import Rejection
-from .row_scale import chain_op
+from ..kernels import ops as ops_mod
+from .row_scale import replay_chain
 
 _MAX_ELEMS = 1 << 16
 
@@ -26,23 +27,46 @@ class _Unreplayable(Exception):
     pass
 
 
-def _eval(node: fx.Node, env: dict, first=None, depth: int = 3):
-    """Evaluate ``node`` on the values in ``env`` (``first`` replacing its first
-    argument); a missing argument computed by a short pure chain from values in ``env``
-    (the upcast of a GEMM output) is evaluated on the way."""
+def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
+    """Evaluate ``node`` on the values in ``env`` (``replace=(src, x)``: x in place of
+    src); a missing argument computed by a short pure chain from values in ``env`` (the
+    upcast of a GEMM output) is evaluated on the way."""
     def arg(n):
-        if n is node.args[0] and first is not None:
-            return first
+        if replace is not None and n is replace[0]:
+            return replace[1]
         if n not in env:
-            if depth == 0 or n.op not in ("call_function", "call_method") or n.is_impure():
+            if n.op in ("placeholder", "get_attr"):
+                env[n] = _random_like(n, env)
+            elif depth == 0 or n.op not in ("call_function", "call_method") or n.is_impure():
                 raise _Unreplayable(f"{n.name} is computed outside the match")
-            env[n] = _eval(n, env, depth=depth - 1)
+            else:
+                env[n] = _eval(n, env, depth=depth - 1)
         return env[n]
     args = fx.node.map_arg(node.args, arg)
     kwargs = fx.node.map_arg(node.kwargs, arg)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     return node.target(*args, **kwargs)
+
+
+def _random_like(n: fx.Node, env: dict) -> torch.Tensor:
+    """A graph input the match reads besides its own (a per-feature factor, an index):
+    random values of its shape and dtype (integer inputs cannot be invented)."""
+    m = meta(n)
+    if m is None or not m.is_floating_point() or m.numel() > _MAX_ELEMS:
+        raise _Unreplayable(f"{n.name} is a graph input the witness cannot invent")
+    shape = [_size(s) for s in m.shape]
+    t = torch.rand(shape, generator=env["__gen__"], dtype=torch.float64) + 0.5
+    return t if m.dtype == torch.float32 else t.to(m.dtype)
+
+
+def _value(x, env):
+    """A replay value: a node evaluated in env, or what replay_chain built from them."""
+    if isinstance(x, fx.Node):
+        if x not in env:
+            env[x] = _eval(x, env)
+        return env[x]
+    return x
 
 
 def _size(s) -> int:
@@ -93,7 +117,7 @@ def _witness(match, consumers, lead, native: bool) -> str | Rejection:
             dtype = torch.float64
         return (base + torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
 
-    env: dict = {}
+    env: dict = {"__gen__": g}
     ops_in, reference_outs, rewritten_outs, names = [], [], [], []
     if norm.weight is not None:
         env[norm.weight] = rand(norm.weight, d, base=1.0) * 0.5
@@ -140,18 +164,21 @@ def _witness(match, consumers, lead, native: bool) -> str | Rejection:
         for node in c.chain:
             env[node] = _eval(node, env)
         ref = _eval(c.linear, env)
-        hc, rc = h2, r
-        for node in c.chain:
-            kind, _ = chain_op(node, d)
-            new_h = _eval(node, env, first=hc)
-            if kind == "index":
-                rc = _eval(node, env, first=rc)
-            elif kind == "reshape":
-                rc = rc.reshape(*new_h.shape[:-1], 1)
-            hc = new_h
-        ops = [rc.reshape(-1), *([env[c.bias]] if c.bias is not None else [])]
+        def like(node, src, x):
+            return _eval(node, env, replace=(src, x))
+
+        def call(fn, *args):
+            return fn(*(_value(a, env) for a in args))
+
+        hc, rc, scale, shift = replay_chain(c.chain, norm.output, d, h2, r, like, call)
+        weight, bias = env[c.weight], env.get(c.bias)
+        if scale is not None:
+            weight = ops_mod.fold_scale(env[c.weight], _value(scale, env))
+        if shift is not None:
+            bias = ops_mod.distribute_bias(_value(shift, env), env[c.weight], bias)
+        ops = [rc.reshape(-1), *([bias] if bias is not None else [])]
         (out,) = reference.run_program(match.consumer_programs[c.linear],
-                                       hc.reshape(-1, d), env[c.weight], ops)
+                                       hc.reshape(-1, d), weight, ops)
         reference_outs.append(ref)
         rewritten_outs.append(out.reshape(ref.shape))
         names.append(c.linear.name)

@@ -164,3 +164,20 @@ def rows_like(r: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Reshape a per-row value [..., 1] to follow ``h``'s reshape of its leading dims
     (the last dim of ``h`` unchanged, so rows keep their C order)."""
     return r.reshape(*h.shape[:-1], 1)
+
+
+def fold_scale(weight: torch.Tensor, scale) -> torch.Tensor:
+    """W' = W·diag(s): a per-feature factor between the norm and the GEMM, folded into
+    the weights (recomputed from the live parameters on every call)."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(1, -1).to(weight.dtype)
+    return weight * scale
+
+
+def distribute_bias(shift, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The epilogue bias of (r·h + shift)·Wᵀ + b: shift·Wᵀ + b, one value per output
+    feature (recomputed from the live parameters on every call)."""
+    if not isinstance(shift, torch.Tensor):
+        shift = torch.full((weight.shape[1],), float(shift), dtype=weight.dtype,
+                           device=weight.device)
+    return torch.nn.functional.linear(shift.reshape(-1).to(weight.dtype), weight, bias)

@@ -161,9 +161,19 @@ def _consumers(h: fx.Node) -> tuple[list[Consumer], list[fx.Node]]:
 
 
 def _single_tensor_input(node: fx.Node, src: fx.Node) -> bool:
-    """``node`` reads ``src`` as its first argument and produces a tensor."""
-    return (node.op in ("call_function", "call_method") and bool(node.args)
-            and node.args[0] is src and meta(node) is not None)
+    """``node`` is a function of ``src`` alone, up to constants and broadcast vectors:
+    it reads ``src`` as its first argument, or as one side of a binary op whose other
+    side is a number or a tensor that does not vary along rows (a per-feature scale or
+    bias). A residual add reads another whole tile: the walk stops there."""
+    if node.op not in ("call_function", "call_method") or meta(node) is None \
+            or src not in node.args[:2]:
+        return False
+    if len(node.args) == 2 and not node.kwargs and canon(node) is not None \
+            and canon(node).name in ("add", "sub", "mul", "div"):
+        other = node.args[1] if node.args[0] is src else node.args[0]
+        mo = meta(other)
+        return mo is None or all(x == 1 for x in mo.shape[:-1])
+    return node.args[0] is src
 
 
 # ---- programs -------------------------------------------------------------------------

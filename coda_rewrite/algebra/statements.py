@@ -1,0 +1,374 @@
+"""The identities every rewrite rests on, proved with sympy for general sizes and backed
+by a numeric witness (random float64, small random shapes).
+
+Each ``prove_*`` function returns a Proof (statement, side conditions, steps, witness) or
+raises ``Unproved``: a statement that sympy cannot reduce is a checker bug, never a
+licence to rewrite. Proofs depend only on the statement's shape, so each is computed once
+per process (``functools.cache``); a 32-layer model asks for the same few.
+
+Index conventions: i a row (token), j an output feature, k the contracted feature,
+K its (symbolic) length; W is in nn.Linear's [out, in] layout, so a GEMM is
+Σ_k H[i, k]·W[j, k].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import sympy as sp
+import torch
+
+from .decision import Proof
+
+i, j, k, f = sp.symbols("i j k f", integer=True, nonnegative=True)
+K, m = sp.symbols("K m", integer=True, positive=True)
+
+
+class Unproved(AssertionError):
+    """sympy did not reduce a statement to an identity (a checker bug)."""
+
+
+def _zero(expr) -> bool:
+    return sp.simplify(sp.powsimp(sp.expand(expr))) == 0
+
+
+def _require(expr, what: str) -> None:
+    if not _zero(expr):
+        raise Unproved(f"{what}: {sp.sstr(expr)} did not simplify to 0")
+
+
+def _refute(expr, what: str) -> None:
+    if _zero(expr):
+        raise Unproved(f"{what} was 'proved', but it is false: the checker is unsound")
+
+
+def _gen(seed: int):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _witness(name: str, fn, tol: float = 1e-12, trials: int = 3) -> str:
+    worst = 0.0
+    for seed in range(trials):
+        worst = max(worst, fn(seed))
+    if not worst <= tol:
+        raise Unproved(f"numeric witness of {name} disagrees: rel. error {worst:.2e}")
+    return f"float64, {trials} random shapes: max rel. error {worst:.1e}"
+
+
+def _shape(seed: int, *lo_hi):
+    g = _gen(seed + 1000)
+    return [int(torch.randint(lo, hi + 1, (1,), generator=g)) for lo, hi in lo_hi]
+
+
+# ---- GEMM algebra ---------------------------------------------------------------------
+
+Sum = sp.Sum
+r, H, W, g_, b_ = (sp.IndexedBase(n) for n in ("r", "H", "W", "gamma", "b"))
+
+
+def _gemm(x):
+    return Sum(x, (k, 0, K - 1))
+
+
+@functools.cache
+def prove_row_scale_deferral() -> Proof:
+    lhs = _gemm(r[i] * H[i, k] * W[j, k])
+    rhs = r[i] * _gemm(H[i, k] * W[j, k])
+    _require(lhs - rhs, "row-scale deferral")
+    _refute(_gemm(r[k] * H[i, k] * W[j, k]) - r[k] * _gemm(H[i, k] * W[j, k]),
+            "deferral of a factor that varies along the contracted dim")
+    sigma = sp.Function("sigma")
+    s = sigma(i)
+    _require(_gemm(r[s] * H[s, k] * W[j, k]) - r[s] * _gemm(H[s, k] * W[j, k]),
+             "deferral through a row selection")
+
+    def num(seed):
+        mm, kk, nn = _shape(seed, (1, 9), (1, 9), (1, 9))
+        g = _gen(seed)
+        rr, hh, ww = (torch.randn(mm, generator=g, dtype=torch.float64),
+                      torch.randn(mm, kk, generator=g, dtype=torch.float64),
+                      torch.randn(nn, kk, generator=g, dtype=torch.float64))
+        return _rel(rr[:, None] * (hh @ ww.T), (rr[:, None] * hh) @ ww.T)
+
+    return Proof(
+        "Σ_k (r[i]·H[i,k])·W[j,k] = r[i]·Σ_k H[i,k]·W[j,k]",
+        ("r is one scalar per row (constant in k)",
+         "the GEMM contracts over the feature dim k, not over rows",
+         "rows selected/gathered/permuted before the GEMM (i ↦ σ(i)) select r the same way"),
+        (f"{sp.sstr(lhs)} − {sp.sstr(rhs)} simplifies to 0",
+         "with σ(i) for i (any row selection) the same reduction holds",
+         "with r[k] in place of r[i] the difference does not vanish: refused"),
+        _witness("row-scale deferral", num))
+
+
+@functools.cache
+def prove_per_feature_fold() -> Proof:
+    lhs = _gemm(H[i, k] * g_[k] * W[j, k])
+    rhs = _gemm(H[i, k] * (g_[k] * W[j, k]))
+    _require(lhs - rhs, "per-feature folding")
+    _refute(lhs - g_[i] * _gemm(H[i, k] * W[j, k]), "deferring γ as if it were per row")
+
+    def num(seed):
+        mm, kk, nn = _shape(seed, (1, 9), (1, 9), (1, 9))
+        g = _gen(seed)
+        hh, gg, ww = (torch.randn(mm, kk, generator=g, dtype=torch.float64),
+                      torch.randn(kk, generator=g, dtype=torch.float64),
+                      torch.randn(nn, kk, generator=g, dtype=torch.float64))
+        return _rel((hh * gg) @ ww.T, hh @ (ww * gg).T)
+
+    return Proof(
+        "Σ_k (H[i,k]·γ[k])·W[j,k] = Σ_k H[i,k]·(γ[k]·W[j,k])   (W' = W·diag(γ))",
+        ("γ is one value per contracted feature k",
+         "W' is recomputed from the live γ and W on every call (training updates both)"),
+        ("associativity of the product inside the sum",
+         "γ[k] cannot leave the sum as a row factor: γ[i]·Σ_k H·W differs (refused)"),
+        _witness("per-feature folding", num))
+
+
+@functools.cache
+def prove_bias_distribution() -> Proof:
+    lhs = _gemm((r[i] * H[i, k] + b_[k]) * W[j, k]).expand()
+    rhs = r[i] * _gemm(H[i, k] * W[j, k]) + _gemm(b_[k] * W[j, k])
+    _require(lhs - rhs, "bias distribution")
+
+    def num(seed):
+        mm, kk, nn = _shape(seed, (1, 9), (1, 9), (1, 9))
+        g = _gen(seed)
+        rr, hh, bb, ww = (torch.randn(mm, generator=g, dtype=torch.float64),
+                          torch.randn(mm, kk, generator=g, dtype=torch.float64),
+                          torch.randn(kk, generator=g, dtype=torch.float64),
+                          torch.randn(nn, kk, generator=g, dtype=torch.float64))
+        return _rel(rr[:, None] * (hh @ ww.T) + (bb @ ww.T)[None],
+                    (rr[:, None] * hh + bb) @ ww.T)
+
+    return Proof(
+        "Σ_k (r[i]·H[i,k] + b[k])·W[j,k] = r[i]·Σ_k H[i,k]·W[j,k] + Σ_k b[k]·W[j,k]",
+        ("b is one value per contracted feature (a bias after the norm)",
+         "b·Wᵀ is recomputed from the live b and W on every call"),
+        ("linearity of the sum: the bias becomes the per-feature term (b·Wᵀ)[j] of the "
+         "consumer's epilogue",),
+        _witness("bias distribution", num))
+
+
+# ---- reductions -----------------------------------------------------------------------
+
+_a, _b, _c = sp.symbols("a b c", real=True)
+REDUCTIONS = {
+    "sum": (lambda x, y: x + y, sp.Integer(0)),
+    "max": (lambda x, y: sp.Max(x, y), -sp.oo),
+    "max_abs": (lambda x, y: sp.Max(sp.Abs(x), sp.Abs(y)), sp.Integer(0)),
+}
+
+
+@functools.cache
+def prove_reduction_decomposition(kind: str) -> Proof:
+    """Per-tile partials merged in any order equal the full row reduction."""
+    merge, identity = REDUCTIONS[kind]
+    if kind == "max_abs":  # merges |values|: associative on the folded magnitudes
+        merge = lambda x, y: sp.Max(x, y)  # noqa: E731
+        _a2, _b2, _c2 = (sp.Abs(v) for v in (_a, _b, _c))
+    else:
+        _a2, _b2, _c2 = _a, _b, _c
+    _require(merge(merge(_a2, _b2), _c2) - merge(_a2, merge(_b2, _c2)), f"{kind} associativity")
+    _require(merge(_a2, _b2) - merge(_b2, _a2), f"{kind} commutativity")
+    if kind == "max":
+        if sp.Max(_a, identity) != _a:
+            raise Unproved("max identity")
+    else:
+        _require(merge(_a2, identity) - _a2, f"{kind} identity")
+
+    torch_op = {"sum": torch.sum, "max": torch.amax,
+                "max_abs": lambda t, dim: t.abs().amax(dim)}[kind]
+
+    def num(seed):
+        mm, nn, tile = _shape(seed, (1, 5), (1, 40), (1, 16))
+        x = torch.randn(mm, nn, generator=_gen(seed), dtype=torch.float64)
+        parts = [torch_op(x[:, s:s + tile], dim=1) for s in range(0, nn, tile)]
+        merged = parts[0]
+        for p in parts[1:]:
+            merged = merged + p if kind == "sum" else torch.maximum(merged, p)
+        return _rel(merged, torch_op(x, dim=1))
+
+    return Proof(
+        f"{kind} over a row = the {kind}-merge of per-tile partials, in any order",
+        (f"the merge is associative and commutative with identity {identity} "
+         "(a ragged tile's padding must hold the identity)",),
+        ("associativity and commutativity verified symbolically; by induction over tiles "
+         "any merge order of the partials equals the full reduction",),
+        _witness(f"{kind} decomposition", num))
+
+
+@functools.cache
+def refute_mean_of_means() -> str:
+    """Why a mean of tile means is rejected unless the tiles are equal-sized."""
+    s1, s2 = sp.symbols("s1 s2", real=True)
+    n1, n2 = sp.symbols("n1 n2", positive=True, integer=True)
+    diff = (s1 / n1 + s2 / n2) / 2 - (s1 + s2) / (n1 + n2)
+    _refute(diff, "mean of tile means")
+    _require(diff.subs(n2, n1), "mean of equal-sized tile means")
+    return ("(s1/n1 + s2/n2)/2 − (s1+s2)/(n1+n2) ≠ 0 unless n1 = n2: merge sums and "
+            "divide once (a ragged last tile has fewer columns)")
+
+
+@functools.cache
+def prove_lse_merge() -> Proof:
+    """(m, s) ⊕ (m', s') = (M, s·e^(m−M) + s'·e^(m'−M)), M = max(m, m')."""
+    ms = sp.symbols("m1:4", real=True)
+    ss = sp.symbols("s1:4", positive=True)
+
+    def merge(x, y):
+        big = sp.Max(x[0], y[0])
+        return big, x[1] * sp.exp(x[0] - big) + y[1] * sp.exp(y[0] - big)
+
+    p = list(zip(ms, ss))
+    left, right = merge(merge(p[0], p[1]), p[2]), merge(p[0], merge(p[1], p[2]))
+    _require(left[0] - right[0], "LSE merge associativity (max)")
+    _require(left[1] - right[1], "LSE merge associativity (sum)")
+    _require(left[1] * sp.exp(left[0]) - sum(s_ * sp.exp(m_) for m_, s_ in p),
+             "LSE merge represents Σ exp over the union")
+    naive = sp.exp(-sp.oo - (-sp.oo))
+    if naive is not sp.nan:
+        raise Unproved("expected the naive merge of two empty states to be undefined")
+
+    def num(seed):
+        mm, nn, tile = _shape(seed, (1, 5), (2, 40), (1, 16))
+        x = torch.randn(mm, nn, generator=_gen(seed), dtype=torch.float64) * 10
+        state = None
+        for s0 in range(0, nn, tile):
+            part = x[:, s0:s0 + tile]
+            mx = part.amax(1)
+            cur = (mx, torch.exp(part - mx[:, None]).sum(1))
+            if state is None:
+                state = cur
+            else:
+                big = torch.maximum(state[0], cur[0])
+                state = (big, state[1] * torch.exp(state[0] - big)
+                         + cur[1] * torch.exp(cur[0] - big))
+        return _rel(state[0] + torch.log(state[1]), torch.logsumexp(x, 1))
+
+    return Proof(
+        "(m,s) ⊕ (m',s') = (M, s·e^(m−M) + s'·e^(m'−M)), M = max(m,m'); log-sum-exp of "
+        "the union = M + log(s·e^(m−M) + s'·e^(m'−M))",
+        ("a state (m, s) stands for Σ exp = s·e^m",
+         "merging two empty states (−∞, 0) must be defined as (−∞, 0): computed naively "
+         "e^(−∞−(−∞)) is NaN, so the merge guards M = −∞"),
+        ("associativity: both groupings give M = max(m1,m2,m3) and s = Σ s_t·e^(m_t−M)",
+         "the merged state represents s1·e^m1 + s2·e^m2 + s3·e^m3 (the union's Σ exp)",
+         "e^(−∞ − (−∞)) = nan in sympy: the empty-state side condition is real"),
+        _witness("LSE merge", num, tol=1e-12))
+
+
+# ---- permutations, RoPE, gated activations --------------------------------------------
+
+@functools.cache
+def prove_permutation_invariance() -> Proof:
+    n = sp.Symbol("n", integer=True, positive=True)
+    Q, Km, P = (sp.MatrixSymbol(s, n, n) for s in ("Q", "K", "P"))
+    expr = ((Q * P) * (Km * P).T).doit()
+    if expr.subs(P * P.T, sp.Identity(n)) != Q * Km.T:
+        raise Unproved("(QP)(KP)ᵀ did not reduce to QKᵀ")
+    only_q = (Q * P) * Km.T
+    if only_q == Q * Km.T:
+        raise Unproved("a permutation of q alone was 'proved' invariant")
+
+    def num(seed):
+        mm, d = _shape(seed, (1, 7), (2, 12))
+        g = _gen(seed)
+        q, kk = (torch.randn(mm, d, generator=g, dtype=torch.float64) for _ in range(2))
+        perm = torch.randperm(d, generator=g)
+        return _rel(q[:, perm] @ kk[:, perm].T, q @ kk.T)
+
+    return Proof(
+        "(Q·P)·(K·P)ᵀ = Q·Kᵀ for a permutation matrix P",
+        ("the same P acts on the head dim of q and of k",
+         "q and k flow nowhere else (a returned KV cache would expose the permuted order)"),
+        ("(QP)(KP)ᵀ = Q·P·Pᵀ·Kᵀ and P·Pᵀ = I for a permutation",
+         "with P on q alone, Q·P·Kᵀ ≠ Q·Kᵀ: refused"),
+        _witness("permutation invariance", num))
+
+
+@functools.cache
+def prove_rope_interleave() -> Proof:
+    """Half-split RoPE conjugated by the interleave permutation = RoPE on adjacent pairs."""
+    x, c, s = sp.IndexedBase("x"), sp.IndexedBase("cos"), sp.IndexedBase("sin")
+    # half-split (Hugging Face rotate_half): features f and f + m rotate together
+    half_lo = x[f] * c[f] - x[f + m] * s[f]
+    half_hi = x[f + m] * c[f] + x[f] * s[f]
+    # interleave π: y[2f] = x[f], y[2f+1] = x[f+m]; adjacent-pair RoPE on y
+    y = {2 * f: x[f], 2 * f + 1: x[f + m]}
+    pair_even = y[2 * f] * c[f] - y[2 * f + 1] * s[f]
+    pair_odd = y[2 * f + 1] * c[f] + y[2 * f] * s[f]
+    _require(pair_even - half_lo, "RoPE interleave (even lane)")
+    _require(pair_odd - half_hi, "RoPE interleave (odd lane)")
+
+    def num(seed):
+        (half,) = _shape(seed, (1, 8))
+        d = 2 * half
+        g = _gen(seed)
+        xx = torch.randn(3, d, generator=g, dtype=torch.float64)
+        ang = torch.randn(half, generator=g, dtype=torch.float64)
+        cos, sin = torch.cat([ang.cos()] * 2), torch.cat([ang.sin()] * 2)
+        rot = torch.cat([-xx[:, half:], xx[:, :half]], -1)
+        ref = xx * cos + rot * sin
+        perm = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
+        yy = xx[:, perm].reshape(3, half, 2)
+        out = torch.stack([yy[..., 0] * ang.cos() - yy[..., 1] * ang.sin(),
+                           yy[..., 1] * ang.cos() + yy[..., 0] * ang.sin()], -1).flatten(1)
+        return _rel(out, ref[:, perm])
+
+    return Proof(
+        "π(rope_half(x)) = rope_pairs(π(x)),  π: y[2f] = x[f], y[2f+1] = x[f + d/2]",
+        ("the same cos/sin per frequency f in both conventions",
+         "π is applied to the output features of W_q and W_k alike (permutation invariance)"),
+        ("lane 2f: x[f]·cos f − x[f+m]·sin f on both sides",
+         "lane 2f+1: x[f+m]·cos f + x[f]·sin f on both sides"),
+        _witness("RoPE interleave", num))
+
+
+@functools.cache
+def prove_gated_interleave() -> Proof:
+    X, Wg, Wu = sp.IndexedBase("X"), sp.IndexedBase("Wg"), sp.IndexedBase("Wu")
+    act = sp.Function("act")
+    w_int = {2 * j: Wg, 2 * j + 1: Wu}  # interleaved rows: [g0, u0, g1, u1, ...]
+    acc = {c: _gemm(X[i, k] * w_int[c][j, k]) for c in w_int}
+    lhs = act(r[i] * acc[2 * j]) * (r[i] * acc[2 * j + 1])
+    rhs = act(r[i] * _gemm(X[i, k] * Wg[j, k])) * (r[i] * _gemm(X[i, k] * Wu[j, k]))
+    _require(lhs - rhs, "gated activation under interleave")
+
+    def num(seed):
+        mm, kk, nn = _shape(seed, (1, 6), (1, 8), (1, 6))
+        g = _gen(seed)
+        xx = torch.randn(mm, kk, generator=g, dtype=torch.float64)
+        wg, wu = (torch.randn(nn, kk, generator=g, dtype=torch.float64) for _ in range(2))
+        rr = torch.rand(mm, generator=g, dtype=torch.float64) + 0.5
+        wi = torch.stack([wg, wu], 1).reshape(2 * nn, kk)
+        a = rr[:, None] * (xx @ wi.T)
+        out = torch.nn.functional.silu(a[:, 0::2]) * a[:, 1::2]
+        ref = torch.nn.functional.silu(rr[:, None] * (xx @ wg.T)) * (rr[:, None] * (xx @ wu.T))
+        return _rel(out, ref)
+
+    return Proof(
+        "act(r[i]·acc[i,2j])·(r[i]·acc[i,2j+1]) = act(r[i]·(X·W_gᵀ)[i,j])·(r[i]·(X·W_uᵀ)[i,j])",
+        ("W_int interleaves the rows of W_g and W_u: W_int[2j] = W_g[j], W_int[2j+1] = W_u[j]",
+         "the deferred row scale r is applied before the activation (it is not linear)"),
+        ("acc[i,2j] is the gate GEMM's (i,j) entry and acc[i,2j+1] the up GEMM's",),
+        _witness("gated interleave", num))
+
+
+def all_statements() -> list[tuple[str, Proof]]:
+    """Every identity the pass relies on, proved (and cached)."""
+    out = [("row-scale deferral", prove_row_scale_deferral()),
+           ("per-feature folding", prove_per_feature_fold()),
+           ("bias distribution", prove_bias_distribution())]
+    out += [(f"{kind} decomposition", prove_reduction_decomposition(kind))
+            for kind in REDUCTIONS]
+    out += [("log-sum-exp merge", prove_lse_merge()),
+            ("permutation invariance", prove_permutation_invariance()),
+            ("RoPE interleave", prove_rope_interleave()),
+            ("gated activation interleave", prove_gated_interleave())]
+    return out
+
