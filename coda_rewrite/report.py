@@ -51,6 +51,7 @@ class MatchRecord:
                 lines.append(d.render("      "))
             elif "direct" not in d.assumptions[0]:
                 lines.append(f"    consumer {name}: {d.assumptions[0]}")
+                lines += [f"      step {s}" for s in d.steps]
         if self.materialised:
             lines.append("    materialised (still read outside the rewrite): "
                          + ", ".join(self.materialised))
