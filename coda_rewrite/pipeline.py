@@ -16,6 +16,7 @@ import time
 import torch.fx as fx
 
 from . import algebra, canonical, rewrite
+from .algebra import locality
 from .capture import describe
 from .options import Options
 from .patterns import residual_rmsnorm
@@ -61,6 +62,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         record.status = REWRITTEN
         record.materialised = [describe(n) for n in alive]
         record.programs = [m.norm_program, *(m.consumer_programs[c.linear] for c in accepted)]
+        record.program_checks = [locality.check(p) for p in dict.fromkeys(record.programs)]
 
     graph.lint()
     gm.recompile()

@@ -35,6 +35,7 @@ class MatchRecord:
     consumer_decisions: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
     materialised: list[str] = dataclasses.field(default_factory=list)
     programs: list[EpilogueProgram] = dataclasses.field(default_factory=list)
+    program_checks: list[Decision] = dataclasses.field(default_factory=list)
 
     def render(self, i: int) -> str:
         head = f"[{i}] {self.pattern} at {self.path or '<top level>'}: {self.status.upper()}"
@@ -59,6 +60,8 @@ class MatchRecord:
             lines.append(self.decision.render("    "))
         if self.programs:
             lines.append("    programs: " + ", ".join(p.key for p in self.programs))
+        for check in self.program_checks:
+            lines.append(check.render("    "))
         return "\n".join(lines)
 
 
