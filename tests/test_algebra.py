@@ -185,3 +185,20 @@ def test_a_consumer_that_produces_the_next_residual():
         return s.w1(rms(z2, s.s))
     text = check(body, rewritten=2)
     assert "already carries another rewrite's epilogue" in text
+
+
+def test_program_checks_state_locality_and_the_padding_condition():
+    from coda_rewrite.algebra import locality
+    from coda_rewrite.codegen.program import ACC, Kind, ProgramBuilder
+
+    def program(bias: bool):
+        p = ProgramBuilder("residual_rmsnorm", gemm=True)
+        v = p.add(ACC, p.operand("bias", Kind.PER_FEATURE)) if bias else ACC
+        z = p.add(v, p.operand("residual", Kind.TILE), name="z")
+        p.output(z, Kind.TILE, "bfloat16")
+        p.output(p.rsqrt(p.row_sum(p.square(z), name="ss")), Kind.PER_ROW, "float32")
+        return p.build()
+
+    good, biased = locality.check(program(False)), locality.check(program(True))
+    assert good.accepted and "kernel's sum of partials is exact" in good.render()
+    assert biased.accepted and "reference path" in biased.render()
