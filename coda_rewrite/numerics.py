@@ -18,8 +18,9 @@ BF16_RATIO_LIMIT = 1.25
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ over the whole tensor, in float64 (NaN stays NaN)."""
     out, ref = out.detach().double(), ref.detach().double()
-    return float((out - ref).norm() / ref.norm())
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 def logits_of(output) -> torch.Tensor:

@@ -18,6 +18,7 @@ import functools
 import sympy as sp
 import torch
 
+from ..numerics import rel_err
 from .decision import Proof
 
 i, j, k, f = sp.symbols("i j k f", integer=True, nonnegative=True)
@@ -44,10 +45,6 @@ def _refute(expr, what: str) -> None:
 
 def _gen(seed: int):
     return torch.Generator().manual_seed(seed)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _witness(name: str, fn, tol: float = 1e-12, trials: int = 3) -> str:
@@ -92,7 +89,7 @@ def prove_row_scale_deferral() -> Proof:
         rr, hh, ww = (torch.randn(mm, generator=g, dtype=torch.float64),
                       torch.randn(mm, kk, generator=g, dtype=torch.float64),
                       torch.randn(nn, kk, generator=g, dtype=torch.float64))
-        return _rel(rr[:, None] * (hh @ ww.T), (rr[:, None] * hh) @ ww.T)
+        return rel_err(rr[:, None] * (hh @ ww.T), (rr[:, None] * hh) @ ww.T)
 
     return Proof(
         "Σ_k (r[i]·H[i,k])·W[j,k] = r[i]·Σ_k H[i,k]·W[j,k]",
@@ -118,7 +115,7 @@ def prove_per_feature_fold() -> Proof:
         hh, gg, ww = (torch.randn(mm, kk, generator=g, dtype=torch.float64),
                       torch.randn(kk, generator=g, dtype=torch.float64),
                       torch.randn(nn, kk, generator=g, dtype=torch.float64))
-        return _rel((hh * gg) @ ww.T, hh @ (ww * gg).T)
+        return rel_err((hh * gg) @ ww.T, hh @ (ww * gg).T)
 
     return Proof(
         "Σ_k (H[i,k]·γ[k])·W[j,k] = Σ_k H[i,k]·(γ[k]·W[j,k])   (W' = W·diag(γ))",
@@ -142,7 +139,7 @@ def prove_bias_distribution() -> Proof:
                           torch.randn(mm, kk, generator=g, dtype=torch.float64),
                           torch.randn(kk, generator=g, dtype=torch.float64),
                           torch.randn(nn, kk, generator=g, dtype=torch.float64))
-        return _rel(rr[:, None] * (hh @ ww.T) + (bb @ ww.T)[None],
+        return rel_err(rr[:, None] * (hh @ ww.T) + (bb @ ww.T)[None],
                     (rr[:, None] * hh + bb) @ ww.T)
 
     return Proof(
@@ -191,7 +188,7 @@ def prove_reduction_decomposition(kind: str) -> Proof:
         merged = parts[0]
         for p in parts[1:]:
             merged = merged + p if kind == "sum" else torch.maximum(merged, p)
-        return _rel(merged, torch_op(x, dim=1))
+        return rel_err(merged, torch_op(x, dim=1))
 
     return Proof(
         f"{kind} over a row = the {kind}-merge of per-tile partials, in any order",
@@ -248,7 +245,7 @@ def prove_lse_merge() -> Proof:
                 big = torch.maximum(state[0], cur[0])
                 state = (big, state[1] * torch.exp(state[0] - big)
                          + cur[1] * torch.exp(cur[0] - big))
-        return _rel(state[0] + torch.log(state[1]), torch.logsumexp(x, 1))
+        return rel_err(state[0] + torch.log(state[1]), torch.logsumexp(x, 1))
 
     return Proof(
         "(m,s) ⊕ (m',s') = (M, s·e^(m−M) + s'·e^(m'−M)), M = max(m,m'); log-sum-exp of "
@@ -280,7 +277,7 @@ def prove_permutation_invariance() -> Proof:
         g = _gen(seed)
         q, kk = (torch.randn(mm, d, generator=g, dtype=torch.float64) for _ in range(2))
         perm = torch.randperm(d, generator=g)
-        return _rel(q[:, perm] @ kk[:, perm].T, q @ kk.T)
+        return rel_err(q[:, perm] @ kk[:, perm].T, q @ kk.T)
 
     return Proof(
         "(Q·P)·(K·P)ᵀ = Q·Kᵀ for a permutation matrix P",
@@ -318,7 +315,7 @@ def prove_rope_interleave() -> Proof:
         yy = xx[:, perm].reshape(3, half, 2)
         out = torch.stack([yy[..., 0] * ang.cos() - yy[..., 1] * ang.sin(),
                            yy[..., 1] * ang.cos() + yy[..., 0] * ang.sin()], -1).flatten(1)
-        return _rel(out, ref[:, perm])
+        return rel_err(out, ref[:, perm])
 
     return Proof(
         "π(rope_half(x)) = rope_pairs(π(x)),  π: y[2f] = x[f], y[2f+1] = x[f + d/2]",
@@ -349,7 +346,7 @@ def prove_gated_interleave() -> Proof:
         a = rr[:, None] * (xx @ wi.T)
         out = torch.nn.functional.silu(a[:, 0::2]) * a[:, 1::2]
         ref = torch.nn.functional.silu(rr[:, None] * (xx @ wg.T)) * (rr[:, None] * (xx @ wu.T))
-        return _rel(out, ref)
+        return rel_err(out, ref)
 
     return Proof(
         "act(r[i]·acc[i,2j])·(r[i]·acc[i,2j+1]) = act(r[i]·(X·W_gᵀ)[i,j])·(r[i]·(X·W_uᵀ)[i,j])",

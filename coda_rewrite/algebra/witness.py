@@ -14,10 +14,11 @@ import torch
 import torch.fx as fx
 
 from ..canonical import meta
+from ..kernels import ops as ops_mod
 from ..kernels import reference
+from ..numerics import rel_err
 from ..patterns import residual_rmsnorm
 from .decision import Rejection
-from ..kernels import ops as ops_mod
 from .row_scale import replay_chain
 
 _MAX_ELEMS = 1 << 16
@@ -73,11 +74,6 @@ def _size(s) -> int:
     if isinstance(s, torch.SymInt):
         return s.node.hint if s.node.hint is not None else 2
     return int(s)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def witness(match, consumers) -> str | Rejection:
@@ -187,7 +183,7 @@ def _witness(match, consumers, lead, native: bool) -> str | Rejection:
                         for m in map(meta, [norm.input, norm.output, *norm.nodes,
                                             *(c.linear for c in consumers)]))
     tol = 3e-2 if low_precision else 1e-5 if native else 1e-6
-    errs = [_rel(a, b) for a, b in zip(rewritten_outs, reference_outs)]
+    errs = [rel_err(a, b) for a, b in zip(rewritten_outs, reference_outs)]
     shown = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs))
     if not all(e <= tol for e in errs):  # NaN fails too
         return Rejection(f"checker bug: the float64 witness disagrees ({shown}; tol {tol:g}); "
