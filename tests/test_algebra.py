@@ -202,3 +202,19 @@ def test_program_checks_state_locality_and_the_padding_condition():
     good, biased = locality.check(program(False)), locality.check(program(True))
     assert good.accepted and "kernel's sum of partials is exact" in good.render()
     assert biased.accepted and "reference path" in biased.render()
+
+
+def test_a_witness_disagreement_rejects_the_rewrite_as_a_checker_bug(monkeypatch):
+    """Break the pattern's program on purpose (a wrong eps): the float64 replay of the
+    matched nodes disagrees, the rewrite is not applied and the report says why."""
+    from coda_rewrite.patterns import residual_rmsnorm as pattern
+
+    real = pattern.norm_program
+
+    def wrong_eps(norm, producer):
+        import dataclasses
+        return real(dataclasses.replace(norm, eps=0.5), producer)
+
+    monkeypatch.setattr(pattern, "norm_program", wrong_eps)
+    text = check(lambda s, x, r: s.w1(rms(s.w0(x) + r, s.g)), rewritten=0, grads=False)
+    assert "checker bug" in text and "witness disagrees" in text

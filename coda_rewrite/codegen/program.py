@@ -29,9 +29,19 @@ The primitive classes of DESIGN.md, and where each lives here:
                             associative, commutative merge with identity; values computed
                             from a reduction are *final* (known only after every tile of
                             the row is done), so they may feed per-row outputs only
-    2 pairwise map          (SwiGLU/RoPE over adjacent features) and
-    6 stateful reduction    (online log-sum-exp, target select) join the vocabulary with
-                            the pattern families that produce and test them.
+    2 pairwise map          planned with the pairwise patterns: ``pair_gated(act)`` reads
+                            the adjacent pair (acc[i, 2j], acc[i, 2j+1]) of interleaved
+                            gate/up columns and yields one value at [i, j] (the output is
+                            half as wide: a PAIR kind, QuACK's mode="acc_pair"); ``rope``
+                            rotates the pair by per-row/per-pair cos, sin operands (full
+                            width). Both stay tile-local: a pair never straddles a tile.
+    6 stateful reduction    planned with the cross-entropy pattern: ``online_lse`` keeps a
+                            per-row (max, sum-exp) state merged across tiles by the proved
+                            LSE merge (algebra/statements.py), ``select_target`` picks
+                            acc[i, target[i]] given a per-row integer operand; both are
+                            final values like the row reductions.
+    Neither is in the vocabulary yet: an op joins it together with a pattern that
+    produces it and the tests that run it.
 
 Programs are immutable and serialise to a canonical JSON text, which is what travels
 through the graph as the ``coda::gemm_epilogue`` op's first argument: the op is

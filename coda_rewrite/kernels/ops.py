@@ -37,9 +37,13 @@ def _count(program, impl: str, reason: str) -> None:
 
 
 def runtime_summary() -> list[str]:
+    """Which implementation ran for each program and why, and each kernel's first call
+    (compile, or a load from QuACK's disk cache on a warm start)."""
     with _lock:
         items = sorted(RUNTIME.items())
-    return [f"{key}: {impl} ({reason}) x{n}" for (key, impl, reason), n in items]
+    lines = [f"{key}: {impl} ({reason}) x{n}" for (key, impl, reason), n in items]
+    lines += [f"kernel {key} ready in {s:.1f} s (first call)" for key, s in quack_path.COMPILES]
+    return lines
 
 
 def _run_reference(program, a, b, operands):
