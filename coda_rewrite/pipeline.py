@@ -19,7 +19,7 @@ from . import algebra, canonical, rewrite
 from .algebra import locality
 from .capture import describe
 from .options import Options
-from .patterns import residual_rmsnorm
+from .patterns import attention, residual_rmsnorm
 from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 
@@ -29,6 +29,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     canonical_text = canonical.render(graph)
     records: list[MatchRecord] = []
     replaced: dict[fx.Node, fx.Node] = {}
+    _attention(graph, options, records)
     enabled = residual_rmsnorm.NAME in options.patterns
 
     for m in residual_rmsnorm.find(graph):
@@ -67,6 +68,28 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     graph.lint()
     gm.recompile()
     return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+
+
+def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
+    """SDPA calls: repeat_kv back to enable_gqa, a proved causal mask back to is_causal."""
+    enabled = attention.NAME in options.patterns
+    for m in attention.find(graph):
+        notes = [("grouped-query heads", m.gqa)]
+        if m.causal is not None:
+            notes.append(("mask", m.causal))
+        record = MatchRecord(m.pattern, m.path, REJECTED, notes=notes)
+        records.append(record)
+        if not m.changes:
+            record.reason = "; ".join(d.condition for _, d in notes if not d.accepted)
+            continue
+        if not enabled:
+            record.reason = "pattern disabled by options.patterns"
+            continue
+        attention.apply(graph, m)
+        rewrite.erase_if_dead(graph, [m.k, m.v] + ([m.mask] if m.mask is not None else []))
+        record.status = REWRITTEN
+        record.reason = "; ".join(f"{label} kept: {d.condition}" for label, d in notes
+                                  if not d.accepted)
 
 
 def _refresh(m, replaced):

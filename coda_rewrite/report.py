@@ -36,6 +36,7 @@ class MatchRecord:
     materialised: list[str] = dataclasses.field(default_factory=list)
     programs: list[EpilogueProgram] = dataclasses.field(default_factory=list)
     program_checks: list[Decision] = dataclasses.field(default_factory=list)
+    notes: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
 
     def render(self, i: int) -> str:
         head = f"[{i}] {self.pattern} at {self.path or '<top level>'}: {self.status.upper()}"
@@ -58,6 +59,9 @@ class MatchRecord:
                          + ", ".join(self.materialised))
         if self.decision is not None:
             lines.append(self.decision.render("    "))
+        for label, d in self.notes:
+            lines.append(f"    {label}:")
+            lines.append(d.render("      "))
         if self.programs:
             lines.append("    programs: " + ", ".join(p.key for p in self.programs))
         for check in self.program_checks:
@@ -82,13 +86,17 @@ class GraphReport:
         return {p.key: p for r in self.records for p in r.programs}
 
     def summary(self) -> str:
-        n = len(self.records)
-        return (f"graph {self.index}: {n} candidate(s), {len(self.rewritten)} rewritten, "
-                f"{n - len(self.rewritten)} not ({self.seconds * 1e3:.0f} ms)")
+        by_pattern: dict[str, list[int]] = {}
+        for r in self.records:
+            c = by_pattern.setdefault(r.pattern, [0, 0])
+            c[0] += r.status == REWRITTEN
+            c[1] += 1
+        parts = ", ".join(f"{p} {done}/{n} rewritten" for p, (done, n) in by_pattern.items())
+        return f"graph {self.index}: {parts or 'no candidates'} ({self.seconds * 1e3:.0f} ms)"
 
     def render(self, with_code: bool = True) -> str:
         out = [self.summary()]
-        if not self.records:
+        if not any(r.pattern == "residual_rmsnorm_gemm" for r in self.records):
             out.append("    nothing matched: no RMSNorm (mean of squares over the last dim, "
                        "rsqrt, scale) with a GEMM reading its output was found in this graph")
         out += [r.render(i) for i, r in enumerate(self.records)]
@@ -133,16 +141,19 @@ class Report:
     def records(self) -> list[MatchRecord]:
         return [r for g in self.graphs for r in g.records]
 
-    def count(self, status: str = REWRITTEN, pattern: str | None = None) -> int:
+    def count(self, status: str = REWRITTEN, pattern: str | None = "residual_rmsnorm_gemm"
+              ) -> int:
+        """Records with this status (default: norms rewritten); pattern=None: all."""
         return sum(1 for r in self.records
                    if r.status == status and (pattern is None or r.pattern == pattern))
 
     def __str__(self) -> str:
         if not self.graphs:
             return "coda_rewrite: no graph was captured"
+        done = self.count(pattern=None)
         head = (f"coda_rewrite report: {len(self.graphs)} graph(s), "
-                f"{self.count()} rewrite(s) applied, "
-                f"{len(self.records) - self.count()} candidate(s) left as is")
+                f"{done} rewrite(s) applied, "
+                f"{len(self.records) - done} candidate(s) left as is")
         body = "\n\n".join(g.render() for g in self.graphs)
         runtime = runtime_summary()
         tail = ("\nruntime (coda::gemm_epilogue calls so far):\n  " + "\n  ".join(runtime)

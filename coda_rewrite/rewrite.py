@@ -59,7 +59,7 @@ def _graph_replay(graph: fx.Graph):
     return like, call
 
 
-def _erase_if_dead(graph: fx.Graph, nodes) -> None:
+def erase_if_dead(graph: fx.Graph, nodes) -> None:
     """Erase the given nodes once nothing reads them, then whatever only they read
     (the transpose under ``x @ w.T``, the upcast before a norm), never a graph input,
     an impure node or one that updates a value in place."""
@@ -116,11 +116,11 @@ def apply(graph: fx.Graph, match, accepted_consumers):
         c.linear.replace_all_uses_with(out)
         replacements[c.linear] = out
         graph.erase_node(c.linear)
-        _erase_if_dead(graph, c.chain)
+        erase_if_dead(graph, c.chain)
 
     dead_candidates = [*norm.nodes]
     if prod is not None:
         dead_candidates += [prod.add, prod.linear]
-    _erase_if_dead(graph, dead_candidates)
+    erase_if_dead(graph, dead_candidates)
     alive = {n for n in graph.nodes}
     return [n for n in norm.nodes if n in alive], replacements

@@ -90,8 +90,9 @@ def test_graph_breaks_rewrite_every_graph():
     assert len(report.graphs) == 4, str(report)
     # each block's graph starts at a graph input: both of its norms are rewritten, the
     # first without a producing GEMM; the last graph has the final norm
-    assert [g.summary().split(",")[1].strip() for g in report.graphs] == \
-        ["2 rewritten", "2 rewritten", "2 rewritten", "1 rewritten"]
+    per_graph = [sum(r.status == "rewritten" and r.pattern == "residual_rmsnorm_gemm"
+                     for r in g.records) for g in report.graphs]
+    assert per_graph == [2, 2, 2, 1]
     assert report.count() == 7
 
 
@@ -120,7 +121,7 @@ def test_per_block_compile(checkpointed):
         assert rel_err(p.grad, grads[name].grad) <= 1e-4, name
     # the three blocks share one code object: dynamo may reuse one graph for all
     assert backend.report.count() == 2 * len(backend.report.graphs) >= 2
-    kinds = {r.programs[0].name for r in backend.report.records}
+    kinds = {r.programs[0].name for r in backend.report.records if r.programs}
     assert kinds == {"rmsnorm_rowscale", "residual_rmsnorm"}
 
 
@@ -153,7 +154,7 @@ def test_inductor_end_to_end(family):
     ref_loss.backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-4, name
-    assert coda_rewrite.last_report().graphs[-1].summary().count("5 rewritten") == 1
+    assert "residual_rmsnorm_gemm 5/5 rewritten" in coda_rewrite.last_report().graphs[-1].summary()
 
 
 def test_explain_dump_and_env(tmp_path, monkeypatch):
@@ -184,7 +185,8 @@ def test_cli_explain_and_demo(tmp_path):
                           "--dump", str(tmp_path / "d")], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "5 rewritten" in out.stdout and "layers.0.attention_norm" in out.stdout
+    assert "residual_rmsnorm_gemm 5/5 rewritten" in out.stdout
+    assert "layers.0.attention_norm" in out.stdout
     assert (tmp_path / "d" / "graph_000" / "rewritten.py").exists()
     out = subprocess.run([sys.executable, "-m", "coda_rewrite", "demo"], capture_output=True,
                          text=True, env=env, timeout=600)

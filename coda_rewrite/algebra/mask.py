@@ -1,0 +1,221 @@
+"""What is this attention mask? An abstract interpretation of the nodes that build it.
+
+Under tracing, Hugging Face models build the causal mask as a tensor from position
+comparisons (``kv_idx <= q_idx``, optionally ``& kv_idx > q_idx - window`` and
+``& padding[b, kv_idx]``) and pass it to SDPA. Each node is evaluated symbolically:
+``torch.arange(n)`` becomes an index symbol with range [0, n) placed on one dim,
+arithmetic and comparisons become sympy expressions, ``&``/``|``/``~`` become logic, a
+gather from a graph input becomes an opaque function of its indices (a padding mask
+whose values are unknown at compile time), and shape-only ops move the symbols between
+dims. The result is the mask as a formula in the query index q and key index k.
+
+``prove_causal`` then decides whether that formula equals upper-left causal masking
+(k ≤ q, which SDPA's ``is_causal=True`` computes) on the whole [0, n)² domain, for
+q_len == kv_len: the formula must be a conjunction of linear comparisons, one of them
+k ≤ q and every other one true on the causal triangle, which for a linear inequality
+holds iff it holds at the triangle's three vertices. Anything else (an opaque padding
+term, a cache offset, a window shorter than the sequence) leaves the mask in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import sympy as sp
+import torch
+import torch.fx as fx
+
+from ..canonical import meta
+from ..capture import describe
+from .decision import Proof, Rejection
+
+
+class NotAMask(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sym:
+    """A tensor as a formula: ``expr`` in index symbols, ``dims[d]`` the symbol that
+    varies along dim d (None: constant along it, size 1 or broadcast)."""
+    expr: object
+    dims: tuple
+
+
+_COMPARE = {operator.le: sp.Le, operator.lt: sp.Lt, operator.ge: sp.Ge, operator.gt: sp.Gt,
+            torch.le: sp.Le, torch.lt: sp.Lt, torch.ge: sp.Ge, torch.gt: sp.Gt,
+            "le": sp.Le, "lt": sp.Lt, "ge": sp.Ge, "gt": sp.Gt}
+_ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul,
+          torch.add: operator.add, torch.sub: operator.sub, "add": operator.add,
+          "sub": operator.sub}
+_LOGIC = {operator.and_: sp.And, operator.or_: sp.Or, torch.logical_and: sp.And,
+          torch.logical_or: sp.Or, torch.bitwise_and: sp.And, torch.bitwise_or: sp.Or,
+          "__and__": sp.And, "__or__": sp.Or, "logical_and": sp.And, "logical_or": sp.Or}
+_NOT = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_not"}
+_SHAPE_ONLY = {"to", "bool", "expand", "expand_as", "contiguous", "clone"}
+
+
+def _size(s):
+    if isinstance(s, torch.SymInt):
+        return sp.Symbol(str(s), integer=True, positive=True)
+    return int(s)
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    n = max(len(a), len(b))
+    a, b = (None,) * (n - len(a)) + a, (None,) * (n - len(b)) + b
+    out = []
+    for x, y in zip(a, b):
+        if x is not None and y is not None and x != y:
+            raise NotAMask("two index symbols on one dim")
+        out.append(x if x is not None else y)
+    return tuple(out)
+
+
+class MaskInterpreter:
+    def __init__(self):
+        self.cache: dict[fx.Node, Sym] = {}
+        self.ranges: dict[sp.Symbol, object] = {}
+        self._n = 0
+
+    def _index_symbol(self, n) -> sp.Symbol:
+        self._n += 1
+        s = sp.Symbol(f"x{self._n}", integer=True, nonnegative=True)
+        self.ranges[s] = n
+        return s
+
+    def value(self, a) -> Sym:
+        if isinstance(a, fx.Node):
+            if a not in self.cache:
+                self.cache[a] = self._eval(a)
+            return self.cache[a]
+        if isinstance(a, bool):
+            return Sym(sp.true if a else sp.false, ())
+        if isinstance(a, (int, torch.SymInt)):
+            return Sym(_size(a), ())
+        raise NotAMask(f"constant {a!r}")
+
+    def _eval(self, n: fx.Node) -> Sym:
+        t, args, kw = n.target, n.args, n.kwargs
+        if n.op == "call_function" and t is torch.arange:
+            ints = [a for a in args if not isinstance(a, torch.dtype)]
+            start, end = (0, ints[0]) if len(ints) == 1 else (ints[0], ints[1])
+            if len(ints) > 2 and ints[2] != 1:
+                raise NotAMask("arange with a step")
+            length = _size(end) - _size(start)
+            x = self._index_symbol(length)
+            return Sym(x + _size(start), (x,))
+        key = t if n.op in ("call_function", "call_method") else None
+        if key in ("new_ones", "new_zeros") and kw.get("dtype") == torch.bool:
+            m = meta(n)  # a constant start for and-/or-combining masks
+            return Sym(sp.true if key == "new_ones" else sp.false,
+                       (None,) * (m.dim() if m is not None else 0))
+        if key in _COMPARE and len(args) == 2:
+            a, b = self.value(args[0]), self.value(args[1])
+            return Sym(_COMPARE[key](a.expr, b.expr), _merge(a.dims, b.dims))
+        if key in _ARITH and len(args) == 2 and not kw:
+            a, b = self.value(args[0]), self.value(args[1])
+            return Sym(_ARITH[key](a.expr, b.expr), _merge(a.dims, b.dims))
+        if key in _LOGIC and len(args) == 2:
+            a, b = self.value(args[0]), self.value(args[1])
+            return Sym(_LOGIC[key](a.expr, b.expr), _merge(a.dims, b.dims))
+        if key in _NOT and len(args) == 1:
+            a = self.value(args[0])
+            return Sym(sp.Not(a.expr), a.dims)
+        if n.op == "call_method" and t in _SHAPE_ONLY or key in (torch.Tensor.to,):
+            a = self.value(args[0])
+            if t == "to" and meta(n) is not None and meta(n).dtype != torch.bool \
+                    and meta(args[0]).dtype == torch.bool:
+                raise NotAMask("a boolean mask turned into numbers")
+            nd = meta(n).dim() if meta(n) is not None else len(a.dims)
+            return Sym(a.expr, (None,) * (nd - len(a.dims)) + a.dims)
+        if key is operator.getitem:
+            return self._getitem(n)
+        raise NotAMask(f"{describe(n)} is not a position comparison")
+
+    def _getitem(self, n: fx.Node) -> Sym:
+        src, idx = n.args
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if all(i is None or i == slice(None) for i in idx):  # placing dims
+            a = self.value(src)
+            dims = list(a.dims)
+            out, pos = [], 0
+            for i in idx:
+                if i is None:
+                    out.append(None)
+                else:
+                    out.append(dims[pos])
+                    pos += 1
+            out += dims[pos:]
+            return Sym(a.expr, tuple(out))
+        if all(isinstance(i, fx.Node) for i in idx) and isinstance(src, fx.Node):
+            # a gather from a tensor whose values are not known at compile time
+            vals = [self.value(i) for i in idx]
+            dims: tuple = ()
+            for v in vals:
+                dims = _merge(dims, v.dims)
+            f = sp.Function(f"input_{src.name}")
+            return Sym(sp.Eq(f(*(v.expr for v in vals)), 1), dims)
+        raise NotAMask(f"{describe(n)} indexes in a way the mask prover does not model")
+
+
+def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
+    """Is ``mask`` exactly SDPA's upper-left causal mask for these lengths?"""
+    interp = MaskInterpreter()
+    try:
+        m = interp.value(mask)
+    except NotAMask as e:
+        return Rejection(f"the attention mask is not a pure position comparison: {e}",
+                         describe(mask))
+    except (TypeError, ValueError, AttributeError) as e:  # sympy refusing a construct
+        return Rejection(f"the mask prover could not model this mask ({e})", describe(mask))
+    if len(m.dims) < 2 or m.dims[-1] is None or m.dims[-2] is None:
+        return Rejection("the mask does not vary along both query and key positions",
+                         describe(mask))
+    qs, ks = m.dims[-2], m.dims[-1]
+    if any(d is not None for d in m.dims[:-2]):
+        return Rejection("the mask depends on the batch or head (a padding mask): kept",
+                         describe(mask))
+    if m.expr.atoms(sp.core.function.AppliedUndef):
+        return Rejection("the mask reads a tensor whose values are not known at compile "
+                         "time (a padding mask): kept", describe(mask))
+    if _size(q_len) != _size(kv_len) or interp.ranges[qs] != interp.ranges[ks]:
+        return Rejection(f"q_len {q_len} ≠ kv_len {kv_len} (decoding with a cache): "
+                         "is_causal would align the mask top-left, the cache needs "
+                         "bottom-right", describe(mask))
+    n = interp.ranges[qs]
+    terms = sp.And.make_args(m.expr)
+    causal = [t for t in terms if _equivalent(t, sp.Le(ks, qs))]
+    if not causal:
+        return Rejection(f"the mask {sp.sstr(m.expr)} has no k ≤ q term: not causal",
+                         describe(mask))
+    vertices = [{qs: 0, ks: 0}, {qs: n - 1, ks: 0}, {qs: n - 1, ks: n - 1}]
+    steps = [f"mask[q, k] = {sp.sstr(m.expr)} with q, k ∈ [0, {n})"]
+    for t in terms:
+        if t in causal:
+            continue
+        if not isinstance(t, sp.core.relational.Relational) or not _linear(t, qs, ks):
+            return Rejection(f"mask term {sp.sstr(t)} is not a linear position comparison",
+                             describe(mask))
+        at = [sp.simplify(t.subs(v)) for v in vertices]
+        if not all(x is sp.true for x in at):
+            return Rejection(f"mask term {sp.sstr(t)} cuts into the causal triangle "
+                             f"(at its vertices: {at}): a sliding window shorter than the "
+                             "sequence, kept", describe(mask))
+        steps.append(f"{sp.sstr(t)} holds at the causal triangle's vertices (0,0), "
+                     f"({n}-1,0), ({n}-1,{n}-1), so on all of it (a linear inequality)")
+    return Proof("mask[q, k] ⟺ k ≤ q on [0, n)², n = q_len = kv_len: SDPA's is_causal",
+                 ("the mask is built from position comparisons only (no padding input)",
+                  "it is the same for every batch and head (broadcast)",
+                  f"q_len = kv_len = {n} (no cache offset)"),
+                 tuple(steps))
+
+
+def _equivalent(a, b) -> bool:
+    return sp.simplify(sp.Equivalent(a, b)) is sp.true
+
+
+def _linear(t, qs, ks) -> bool:
+    d = t.lhs - t.rhs
+    return all(sp.diff(d, s, 2) == 0 for s in (qs, ks)) and sp.diff(d, qs, ks) == 0

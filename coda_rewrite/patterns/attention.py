@@ -1,0 +1,150 @@
+"""Attention inputs: undo what capture did to SDPA's arguments.
+
+Eager Hugging Face calls ``scaled_dot_product_attention(q, k, v, is_causal=True,
+enable_gqa=True)``; under dynamo tracing (transformers 5.17) the same model materialises
+the causal mask as a tensor and repeats the key/value heads to the query head count
+(``repeat_kv``), which sends SDPA to a slower kernel (3x the attention time measured on
+an H200). This pattern finds each SDPA call, and
+
+* a key/value that is ``repeat_kv(x)`` (x[:, :, None].expand(b, kvh, n_rep, s, d)
+  .reshape(b, kvh·n_rep, s, d), or x.repeat_interleave(n_rep, dim=1)) is replaced by x
+  with ``enable_gqa=True``: SDPA then maps query head h to key head h // n_rep, exactly
+  repeat_kv's layout (head kvh·n_rep + rep comes from kv head kvh);
+* a mask proved to be upper-left causal with q_len == kv_len (algebra/mask.py) is
+  dropped for ``is_causal=True``; any other mask (padding, a window shorter than the
+  sequence, a cache offset) is kept, and the report says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..algebra import mask as mask_prover
+from ..algebra.decision import Decision, Proof, Rejection
+from ..canonical import meta
+from ..capture import describe, model_path
+
+NAME = "attention_inputs"
+_SDPA = {torch._C._nn.scaled_dot_product_attention,
+         torch.nn.functional.scaled_dot_product_attention}
+
+
+@dataclasses.dataclass
+class AttentionMatch:
+    sdpa: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    k_base: fx.Node | None     # the unrepeated key, when k = repeat_kv(k_base)
+    v_base: fx.Node | None
+    mask: fx.Node | None
+    gqa: Decision
+    causal: Decision | None    # None: no mask to begin with
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.sdpa)
+
+    @property
+    def changes(self) -> bool:
+        return self.gqa.accepted or (self.causal is not None and self.causal.accepted)
+
+
+def _sdpa_args(n: fx.Node):
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa"]
+    vals = dict(zip(names, n.args))
+    vals.update(n.kwargs)
+    return vals
+
+
+def repeat_kv_base(node) -> fx.Node | None:
+    """x if ``node`` is repeat_kv(x) along the head dim (dim 1 of [b, h, s, d])."""
+    if not isinstance(node, fx.Node) or meta(node) is None or meta(node).dim() != 4:
+        return None
+    if node.op == "call_method" and node.target == "repeat_interleave":
+        reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if isinstance(reps, int) and dim in (1, -3):
+            return node.args[0]
+        return None
+    if node.op != "call_method" or node.target not in ("reshape", "view"):
+        return None
+    exp = node.args[0]
+    if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
+        return None
+    unsq = exp.args[0]
+    if not (isinstance(unsq, fx.Node) and unsq.op == "call_function"
+            and unsq.target.__name__ == "getitem"):
+        return None
+    base, index = unsq.args
+    full = slice(None, None, None)
+    if index != (full, full, None, full, full) or meta(base) is None or meta(base).dim() != 4:
+        return None
+    b, kvh, s, d = meta(base).shape
+    eb, ekvh, rep, es, ed = meta(exp).shape
+    ob, oh, os_, od = meta(node).shape
+    if (eb, ekvh, es, ed) != (b, kvh, s, d) or (ob, os_, od) != (b, s, d) or oh != kvh * rep:
+        return None
+    return base
+
+
+def find(graph: fx.Graph) -> list[AttentionMatch]:
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _SDPA:
+            continue
+        a = _sdpa_args(n)
+        q, k, v = a["query"], a["key"], a["value"]
+        mask = a.get("attn_mask")
+        kb, vb = repeat_kv_base(k), repeat_kv_base(v)
+        if a.get("enable_gqa"):
+            gqa = Rejection("SDPA already uses enable_gqa", describe(n))
+        elif kb is None or vb is None:
+            gqa = Rejection("key/value are not repeat_kv of fewer heads", describe(n))
+        elif meta(kb).shape[1] != meta(vb).shape[1] or \
+                meta(q).shape[1] % meta(kb).shape[1] != 0:
+            gqa = Rejection("key and value head counts disagree", describe(n))
+        else:
+            n_rep = meta(q).shape[1] // meta(kb).shape[1]
+            gqa = Proof("SDPA(q, repeat_kv(k), repeat_kv(v)) = SDPA(q, k, v, enable_gqa=True)",
+                        (f"{meta(q).shape[1]} query heads, {meta(kb).shape[1]} key/value heads "
+                         f"(n_rep = {n_rep})",
+                         "repeat_kv puts kv head g at query heads g·n_rep … g·n_rep + n_rep − 1"),
+                        ("enable_gqa maps query head h to key/value head h // n_rep: the same "
+                         "head each query saw through repeat_kv",))
+        causal = None
+        if isinstance(mask, fx.Node):
+            if a.get("is_causal"):
+                causal = Rejection("SDPA got both a mask and is_causal", describe(n))
+            else:
+                causal = mask_prover.prove_causal(mask, meta(q).shape[-2], meta(k).shape[-2])
+        out.append(AttentionMatch(n, q, k, v, kb, vb, mask, gqa, causal))
+    return out
+
+
+def apply(graph: fx.Graph, m: AttentionMatch) -> fx.Node:
+    """Replace the SDPA call; returns the new node. Dead repeat/mask nodes are removed
+    by the caller's cleanup."""
+    a = _sdpa_args(m.sdpa)
+    use_gqa = m.gqa.accepted
+    causal = m.causal is not None and m.causal.accepted
+    kwargs = {
+        "attn_mask": None if causal else a.get("attn_mask"),
+        "dropout_p": a.get("dropout_p", 0.0),
+        "is_causal": True if causal else a.get("is_causal", False),
+        "scale": a.get("scale"),
+        "enable_gqa": True if use_gqa else a.get("enable_gqa", False),
+    }
+    with graph.inserting_before(m.sdpa):
+        new = graph.call_function(torch.nn.functional.scaled_dot_product_attention,
+                                  (m.q, m.k_base if use_gqa else m.k,
+                                   m.v_base if use_gqa else m.v), kwargs)
+    new.meta.update(m.sdpa.meta)
+    m.sdpa.replace_all_uses_with(new)
+    graph.erase_node(m.sdpa)
+    return new
