@@ -85,8 +85,20 @@ class MaskInterpreter:
         self.ranges[s] = n
         return s
 
+    def _int(self, a):
+        """An int, or the symbol of a size dynamo made dynamic (a SymInt node)."""
+        if isinstance(a, fx.Node):
+            v = a.meta.get("example_value", a.meta.get("val"))
+            if isinstance(v, (int, torch.SymInt)):
+                return _size(v)
+            raise NotAMask(f"{describe(a)} is not a size")
+        return _size(a)
+
     def value(self, a) -> Sym:
         if isinstance(a, fx.Node):
+            v = a.meta.get("example_value", a.meta.get("val"))
+            if isinstance(v, (int, torch.SymInt)):  # a size, not a tensor
+                return Sym(_size(v), ())
             if a not in self.cache:
                 self.cache[a] = self._eval(a)
             return self.cache[a]
@@ -101,11 +113,11 @@ class MaskInterpreter:
         if n.op == "call_function" and t is torch.arange:
             ints = [a for a in args if not isinstance(a, torch.dtype)]
             start, end = (0, ints[0]) if len(ints) == 1 else (ints[0], ints[1])
-            if len(ints) > 2 and ints[2] != 1:
+            if len(ints) > 2 and self._int(ints[2]) != 1:
                 raise NotAMask("arange with a step")
-            length = _size(end) - _size(start)
+            length = self._int(end) - self._int(start)
             x = self._index_symbol(length)
-            return Sym(x + _size(start), (x,))
+            return Sym(x + self._int(start), (x,))
         key = t if n.op in ("call_function", "call_method") else None
         if key in ("new_ones", "new_zeros") and kw.get("dtype") == torch.bool:
             m = meta(n)  # a constant start for and-/or-combining masks
