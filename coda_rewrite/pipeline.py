@@ -1,6 +1,7 @@
 """The pass over one captured graph: match → decide → rewrite, recording everything.
 
-Matches are found once, then decided and applied in graph order. A rewrite replaces nodes
+Two pattern families run in turn: the attention inputs (SDPA calls), then the norms.
+Norm matches are found once, then decided and applied in graph order. A rewrite replaces nodes
 that a later match may name (the residual add one norm's producer fuses is the residual
 input of the next), so each match is brought up to date before its turn: replaced nodes
 are followed to their replacements, and a producing GEMM that an earlier rewrite already
@@ -28,10 +29,17 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     graph = gm.graph
     canonical_text = canonical.render(graph)
     records: list[MatchRecord] = []
-    replaced: dict[fx.Node, fx.Node] = {}
     _attention(graph, options, records)
-    enabled = residual_rmsnorm.NAME in options.patterns
+    _norms(graph, options, records)
+    graph.lint()
+    gm.recompile()
+    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
 
+
+def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
+    """GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral."""
+    replaced: dict[fx.Node, fx.Node] = {}
+    enabled = residual_rmsnorm.NAME in options.patterns
     for m in residual_rmsnorm.find(graph):
         if isinstance(m, residual_rmsnorm.NoMatch):
             records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
@@ -64,10 +72,6 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         record.materialised = [describe(n) for n in alive]
         record.programs = [m.norm_program, *(m.consumer_programs[c.linear] for c in accepted)]
         record.program_checks = [locality.check(p) for p in dict.fromkeys(record.programs)]
-
-    graph.lint()
-    gm.recompile()
-    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
 
 
 def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
