@@ -55,12 +55,16 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
         if not enabled:
             record.reason = "pattern disabled by options.patterns"
             continue
-        if options.witness:
-            decision, per_consumer, accepted = algebra.decide_row_scale(m, graph)
-        else:
-            decision, per_consumer = algebra.row_scale.check(m, graph)
-            accepted = [c for c in m.consumers
-                        if decision.accepted and per_consumer[c.linear].accepted]
+        try:
+            if options.witness:
+                decision, per_consumer, accepted = algebra.decide_row_scale(m, graph)
+            else:
+                decision, per_consumer = algebra.row_scale.check(m, graph)
+                accepted = [c for c in m.consumers
+                            if decision.accepted and per_consumer[c.linear].accepted]
+        except Exception as e:  # a checker bug must cost a rewrite, never the compile
+            record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
+            continue
         record.decision = decision
         record.consumer_decisions = [(describe(n), d) for n, d in per_consumer.items()]
         if not accepted:
@@ -77,7 +81,13 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
 def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
     """SDPA calls: repeat_kv back to enable_gqa, a proved causal mask back to is_causal."""
     enabled = attention.NAME in options.patterns
-    for m in attention.find(graph):
+    try:
+        matches = attention.find(graph)
+    except Exception as e:  # a checker bug must cost a rewrite, never the compile
+        records.append(MatchRecord(attention.NAME, "", REJECTED, reason=(
+            f"internal error while deciding ({type(e).__name__}: {e}); left as is")))
+        return
+    for m in matches:
         notes = [("grouped-query heads", m.gqa)]
         if m.causal is not None:
             notes.append(("mask", m.causal))

@@ -297,3 +297,15 @@ def test_gemm_output_read_twice_keeps_the_producer_unfused():
     same(got, want, tol=1e-5)
     rec = report.records[0]
     assert rec.status == "rewritten" and "also read elsewhere" in rec.producer
+
+
+def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch):
+    from coda_rewrite import algebra
+
+    def boom(*_):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(algebra, "decide_row_scale", boom)
+    report, got, want = run(lambda s, x, r: s.w1(rms(s.w0(x) + r, s.g)))
+    same(got, want)
+    assert report.count() == 0 and "internal error while deciding" in str(report)
