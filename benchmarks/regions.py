@@ -16,7 +16,7 @@ from common import bench, env_line
 import coda_rewrite
 from coda_rewrite.kernels import ops
 
-M, H, I, Q, KV, V = 8192, 4096, 14336, 4096, 1024, 128256
+M, H, FFN, Q, KV, V = 8192, 4096, 14336, 4096, 1024, 128256
 bf = torch.bfloat16
 
 
@@ -38,9 +38,9 @@ class Region(nn.Module):
 
 
 REGIONS = {
-    "o_proj -> post-attn norm -> gate, up": (H, [I, I]),
-    "down -> input norm -> q, k, v": (I, [Q, KV, KV]),
-    "down -> final norm -> lm_head": (I, [V]),
+    "o_proj -> post-attn norm -> gate, up": (H, [FFN, FFN]),
+    "down -> input norm -> q, k, v": (FFN, [Q, KV, KV]),
+    "down -> final norm -> lm_head": (FFN, [V]),
 }
 
 
@@ -74,7 +74,6 @@ def main():
                  "eager": bench(lambda: region(x, res))}
         rows.append((name, t, max(errs)))
         print(name, t, "max rel diff vs eager", max(errs), flush=True)
-        del region, fused, compiled
         torch.cuda.empty_cache()
     print("\nruntime:", *ops.runtime_summary(), sep="\n  ")
     print(f"\n{env_line()}")

@@ -32,7 +32,7 @@ def test_every_statement_is_proved_with_a_witness():
 
 def test_false_neighbours_are_refused():
     # the helpers behind the proofs refuse these; here they are asked directly
-    i, k, K = S.i, S.k, S.K
+    i, k = S.i, S.k
     r, H, W = S.r, S.H, S.W
     with pytest.raises(S.Unproved):  # a factor varying along the contracted dim
         S._require(S._gemm(r[k] * H[i, k] * W[S.j, k]) - r[k] * S._gemm(H[i, k] * W[S.j, k]),
