@@ -7,6 +7,7 @@ writes it to disk, one folder per captured graph:
     graph_000/canonical.txt   the captured graph in the canonical vocabulary
     graph_000/rewritten.py    the rewritten graph as Python
     graph_000/programs.txt    every epilogue program as math, and its JSON text
+    graph_000/kernels.txt     each program's generated QuACK source and layout contract
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class GraphReport:
         if self.programs:
             out.append("\nepilogue programs:")
             out += [p.pretty() for p in self.programs.values()]
+            out.append("\nlayout contracts (generated kernel sources: the dump's kernels.txt):")
+            out += [kernel_text(p).split("\n\n")[0] for p in self.programs.values()]
         if with_code:
             out.append("\nrewritten graph:")
             out.append(readable_code(self.rewritten_code, self.programs.values()))
@@ -117,6 +120,20 @@ class GraphReport:
             readable_code(self.rewritten_code, self.programs.values()))
         (folder / "programs.txt").write_text("\n\n".join(
             f"{p.pretty()}\n{p.to_text()}" for p in self.programs.values()))
+        (folder / "kernels.txt").write_text("\n\n".join(
+            kernel_text(p) for p in self.programs.values()))
+
+
+def kernel_text(program: EpilogueProgram) -> str:
+    """The generated QuACK source and layout contract of a program, or why there is none."""
+    from .codegen.quack_source import Unlowerable, generate
+    try:
+        ks = generate(program)
+    except Unlowerable as e:
+        return f"# {program.key}: no kernel ({e}); runs on the reference path"
+    stage = ", ".join(f"{i.out} = {i.op}(...)" for i in ks.row_stage) or "none"
+    return (f"# {program.key} -> module {ks.module_name}\n{ks.contract.render()}\n"
+            f"  row stage (after the kernel, on the GPU): {stage}\n\n{ks.source}")
 
 
 def readable_code(code: str, programs) -> str:

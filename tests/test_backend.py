@@ -162,10 +162,14 @@ def test_explain_dump_and_env(tmp_path, monkeypatch):
     report = coda_rewrite.explain(model, tokens(), dump_dir=str(tmp_path / "a"))
     text = str(report)
     for needle in ("layers.1.ffn_norm", "PROVED", "witness", "rewritten graph",
-                   "P['rowscale#", "program residual_rmsnorm#"):
+                   "P['rowscale#", "program residual_rmsnorm#", "layout contract of"):
         assert needle in text, needle
     files = sorted(p.name for p in (tmp_path / "a" / "graph_000").iterdir())
-    assert files == ["canonical.txt", "programs.txt", "report.txt", "rewritten.py"]
+    assert files == ["canonical.txt", "kernels.txt", "programs.txt", "report.txt",
+                     "rewritten.py"]
+    kernels = (tmp_path / "a" / "graph_000" / "kernels.txt").read_text()
+    assert "@gemm_epilogue(" in kernels and "layout contract of residual_rmsnorm#" in kernels
+    assert "no kernel (no GEMM" in kernels  # the first norm's row-wise program
     assert "rms_norm(" in (tmp_path / "a" / "graph_000" / "canonical.txt").read_text()
     monkeypatch.setenv("CODA_DUMP_DIR", str(tmp_path / "b"))
     torch._dynamo.reset()
