@@ -1,0 +1,45 @@
+"""More Hugging Face architectures than the pattern was written against: whatever each
+one's blocks look like (MoE, QK-norm, LayerNorm, parallel blocks, sandwich norms), the
+rewritten model computes what eager computes, and the rewrite count is what the
+architecture allows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import coda_rewrite
+from coda_rewrite.numerics import rel_err
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              pad_token_id=0)
+
+# (config, model, extra config, at least this many norms rewritten)
+ARCHS = [
+    ("Phi3Config", "Phi3ForCausalLM", {}, 5),                   # packed qkv / gate_up
+    ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 5),    # q/k norms over heads
+    ("GraniteConfig", "GraniteForCausalLM", {}, 5),              # residual multiplier
+    ("MixtralConfig", "MixtralForCausalLM",
+     {"num_local_experts": 4, "num_experts_per_tok": 2}, 3),     # MoE MLP: routed GEMMs
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, 1),  # sandwich norms
+    ("CohereConfig", "CohereForCausalLM", {}, 0),                # LayerNorm, parallel block
+    ("Starcoder2Config", "Starcoder2ForCausalLM", {}, 0),        # LayerNorm with bias
+    ("Exaone4Config", "Exaone4ForCausalLM", {}, 1),
+]
+
+
+@pytest.mark.parametrize("cfg,cls,extra,min_norms", ARCHS, ids=[a[1] for a in ARCHS])
+def test_architecture_stays_exact(cfg, cls, extra, min_norms):
+    if not hasattr(tf, cls):
+        pytest.skip(f"transformers {tf.__version__} has no {cls}")
+    torch.manual_seed(0)
+    model = getattr(tf, cls)(getattr(tf, cfg)(**{**COMMON, **extra})).eval()
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    report = fast.report
+    assert report.count() >= min_norms, str(report)
+    assert all(r.reason for r in report.records if r.status != "rewritten"), str(report)
