@@ -112,3 +112,23 @@ def test_disabled_pattern_leaves_attention_alone():
         fast(tokens())
     recs = _attention_records(fast.report)
     assert recs and all(r.status == "rejected" and "disabled" in r.reason for r in recs)
+
+
+def test_torchtitan_style_repeat_then_transpose():
+    """The plain Llama repeats k/v on [b, s, h, d] and transposes after: still repeat_kv;
+    it already asks SDPA for is_causal, so only the heads change."""
+    from conftest import plain_llama
+
+    model = plain_llama().train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    out, want = fast(ids), ref(ids)
+    assert rel_err(out, want) <= 1e-5
+    out.float().pow(2).mean().backward()
+    want.float().pow(2).mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
+    recs = _attention_records(fast.report)
+    assert len(recs) == 2 and all(r.status == "rewritten" for r in recs)
+    assert all(r.notes[0][1].accepted and len(r.notes) == 1 for r in recs)

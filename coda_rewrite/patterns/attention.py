@@ -7,7 +7,8 @@ the causal mask as a tensor and repeats the key/value heads to the query head co
 an H200). This pattern finds each SDPA call, and
 
 * a key/value that is ``repeat_kv(x)`` (x[:, :, None].expand(b, kvh, n_rep, s, d)
-  .reshape(b, kvh·n_rep, s, d), or x.repeat_interleave(n_rep, dim=1)) is replaced by x
+  .reshape(b, kvh·n_rep, s, d), x.repeat_interleave(n_rep, dim=1), or TorchTitan's
+  repeat on [b, s, h, d] then .transpose(1, 2)) is replaced by x
   with ``enable_gqa=True``: SDPA then maps query head h to key head h // n_rep, exactly
   repeat_kv's layout (head kvh·n_rep + rep comes from kv head kvh);
 * a mask proved to be upper-left causal with q_len == kv_len (algebra/mask.py) is
@@ -38,8 +39,8 @@ class AttentionMatch:
     q: fx.Node
     k: fx.Node
     v: fx.Node
-    k_base: fx.Node | None     # the unrepeated key, when k = repeat_kv(k_base)
-    v_base: fx.Node | None
+    k_base: object             # the unrepeated key, when k = repeat_kv(k_base) (see
+    v_base: object             # repeat_kv_base: a node, or ("transpose", node))
     mask: fx.Node | None
     gqa: Decision
     causal: Decision | None    # None: no mask to begin with
@@ -62,16 +63,30 @@ def _sdpa_args(n: fx.Node):
     return vals
 
 
-def repeat_kv_base(node) -> fx.Node | None:
-    """x if ``node`` is repeat_kv(x) along the head dim (dim 1 of [b, h, s, d])."""
+def _repeat_interleave(node, dims) -> fx.Node | None:
+    """x if ``node`` is x.repeat_interleave(n, dim) with an int n and dim in ``dims``."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method"
+            and node.target == "repeat_interleave"):
+        return None
+    reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    return node.args[0] if isinstance(reps, int) and dim in dims else None
+
+
+def repeat_kv_base(node) -> fx.Node | tuple | None:
+    """The unrepeated key/value if ``node`` is repeat_kv of it along the head dim of
+    [b, h, s, d]: a node, or ("transpose", x) when the repeat happened on x's [b, s, h, d]
+    layout before the transpose to [b, h, s, d] (TorchTitan-style code)."""
     if not isinstance(node, fx.Node) or meta(node) is None or meta(node).dim() != 4:
         return None
-    if node.op == "call_method" and node.target == "repeat_interleave":
-        reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-        if isinstance(reps, int) and dim in (1, -3):
-            return node.args[0]
-        return None
+    base = _repeat_interleave(node, (1, -3))
+    if base is not None:
+        return base
+    if node.op == "call_method" and node.target == "transpose" and \
+            sorted(a % 4 for a in node.args[1:3]) == [1, 2]:
+        inner = _repeat_interleave(node.args[0], (2, -2))
+        if inner is not None:
+            return ("transpose", inner)
     if node.op != "call_method" or node.target not in ("reshape", "view"):
         return None
     exp = node.args[0]
@@ -93,6 +108,14 @@ def repeat_kv_base(node) -> fx.Node | None:
     return base
 
 
+def _heads(base) -> int:
+    """Head count of an unrepeated key/value (dim 1 of [b, h, s, d], or dim 2 of the
+    [b, s, h, d] tensor a transpose will bring there)."""
+    if isinstance(base, tuple):
+        return meta(base[1]).shape[2]
+    return meta(base).shape[1]
+
+
 def find(graph: fx.Graph) -> list[AttentionMatch]:
     out = []
     for n in graph.nodes:
@@ -106,13 +129,12 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
             gqa = Rejection("SDPA already uses enable_gqa", describe(n))
         elif kb is None or vb is None:
             gqa = Rejection("key/value are not repeat_kv of fewer heads", describe(n))
-        elif meta(kb).shape[1] != meta(vb).shape[1] or \
-                meta(q).shape[1] % meta(kb).shape[1] != 0:
+        elif _heads(kb) != _heads(vb) or meta(q).shape[1] % _heads(kb) != 0:
             gqa = Rejection("key and value head counts disagree", describe(n))
         else:
-            n_rep = meta(q).shape[1] // meta(kb).shape[1]
+            n_rep = meta(q).shape[1] // _heads(kb)
             gqa = Proof("SDPA(q, repeat_kv(k), repeat_kv(v)) = SDPA(q, k, v, enable_gqa=True)",
-                        (f"{meta(q).shape[1]} query heads, {meta(kb).shape[1]} key/value heads "
+                        (f"{meta(q).shape[1]} query heads, {_heads(kb)} key/value heads "
                          f"(n_rep = {n_rep})",
                          "repeat_kv puts kv head g at query heads g·n_rep … g·n_rep + n_rep − 1"),
                         ("enable_gqa maps query head h to key/value head h // n_rep: the same "
@@ -141,9 +163,12 @@ def apply(graph: fx.Graph, m: AttentionMatch) -> fx.Node:
         "enable_gqa": True if use_gqa else a.get("enable_gqa", False),
     }
     with graph.inserting_before(m.sdpa):
+        k, v = m.k, m.v
+        if use_gqa:
+            k, v = (graph.call_method("transpose", (b[1], 1, 2)) if isinstance(b, tuple)
+                    else b for b in (m.k_base, m.v_base))
         new = graph.call_function(torch.nn.functional.scaled_dot_product_attention,
-                                  (m.q, m.k_base if use_gqa else m.k,
-                                   m.v_base if use_gqa else m.v), kwargs)
+                                  (m.q, k, v), kwargs)
     new.meta.update(m.sdpa.meta)
     m.sdpa.replace_all_uses_with(new)
     graph.erase_node(m.sdpa)
