@@ -177,8 +177,10 @@ def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
     out_dtype = {o.value: reference.dtype_from_name(o.dtype) for o in prog.outputs}
     out = {name: torch.empty(m, n, device=a.device, dtype=out_dtype[value])
            for value, name in ks.contract.tile_outputs}
-    key = (ks.module_name, a.dtype, tuple(t.dtype for t in operands), a.shape[1] % 64,
-           n % 64)
+    # QuACK compiles once per kernel and tensor-metadata class; dtypes stand in for that
+    # class here, for the one log line per compile (a shape class QuACK sees as new only
+    # shows as a slower first call, never as a wrong result)
+    key = (ks.module_name, a.dtype, tuple(t.dtype for t in operands))
     first = key not in _seen
     t0 = time.perf_counter()
     result = module.epilogue(a, b.t(), c, out=out, tuned=False, **kwargs)
