@@ -167,3 +167,17 @@ def test_tied_embeddings_and_logits_to_keep():
     assert rel_err(got, want) <= 1e-5
     lm_head = [r for r in fast.report.records if r.path == "model.norm"]
     assert lm_head and lm_head[0].status == "rewritten", str(fast.report)
+
+
+def test_optimized_module_looks_like_the_original():
+    model = build("llama", layers=2).eval()
+    fast = coda_rewrite.optimize(model)
+    assert fast.config is model.config                  # attributes fall through
+    assert fast.module is model
+    assert {n for n, _ in fast.named_parameters()} == \
+        {f"module.{n}" for n, _ in model.named_parameters()}
+    fast.train()
+    assert model.training                               # train()/eval() are shared
+    with torch.no_grad():
+        out = fast.generate(tokens(seq=4), max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 7)
