@@ -21,6 +21,8 @@ one 16-bit GEMM and the epilogue differentiated by autograd on the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..codegen.program import ACC, EpilogueProgram, Kind
@@ -166,12 +168,20 @@ SPECIALISED = [
 ]
 
 
+@functools.lru_cache(maxsize=1024)
+def _rule(prog: EpilogueProgram):
+    """The specialised (rule, keep) for a program, or None (the general rule). Cached:
+    the forward asks on every call."""
+    for matches, rule, keep in SPECIALISED:
+        if matches(prog):
+            return rule, keep(prog)
+    return None
+
+
 def saves(prog: EpilogueProgram) -> tuple[list[int], set[str]]:
     """(outputs the backward reads, operand names it needs only the dtype of)."""
-    for matches, _, keep in SPECIALISED:
-        if matches(prog):
-            return keep(prog)
-    return [], set()
+    found = _rule(prog)
+    return found[1] if found is not None else ([], set())
 
 
 # ---- any other program ----------------------------------------------------------------
@@ -202,7 +212,7 @@ def vjp(prog: EpilogueProgram, a, b, operands, outputs, grads):
     """(grad_a, grad_b, [grad per operand]) for ``prog``."""
     device = (a if a is not None else operands[0]).device
     with torch.autocast(device_type=device.type, enabled=False):
-        for matches, rule, _ in SPECIALISED:
-            if matches(prog):
-                return rule(prog, a, b, operands, outputs, grads)
+        found = _rule(prog)
+        if found is not None:
+            return found[0](prog, a, b, operands, outputs, grads)
         return _general_vjp(prog, a, b, operands, outputs, grads)

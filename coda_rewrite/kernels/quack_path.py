@@ -108,7 +108,13 @@ def device_violation(a: torch.Tensor) -> str | None:
     """Why this device cannot run generated kernels (None: it can)."""
     if a.device.type != "cuda":
         return f"device {a.device.type} (generated kernels are CUDA only)"
-    major, minor = torch.cuda.get_device_capability(a.device)
+    return _arch_violation(a.device.index if a.device.index is not None
+                           else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_violation(index: int) -> str | None:
+    major, minor = torch.cuda.get_device_capability(index)
     if major not in SUPPORTED_ARCH_MAJOR:
         return f"sm_{major}{minor}: generated kernels are validated on sm_90 only"
     return None
