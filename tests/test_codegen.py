@@ -86,6 +86,18 @@ def activations_and_two_tiles():
 NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles]
 
 
+def rowscale_gated(op: str = "swiglu"):
+    """Class 2: the deferred rstd, then a gated pair over interleaved gate/up columns."""
+    def body(p, o):
+        y = p.emit(op, p.mul(ACC, o["r"], name="y"), name="act")
+        return [(y, Kind.PAIR, "bfloat16")]
+    return program_of(f"rowscale_{op}", body, [("r", Kind.PER_ROW)])
+
+
+# Generated and compiled (CI), awaiting their first GPU validation run
+PAIR_PROGRAMS = [rowscale_gated, lambda: rowscale_gated("geglu")]
+
+
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)
 def test_golden_source(make):
     ks = generate(make())
@@ -111,6 +123,29 @@ def test_new_combinations_generate_new_kernels():
         assert needle in src2, (needle, src2)
     assert [i.op for i in ks2.row_stage] == ["add", "sqrt"]
     assert ks.module_name != ks2.module_name
+
+
+def test_pair_mode_source_and_contract():
+    ks = generate(rowscale_gated())
+    src = ks.source
+    for needle in ('mode="acc_pair"', "outputs=('postact',)", "unpack(v_y)",
+                   "silu(v_act_gate) * v_act_up", 'return {"postact": v_act}'):
+        assert needle in src, (needle, src)
+    text = ks.contract.render()
+    assert "[M, N/2]" in text and "interleave gate and up" in text
+    assert "gelu_tanh_approx(v_act_gate)" in generate(rowscale_gated("geglu")).source
+    for bad, why in ((lambda p, o: [(p.swiglu(ACC), Kind.PAIR, "bfloat16"),
+                                    (p.row_sum(ACC), Kind.PER_ROW, "float32")], "reductions"),
+                     (lambda p, o: [(p.swiglu(ACC), Kind.PAIR, "bfloat16"),
+                                    (ACC, Kind.TILE, "bfloat16")], "half-width")):
+        with pytest.raises(Unlowerable, match=why):
+            generate(program_of("bad", bad))
+
+
+def test_pair_programs_wait_for_a_gpu_validation_run():
+    from coda_rewrite.kernels.quack_path import awaiting_validation
+    assert "awaiting a GPU validation run" in awaiting_validation(rowscale_gated())
+    assert awaiting_validation(rowscale_bias()) is None
 
 
 def test_programs_that_differ_in_the_row_stage_share_a_kernel():
@@ -212,7 +247,7 @@ def _model_programs() -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("quack") is None,
                     reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
-    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS]
+    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_PROGRAMS]
     kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would

@@ -19,6 +19,8 @@ Value kinds (what a value varies along; they broadcast like [M, N], [M, 1], [1, 
     PER_ROW      one value per row i (QuACK: ColVec)      the deferred rstd r[i]
     PER_FEATURE  one value per output feature j (RowVec)  gamma[j], a bias
     SCALAR       one value                                 eps, 1/d
+    PAIR         one value per row and feature *pair*      silu(acc[i,2j])·acc[i,2j+1]
+                 (2j, 2j+1): a tile half as wide
 
 The primitive classes of DESIGN.md, and where each lives here:
 
@@ -29,18 +31,18 @@ The primitive classes of DESIGN.md, and where each lives here:
                             associative, commutative merge with identity; values computed
                             from a reduction are *final* (known only after every tile of
                             the row is done), so they may feed per-row outputs only
-    2 pairwise map          planned with the pairwise patterns: ``pair_gated(act)`` reads
-                            the adjacent pair (acc[i, 2j], acc[i, 2j+1]) of interleaved
-                            gate/up columns and yields one value at [i, j] (the output is
-                            half as wide: a PAIR kind, QuACK's mode="acc_pair"); ``rope``
-                            rotates the pair by per-row/per-pair cos, sin operands (full
-                            width). Both stay tile-local: a pair never straddles a tile.
+    2 pairwise map          ``swiglu`` / ``geglu`` read the adjacent pair (x[i, 2j],
+                            x[i, 2j+1]) of interleaved gate/up columns and yield
+                            act(gate)·up at [i, j] (a PAIR value, half as wide; QuACK's
+                            mode="acc_pair"). Tile-local: a pair never straddles a tile.
+                            ``rope`` (rotate the pair, full width) is planned with the
+                            RoPE pattern.
     6 stateful reduction    planned with the cross-entropy pattern: ``online_lse`` keeps a
                             per-row (max, sum-exp) state merged across tiles by the proved
                             LSE merge (algebra/statements.py), ``select_target`` picks
                             acc[i, target[i]] given a per-row integer operand; both are
                             final values like the row reductions.
-    Neither is in the vocabulary yet: an op joins it together with a pattern that
+    It is not in the vocabulary yet: an op joins it together with a pattern that
     produces it and the tests that run it.
 
 Programs are immutable and serialise to a canonical JSON text, which is what travels
@@ -66,6 +68,7 @@ class Kind(str, enum.Enum):
     PER_ROW = "per_row"
     PER_FEATURE = "per_feature"
     SCALAR = "scalar"
+    PAIR = "pair"
 
 
 # name -> arity. Every op computes in the program's compute dtype (float32, or float64
@@ -75,6 +78,8 @@ ELEMENTWISE = {
     "neg": 1, "square": 1, "rsqrt": 1, "sqrt": 1, "exp": 1,
     "silu": 1, "sigmoid": 1, "gelu_tanh": 1, "cast": 1,
 }
+# Gated pairs over interleaved columns: op -> the activation applied to the gate lane.
+PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh"}
 # Row reductions over the feature dim; the merge of per-tile partials is the same op.
 REDUCTIONS = {"row_sum": "sum", "row_max": "max"}
 
@@ -152,6 +157,11 @@ class EpilogueProgram:
                 if ins.op == "cast" and not ins.dtype:
                     raise ProgramError(f"{self.name}: cast needs a dtype")
                 env[ins.out] = (_join([k for k, _ in kinds]), any(f for _, f in kinds))
+            elif ins.op in PAIRWISE:
+                (k, final), = kinds
+                if k != Kind.TILE or final:
+                    raise ProgramError(f"{self.name}: {ins.op} pairs up the columns of a tile")
+                env[ins.out] = (Kind.PAIR, False)
             elif ins.op in REDUCTIONS:
                 (k, final), = kinds
                 if k != Kind.TILE or final:
@@ -170,8 +180,11 @@ class EpilogueProgram:
                 raise ProgramError(f"{self.name}: tile output {o.value!r} is not tile-local")
             if o.kind == Kind.PER_ROW and k not in (Kind.PER_ROW, Kind.SCALAR):
                 raise ProgramError(f"{self.name}: per-row output {o.value!r} is a {k.value}")
-            if o.kind not in (Kind.TILE, Kind.PER_ROW):
-                raise ProgramError(f"{self.name}: outputs are tiles or per-row vectors")
+            if o.kind == Kind.PAIR and k != Kind.PAIR or k == Kind.PAIR and o.kind != Kind.PAIR:
+                raise ProgramError(f"{self.name}: output {o.value!r} is a {k.value}, "
+                                   f"declared {o.kind.value}")
+            if o.kind not in (Kind.TILE, Kind.PER_ROW, Kind.PAIR):
+                raise ProgramError(f"{self.name}: outputs are tiles, pairs or per-row vectors")
         return env
 
     # ---- serialisation ----------------------------------------------------------------
@@ -222,6 +235,11 @@ def _join(kinds: list[Kind]) -> Kind:
     s = set(kinds) - {Kind.SCALAR}
     if not s:
         return Kind.SCALAR
+    if Kind.PAIR in s:
+        if s - {Kind.PAIR, Kind.PER_ROW}:
+            raise ProgramError("a pair value (half width) meets a full-width tile or "
+                               "per-feature value")
+        return Kind.PAIR
     if Kind.TILE in s or s == {Kind.PER_ROW, Kind.PER_FEATURE}:
         return Kind.TILE
     return s.pop()
@@ -268,7 +286,7 @@ class ProgramBuilder:
         return name
 
     def __getattr__(self, op: str):
-        if op in ELEMENTWISE or op in REDUCTIONS:
+        if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE:
             return functools.partial(self.emit, op)
         raise AttributeError(op)
 

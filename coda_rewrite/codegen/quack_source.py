@@ -8,7 +8,8 @@ new kernel code. The program splits in two stages:
 
   tile stage   everything computable per element while the tile is on chip: the
                generated ``epilogue(acc, ...)`` function. Tile outputs become ``D``
-               and auxiliary TileStores; row reductions become ColVecReduce sinks
+               and auxiliary TileStores; a gated pair (swiglu/geglu) switches QuACK to
+               mode="acc_pair" and stores the half-width result as ``postact``; row reductions become ColVecReduce sinks
                (``scaled=True`` with the two factors when the reduced value is a
                product, so the fold is one FMA and the product is never rounded).
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
@@ -27,9 +28,9 @@ import dataclasses
 import hashlib
 import re
 
-from .program import ACC, REDUCTIONS, EpilogueProgram, Instr, Kind
+from .program import ACC, PAIRWISE, REDUCTIONS, EpilogueProgram, Instr, Kind
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
 
 
 class Unlowerable(ValueError):
@@ -59,7 +60,8 @@ class LayoutContract:
     operands: tuple[Binding, ...]
     tile_outputs: tuple[tuple[str, str], ...]   # (program value, kernel output name)
     reductions: tuple[Reduction, ...]
-    weight_permutation: str = "none"            # re-layouts join with the pairwise work
+    weight_permutation: str = "none"            # the re-layout b must already carry
+    pair_outputs: frozenset = frozenset()        # kernel outputs half as wide (gated)
 
     def render(self) -> str:
         lines = [f"layout contract of {self.program_key}",
@@ -71,7 +73,8 @@ class LayoutContract:
                      Kind.SCALAR: "[]"}[b.kind]
             lines.append(f"  {b.name:<10} {shape:<7} {b.kind.value:<11} -> {b.quack_op}")
         for value, out in self.tile_outputs:
-            lines.append(f"  out {value:<6} [M, N]  tile store '{out}'")
+            shape = "[M, N/2]" if out in self.pair_outputs else "[M, N]"
+            lines.append(f"  out {value:<6} {shape:<8} tile store '{out}'")
         for r in self.reductions:
             how = "scaled fma" if r.scaled else r.combine
             lines.append(f"  reduce {r.value:<3} [M]     ColVecReduce '{r.sink}' ({how}), "
@@ -139,6 +142,11 @@ def generate(program: EpilogueProgram) -> KernelSource:
     if not program.gemm:
         raise Unlowerable("no GEMM: a row-wise program runs as plain torch ops")
     kinds = program.value_kinds()
+    pair_mode = any(i.op in PAIRWISE for i in program.body)
+    if pair_mode and any(i.op in REDUCTIONS for i in program.body):
+        raise Unlowerable("row reductions in pair mode")
+    if pair_mode and any(o.kind == Kind.TILE for o in program.outputs):
+        raise Unlowerable("pair mode stores the gated half-width output only")
     tile_body = [i for i in program.body
                  if i.op not in REDUCTIONS and not kinds[i.out][1]]
     row_stage = tuple(i for i in program.body
@@ -200,6 +208,12 @@ def generate(program: EpilogueProgram) -> KernelSource:
     for k, o in enumerate(o for o in program.outputs if o.kind == Kind.TILE):
         tile_outputs.append((o.value, "D" if k == 0 else f"out{k}_{o.value}"))
         returned.append(_arg(o.value))
+    pairs = [o for o in program.outputs if o.kind == Kind.PAIR]
+    if len(pairs) > 1:
+        raise Unlowerable("more than one gated output")
+    for o in pairs:  # QuACK's half-width auxiliary store in pair mode
+        tile_outputs.append((o.value, "postact"))
+        returned.append(_arg(o.value))
 
     # the function body
     lines = []
@@ -207,7 +221,11 @@ def generate(program: EpilogueProgram) -> KernelSource:
         if i.out in folded:
             continue
         args = [_arg(a) for a in i.args]
-        if i.op in _BINARY:
+        if i.op in PAIRWISE:  # the accumulator arrives as (gate, up) pairs
+            g, u = f"{_arg(i.out)}_gate", f"{_arg(i.out)}_up"
+            lines.append(f"{g}, {u} = unpack({args[0]})")
+            rhs = f"{_CALLS[PAIRWISE[i.op]].format(g)} * {u}"
+        elif i.op in _BINARY:
             rhs = f"{args[0]} {_BINARY[i.op]} {args[1]}"
         elif i.op in _CALLS:
             rhs = _CALLS[i.op].format(*args)
@@ -234,6 +252,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
         decorator.append(f"    ops={{{', '.join(pins)}}},")
     if reduces:
         decorator.append(f"    reduces={{{', '.join(reduces)}}},")
+    if pair_mode:
+        decorator.append('    mode="acc_pair",')
     decorator.append(")")
     # The module holds the tile stage only: programs that differ only in their row
     # stage (another eps) share one kernel, named by the digest of its source.
@@ -248,7 +268,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         "import cutlass.cute as cute",
         "from quack.activation import gelu_tanh_approx, sigmoid, silu",
         "from quack.epilogue.frontend import gemm_epilogue",
-        "from quack.epilogue.math import pexp",
+        "from quack.epilogue.math import pexp, unpack",
         "from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, Scalar, TileLoad",
         "",
         "",
@@ -258,8 +278,11 @@ def generate(program: EpilogueProgram) -> KernelSource:
         "",
     ])
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    contract = LayoutContract(program.key, tuple(bindings), tuple(tile_outputs),
-                              tuple(reductions))
+    contract = LayoutContract(
+        program.key, tuple(bindings), tuple(tile_outputs), tuple(reductions),
+        weight_permutation=("rows of b interleave gate and up: [g0, u0, g1, u1, ...]"
+                            if pair_mode else "none"),
+        pair_outputs=frozenset({"postact"} if pairs else ()))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
                         row_stage)
 

@@ -74,7 +74,8 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
         elif bnd.param in params:
             kwargs[bnd.param] = by_name[bnd.name]
     out_dtype = {o.value: dtype_from_name(o.dtype) for o in prog.outputs}
-    out = {name: torch.empty(m, n, dtype=out_dtype[value])
+    width = {o.value: n // 2 if o.kind == Kind.PAIR else n for o in prog.outputs}
+    out = {name: torch.empty(m, width[value], dtype=out_dtype[value])
            for value, name in ks.contract.tile_outputs}
     t0 = time.perf_counter()
     module.epilogue.plan(a, b.t(), c, out=out, **kwargs)

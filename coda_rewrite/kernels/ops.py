@@ -86,8 +86,8 @@ def _(program, a, b, operands):
     prog = parse(program)
     m, n = reference.problem_size(prog, a, b, operands)
     like = a if a is not None else operands[0]
-    return [like.new_empty((m, n) if o.kind == Kind.TILE else (m,),
-                           dtype=reference.dtype_from_name(o.dtype))
+    shapes = {Kind.TILE: (m, n), Kind.PAIR: (m, n // 2), Kind.PER_ROW: (m,)}
+    return [like.new_empty(shapes[o.kind], dtype=reference.dtype_from_name(o.dtype))
             for o in prog.outputs]
 
 
@@ -139,7 +139,7 @@ def _flatten_operands(prog, operands):
 
 
 def _unflatten(prog, outs, lead):
-    return tuple(o.reshape(*lead, o.shape[-1]) if spec.kind == Kind.TILE
+    return tuple(o.reshape(*lead, o.shape[-1]) if spec.kind in (Kind.TILE, Kind.PAIR)
                  else o.reshape(*lead, 1)
                  for spec, o in zip(prog.outputs, outs))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..codegen.program import ACC, ELEMENTWISE, REDUCTIONS, EpilogueProgram, Kind
+from ..codegen.program import ACC, ELEMENTWISE, PAIRWISE, REDUCTIONS, EpilogueProgram, Kind
 
 _DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -65,6 +65,9 @@ def eval_body(body, env: dict, cd: torch.dtype) -> None:
             out = args[0].to(_DTYPES[ins.dtype]).to(cd)
         elif ins.op in _UNARY:
             out = _UNARY[ins.op](args[0])
+        elif ins.op in PAIRWISE:  # interleaved columns: gate at 2j, up at 2j + 1
+            x = args[0]
+            out = _UNARY[PAIRWISE[ins.op]](x[:, 0::2]) * x[:, 1::2]
         elif ins.op == "row_sum":
             out = args[0].sum(dim=1, keepdim=True)
         elif ins.op == "row_max":
@@ -111,7 +114,7 @@ def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tenso
         v = env[o.value]
         if not isinstance(v, torch.Tensor):
             v = torch.tensor(v, dtype=cd, device=_device(a, operands))
-        shape = (m, n) if o.kind == Kind.TILE else (m, 1)
+        shape = {Kind.TILE: (m, n), Kind.PAIR: (m, n // 2)}.get(o.kind, (m, 1))
         v = v.expand(shape).to(_DTYPES[o.dtype])
         results.append(v.reshape(m) if o.kind == Kind.PER_ROW else v)
     return results

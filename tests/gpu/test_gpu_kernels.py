@@ -23,7 +23,7 @@ from coda_rewrite.kernels import ops, reference
 from coda_rewrite.numerics import rel_err
 
 from conftest import hf_model
-from test_codegen import (NEW_PROGRAMS, residual_rmsnorm, rowscale_bias)
+from test_codegen import NEW_PROGRAMS, PAIR_PROGRAMS, residual_rmsnorm, rowscale_bias
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,6 +87,31 @@ def test_kernel_matches_reference_and_float64(make, shape):
             # stored in float32: what is left is the GEMM's float32 accumulation
             # order (tensor cores vs cuBLAS SGEMM on the upcast operands)
             assert rel_err(x, z) <= 2e-5, (o.value, rel_err(x, z), rel_err(y, z))
+
+
+@pytest.mark.parametrize("make", PAIR_PROGRAMS, ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 528), (512, 512, 1024)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pair_mode_kernel_for_validation(make, shape):
+    """The validation run the pair-mode kernels wait for (quack_path.awaiting_validation):
+    the kernel launched directly, against the reference and float64."""
+    from coda_rewrite.kernels import quack_path
+    prog = make()
+    m, k, n = shape
+    g = torch.Generator(device=DEV).manual_seed(m + n)
+    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    operands = _operands(prog, m, n, seed=k)
+    assert quack_path.contract_violation(prog, a, b, operands) is None
+    (got,) = quack_path.run(*quack_path.load(prog.to_text()), a, b, operands)
+    (ref,) = reference.run_program(prog, a, b, operands)
+    exact_prog = dataclasses.replace(prog, outputs=tuple(
+        dataclasses.replace(o, dtype="float64") for o in prog.outputs))
+    (exact,) = reference.run_program(exact_prog, a.double(), b.double(),
+                                     [t.double() for t in operands])
+    assert got.shape == (m, n // 2) and torch.isfinite(got).all()
+    assert rel_err(got, ref) <= 4e-3
+    assert rel_err(got, exact) <= 1.25 * rel_err(ref, exact)
 
 
 def _cuda_kernels(fn):
