@@ -94,8 +94,18 @@ def rowscale_gated(op: str = "swiglu"):
     return program_of(f"rowscale_{op}", body, [("r", Kind.PER_ROW)])
 
 
+def lse_target():
+    """Class 6: logits stored, online log-sum-exp and the target logit per row."""
+    def body(p, o):
+        lse = p.row_logsumexp(ACC, name="lse")
+        tl = p.select_column(ACC, o["target"], name="tl")
+        return [(ACC, Kind.TILE, "bfloat16"), (p.sub(lse, tl, name="loss"), Kind.PER_ROW,
+                                               "float32")]
+    return program_of("lse_target", body, [("target", Kind.PER_ROW)])
+
+
 # Generated and compiled (CI), awaiting their first GPU validation run
-PAIR_PROGRAMS = [rowscale_gated, lambda: rowscale_gated("geglu")]
+AWAITING_GPU = [rowscale_gated, lambda: rowscale_gated("geglu"), lse_target]
 
 
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)
@@ -142,9 +152,23 @@ def test_pair_mode_source_and_contract():
             generate(program_of("bad", bad))
 
 
-def test_pair_programs_wait_for_a_gpu_validation_run():
+def test_stateful_sinks_source_and_contract():
+    ks = generate(lse_target())
+    src = ks.source
+    for needle in ('_index_o_target = ColVecLoad("o_target")',
+                   'OnlineLSEReduce("lse0_lse")',
+                   'ColVecSelect("sel1_tl", idx_op=_index_o_target)',
+                   "extra_ops=(_index_o_target,)", "def epilogue(acc):"):
+        assert needle in src, (needle, src)
+    assert "reduces=" not in src
+    assert [i.op for i in ks.row_stage] == ["sub"]
+    assert "ColVecLoad (index of a ColVecSelect)" in ks.contract.render()
+
+
+def test_unvalidated_kernels_wait_for_a_gpu_run():
     from coda_rewrite.kernels.quack_path import awaiting_validation
     assert "awaiting a GPU validation run" in awaiting_validation(rowscale_gated())
+    assert "awaiting a GPU validation run" in awaiting_validation(lse_target())
     assert awaiting_validation(rowscale_bias()) is None
 
 
@@ -247,7 +271,7 @@ def _model_programs() -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("quack") is None,
                     reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
-    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_PROGRAMS]
+    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + AWAITING_GPU]
     kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would

@@ -295,3 +295,40 @@ def test_invalid_pair_programs_are_rejected(bad):
     with pytest.raises(ProgramError):
         bad(p)
         p.build()
+
+
+
+# ---- class 6: stateful reductions ------------------------------------------------------
+
+def test_online_logsumexp_and_column_select_give_cross_entropy():
+    m, k, n = 6, 5, 11
+    a, b = gen(m, k), gen(n, k, seed=1)
+    target = torch.tensor([0, 3, -100, 10, 11, 7])  # -100 and 11: out of range
+    p = ProgramBuilder("lse_target", gemm=True)
+    t = p.operand("target", Kind.PER_ROW)
+    loss = p.sub(p.row_logsumexp(ACC, name="lse"), p.select_column(ACC, t, name="tl"),
+                 name="loss")
+    p.output(loss, Kind.PER_ROW, "float64")
+    prog = p.build()
+    assert prog.index_operands() == {"target"}
+    (got,) = run_program(prog, a, b, [target])
+    logits = a @ b.T
+    ok = (target >= 0) & (target < n)
+    want = torch.logsumexp(logits, 1) - torch.where(
+        ok, logits.gather(1, target.clamp(0, n - 1)[:, None])[:, 0], torch.zeros(()))
+    torch.testing.assert_close(got, want)
+    valid = ok.nonzero()[:, 0]
+    torch.testing.assert_close(got[valid], F.cross_entropy(logits[valid], target[valid],
+                                                           reduction="none"))
+    # gradients through the op (the general rule; the index is not differentiable)
+    leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    assert torch.autograd.gradcheck(
+        lambda a_, b_: ops.gemm_epilogue(prog.to_text(), a_, b_, [target])[0].sum(), leaves)
+
+
+def test_select_needs_a_per_row_index_operand():
+    p = ProgramBuilder("bad", gemm=True)
+    f = p.operand("f", Kind.PER_FEATURE)
+    with pytest.raises(ProgramError, match="index"):
+        p.output(p.select_column(ACC, f), Kind.PER_ROW, "float32")
+        p.build()

@@ -37,13 +37,12 @@ The primitive classes of DESIGN.md, and where each lives here:
                             mode="acc_pair"). Tile-local: a pair never straddles a tile.
                             ``rope`` (rotate the pair, full width) is planned with the
                             RoPE pattern.
-    6 stateful reduction    planned with the cross-entropy pattern: ``online_lse`` keeps a
-                            per-row (max, sum-exp) state merged across tiles by the proved
-                            LSE merge (algebra/statements.py), ``select_target`` picks
-                            acc[i, target[i]] given a per-row integer operand; both are
-                            final values like the row reductions.
-    It is not in the vocabulary yet: an op joins it together with a pattern that
-    produces it and the tests that run it.
+    6 stateful reduction    ``row_logsumexp`` keeps a per-row online (max, sum-exp) state,
+                            merged across tiles by the proved LSE merge
+                            (algebra/statements.py); ``select_column(x, idx)`` picks
+                            x[i, idx[i]] for a per-row integer operand (0 where idx[i] is
+                            out of range, e.g. ignore_index). Both are final values, like
+                            the row reductions.
 
 Programs are immutable and serialise to a canonical JSON text, which is what travels
 through the graph as the ``coda::gemm_epilogue`` op's first argument: the op is
@@ -80,6 +79,9 @@ ELEMENTWISE = {
 }
 # Gated pairs over interleaved columns: op -> the activation applied to the gate lane.
 PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh"}
+# Stateful row reductions: op -> arity (select_column's second argument is a per-row
+# integer operand, an index into the row).
+STATEFUL = {"row_logsumexp": 1, "select_column": 2}
 # Row reductions over the feature dim; the merge of per-tile partials is the same op.
 REDUCTIONS = {"row_sum": "sum", "row_max": "max"}
 
@@ -162,6 +164,16 @@ class EpilogueProgram:
                 if k != Kind.TILE or final:
                     raise ProgramError(f"{self.name}: {ins.op} pairs up the columns of a tile")
                 env[ins.out] = (Kind.PAIR, False)
+            elif ins.op in STATEFUL:
+                if len(ins.args) != STATEFUL[ins.op]:
+                    raise ProgramError(f"{self.name}: {ins.op} takes {STATEFUL[ins.op]} args")
+                k, final = kinds[0]
+                if k != Kind.TILE or final:
+                    raise ProgramError(f"{self.name}: {ins.op} reduces a tile value")
+                if ins.op == "select_column" and ins.args[1] not in self.index_operands():
+                    raise ProgramError(f"{self.name}: select_column's index must be a "
+                                       "per-row operand")
+                env[ins.out] = (Kind.PER_ROW, True)
             elif ins.op in REDUCTIONS:
                 (k, final), = kinds
                 if k != Kind.TILE or final:
@@ -186,6 +198,11 @@ class EpilogueProgram:
             if o.kind not in (Kind.TILE, Kind.PER_ROW, Kind.PAIR):
                 raise ProgramError(f"{self.name}: outputs are tiles, pairs or per-row vectors")
         return env
+
+    def index_operands(self) -> set[str]:
+        """Per-row operands used as column indices (integer tensors at run time)."""
+        names = {o.name for o in self.operands if o.kind == Kind.PER_ROW}
+        return {i.args[1] for i in self.body if i.op == "select_column"} & names
 
     # ---- serialisation ----------------------------------------------------------------
     def to_text(self) -> str:
@@ -220,7 +237,8 @@ class EpilogueProgram:
                 rhs = f"round_{ins.dtype}({args})"
             else:
                 rhs = f"{ins.op}({args})"
-            note = "   # per-tile partials, merged" if ins.op in REDUCTIONS else ""
+            note = "   # per-tile partials, merged" if ins.op in REDUCTIONS or \
+                ins.op in STATEFUL else ""
             lines.append(f"  {ins.out} = {rhs}    [{kinds[ins.out][0].value}]{note}")
         lines.append("  out: " + ", ".join(f"{o.value} ({o.kind.value}, {o.dtype})"
                                            for o in self.outputs))
@@ -286,7 +304,7 @@ class ProgramBuilder:
         return name
 
     def __getattr__(self, op: str):
-        if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE:
+        if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE or op in STATEFUL:
             return functools.partial(self.emit, op)
         raise AttributeError(op)
 

@@ -134,7 +134,12 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
         return f"K={k} or N={n} not a multiple of 8 (16-byte TMA rows)"
     if not (_aligned(a) and _aligned(b)):
         return "a or b not K-contiguous and 16-byte aligned"
+    indices = program.index_operands()
     for spec, t in zip(program.operands, operands):
+        if spec.name in indices:
+            if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (m,):
+                return f"index operand {spec.name} must be int32/int64 of shape ({m},)"
+            continue
         if spec.kind == Kind.SCALAR:
             if t.numel() != 1:
                 return f"scalar operand {spec.name} has {t.numel()} elements"
@@ -158,9 +163,12 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
 # (tests/gpu). A program outside this set is generated and compiled (CI checks sm_90a
 # PTX) but runs on the reference until a GPU run has validated its kind.
 def awaiting_validation(program: EpilogueProgram) -> str | None:
-    from ..codegen.program import PAIRWISE
+    from ..codegen.program import PAIRWISE, STATEFUL
     if any(i.op in PAIRWISE for i in program.body):
         return "pair mode (gated pairs): compiled for sm_90a, awaiting a GPU validation run"
+    if any(i.op in STATEFUL for i in program.body):
+        return ("stateful sinks (online LSE, column select): compiled for sm_90a, awaiting "
+                "a GPU validation run")
     return None
 
 
@@ -188,7 +196,8 @@ def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
         t = by_name[bnd.name]
         if bnd.param == "c":
             c = t
-        elif bnd.param in module.epilogue.fn.__code__.co_varnames:
+        elif bnd.param in module.epilogue.fn.__code__.co_varnames or \
+                bnd.name in prog.index_operands():
             # a scalar goes by device pointer: no host sync, safe in CUDA graphs
             kwargs[bnd.param] = t.float().reshape(1).contiguous() \
                 if bnd.kind == Kind.SCALAR else t
@@ -216,6 +225,11 @@ def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
         env[value] = result[name] if name in result else out[name]
     for r in ks.contract.reductions:
         env[r.value] = result[r.sink].reshape(m, 1).float()
+        if r.combine == "select":  # rows whose index is out of range are never written
+            (instr,) = [i for i in prog.body if i.out == r.value]
+            idx = by_name[instr.args[1]].reshape(m, 1)
+            ok = (idx >= 0) & (idx < n)
+            env[r.value] = torch.where(ok, env[r.value], torch.zeros((), device=a.device))
     if ks.row_stage:
         for spec, t in zip(prog.operands, operands):
             if spec.kind in (Kind.PER_ROW, Kind.SCALAR):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..codegen.program import ACC, ELEMENTWISE, PAIRWISE, REDUCTIONS, EpilogueProgram, Kind
+from ..codegen.program import (ACC, ELEMENTWISE, PAIRWISE, REDUCTIONS, STATEFUL,
+                               EpilogueProgram, Kind)
 
 _DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -68,12 +69,21 @@ def eval_body(body, env: dict, cd: torch.dtype) -> None:
         elif ins.op in PAIRWISE:  # interleaved columns: gate at 2j, up at 2j + 1
             x = args[0]
             out = _UNARY[PAIRWISE[ins.op]](x[:, 0::2]) * x[:, 1::2]
+        elif ins.op == "row_logsumexp":
+            out = torch.logsumexp(args[0], dim=1, keepdim=True)
+        elif ins.op == "select_column":
+            x, idx = args
+            idx = idx.long()
+            ok = (idx >= 0) & (idx < x.shape[1])
+            out = torch.where(ok, x.gather(1, idx.clamp(0, x.shape[1] - 1)),
+                              torch.zeros((), dtype=x.dtype, device=x.device))
         elif ins.op == "row_sum":
             out = args[0].sum(dim=1, keepdim=True)
         elif ins.op == "row_max":
             out = args[0].amax(dim=1, keepdim=True)
         else:  # validated programs never get here
-            raise AssertionError(f"op {ins.op} not in {sorted(ELEMENTWISE) + sorted(REDUCTIONS)}")
+            raise AssertionError(f"op {ins.op} not in "
+                                 f"{sorted(ELEMENTWISE) + sorted(REDUCTIONS) + sorted(STATEFUL)}")
         env[ins.out] = out
 
 
@@ -99,7 +109,8 @@ def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tenso
     if program.gemm:
         env[ACC] = acc.to(cd) if acc is not None else a.to(cd) @ b.to(cd).t()
     for spec, t in zip(program.operands, operands):
-        t = t.to(cd)
+        if t.is_floating_point():  # an index operand stays integer
+            t = t.to(cd)
         if spec.kind == Kind.PER_ROW:
             t = t.reshape(-1, 1)
         elif spec.kind == Kind.PER_FEATURE:
