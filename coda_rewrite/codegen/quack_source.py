@@ -304,7 +304,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         "",
     ])
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    bindings = [dataclasses.replace(b, quack_op=f"ColVecLoad (index of a ColVecSelect)")
+    bindings = [dataclasses.replace(b, quack_op="ColVecLoad (index of a ColVecSelect)")
                 if b.param in companions else b for b in bindings]
     contract = LayoutContract(
         program.key, tuple(bindings), tuple(tile_outputs), tuple(reductions),
