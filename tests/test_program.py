@@ -310,7 +310,7 @@ def test_online_logsumexp_and_column_select_give_cross_entropy():
                  name="loss")
     p.output(loss, Kind.PER_ROW, "float64")
     prog = p.build()
-    assert prog.index_operands() == {"target"}
+    assert prog.index_operands == {"target"}
     (got,) = run_program(prog, a, b, [target])
     logits = a @ b.T
     ok = (target >= 0) & (target < n)

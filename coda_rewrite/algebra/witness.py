@@ -35,14 +35,7 @@ def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
     def arg(n):
         if replace is not None and n is replace[0]:
             return replace[1]
-        if n not in env:
-            if n.op in ("placeholder", "get_attr"):
-                env[n] = _random_like(n, env)
-            elif depth == 0 or n.op not in ("call_function", "call_method") or n.is_impure():
-                raise _Unreplayable(f"{n.name} is computed outside the match")
-            else:
-                env[n] = _eval(n, env, depth=depth - 1)
-        return env[n]
+        return _value(n, env, depth)
     args = fx.node.map_arg(node.args, arg)
     kwargs = fx.node.map_arg(node.kwargs, arg)
     if node.op == "call_method":
@@ -61,13 +54,19 @@ def _random_like(n: fx.Node, env: dict) -> torch.Tensor:
     return t if m.dtype == torch.float32 else t.to(m.dtype)
 
 
-def _value(x, env):
-    """A replay value: a node evaluated in env, or what replay_chain built from them."""
-    if isinstance(x, fx.Node):
-        if x not in env:
-            env[x] = _eval(x, env)
-        return env[x]
-    return x
+def _value(x, env, depth: int = 3):
+    """The replay value of ``x``: a node from env, a graph input invented at random, a
+    node computed on the way, or (not a node) what replay_chain built from those."""
+    if not isinstance(x, fx.Node):
+        return x
+    if x not in env:
+        if x.op in ("placeholder", "get_attr"):
+            env[x] = _random_like(x, env)
+        elif depth == 0 or x.op not in ("call_function", "call_method") or x.is_impure():
+            raise _Unreplayable(f"{x.name} is computed outside the match")
+        else:
+            env[x] = _eval(x, env, depth=depth - 1)
+    return env[x]
 
 
 def _size(s) -> int:

@@ -170,7 +170,7 @@ class EpilogueProgram:
                 k, final = kinds[0]
                 if k != Kind.TILE or final:
                     raise ProgramError(f"{self.name}: {ins.op} reduces a tile value")
-                if ins.op == "select_column" and ins.args[1] not in self.index_operands():
+                if ins.op == "select_column" and ins.args[1] not in self.index_operands:
                     raise ProgramError(f"{self.name}: select_column's index must be a "
                                        "per-row operand")
                 env[ins.out] = (Kind.PER_ROW, True)
@@ -199,20 +199,28 @@ class EpilogueProgram:
                 raise ProgramError(f"{self.name}: outputs are tiles, pairs or per-row vectors")
         return env
 
-    def index_operands(self) -> set[str]:
+    @functools.cached_property
+    def index_operands(self) -> frozenset[str]:
         """Per-row operands used as column indices (integer tensors at run time)."""
         names = {o.name for o in self.operands if o.kind == Kind.PER_ROW}
-        return {i.args[1] for i in self.body if i.op == "select_column"} & names
+        return frozenset({i.args[1] for i in self.body if i.op == "select_column"} & names)
 
     # ---- serialisation ----------------------------------------------------------------
-    def to_text(self) -> str:
+    # Computed once per program: the op reads the key on every call (runtime counters).
+    # (cached_property writes the instance __dict__ directly, which a frozen dataclass
+    # allows; equality and hashing still use the fields only.)
+    @functools.cached_property
+    def _text(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_text().encode()).hexdigest()[:10]
+    def to_text(self) -> str:
+        return self._text
 
-    @property
+    @functools.cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(self._text.encode()).hexdigest()[:10]
+
+    @functools.cached_property
     def key(self) -> str:
         """Short readable handle: name and digest."""
         return f"{self.name}#{self.digest}"

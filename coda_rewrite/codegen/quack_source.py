@@ -256,7 +256,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
 
     body_src = "\n".join(lines)
     params = ["acc"] + [b.param for b in bindings if _used(b.param, body_src)
-                        and b.name not in program.index_operands()]
+                        and b.name not in program.index_operands]
     pins = [f'"{b.param}": {b.quack_op}' for b in bindings
             if b.param != "c" and b.param in params]
     aux = [name for _, name in tile_outputs if name != "D"]

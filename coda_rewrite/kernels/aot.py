@@ -66,14 +66,14 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
             Kind.PER_ROW, Kind.SCALAR) else dt)
         if spec.kind == Kind.SCALAR:  # passed by pointer, as the runtime does
             by_name[spec.name] = by_name[spec.name].reshape(1)
-        if spec.name in prog.index_operands():
+        if spec.name in prog.index_operands:
             by_name[spec.name] = torch.randint(0, n, (m,), dtype=torch.int64)
     c, kwargs = None, {}
     params = module.epilogue.fn.__code__.co_varnames
     for bnd in ks.contract.operands:
         if bnd.param == "c":
             c = by_name[bnd.name]
-        elif bnd.param in params or bnd.name in prog.index_operands():
+        elif bnd.param in params or bnd.name in prog.index_operands:
             kwargs[bnd.param] = by_name[bnd.name]
     out_dtype = {o.value: dtype_from_name(o.dtype) for o in prog.outputs}
     width = {o.value: n // 2 if o.kind == Kind.PAIR else n for o in prog.outputs}

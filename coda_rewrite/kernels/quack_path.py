@@ -134,7 +134,7 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
         return f"K={k} or N={n} not a multiple of 8 (16-byte TMA rows)"
     if not (_aligned(a) and _aligned(b)):
         return "a or b not K-contiguous and 16-byte aligned"
-    indices = program.index_operands()
+    indices = program.index_operands
     for spec, t in zip(program.operands, operands):
         if spec.name in indices:
             if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (m,):
@@ -162,6 +162,7 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
 # Kernels whose numerics have been checked on a GPU against the reference and float64
 # (tests/gpu). A program outside this set is generated and compiled (CI checks sm_90a
 # PTX) but runs on the reference until a GPU run has validated its kind.
+@functools.lru_cache(maxsize=1024)
 def awaiting_validation(program: EpilogueProgram) -> str | None:
     from ..codegen.program import PAIRWISE, STATEFUL
     if any(i.op in PAIRWISE for i in program.body):
@@ -197,7 +198,7 @@ def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
         if bnd.param == "c":
             c = t
         elif bnd.param in module.epilogue.fn.__code__.co_varnames or \
-                bnd.name in prog.index_operands():
+                bnd.name in prog.index_operands:
             # a scalar goes by device pointer: no host sync, safe in CUDA graphs
             kwargs[bnd.param] = t.float().reshape(1).contiguous() \
                 if bnd.kind == Kind.SCALAR else t
