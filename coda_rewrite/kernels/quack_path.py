@@ -159,24 +159,9 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
     return None
 
 
-# Kernels whose numerics have been checked on a GPU against the reference and float64
-# (tests/gpu). A program outside this set is generated and compiled (CI checks sm_90a
-# PTX) but runs on the reference until a GPU run has validated its kind.
-@functools.lru_cache(maxsize=1024)
-def awaiting_validation(program: EpilogueProgram) -> str | None:
-    from ..codegen.program import PAIRWISE, STATEFUL
-    if any(i.op in PAIRWISE for i in program.body):
-        return "pair mode (gated pairs): compiled for sm_90a, awaiting a GPU validation run"
-    if any(i.op in STATEFUL for i in program.body):
-        return ("stateful sinks (online LSE, column select): compiled for sm_90a, awaiting "
-                "a GPU validation run")
-    return None
-
-
 def select(program: EpilogueProgram, program_text: str, a, b, operands):
     """(KernelSource, module) to launch, or (None, why not)."""
-    why = (contract_violation(program, a, b, operands)
-           or device_violation(a) or awaiting_validation(program))
+    why = contract_violation(program, a, b, operands) or device_violation(a)
     if why is None:
         why = quack_available()
     if why is not None:

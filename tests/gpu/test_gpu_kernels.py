@@ -22,7 +22,7 @@ from coda_rewrite.kernels import ops, reference
 from coda_rewrite.numerics import low_precision_errors, rel_err
 
 from conftest import hf_model
-from test_codegen import AWAITING_GPU, NEW_PROGRAMS, residual_rmsnorm, rowscale_bias
+from test_codegen import NEW_PROGRAMS, PAIR_AND_STATEFUL, residual_rmsnorm, rowscale_bias
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,22 +93,22 @@ def test_kernel_matches_reference_and_float64(make, shape):
             assert rel_err(x, z) <= 2e-5, (o.value, rel_err(x, z), rel_err(y, z))
 
 
-@pytest.mark.parametrize("make", AWAITING_GPU, ids=["swiglu", "geglu", "lse_target"])
+@pytest.mark.parametrize("make", PAIR_AND_STATEFUL, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 528), (512, 512, 1024)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_unvalidated_kernel_for_validation(make, shape):
-    """The validation run these kernels wait for (quack_path.awaiting_validation): each
-    launched directly, against the reference and float64. Once it passes on a GPU, the
-    kind leaves awaiting_validation."""
-    from coda_rewrite.kernels import quack_path
+def test_pair_and_stateful_kernels(make, shape):
+    """Gated pairs (half-width output) and the online-LSE / column-select sinks (an
+    integer index operand, some rows out of range) through the op, against the reference
+    and float64."""
     prog = make()
     m, k, n = shape
     g = torch.Generator(device=DEV).manual_seed(m + n)
     a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
     b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
     operands = _operands(prog, m, n, seed=k)
-    assert quack_path.contract_violation(prog, a, b, operands) is None
-    got = quack_path.run(*quack_path.load(prog.to_text()), a, b, operands)
+    before = _kernel_calls(prog)
+    got = ops.gemm_epilogue(prog.to_text(), a, b, operands)
+    assert _kernel_calls(prog) == before + 1, ops.runtime_summary()
     ref = reference.run_program(prog, a, b, operands)
     exact_prog = dataclasses.replace(prog, outputs=tuple(
         dataclasses.replace(o, dtype="float64") for o in prog.outputs))
