@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from common import bench, env_line
 
@@ -21,10 +22,12 @@ bf = torch.bfloat16
 
 
 class Region(nn.Module):
-    """producer GEMM -> residual add -> Hugging Face-style RMSNorm -> consumer GEMMs."""
+    """producer GEMM -> residual add -> Hugging Face-style RMSNorm -> consumer GEMMs
+    (-> SwiGLU of the two consumers, for the gated region)."""
 
-    def __init__(self, k0, consumers):
+    def __init__(self, k0, consumers, gated=False):
         super().__init__()
+        self.gated = gated
         self.producer = nn.Linear(k0, H, bias=False)
         self.weight = nn.Parameter(torch.rand(H) + 0.5)
         self.consumers = nn.ModuleList(nn.Linear(H, n, bias=False) for n in consumers)
@@ -34,44 +37,69 @@ class Region(nn.Module):
         h = z.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
         h = self.weight * h.to(z.dtype)
+        if self.gated:
+            gate, up = self.consumers
+            return z, [F.silu(gate(h)) * up(h)]
         return z, [c(h) for c in self.consumers]
 
 
+class GatedMLP(nn.Module):
+    """gate, up -> SwiGLU on an input with no norm in front (the pairwise epilogue
+    alone; the region of ../shared/gpu/README.md's rstd + SwiGLU figure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, FFN, bias=False)
+        self.up = nn.Linear(H, FFN, bias=False)
+
+    def forward(self, x, residual):
+        return residual, [F.silu(self.gate(x)) * self.up(x)]
+
+
+# name -> (producer K, consumer Ns, gated, rewrites expected: norm, gated)
 REGIONS = {
-    "o_proj -> post-attn norm -> gate, up": (H, [FFN, FFN]),
-    "down -> input norm -> q, k, v": (FFN, [Q, KV, KV]),
-    "down -> final norm -> lm_head": (FFN, [V]),
+    "o_proj -> post-attn norm -> gate, up": (H, [FFN, FFN], False, (1, 0)),
+    "o_proj -> norm -> gate, up -> SwiGLU": (H, [FFN, FFN], True, (1, 1)),
+    "gate, up -> SwiGLU (no norm)": (None, [FFN, FFN], True, (0, 1)),
+    "down -> input norm -> q, k, v": (FFN, [Q, KV, KV], False, (1, 0)),
+    "down -> final norm -> lm_head": (FFN, [V], False, (1, 0)),
 }
 
 
 def main():
     print(env_line(), flush=True)
     rows = []
-    for name, (k0, consumers) in REGIONS.items():
+    for name, (k0, consumers, gated, expected) in REGIONS.items():
         torch.manual_seed(0)
-        region = Region(k0, consumers).cuda().to(bf)
-        x = torch.randn(M, k0, device="cuda", dtype=bf)
+        region = (Region(k0, consumers, gated) if k0 else GatedMLP()).cuda().to(bf)
+        x = torch.randn(M, k0 or H, device="cuda", dtype=bf)
         res = torch.randn(M, H, device="cuda", dtype=bf)
         with torch.no_grad():
             fused = coda_rewrite.optimize(region)
             compiled = torch.compile(region)
             z, outs = region(x, res)
             zf, outs_f = fused(x, res)
-            assert fused.report.count() == 1, str(fused.report)
+            got = (fused.report.count(pattern="residual_rmsnorm_gemm"),
+                   fused.report.count(pattern="gated_mlp"))
+            assert got == expected, str(fused.report)
             errs = [float((a.float() - b.float()).norm() / b.float().norm())
                     for a, b in zip([z, *outs], [zf, *outs_f])]
             h = torch.randn(M, H, device="cuda", dtype=bf)
-            ws = [c.weight for c in region.consumers]
-            w0 = region.producer.weight
+            ws = [c.weight for c in region.consumers] if k0 else \
+                [region.gate.weight, region.up.weight]
+            w0 = region.producer.weight if k0 else None
 
             def bare():
-                torch.mm(x, w0.t())
+                if w0 is not None:
+                    torch.mm(x, w0.t())
                 for w in ws:
                     torch.mm(h, w.t())
 
             t = {"fused": bench(lambda: fused(x, res)), "bare": bench(bare),
                  "compile": bench(lambda: compiled(x, res)),
                  "eager": bench(lambda: region(x, res))}
+            if gated:  # the per-call weight re-layout inside "fused", alone
+                t["interleave"] = bench(lambda: ops.interleave_rows(*ws))
         rows.append((name, t, max(errs)))
         print(name, t, "max rel diff vs eager", max(errs), flush=True)
         torch.cuda.empty_cache()
@@ -84,6 +112,9 @@ def main():
         ratios.append(t["fused"] / t["bare"])
         print(f"{name:40s} {t['fused']:8.3f} {t['bare']:8.3f} {t['compile']:8.3f} "
               f"{t['eager']:8.3f}  {t['fused'] / t['bare']:10.3f}x  {t['fused'] / t['compile']:10.3f}x")
+    for name, t, _ in rows:
+        if "interleave" in t:
+            print(f"  {name}: of which the per-call weight interleave {t['interleave']:.3f} ms")
     g = 1.0
     for r in ratios:
         g *= r

@@ -18,7 +18,7 @@ class Options:
     # Replay every match on float64 inputs before applying it (algebra/witness.py).
     witness: bool = True
     # Patterns to apply; the others are still matched and reported as disabled.
-    patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm")
+    patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp")
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":

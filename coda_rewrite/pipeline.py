@@ -1,7 +1,9 @@
 """The pass over one captured graph: match → decide → rewrite, recording everything.
 
-Two pattern families run in turn: the attention inputs (SDPA calls), then the norms.
-Norm matches are found once, then decided and applied in graph order. A rewrite replaces nodes
+Three pattern families run in turn: the attention inputs (SDPA calls), the norms, then
+the gated MLPs (after the norms: a gate/up pair that became two rowscale consumers of a
+rewritten norm merges into one GEMM that applies the deferred rstd before the
+activation). Norm matches are found once, then decided and applied in graph order. A rewrite replaces nodes
 that a later match may name (the residual add one norm's producer fuses is the residual
 input of the next), so each match is brought up to date before its turn: replaced nodes
 are followed to their replacements, and a producing GEMM that an earlier rewrite already
@@ -20,7 +22,8 @@ from . import algebra, canonical, rewrite
 from .algebra import locality
 from .capture import describe
 from .options import Options
-from .patterns import attention, residual_rmsnorm
+from .algebra import gated as gated_algebra
+from .patterns import attention, gated_mlp, residual_rmsnorm
 from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 
@@ -31,6 +34,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     records: list[MatchRecord] = []
     _attention(graph, options, records)
     _norms(graph, options, records)
+    _gated(graph, options, records)
     graph.lint()
     gm.recompile()
     return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
@@ -76,6 +80,38 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
         record.materialised = [describe(n) for n in alive]
         record.programs = [m.norm_program, *(m.consumer_programs[c.linear] for c in accepted)]
         record.program_checks = [locality.check(p) for p in dict.fromkeys(record.programs)]
+
+
+def _gated(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
+    """act(x·W_gᵀ)·(x·W_uᵀ) → one GEMM over interleaved weights, pairwise epilogue."""
+    enabled = gated_mlp.NAME in options.patterns
+    for m in gated_mlp.find(graph):
+        if isinstance(m, gated_mlp.NoMatch):
+            records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
+            continue
+        record = MatchRecord(m.pattern, m.path, REJECTED,
+                             consumers=[describe(m.gate.out)] if m.packed else
+                             [describe(m.gate.out), describe(m.up.out)])
+        records.append(record)
+        if not enabled:
+            record.reason = "pattern disabled by options.patterns"
+            continue
+        try:
+            gated_mlp.build_program(m)
+            decision = gated_algebra.decide(m, witness=options.witness)
+        except Exception as e:  # a checker bug must cost a rewrite, never the compile
+            record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
+            continue
+        record.decision = decision
+        if not decision.accepted:
+            record.reason = decision.condition
+            continue
+        rewrite.apply_gated(graph, m)
+        record.status = REWRITTEN
+        if m.gate.r is not None:
+            record.producer = f"rows scaled by the deferred rstd {describe(m.gate.r)}"
+        record.programs = [m.program]
+        record.program_checks = [locality.check(m.program)]
 
 
 def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:

@@ -48,6 +48,13 @@ def _results(graph: fx.Graph, call: fx.Node, n: int, like: fx.Node) -> list[fx.N
     return outs
 
 
+def _same_meta(new: fx.Node, like: fx.Node) -> None:
+    """``new`` holds a tensor of ``like``'s shape and dtype (h2 = z·γ has the normalised
+    value's): later matchers read shapes and dtypes from the meta."""
+    if meta(like) is not None:
+        new.meta["example_value"] = meta(like)
+
+
 def _graph_replay(graph: fx.Graph):
     """``like`` / ``call`` for replay_chain that build graph nodes."""
     def like(node, src, x):
@@ -88,6 +95,7 @@ def apply(graph: fx.Graph, match, accepted_consumers):
             call = graph.call_function(ops.fused_linear, (text, x, w, *b, prod.residual, *gamma))
             _copy_meta(call, prod.linear)
             z, h2, r = _results(graph, call, 3, norm.output)
+            _same_meta(h2, norm.output)
         prod.add.replace_all_uses_with(z)
         replacements[prod.add] = z
         z.meta.update({k: v for k, v in prod.add.meta.items() if k not in z.meta})
@@ -96,6 +104,7 @@ def apply(graph: fx.Graph, match, accepted_consumers):
             call = graph.call_function(ops.fused_rowwise, (text, norm.input, *gamma))
             _copy_meta(call, norm.output)
             h2, r = _results(graph, call, 2, norm.output)
+            _same_meta(h2, norm.output)
 
     for c in accepted_consumers:
         program = match.consumer_programs[c.linear].to_text()
@@ -124,3 +133,28 @@ def apply(graph: fx.Graph, match, accepted_consumers):
     erase_if_dead(graph, dead_candidates)
     alive = {n for n in graph.nodes}
     return [n for n in norm.nodes if n in alive], replacements
+
+
+def apply_gated(graph: fx.Graph, m) -> fx.Node:
+    """Replace act(gate)·up by one GEMM over the interleaved weights (see
+    patterns/gated_mlp.py); returns the fused call."""
+    g, u = m.gate, m.up
+    text = m.program.to_text()
+    with graph.inserting_before(m.mul):
+        if m.packed:
+            w = graph.call_function(ops.interleave_halves, (g.weight,))
+            b = graph.call_function(ops.interleave_halves, (g.bias,)) \
+                if g.bias is not None else None
+        else:
+            w = graph.call_function(ops.interleave_rows, (g.weight, u.weight))
+            b = graph.call_function(ops.interleave_rows, (g.bias, u.bias)) \
+                if g.bias is not None or u.bias is not None else None
+        x, w, *b = _cast_for_gemm(graph, g.out, g.x, w, *([b] if b is not None else []))
+        r = [g.r] if g.r is not None else []
+        call = graph.call_function(ops.fused_linear, (text, x, w, *r, *b))
+        _copy_meta(call, m.mul)
+        out = _results(graph, call, 1, m.mul)[0]
+    out.meta.update({k: v for k, v in m.mul.meta.items() if k not in out.meta})
+    m.mul.replace_all_uses_with(out)
+    erase_if_dead(graph, [m.mul, m.act, *m.intermediates, *g.nodes, *u.nodes])
+    return call

@@ -54,7 +54,10 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     }[family]
+    if family == "phi3":  # its default special tokens lie outside the small vocabulary
+        common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family in ("gemma", "gemma2"):
         common["head_dim"] = hidden // 4
     cfg = cfg_cls(**{**common, **overrides})

@@ -108,8 +108,22 @@ def rowscale_geglu():
     return rowscale_gated("geglu")
 
 
+def gated_training():
+    """What the gated-MLP pattern emits for a training graph: rstd, a bias, SwiGLU, and
+    the pre-activation kept for the backward (full width, as D)."""
+    from coda_rewrite.patterns.gated_mlp import gated_program
+    return gated_program("swiglu", True, True, torch.bfloat16, keep_preact=True)
+
+
+def geglu_erf_plain():
+    """Exact-erf GeGLU straight off a GEMM (no norm in front)."""
+    from coda_rewrite.patterns.gated_mlp import gated_program
+    return gated_program("geglu_erf", False, False, torch.bfloat16, keep_preact=False)
+
+
 # Pair mode and stateful sinks: N must be even (pairs) and the index operand is an int
-PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, lse_target]
+PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, gated_training, geglu_erf_plain,
+                     lse_target]
 
 
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)
@@ -148,10 +162,16 @@ def test_pair_mode_source_and_contract():
     text = ks.contract.render()
     assert "[M, N/2]" in text and "interleave gate and up" in text
     assert "gelu_tanh_approx(v_act_gate)" in generate(rowscale_gated("geglu")).source
+    train = generate(gated_training()).source
+    for needle in ('"o_bias": RowVecLoad("o_bias")', "v_p_b_lo, v_p_b_hi = unpack(v_p_b)",
+                   '"D": pack(v_p_b_lo, v_p_b_hi), "postact": v_y'):
+        assert needle in train, (needle, train)
+    assert "gelu_erf(v_y_gate) * v_y_up" in generate(geglu_erf_plain()).source
     for bad, why in ((lambda p, o: [(p.swiglu(ACC), Kind.PAIR, "bfloat16"),
                                     (p.row_sum(ACC), Kind.PER_ROW, "float32")], "reductions"),
                      (lambda p, o: [(p.swiglu(ACC), Kind.PAIR, "bfloat16"),
-                                    (ACC, Kind.TILE, "bfloat16")], "half-width")):
+                                    (ACC, Kind.TILE, "bfloat16"),
+                                    (p.mul(ACC, 2.0), Kind.TILE, "bfloat16")], "at most one")):
         with pytest.raises(Unlowerable, match=why):
             generate(program_of("bad", bad))
 

@@ -31,7 +31,7 @@ The primitive classes of DESIGN.md, and where each lives here:
                             associative, commutative merge with identity; values computed
                             from a reduction are *final* (known only after every tile of
                             the row is done), so they may feed per-row outputs only
-    2 pairwise map          ``swiglu`` / ``geglu`` read the adjacent pair (x[i, 2j],
+    2 pairwise map          ``swiglu`` / ``geglu`` / ``geglu_erf`` read the adjacent pair (x[i, 2j],
                             x[i, 2j+1]) of interleaved gate/up columns and yield
                             act(gate)·up at [i, j] (a PAIR value, half as wide; QuACK's
                             mode="acc_pair"). Tile-local: a pair never straddles a tile.
@@ -75,10 +75,10 @@ class Kind(str, enum.Enum):
 ELEMENTWISE = {
     "add": 2, "sub": 2, "mul": 2, "div": 2,
     "neg": 1, "square": 1, "rsqrt": 1, "sqrt": 1, "exp": 1,
-    "silu": 1, "sigmoid": 1, "gelu_tanh": 1, "cast": 1,
+    "silu": 1, "sigmoid": 1, "gelu_tanh": 1, "gelu_erf": 1, "cast": 1,
 }
 # Gated pairs over interleaved columns: op -> the activation applied to the gate lane.
-PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh"}
+PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh", "geglu_erf": "gelu_erf"}
 # Stateful row reductions: op -> arity (select_column's second argument is a per-row
 # integer operand, an index into the row).
 STATEFUL = {"row_logsumexp": 1, "select_column": 2}

@@ -9,7 +9,9 @@ new kernel code. The program splits in two stages:
   tile stage   everything computable per element while the tile is on chip: the
                generated ``epilogue(acc, ...)`` function. Tile outputs become ``D``
                and auxiliary TileStores; a gated pair (swiglu/geglu) switches QuACK to
-               mode="acc_pair" and stores the half-width result as ``postact``; row reductions become ColVecReduce sinks
+               mode="acc_pair" and stores the half-width result as ``postact``
+               (and at most one full-width tile, the pre-activation a backward
+               reads, as ``D``); row reductions become ColVecReduce sinks
                (``scaled=True`` with the two factors when the reduced value is a
                product, so the fold is one FMA and the product is never rounded).
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
@@ -30,7 +32,7 @@ import re
 
 from .program import ACC, PAIRWISE, REDUCTIONS, STATEFUL, EpilogueProgram, Instr, Kind
 
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 
 
 class Unlowerable(ValueError):
@@ -101,13 +103,14 @@ _CALLS = {
     "silu": "silu({})",
     "sigmoid": "sigmoid({})",
     "gelu_tanh": "gelu_tanh_approx({})",
+    "gelu_erf": "gelu_erf({})",
     "neg": "(-{})",
     "square": "({0} * {0})",
 }
 
 
 # f(0) == 0 for these: zero in, zero out
-_ZERO_PRESERVING = {"neg", "square", "sqrt", "silu", "gelu_tanh"}
+_ZERO_PRESERVING = {"neg", "square", "sqrt", "silu", "gelu_tanh", "gelu_erf"}
 
 
 def zero_on_padding(program: EpilogueProgram) -> dict[str, bool]:
@@ -147,8 +150,9 @@ def generate(program: EpilogueProgram) -> KernelSource:
     pair_mode = any(i.op in PAIRWISE for i in program.body)
     if pair_mode and any(i.op in REDUCTIONS or i.op in STATEFUL for i in program.body):
         raise Unlowerable("row reductions in pair mode")
-    if pair_mode and any(o.kind == Kind.TILE for o in program.outputs):
-        raise Unlowerable("pair mode stores the gated half-width output only")
+    if pair_mode and sum(o.kind == Kind.TILE for o in program.outputs) > 1:
+        raise Unlowerable("pair mode stores the gated half-width output and at most one "
+                          "full-width tile (as D)")
     tile_body = [i for i in program.body
                  if i.op not in REDUCTIONS and not kinds[i.out][1]]
     row_stage = tuple(i for i in program.body
@@ -222,10 +226,15 @@ def generate(program: EpilogueProgram) -> KernelSource:
                                     else "select", False))
 
     # tile outputs: the first is D, the others auxiliary TileStores
-    tile_outputs, returned = [], []
+    tile_outputs, returned, d_pairs = [], [], []
     for k, o in enumerate(o for o in program.outputs if o.kind == Kind.TILE):
         tile_outputs.append((o.value, "D" if k == 0 else f"out{k}_{o.value}"))
-        returned.append(_arg(o.value))
+        if pair_mode:  # values arrive as (gate, up) lane pairs: D stores both lanes
+            lo, hi = f"{_arg(o.value)}_lo", f"{_arg(o.value)}_hi"
+            d_pairs.append(f"{lo}, {hi} = unpack({_arg(o.value)})")
+            returned.append(f"pack({lo}, {hi})")
+        else:
+            returned.append(_arg(o.value))
     pairs = [o for o in program.outputs if o.kind == Kind.PAIR]
     if len(pairs) > 1:
         raise Unlowerable("more than one gated output")
@@ -250,6 +259,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         else:
             raise Unlowerable(f"{i.op} has no kernel lowering yet")
         lines.append(f"{_arg(i.out)} = {rhs}")
+    lines += d_pairs
     ret = [f'"{name}": {value}' for (_, name), value in zip(tile_outputs, returned)]
     ret += [f'"{s}": {v}' for s, v in sink_values.items()]
     lines.append("return {" + ", ".join(ret) + "}")
@@ -289,9 +299,9 @@ def generate(program: EpilogueProgram) -> KernelSource:
         '"""',
         "",
         "import cutlass.cute as cute",
-        "from quack.activation import gelu_tanh_approx, sigmoid, silu",
+        "from quack.activation import gelu_erf, gelu_tanh_approx, sigmoid, silu",
         "from quack.epilogue.frontend import gemm_epilogue",
-        "from quack.epilogue.math import pexp, unpack",
+        "from quack.epilogue.math import pack, pexp, unpack",
         "from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce,",
         "                                RowVecLoad, Scalar, TileLoad)",
         "",

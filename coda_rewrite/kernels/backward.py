@@ -14,6 +14,10 @@ what the forward kept, never recomputed:
   which the forward stores (the residual stream); r is stored too.
   dz_total = dz + dh2 ⊙ γ' − dr ⊙ r³ ⊙ z / d.
 
+* ``gated`` (p = r ⊙ acc + bias; y = act(p[:, 0::2]) ⊙ p[:, 1::2]): the forward
+  stores p (what eager keeps as the gate and up outputs) next to y; dp comes from the
+  activation's derivative on p, and the rest is the rowscale rule with dy := dp.
+
 Each specialised rule states the program shape it applies to and checks it
 (``matches``); any other program takes the general rule: the accumulator recomputed as
 one 16-bit GEMM and the epilogue differentiated by autograd on the reference.
@@ -161,10 +165,64 @@ def _residual_rmsnorm_saves(prog):
     return ([0, 2] if prog.gemm else [1]), {"residual"}
 
 
+# ---- gated pairs ----------------------------------------------------------------------
+
+def _gated_parts(prog: EpilogueProgram):
+    """[p1 = acc * r] [p2 = p1 + bias] y = pairop(p) -> outputs y (pair), p (tile)."""
+    from ..codegen.program import PAIRWISE
+    body = list(prog.body)
+    names = [o.name for o in prog.operands]
+    v, i = ACC, 0
+    if "r" in names:
+        assert (body[i].op, body[i].args) == ("mul", (ACC, "r"))
+        v, i = body[i].out, i + 1
+    if "bias" in names:
+        assert (body[i].op, body[i].args) == ("add", (v, "bias"))
+        v, i = body[i].out, i + 1
+    assert len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args == (v,)
+    assert set(names) <= {"r", "bias"} and prog.gemm
+    outs = [(o.value, o.kind) for o in prog.outputs]
+    assert outs == [(body[i].out, Kind.PAIR), (v, Kind.TILE)]
+    return PAIRWISE[body[i].op]
+
+
+def _is_gated(prog: EpilogueProgram) -> bool:
+    try:
+        _gated_parts(prog)
+        return True
+    except (AssertionError, IndexError):
+        return False
+
+
+def _gated_vjp(prog, a, b, operands, outputs, grads):
+    dy = grads[0]
+    if dy is None:
+        return None, None, [None] * len(operands)
+    act = reference.unary(_gated_parts(prog))
+    with torch.enable_grad():
+        p = _up(outputs[1]).detach().requires_grad_(True)
+        y = act(p[:, 0::2]) * p[:, 1::2]
+        (dp,) = torch.autograd.grad(y, p, _up(dy))
+    by_name = dict(zip((o.name for o in prog.operands), operands))
+    grads_by_name = {}
+    if "bias" in by_name:
+        grads_by_name["bias"] = dp.sum(0).to(by_name["bias"].dtype)
+    if "r" in by_name:
+        r = _up(by_name["r"])[:, None]
+        g = _up(dp.to(b.dtype) @ b)                        # G = dp·b
+        grad_a = (g * r).to(a.dtype)
+        grad_b = (dp * r).to(a.dtype).t() @ a
+        grads_by_name["r"] = (g * _up(a)).sum(-1).to(by_name["r"].dtype)
+    else:
+        grad_a, grad_b = _gemm_grads(dp, a, b)
+    return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
+
+
 # (applies to, rule, what the forward must keep: (output indices, operands not needed))
 SPECIALISED = [
     (_is_rowscale, _rowscale_vjp, lambda prog: ([], set())),
     (_is_residual_rmsnorm, _residual_rmsnorm_vjp, _residual_rmsnorm_saves),
+    (_is_gated, _gated_vjp, lambda prog: ([1], set())),
 ]
 
 

@@ -155,6 +155,17 @@ def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
     return _unflatten(prog, outs, lead)
 
 
+def fused_linear_reference(program: str, x: torch.Tensor, weight: torch.Tensor,
+                           *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fused_linear through the reference interpreter, bypassing the op (and its
+    runtime counters): for the legality witnesses."""
+    prog = parse(program)
+    lead = x.shape[:-1]
+    outs = reference.run_program(prog, x.reshape(-1, x.shape[-1]), weight,
+                                 _flatten_operands(prog, operands))
+    return _unflatten(prog, outs, lead)
+
+
 def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A program without a GEMM; its first tile operand gives the leading shape.
 
@@ -189,3 +200,23 @@ def distribute_bias(shift, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         shift = torch.full((weight.shape[1],), float(shift), dtype=weight.dtype,
                            device=weight.device)
     return torch.nn.functional.linear(shift.reshape(-1).to(weight.dtype), weight, bias)
+
+
+def interleave_rows(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor:
+    """[g0, u0, g1, u1, ...]: the rows (or, for biases, the entries) of a gate and an
+    up projection interleaved, so that one GEMM's adjacent output columns are a
+    (gate, up) pair. A missing bias side (None) is zeros. Recomputed from the live
+    parameters on every call: a re-layout done once would go stale after an optimizer
+    step (autograd de-interleaves the gradient)."""
+    if gate is None:
+        gate = torch.zeros_like(up)
+    if up is None:
+        up = torch.zeros_like(gate)
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
+
+
+def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
+    """interleave_rows for a packed [gate; up] weight or bias (Phi-3's gate_up_proj,
+    read as ``chunk(2, dim=-1)``): rows [0, n) are the gate, [n, 2n) the up."""
+    half = packed.shape[0] // 2
+    return packed.unflatten(0, (2, half)).transpose(0, 1).flatten(0, 1)

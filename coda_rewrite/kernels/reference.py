@@ -49,7 +49,15 @@ _UNARY = {
     "silu": F.silu,
     "sigmoid": torch.sigmoid,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_erf": F.gelu,
 }
+
+
+def unary(op: str):
+    """The torch function of an elementwise op of one argument."""
+    return _UNARY[op]
+
+
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 

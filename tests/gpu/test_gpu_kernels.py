@@ -183,6 +183,25 @@ def test_small_llama_bf16_on_gpu(via):
     assert res["ok"], res
 
 
+@pytest.mark.parametrize("family,op", [("gemma", "geglu"), ("phi3", "swiglu")])
+def test_gated_mlps_bf16_on_gpu(family, op):
+    """GeGLU (Gemma) and the packed gate_up (Phi-3) through the pair-mode kernels."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    before = _gated_kernel_calls(op)
+    res = low_precision_errors(
+        lambda seed: hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512),
+        (ids,), lambda m: (torch._dynamo.reset(), coda_rewrite.optimize(m))[1],
+        seeds=(0, 1, 2), device=DEV)
+    assert _gated_kernel_calls(op) - before >= 3 * 2, ops.runtime_summary()
+    print(f"{family}: {res}")
+    assert res["ok"], res
+
+
+def _gated_kernel_calls(op):
+    return sum(n for (key, impl, _), n in ops.RUNTIME.items()
+               if impl == "kernel" and key.startswith(f"rowscale_{op}#"))
+
+
 def test_small_llama_bf16_training_gradients_on_gpu():
     """Through the kernels and the backward rules: every parameter's gradient against a
     float64 copy, no worse than eager's (median over seeds of the whole-gradient error)."""
@@ -204,6 +223,7 @@ def test_small_llama_bf16_training_gradients_on_gpu():
         want = flat(ref_model)
         eager_errs.append(rel_err(flat(eager), want))
         new_errs.append(rel_err(flat(model), want))
+    assert _gated_kernel_calls("swiglu") > 0, ops.runtime_summary()
     ratio = statistics.median(new_errs) / statistics.median(eager_errs)
     print(f"grads: eager {eager_errs} rewritten {new_errs} ratio {ratio:.3f}")
     assert ratio <= 1.25

@@ -1,0 +1,197 @@
+"""Legality of a gated-MLP rewrite: the interleave identity, its side conditions on the
+matched graph, and a float64 replay of the matched nodes against the fused program.
+
+The identity (statements.prove_gated_interleave): with W_int[2j] = W_g[j] and
+W_int[2j+1] = W_u[j], the GEMM x·W_intᵀ holds the gate GEMM's (i, j) entry at column 2j
+and the up GEMM's at 2j+1, so act(r·acc[i,2j])·(r·acc[i,2j+1]) is eager's
+act(gate)·up. Side conditions, each checked here:
+
+* gate and up read the same input (and, if they are rewritten norm consumers, the same
+  deferred row scale r: the scale is applied before the activation, which is not
+  linear, so both lanes of a pair must carry the same one);
+* nothing else reads gate, up or act(gate): the fused GEMM never writes them;
+* gate, up and the product share one dtype (no cast between them that the fused
+  epilogue would skip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..canonical import canon, meta
+from ..capture import describe
+from ..codegen.program import parse
+from ..kernels import ops
+from ..kernels import reference
+from ..numerics import rel_err
+from . import statements
+from .decision import Decision, Proof, Rejection
+from .witness import _eval, _size, _Unreplayable
+
+
+def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
+    """None if ``reader`` is all that reads ``value`` (through dtype-preserving casts)."""
+    node = value
+    while True:
+        users = list(node.users)
+        if users == [reader]:
+            return None
+        if len(users) == 1 and canon(users[0]) is not None and canon(users[0]).name == "cast":
+            node = users[0]
+            continue
+        others = [u for u in users if u is not reader]
+        return (f"{describe(node)} is also read by {', '.join(describe(u) for u in others)}: "
+                "the fused GEMM never writes it")
+
+
+def side_conditions(m) -> tuple[list[str], str | None]:
+    """(conditions that hold, the first that does not)."""
+    held = []
+    g, u = m.gate, m.up
+    if m.packed:
+        chunk = g.nodes[-1]
+        for v, reader in ((m.gate_value, m.act), (m.up_value, m.mul), (g.out, chunk)):
+            why = _only_reader(v, reader)
+            if why:
+                return held, why
+        if set(chunk.users) != {m.gate_value, m.up_value}:
+            return held, f"{describe(chunk)} has readers besides its two halves"
+        if meta(g.out).shape[-1] % 2:
+            return held, "the packed projection has an odd number of output features"
+        held.append("gate and up are the two halves of one projection: same input, same "
+                    "row scale")
+        gate_v, up_v = m.gate_value, m.up_value
+    else:
+        if g.out is u.out:
+            return held, "gate and up are the same GEMM output"
+        if not statements_same(g.x, u.x):
+            return held, (f"gate and up read different inputs ({describe(g.x)} vs "
+                          f"{describe(u.x)})")
+        if (g.r is None) != (u.r is None) or (g.r is not None and not statements_same(g.r, u.r)):
+            return held, ("gate and up carry different deferred row scales (the scale "
+                          "precedes the activation: a pair needs one)")
+        if tuple(meta(g.out).shape) != tuple(meta(u.out).shape):
+            return held, "gate and up outputs differ in shape"
+        held.append(f"gate and up read the same input {describe(g.x)}"
+                    + (f" and row scale {describe(g.r)}" if g.r is not None else ""))
+        for v, reader in ((g.out, m.act), (u.out, m.mul)):
+            why = _only_reader(v, reader)
+            if why:
+                return held, why
+        for p in (g, u):  # the rowscale call behind a getitem: read by that getitem only
+            for n in p.nodes[1:]:
+                if len(n.users) != 1:
+                    return held, f"{describe(n)} has other readers"
+        gate_v, up_v = g.out, u.out
+    why = _only_reader(m.act, m.mul)
+    if why:
+        return held, why
+    held.append("gate, up and act(gate) are read only by the gated product")
+    dtypes = {meta(n).dtype for n in (gate_v, up_v, m.act, m.mul)}
+    if len(dtypes) != 1:
+        return held, (f"gate, up, act(gate) and the product differ in dtype "
+                      f"({sorted(map(str, dtypes))}): a cast between them")
+    if tuple(meta(m.mul).shape) != tuple(meta(gate_v).shape):
+        return held, "the product broadcasts gate against up"
+    held.append(f"one dtype throughout ({dtypes.pop()})")
+    return held, None
+
+
+def statements_same(a, b) -> bool:
+    from ..patterns.gated_mlp import same_value
+    return same_value(a, b)
+
+
+def decide(m, witness: bool = True) -> Decision:
+    held, failed = side_conditions(m)
+    if failed:
+        return Rejection(failed, m.path)
+    proof = statements.prove_gated_interleave()
+    seen = replay(m) if witness else ""
+    if isinstance(seen, Rejection):
+        return seen
+    return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
+
+
+def replay(m) -> str | Rejection:
+    """Evaluate the matched nodes on random float64 inputs (small shapes) and the fused
+    program, through the reference, on the same inputs."""
+    try:
+        return _replay(m)
+    except _Unreplayable as e:
+        return f"skipped: {e}"
+    except (RuntimeError, IndexError, ValueError) as e:
+        return f"skipped: the matched nodes do not replay at small shapes ({e})"
+
+
+def _replay(m) -> str | Rejection:
+    gen = torch.Generator().manual_seed(4321)
+
+    def rand(*shape, positive=False):
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        return t.abs() + 0.5 if positive else t
+
+    g, u = m.gate, m.up
+    out_shape = meta(g.out).shape  # the GEMM output (rewritten nodes may lack meta)
+    lead = [min(_size(s), 3) for s in out_shape[:-1]]
+    k = min(_contracted(g), 16)
+    n = min(_size(out_shape[-1]) // (2 if m.packed else 1), 6)
+    env: dict = {"__gen__": gen}
+    env[g.x] = env[u.x] = rand(*lead, k)
+    if g.r is not None:
+        env[g.r] = env[u.r] = rand(*lead, 1, positive=True)
+    if m.packed:
+        env[g.weight] = rand(2 * n, k)
+        if g.bias is not None:
+            env[g.bias] = rand(2 * n)
+        w_int = ops.interleave_halves(env[g.weight])
+        b_int = ops.interleave_halves(env[g.bias]) if g.bias is not None else None
+    else:
+        for p in (g, u):
+            env[p.weight] = rand(n, k)
+            if p.bias is not None:
+                env[p.bias] = rand(n)
+        w_int = ops.interleave_rows(env[g.weight], env[u.weight])
+        b_int = None if g.bias is None and u.bias is None else \
+            ops.interleave_rows(env.get(g.bias), env.get(u.bias))
+    order = {n: i for i, n in enumerate(m.mul.graph.nodes)}
+    for node in sorted({n for p in (g, u) for n in p.nodes}, key=order.__getitem__):
+        if node.target is ops.fused_linear:  # a rowscale consumer, unrounded
+            args = (_exact(node.args[0]), *(env[a] for a in node.args[1:]))
+            env[node] = ops.fused_linear_reference(*args)
+        else:
+            env[node] = _eval(node, env)
+    if m.packed:
+        env[m.gate_value] = _eval(m.gate_value, env)
+        env[m.up_value] = _eval(m.up_value, env)
+    env[m.act] = _eval(m.act, env)
+    eager = _eval(m.mul, env)
+    operands = ([env[g.r].reshape(-1)] if g.r is not None else []) + \
+        ([b_int] if b_int is not None else [])
+    fused = reference.run_program(parse(_exact(m.program.to_text())), env[g.x].reshape(-1, k), w_int, operands)[0]
+    err = rel_err(fused.reshape(eager.shape), eager)
+    tol = 1e-6
+    if not err <= tol:
+        return Rejection(f"checker bug: the float64 witness disagrees ({err:.1e}; tol "
+                         f"{tol:g}); the rewrite is not applied", m.path)
+    return f"replay in float64 on rows {lead}: rel. error {err:.1e} (tol {tol:g})"
+
+
+def _exact(program_text: str) -> str:
+    """The program with float64 outputs: the replay compares math, not roundings."""
+    prog = parse(program_text)
+    return dataclasses.replace(prog, outputs=tuple(
+        dataclasses.replace(o, dtype="float64") for o in prog.outputs)).to_text()
+
+
+def _contracted(p) -> int:
+    """K of a projection, from the first of x and the weight that carries a shape."""
+    for node in (p.x, p.weight):
+        while isinstance(node, fx.Node):
+            if meta(node) is not None:
+                return _size(meta(node).shape[-1])
+            node = node.args[0] if node.args else None  # a cast, a folded scale
+    return 8

@@ -1,0 +1,267 @@
+"""GEMM → gated activation: SwiGLU / GeGLU as one GEMM with a pairwise epilogue.
+
+A gated MLP computes act(x·W_gᵀ) ⊙ (x·W_uᵀ): two GEMMs over the same input whose
+outputs [M, I] are written, read back by an elementwise pass, and only then reduced to
+the [M, I] product the down projection reads. The rewrite runs one GEMM over the
+interleaved weight W_int = [g0, u0, g1, u1, ...] (W_int[2j] = W_g[j], W_int[2j+1] =
+W_u[j]), so that each adjacent pair of output columns is one (gate, up) pair, and the
+epilogue writes act(gate)·up at half width (QuACK's mode="acc_pair"):
+
+    epilogue:  p = r[i]·acc[i, :] (+ b_int)          (r: a deferred rstd, if any)
+               y[i, j] = act(p[i, 2j])·p[i, 2j+1]     (stored, [M, I])
+               p                                      (stored only when training:
+                                                       what the backward reads, and
+                                                       what eager keeps as gate and up)
+
+Spellings: two projections (Llama, Qwen2, Mistral, Gemma: ``act(gate_proj(x)) *
+up_proj(x)``, either operand order) and one packed projection split in two (Phi-3:
+``gate, up = gate_up_proj(x).chunk(2, dim=-1)``). A projection may already be a
+rewritten norm consumer (``fused_linear`` with the rowscale program): the deferred rstd
+is then applied before the activation, as the math requires (it is not linear), which
+needs gate and up to carry the same r. Activations: silu (swiglu), gelu with the tanh
+approximation (geglu: Gemma's gelu_pytorch_tanh) and exact gelu (geglu_erf).
+
+This module finds matches and builds their programs; algebra/gated.py decides legality;
+rewrite.apply_gated changes the graph. The weight re-layout is a graph op on every call
+(kernels/ops.interleave_rows), computed from the live parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.nn.functional as F
+import torch.fx as fx
+
+from ..canonical import canon, meta
+from ..capture import describe, model_path
+from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder, parse
+from ..kernels import ops
+from ..kernels.reference import dtype_name
+
+NAME = "gated_mlp"
+
+_SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
+_GELU = {F.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default, "gelu"}
+_CHUNK = {torch.chunk, "chunk"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """One GEMM output the gated product reads (or both halves of a packed one)."""
+    out: fx.Node                   # the value read as gate / up (packed: the GEMM output)
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    r: fx.Node | None              # the deferred row scale of a rewritten norm consumer
+    nodes: tuple[fx.Node, ...]     # what computes ``out`` (erased once dead)
+
+
+@dataclasses.dataclass
+class Match:
+    mul: fx.Node
+    act: fx.Node
+    op: str                        # swiglu | geglu | geglu_erf
+    gate: Projection
+    up: Projection                 # packed: the same Projection as gate
+    packed: bool
+    program: EpilogueProgram | None = None
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.mul)
+
+    @property
+    def intermediates(self) -> list[fx.Node]:
+        """Values eager writes that the fused GEMM never materialises."""
+        if self.packed:
+            return [self.gate_value, self.up_value, self.gate.out, self.act]
+        return [self.gate.out, self.up.out, self.act]
+
+    gate_value: fx.Node | None = None   # packed: chunk(...)[0] / [1]
+    up_value: fx.Node | None = None
+
+
+@dataclasses.dataclass
+class NoMatch:
+    node: fx.Node
+    reason: str
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.node)
+
+
+def activation_of(node: fx.Node) -> tuple[str, fx.Node] | str | None:
+    """(pair op, gate) when ``node`` is a gating activation of one tensor; a reason
+    string for an activation the epilogue does not have; None when not an activation."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    key = node.target
+    gate = node.args[0]
+    if not isinstance(gate, fx.Node):
+        return None
+    if key in _SILU:
+        return "swiglu", gate
+    if key in _GELU:
+        approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        if approx == "tanh":
+            return "geglu", gate
+        if approx == "none":
+            return "geglu_erf", gate
+        return f"gelu(approximate={approx!r}) has no epilogue op"
+    return None
+
+
+def _rowscale_call(node: fx.Node) -> fx.Node | None:
+    """The fused_linear call behind ``node`` = getitem(call, 0) of a rowscale program."""
+    if node.op != "call_function" or node.target is not operator.getitem \
+            or node.args[1] != 0 or not isinstance(node.args[0], fx.Node):
+        return None
+    call = node.args[0]
+    if call.op != "call_function" or call.target is not ops.fused_linear \
+            or len(call.users) != 1 or not isinstance(call.args[0], str):
+        return None
+    return call if parse(call.args[0]).name == "rowscale" else None
+
+
+def projection_of(node: fx.Node) -> Projection | None:
+    """``node`` as the output of a GEMM: a plain linear or a rewritten rowscale one."""
+    c = canon(node)
+    if c is not None and c.name == "linear":
+        x, w, b = c.args
+        if isinstance(x, fx.Node) and isinstance(w, fx.Node) and meta(w) is not None \
+                and meta(w).dim() == 2 and (b is None or isinstance(b, fx.Node)):
+            return Projection(node, x, w, b, None, (node,))
+        return None
+    call = _rowscale_call(node)
+    if call is None:
+        return None
+    _, x, w, r, *b = call.args
+    return Projection(node, x, w, b[0] if b else None, r, (node, call))
+
+
+def _chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(chunk node, index) for ``t.chunk(2, dim=-1)[index]``."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    ch, idx = node.args
+    if not isinstance(ch, fx.Node) or ch.target not in _CHUNK or not isinstance(idx, int):
+        return None
+    chunks = ch.args[1] if len(ch.args) > 1 else ch.kwargs.get("chunks")
+    dim = ch.args[2] if len(ch.args) > 2 else ch.kwargs.get("dim", 0)
+    src = meta(ch.args[0])
+    if chunks != 2 or src is None or dim not in (-1, src.dim() - 1):
+        return None
+    return ch, idx
+
+
+def same_value(a, b) -> bool:
+    """Two graph values known to be equal: the same node, or the same cast of it (the
+    norm rewrite casts each consumer's input separately under autocast)."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return False
+    return a.op == b.op == "call_method" and a.target == b.target == "to" \
+        and a.args == b.args and a.kwargs == b.kwargs
+
+
+def through_casts(node):
+    """(the value under any casts, whether one of them changed the dtype)."""
+    changed = False
+    while isinstance(node, fx.Node) and canon(node) is not None and canon(node).name == "cast":
+        src = node.args[0]
+        if meta(src) is None or meta(src).dtype != meta(node).dtype:
+            changed = True
+        node = src
+    return node, changed
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    out = []
+    for node in list(graph.nodes):
+        c = canon(node)
+        if c is None or c.name != "mul":
+            continue
+        found = None
+        for act, up in (c.args, c.args[::-1]):
+            if not isinstance(act, fx.Node) or not isinstance(up, fx.Node):
+                continue
+            act, cast_after = through_casts(act)
+            a = activation_of(act)
+            if a is None:
+                continue
+            if isinstance(a, str):
+                found = found or NoMatch(node, a)
+                continue
+            gate, cast_before = through_casts(a[1])
+            if cast_after or cast_before:
+                if projection_of(gate) is not None:
+                    found = found or NoMatch(node, (
+                        "a cast changes the dtype between the gate GEMM, its activation and "
+                        "the product: the fused epilogue would skip that rounding"))
+                continue
+            up, cast_up = through_casts(up)
+            if cast_up:
+                continue
+            m = _match(node, act, a[0], gate, up)
+            if isinstance(m, Match) or found is None:
+                found = m
+            if isinstance(m, Match):
+                break
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
+    half_g, half_u = _chunk_half(gate_v), _chunk_half(up_v)
+    if half_g is not None or half_u is not None:
+        if half_g is None or half_u is None or half_g[0] is not half_u[0]:
+            return NoMatch(mul, "gate and up are not the two halves of one packed projection")
+        if (half_g[1], half_u[1]) != (0, 1):
+            return NoMatch(mul, "packed projection with the up half first (the epilogue's "
+                           "interleave expects [gate; up])")
+        chunk = half_g[0]
+        proj = projection_of(chunk.args[0])
+        if proj is None:
+            return None  # a chunked value that no GEMM produced: not this pattern
+        proj = dataclasses.replace(proj, nodes=proj.nodes + (chunk,))
+        return Match(mul, act, op, proj, proj, True, gate_value=gate_v, up_value=up_v)
+    g, u = projection_of(gate_v), projection_of(up_v)
+    if g is None or u is None:
+        if g is None and u is None:
+            return None
+        which = "gate" if g is None else "up"
+        return NoMatch(mul, f"the {which} operand {describe(gate_v if g is None else up_v)} "
+                       "is not a GEMM output")
+    return Match(mul, act, op, g, u, False)
+
+
+def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
+                  keep_preact: bool) -> EpilogueProgram:
+    """p = acc (· r) (+ b_int); y = pairop(p) -> y (pair) [, p (tile) when training]."""
+    p = ProgramBuilder(f"rowscale_{op}" if has_r else op, gemm=True)
+    v = ACC
+    if has_r:
+        v = p.mul(v, p.operand("r", Kind.PER_ROW), name="p")
+    if has_bias:
+        v = p.add(v, p.operand("bias", Kind.PER_FEATURE), name="p_b")
+    y = p.emit(op, v, name="y")
+    p.output(y, Kind.PAIR, dtype_name(dtype))
+    if keep_preact:
+        p.output(v, Kind.TILE, dtype_name(dtype))
+    return p.build()
+
+
+def build_program(m: Match) -> None:
+    has_bias = m.gate.bias is not None or m.up.bias is not None
+    mm = meta(m.mul)
+    m.program = gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,
+                              keep_preact=bool(mm.requires_grad))
