@@ -72,11 +72,18 @@ def step():
         return out.loss.detach()
 
     rows = []
-    for name in ("eager", "torch.compile", "optimize()", 'backend="coda"'):
+    variants = {
+        "eager": lambda: model, "torch.compile": lambda: torch.compile(model),
+        "optimize()": lambda: coda_rewrite.optimize(model),
+        'backend="coda"': lambda: torch.compile(model, backend="coda"),
+        # a loop that reads only the loss: the logits are never written
+        'coda-no-logits': lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
+            coda_rewrite.Options(materialize_logits=False))),
+    }
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)
+    for name in names:
         torch._dynamo.reset()
-        m = {"eager": lambda: model, "torch.compile": lambda: torch.compile(model),
-             "optimize()": lambda: coda_rewrite.optimize(model),
-             'backend="coda"': lambda: torch.compile(model, backend="coda")}[name]()
+        m = variants[name]()
         t0 = time.time()
         loss = run(m)
         torch.cuda.synchronize()

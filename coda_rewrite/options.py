@@ -18,7 +18,12 @@ class Options:
     # Replay every match on float64 inputs before applying it (algebra/witness.py).
     witness: bool = True
     # Patterns to apply; the others are still matched and reported as disabled.
-    patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp")
+    patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
+                                 "lm_head_cross_entropy")
+    # Logits that something besides the loss reads (a model output) are still written,
+    # with eager's values; False: never written, and those readers get an empty tensor
+    # (training loops that read only the loss save tokens x vocab x 2 bytes).
+    materialize_logits: bool = True
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":

@@ -1,9 +1,10 @@
 """The pass over one captured graph: match → decide → rewrite, recording everything.
 
-Three pattern families run in turn: the attention inputs (SDPA calls), the norms, then
-the gated MLPs (after the norms: a gate/up pair that became two rowscale consumers of a
+Four pattern families run in turn: the attention inputs (SDPA calls), the norms, the
+gated MLPs (after the norms: a gate/up pair that became two rowscale consumers of a
 rewritten norm merges into one GEMM that applies the deferred rstd before the
-activation). Norm matches are found once, then decided and applied in graph order. A rewrite replaces nodes
+activation), then the LM head's cross-entropy (whose logits GEMM may be the final norm's
+rowscale consumer by then). Norm matches are found once, then decided and applied in graph order. A rewrite replaces nodes
 that a later match may name (the residual add one norm's producer fuses is the residual
 input of the next), so each match is brought up to date before its turn: replaced nodes
 are followed to their replacements, and a producing GEMM that an earlier rewrite already
@@ -22,8 +23,9 @@ from . import algebra, canonical, rewrite
 from .algebra import locality
 from .capture import describe
 from .options import Options
+from .algebra import cross_entropy as ce_algebra
 from .algebra import gated as gated_algebra
-from .patterns import attention, gated_mlp, residual_rmsnorm
+from .patterns import attention, cross_entropy, gated_mlp, residual_rmsnorm
 from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 
@@ -35,6 +37,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     _attention(graph, options, records)
     _norms(graph, options, records)
     _gated(graph, options, records)
+    _cross_entropy(graph, options, records)
     graph.lint()
     gm.recompile()
     return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
@@ -110,6 +113,36 @@ def _gated(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
         record.status = REWRITTEN
         if m.gate.r is not None:
             record.producer = f"rows scaled by the deferred rstd {describe(m.gate.r)}"
+        record.programs = [m.program]
+        record.program_checks = [locality.check(m.program)]
+
+
+def _cross_entropy(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
+    """logits GEMM → cross_entropy: per-row losses from the epilogue, logits when used."""
+    enabled = cross_entropy.NAME in options.patterns
+    for m in cross_entropy.find(graph):
+        if isinstance(m, cross_entropy.NoMatch):
+            records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
+            continue
+        record = MatchRecord(m.pattern, m.path, REJECTED, producer=describe(m.proj.out))
+        records.append(record)
+        if not enabled:
+            record.reason = "pattern disabled by options.patterns"
+            continue
+        try:
+            cross_entropy.build_program(m, options.materialize_logits)
+            decision = ce_algebra.decide(m, witness=options.witness)
+        except Exception as e:  # a checker bug must cost a rewrite, never the compile
+            record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
+            continue
+        record.decision = decision
+        if not decision.accepted:
+            record.reason = decision.condition
+            continue
+        rewrite.apply_cross_entropy(graph, m)
+        record.status = REWRITTEN
+        if m.materialise:
+            record.materialised = [describe(m.proj.out)]
         record.programs = [m.program]
         record.program_checks = [locality.check(m.program)]
 

@@ -158,3 +158,31 @@ def apply_gated(graph: fx.Graph, m) -> fx.Node:
     m.mul.replace_all_uses_with(out)
     erase_if_dead(graph, [m.mul, m.act, *m.intermediates, *g.nodes, *u.nodes])
     return call
+
+
+def apply_cross_entropy(graph: fx.Graph, m) -> None:
+    """Replace logits GEMM → cross_entropy by the fused GEMM's per-row losses and the
+    reduction (see patterns/cross_entropy.py)."""
+    p = m.proj
+    text = m.program.to_text()
+    vocab = int(meta(p.out).shape[-1])
+    dim, start, stop = m.row_slice if m.row_slice is not None else (None, None, None)
+    with graph.inserting_before(m.ce):
+        x, w, *b = _cast_for_gemm(graph, p.out, p.x, p.weight,
+                                  *([p.bias] if p.bias is not None else []))
+        t = graph.call_function(ops.row_targets, (m.target, x, vocab, dim, start, stop,
+                                                  m.ignore_index))
+        r = [p.r] if p.r is not None else []
+        call = graph.call_function(ops.fused_linear, (text, x, w, *r, *b, t))
+        _copy_meta(call, m.ce)
+        outs = _results(graph, call, len(m.program.outputs), m.ce)
+        loss = graph.call_function(ops.cross_entropy_from_rows, (
+            outs[-2], t, m.ignore_index, m.reduction, x, dim, start, stop, meta(m.ce).dtype))
+        _copy_meta(loss, m.ce)
+        if not m.materialise and m.logits_readers:
+            empty = graph.call_function(ops.unmaterialised_logits, (x,))
+    loss.meta.update({k: v for k, v in m.ce.meta.items() if k not in loss.meta})
+    m.ce.replace_all_uses_with(loss)
+    for reader in m.logits_readers:
+        reader.replace_input_with(p.out, outs[0] if m.materialise else empty)
+    erase_if_dead(graph, [m.ce, *m.chain, *p.nodes])

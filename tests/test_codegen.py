@@ -83,7 +83,13 @@ def activations_and_two_tiles():
                                       ("gate", Kind.TILE)])
 
 
-NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles]
+def ce_softmax_grad():
+    """The cross-entropy backward's recomputing GEMM: exp(r·acc − lse)·dsm·r."""
+    from coda_rewrite.kernels.backward import softmax_grad_program
+    return softmax_grad_program(True, False, "bfloat16")
+
+
+NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles, ce_softmax_grad]
 
 
 def rowscale_gated(op: str = "swiglu"):
@@ -121,9 +127,22 @@ def geglu_erf_plain():
     return gated_program("geglu_erf", False, False, torch.bfloat16, keep_preact=False)
 
 
+def ce_logits_kept():
+    """What the cross-entropy pattern emits when the logits are read: the final norm's
+    rstd, the logits stored, lse and the target logit."""
+    from coda_rewrite.patterns.cross_entropy import ce_program
+    return ce_program(True, False, torch.bfloat16)
+
+
+def ce_no_logits():
+    """... and when nothing reads them: no tile is stored at all (reductions only)."""
+    from coda_rewrite.patterns.cross_entropy import ce_program
+    return ce_program(True, False, None)
+
+
 # Pair mode and stateful sinks: N must be even (pairs) and the index operand is an int
 PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, gated_training, geglu_erf_plain,
-                     lse_target]
+                     lse_target, ce_logits_kept, ce_no_logits]
 
 
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)

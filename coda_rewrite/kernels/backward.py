@@ -18,6 +18,13 @@ what the forward kept, never recomputed:
   stores p (what eager keeps as the gate and up outputs) next to y; dp comes from the
   activation's derivative on p, and the rest is the rowscale rule with dy := dp.
 
+* ``lse_target`` (y = r ⊙ acc + bias; loss = lse(y) − y[t]; lse): dy = softmax(y)·(dloss
+  + dlse) − onehot(t)·dloss (+ dlogits). When the forward did not write the logits, one
+  GEMM recomputes them and its epilogue forms r·softmax(y)·dsm (softmax_grad_program:
+  a generated kernel on Hopper); from stored logits it is formed by chunks of rows.
+  Either way it lands once, in the GEMM dtype, the one-hot term is an index update of
+  M elements, and no float32 [rows, vocab] tensor exists; then the two GEMMs.
+
 Each specialised rule states the program shape it applies to and checks it
 (``matches``); any other program takes the general rule: the accumulator recomputed as
 one 16-bit GEMM and the epilogue differentiated by autograd on the reference.
@@ -218,11 +225,127 @@ def _gated_vjp(prog, a, b, operands, outputs, grads):
     return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
 
 
+# ---- log-sum-exp and target logit (cross-entropy) --------------------------------------
+
+# rows per chunk: about 512 MiB of float32 [rows, vocab] work at a time
+_CE_CHUNK_BYTES = 1 << 29
+
+
+def _lse_parts(prog: EpilogueProgram):
+    body = list(prog.body)
+    names = [o.name for o in prog.operands]
+    y, i = ACC, 0
+    if "r" in names:
+        assert (body[i].op, body[i].args) == ("mul", (ACC, "r"))
+        y, i = body[i].out, i + 1
+    if "bias" in names:
+        assert (body[i].op, body[i].args) == ("add", (y, "bias"))
+        y, i = body[i].out, i + 1
+    lse, tl, loss = body[i:]
+    assert (lse.op, lse.args) == ("row_logsumexp", (y,))
+    assert (tl.op, tl.args) == ("select_column", (y, "target"))
+    assert (loss.op, loss.args) == ("sub", (lse.out, tl.out))
+    outs = [(o.value, o.kind) for o in prog.outputs]
+    tail = [(loss.out, Kind.PER_ROW), (lse.out, Kind.PER_ROW)]
+    assert outs in (tail, [(y, Kind.TILE), *tail]) and prog.gemm
+    return len(outs) == 3
+
+
+def _is_lse_target(prog: EpilogueProgram) -> bool:
+    try:
+        _lse_parts(prog)
+        return True
+    except (AssertionError, ValueError, IndexError):
+        return False
+
+
+def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str) -> EpilogueProgram:
+    """The softmax part of the cross-entropy gradient, formed in the epilogue of the GEMM
+    that recomputes the logits: d_acc = exp(y − lse)·dsm (·r), y = acc (·r) (+ b). It is
+    stored once, in the GEMM dtype; no float32 [rows, vocab] tensor exists."""
+    from ..codegen.program import ProgramBuilder
+    p = ProgramBuilder("ce_softmax_grad", gemm=True)
+    y = ACC
+    if has_r:
+        y = p.mul(y, p.operand("r", Kind.PER_ROW), name="y")
+    if has_bias:
+        y = p.add(y, p.operand("bias", Kind.PER_FEATURE), name="y_b")
+    lse, dsm = p.operand("lse", Kind.PER_ROW), p.operand("dsm", Kind.PER_ROW)
+    d = p.mul(p.exp(p.sub(y, lse)), dsm, name="d")
+    if has_r:
+        d = p.mul(d, "r", name="d_r")
+    p.output(d, Kind.TILE, dtype)
+    return p.build()
+
+
+def _lse_target_vjp(prog, a, b, operands, outputs, grads):
+    from . import ops
+    with_logits = _lse_parts(prog)
+    d_logits = grads[0] if with_logits else None
+    d_loss, d_lse = grads[-2], grads[-1]
+    by_name = dict(zip((o.name for o in prog.operands), operands))
+    m, n = a.shape[0], b.shape[0]
+    if d_loss is None and d_lse is None and d_logits is None:
+        return None, None, [None] * len(operands)
+    lse = _up(outputs[-1]).reshape(m)
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    d_loss = _up(d_loss).reshape(m) if d_loss is not None else zero.expand(m)
+    dsm = d_loss + (_up(d_lse).reshape(m) if d_lse is not None else zero)
+    target = by_name["target"].reshape(m).long()
+    valid = (target >= 0) & (target < n)
+    r = _up(by_name["r"]).reshape(m) if "r" in by_name else None
+    bias = by_name.get("bias")
+    # d_acc = (softmax(y)·dsm − onehot(t)·dloss + dlogits) (·r), in the GEMM dtype
+    if with_logits:  # the forward wrote y: no GEMM recompute, the softmax chunk by chunk
+        d_acc = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+        for s in range(0, m, rows):
+            e = min(m, s + rows)
+            d = torch.exp(_up(outputs[0][s:e]) - lse[s:e, None]).mul_(dsm[s:e, None])
+            if d_logits is not None:
+                d += _up(d_logits[s:e])
+            if r is not None:
+                d *= r[s:e, None]
+            d_acc[s:e] = d
+    else:  # recompute the logits in a GEMM whose epilogue forms the softmax gradient
+        bwd = softmax_grad_program(r is not None, bias is not None,
+                                   reference.dtype_name(a.dtype))
+        ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
+            ([bias] if bias is not None else []) + [lse.float(), dsm.float()]
+        (d_acc,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
+    # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0)
+    onehot = torch.where(valid, d_loss * (r if r is not None else 1.0), zero)
+    rows_idx = torch.arange(m, device=a.device)
+    d_acc.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(d_acc.dtype),
+                     accumulate=True)
+    grad_a = d_acc @ b                                   # G = d_acc·b
+    grad_b = d_acc.t() @ a
+    grads_by_name = {}
+    if r is not None:  # dy/dr = acc: Σ_j dy·acc = Σ_k a·(dy·b) = Σ_k a·G / r
+        grads_by_name["r"] = ((_up(grad_a) * _up(a)).sum(-1) / r).to(
+            by_name["r"].dtype).reshape(by_name["r"].shape)
+    if bias is not None:  # Σ_i dy = Σ_i d_acc / r, by chunks of rows
+        gb = torch.zeros(n, dtype=lse.dtype, device=a.device)
+        rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+        for s in range(0, m, rows):
+            e = min(m, s + rows)
+            d = _up(d_acc[s:e])
+            gb += (d / r[s:e, None] if r is not None else d).sum(0)
+        grads_by_name["bias"] = gb.to(bias.dtype)
+    return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
+
+
+def _lse_target_saves(prog):
+    """The logits (when written) and lse."""
+    return ([0, 2] if _lse_parts(prog) else [1]), set()
+
+
 # (applies to, rule, what the forward must keep: (output indices, operands not needed))
 SPECIALISED = [
     (_is_rowscale, _rowscale_vjp, lambda prog: ([], set())),
     (_is_residual_rmsnorm, _residual_rmsnorm_vjp, _residual_rmsnorm_saves),
     (_is_gated, _gated_vjp, lambda prog: ([1], set())),
+    (_is_lse_target, _lse_target_vjp, _lse_target_saves),
 ]
 
 

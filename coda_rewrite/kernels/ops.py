@@ -22,6 +22,7 @@ import collections
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from ..codegen.program import Kind, parse
 from . import backward, quack_path, reference
@@ -199,7 +200,7 @@ def distribute_bias(shift, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     if not isinstance(shift, torch.Tensor):
         shift = torch.full((weight.shape[1],), float(shift), dtype=weight.dtype,
                            device=weight.device)
-    return torch.nn.functional.linear(shift.reshape(-1).to(weight.dtype), weight, bias)
+    return F.linear(shift.reshape(-1).to(weight.dtype), weight, bias)
 
 
 def interleave_rows(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor:
@@ -220,3 +221,62 @@ def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
     read as ``chunk(2, dim=-1)``): rows [0, n) are the gate, [n, 2n) the up."""
     half = packed.shape[0] // 2
     return packed.unflatten(0, (2, half)).transpose(0, 1).flatten(0, 1)
+
+
+# ---- cross-entropy from per-row losses -------------------------------------------------
+
+def _lead_slice(n, start, stop):
+    """[a, b) of a Python slice start:stop over n rows (step 1), in plain arithmetic so
+    that symbolic sizes trace."""
+    a = 0 if start is None else (start + n if start < 0 else start)
+    b = n if stop is None else (stop + n if stop < 0 else stop)
+    return a, b
+
+
+def row_targets(target: torch.Tensor, x: torch.Tensor, vocab: int, dim, start, stop,
+                ignore_index: int) -> torch.Tensor:
+    """Each GEMM row's class index, flattened: the loss's targets where the loss reads the
+    row, ``ignore_index`` for rows a slice of the logits skipped (the causal shift
+    ``logits[..., :-1, :]``). A target outside [0, vocab) that is not ignore_index fails
+    as it does in PyTorch (asynchronously on the GPU), never a silent wrong loss."""
+    lead = list(x.shape[:-1])
+    if dim is None:
+        t = target.reshape(-1)
+    else:
+        d = len(lead) + 1 + dim
+        a, b = _lead_slice(lead[d], start, stop)
+        shape = lead[:d] + [b - a] + lead[d + 1:]
+        pads = [0, 0] * (len(lead) - 1 - d) + [a, lead[d] - b]
+        t = F.pad(target.reshape(shape), pads, value=ignore_index).reshape(-1)
+    ok = (t == ignore_index) | ((t >= 0) & (t < vocab))
+    torch._assert_async(ok.all(), "cross_entropy: target out of range")
+    return t
+
+
+def cross_entropy_from_rows(loss_rows: torch.Tensor, targets: torch.Tensor,
+                            ignore_index: int, reduction: str, x: torch.Tensor, dim, start,
+                            stop, dtype: torch.dtype) -> torch.Tensor:
+    """F.cross_entropy's result from the epilogue's per-row lse − target logit: ignored
+    rows contribute 0; mean divides by the number of rows not ignored (NaN when there is
+    none, as PyTorch); none returns the loss's own rows."""
+    rows = loss_rows.reshape(-1)
+    valid = targets != ignore_index
+    rows = torch.where(valid, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    if reduction == "sum":
+        out = rows.sum()
+    elif reduction == "mean":
+        out = rows.sum() / valid.sum()
+    else:
+        if dim is not None:
+            lead = list(x.shape[:-1])
+            d = len(lead) + 1 + dim
+            a, b = _lead_slice(lead[d], start, stop)
+            rows = rows.reshape(lead).narrow(d, a, b - a)
+        out = rows.reshape(-1)
+    return out.to(dtype)
+
+
+def unmaterialised_logits(like: torch.Tensor) -> torch.Tensor:
+    """What a reader of logits that were never written gets (materialize_logits=False):
+    an empty tensor of their dtype and device."""
+    return like.new_empty(0)

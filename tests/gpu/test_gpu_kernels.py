@@ -224,8 +224,45 @@ def test_small_llama_bf16_training_gradients_on_gpu():
         eager_errs.append(rel_err(flat(eager), want))
         new_errs.append(rel_err(flat(model), want))
     assert _gated_kernel_calls("swiglu") > 0, ops.runtime_summary()
+    assert _lse_kernel_calls() > 0, ops.runtime_summary()
     ratio = statistics.median(new_errs) / statistics.median(eager_errs)
     print(f"grads: eager {eager_errs} rewritten {new_errs} ratio {ratio:.3f}")
+    assert ratio <= 1.25
+
+
+def _lse_kernel_calls():
+    return sum(n for (key, impl, _), n in ops.RUNTIME.items()
+               if impl == "kernel" and key.startswith("rowscale_lse_target#"))
+
+
+def test_training_loss_without_logits_on_gpu():
+    """materialize_logits=False: the loss and every gradient from the LSE kernel and the
+    chunked backward, against float64, no worse than eager."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    errs = {"eager": [], "new": []}
+    before = _lse_kernel_calls()
+    for seed in range(3):
+        torch._dynamo.reset()
+        base = _llama(seed).train()
+        ref_model = copy.deepcopy(base).to(DEV, torch.float64)
+        eager = copy.deepcopy(base).to(DEV, torch.bfloat16)
+        model = copy.deepcopy(base).to(DEV, torch.bfloat16)
+        fast = coda_rewrite.optimize(model, materialize_logits=False)
+        out = fast(ids, labels=ids)
+        assert out.logits.numel() == 0
+        losses = [m(ids, labels=ids).loss for m in (ref_model, eager)] + [out.loss]
+        for loss in losses:
+            loss.backward()
+
+        def flat(m):
+            return torch.cat([p.grad.double().flatten() for p in m.parameters()])
+
+        want = flat(ref_model)
+        errs["eager"].append(rel_err(flat(eager), want) + abs(float(losses[1]) - float(losses[0])))
+        errs["new"].append(rel_err(flat(model), want) + abs(float(losses[2]) - float(losses[0])))
+    assert _lse_kernel_calls() - before >= 3, ops.runtime_summary()
+    ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
+    print(f"loss + grads without logits: {errs} ratio {ratio:.3f}")
     assert ratio <= 1.25
 
 

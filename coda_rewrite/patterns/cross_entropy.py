@@ -1,0 +1,210 @@
+"""LM head → cross-entropy: the loss from the GEMM epilogue, logits only when used.
+
+Training code computes logits = h·W_lmᵀ ([tokens, vocab], the largest activation of
+the model), upcasts them to float32, and hands them to F.cross_entropy, which reads them
+again for the log-sum-exp and the target logit; the backward materialises softmax − one-hot
+at the same size. The rewrite keeps, per row and GEMM tile, an online (max, sum-exp)
+state and picks the row's target logit while the tile is on chip:
+
+    epilogue:  y = r[i]·acc[i, :] (+ b)            (r: the final norm's deferred rstd)
+               lse[i] = log Σ_j exp(y[i, j])        (online, merged across tiles)
+               tl[i]  = y[i, t_i]  (0 where t_i is out of range, e.g. ignore_index)
+               loss[i] = lse[i] − tl[i]
+               y                                    (stored only if something reads the
+                                                     logits; see materialize_logits)
+    graph:     rows with t_i = ignore_index contribute 0; mean divides by their count,
+               exactly as PyTorch does (0/0 = NaN when every row is ignored)
+
+Spellings: F.cross_entropy / nn.CrossEntropyLoss on flattened logits; an upcast
+(``logits.float()``) in between; the causal shift on the logits (``logits[..., :-1, :]``
+against ``labels[..., 1:]``, a row selection: the skipped rows get ignore_index) or on the
+labels (Hugging Face's ForCausalLMLoss pads them); reductions mean, sum and none (HF's
+``num_items_in_batch`` divides a sum afterwards, which stays a graph op). Not in the
+epilogue, left as is with the reason: class weights, label smoothing, probabilities as
+targets, anything between the GEMM and the loss that is not a view, cast or row slice
+(Gemma 2's logit soft-capping, a temperature).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..canonical import canon, meta
+from ..capture import model_path
+from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
+from ..kernels.reference import dtype_name
+from .gated_mlp import Projection, projection_of
+
+NAME = "lm_head_cross_entropy"
+
+_CE = {F.cross_entropy, torch.nn.functional.cross_entropy}
+_VIEWS = {"view", "reshape", "flatten", torch.reshape, torch.flatten}
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+              "reduction", "label_smoothing")
+
+
+@dataclasses.dataclass
+class Match:
+    ce: fx.Node
+    proj: Projection               # the logits GEMM
+    chain: tuple[fx.Node, ...]     # GEMM output → loss input: views, casts, a row slice
+    row_slice: tuple[int, int | None, int | None] | None  # (dim, start, stop) on the lead dims
+    target: fx.Node
+    ignore_index: int
+    reduction: str
+    logits_readers: list[fx.Node]  # readers of the GEMM output outside the chain
+    program: EpilogueProgram | None = None
+    materialise: bool = True
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.ce) or model_path(self.proj.out)
+
+
+@dataclasses.dataclass
+class NoMatch:
+    node: fx.Node
+    reason: str
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.node)
+
+
+def _ce_args(node: fx.Node) -> dict:
+    args = dict(zip(_CE_PARAMS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    out = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _CE:
+            out.append(_match(node))
+    return out
+
+
+def _match(ce: fx.Node) -> Match | NoMatch:
+    a = _ce_args(ce)
+    for name, default in (("weight", None), ("size_average", None), ("reduce", None)):
+        if a.get(name, default) is not None:
+            return NoMatch(ce, f"cross_entropy with {name}= (class weights or legacy "
+                           "reduction flags) is not in the epilogue")
+    if a.get("label_smoothing", 0.0) not in (0, 0.0):
+        return NoMatch(ce, "label smoothing is not in the epilogue")
+    reduction = a.get("reduction", "mean")
+    ignore_index = a.get("ignore_index", -100)
+    x, target = a.get("input"), a.get("target")
+    if not isinstance(x, fx.Node) or not isinstance(target, fx.Node) or \
+            not isinstance(ignore_index, int) or reduction not in ("mean", "sum", "none"):
+        return NoMatch(ce, "cross_entropy arguments not understood")
+    mx, mt = meta(x), meta(target)
+    if mx is None or mt is None or mx.dim() != 2 or mt.dim() != 1 or mt.is_floating_point():
+        return NoMatch(ce, "cross_entropy on other than [N, V] logits and [N] class indices "
+                       "(probabilities as targets, or unflattened logits)")
+    chain, node, row_slice = [], x, None
+    while True:
+        proj = projection_of(node)
+        if proj is not None:
+            break
+        step = _chain_step(node)
+        if isinstance(step, str):
+            return NoMatch(ce, step)
+        if step[1] is not None:
+            if row_slice is not None:
+                return NoMatch(ce, "two row selections between the logits and the loss")
+            row_slice = step[1]
+        chain.append(node)
+        node = step[0]
+    vocab = meta(proj.out).shape[-1]
+    if mx.shape[-1] != vocab:
+        return NoMatch(ce, "the loss's class dim is not the GEMM's output features")
+    readers = [u for u in proj.out.users if u not in chain]
+    return Match(ce, proj, tuple(reversed(chain)), row_slice, target, ignore_index,
+                 reduction, readers)
+
+
+def _chain_step(node: fx.Node):
+    """(input, row slice or None) for a node the epilogue can look through, else why not."""
+    c = canon(node)
+    if c is not None and c.name == "cast":
+        src, dst = meta(node.args[0]), meta(node)
+        if src is None or not dst.is_floating_point() or \
+                torch.finfo(dst.dtype).bits < torch.finfo(src.dtype).bits:
+            return f"a downcast of the logits ({describe_dtype(node)}) before the loss"
+        return node.args[0], None
+    if c is not None and c.name == "contiguous":
+        return node.args[0], None
+    if node.op in ("call_method", "call_function") and node.target in _VIEWS:
+        src = node.args[0]
+        if meta(src) is not None and meta(node) is not None and \
+                meta(src).shape[-1] == meta(node).shape[-1]:
+            return src, None
+        return "a reshape that mixes the class dim with the rows"
+    if node.op == "call_function" and node.target is operator.getitem:
+        rows = _row_slice(node)
+        if rows is not None:
+            return node.args[0], rows
+        return "an index of the logits other than a slice of rows"
+    what = canon(node).name if canon(node) is not None else str(node.target)
+    return (f"{what} between the logits GEMM and the loss (e.g. logit soft-capping or a "
+            "temperature) is not in the epilogue")
+
+
+def describe_dtype(node):
+    return f"{meta(node.args[0]).dtype} -> {meta(node).dtype}"
+
+
+def _row_slice(node: fx.Node):
+    """(dim, start, stop) for x[..., a:b, :] / x[:, a:b] / x[a:b] selecting along one lead
+    dim of a GEMM output [*lead, V] (step 1); None otherwise."""
+    src, idx = node.args
+    ms = meta(src)
+    if ms is None:
+        return None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if idx and idx[0] is Ellipsis:
+        idx = (slice(None),) * (ms.dim() - len(idx) + 1) + idx[1:]
+    full = [i for i, s in enumerate(idx) if s != slice(None)]
+    if len(idx) > ms.dim() or len(full) != 1 or full[0] >= ms.dim() - 1:
+        return None
+    s = idx[full[0]]
+    if not isinstance(s, slice) or s.step not in (None, 1) or \
+            not all(v is None or isinstance(v, int) for v in (s.start, s.stop)):
+        return None
+    return full[0] - ms.dim(), s.start, s.stop  # dim counted from the end (V is -1)
+
+
+def ce_program(has_r: bool, has_bias: bool,
+               logits_dtype: torch.dtype | None) -> EpilogueProgram:
+    """y = acc (· r) (+ b); lse, target logit, loss = lse − tl; [y if materialised]."""
+    p = ProgramBuilder("rowscale_lse_target" if has_r else "lse_target", gemm=True)
+    y = ACC
+    if has_r:
+        y = p.mul(y, p.operand("r", Kind.PER_ROW), name="y")
+    if has_bias:
+        y = p.add(y, p.operand("bias", Kind.PER_FEATURE), name="y_b")
+    target = p.operand("target", Kind.PER_ROW)
+    lse = p.row_logsumexp(y, name="lse")
+    tl = p.select_column(y, target, name="tl")
+    loss = p.sub(lse, tl, name="loss")
+    if logits_dtype is not None:
+        p.output(y, Kind.TILE, dtype_name(logits_dtype))
+    p.output(loss, Kind.PER_ROW, "float32")
+    p.output(lse, Kind.PER_ROW, "float32")
+    return p.build()
+
+
+def build_program(m: Match, materialize_logits: bool) -> None:
+    m.materialise = bool(m.logits_readers) and materialize_logits
+    m.program = ce_program(m.proj.r is not None, m.proj.bias is not None,
+                           meta(m.proj.out).dtype if m.materialise else None)
