@@ -25,7 +25,7 @@ from .capture import describe
 from .options import Options
 from .algebra import cross_entropy as ce_algebra
 from .algebra import gated as gated_algebra
-from .patterns import attention, cross_entropy, gated_mlp, residual_rmsnorm
+from .patterns import NoMatch, attention, cross_entropy, gated_mlp, residual_rmsnorm
 from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 
@@ -48,7 +48,7 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
     replaced: dict[fx.Node, fx.Node] = {}
     enabled = residual_rmsnorm.NAME in options.patterns
     for m in residual_rmsnorm.find(graph):
-        if isinstance(m, residual_rmsnorm.NoMatch):
+        if isinstance(m, NoMatch):
             records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
             continue
         m = _refresh(m, replaced)
@@ -87,51 +87,45 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
 
 def _gated(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
     """act(x·W_gᵀ)·(x·W_uᵀ) → one GEMM over interleaved weights, pairwise epilogue."""
-    enabled = gated_mlp.NAME in options.patterns
-    for m in gated_mlp.find(graph):
-        if isinstance(m, gated_mlp.NoMatch):
-            records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
-            continue
-        record = MatchRecord(m.pattern, m.path, REJECTED,
-                             consumers=[describe(m.gate.out)] if m.packed else
-                             [describe(m.gate.out), describe(m.up.out)])
-        records.append(record)
-        if not enabled:
-            record.reason = "pattern disabled by options.patterns"
-            continue
-        try:
-            gated_mlp.build_program(m)
-            decision = gated_algebra.decide(m, witness=options.witness)
-        except Exception as e:  # a checker bug must cost a rewrite, never the compile
-            record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
-            continue
-        record.decision = decision
-        if not decision.accepted:
-            record.reason = decision.condition
-            continue
-        rewrite.apply_gated(graph, m)
-        record.status = REWRITTEN
-        if m.gate.r is not None:
+    def annotate(record, m, done):
+        record.consumers = [describe(m.gate.out)] if m.packed else \
+            [describe(m.gate.out), describe(m.up.out)]
+        if done and m.gate.r is not None:
             record.producer = f"rows scaled by the deferred rstd {describe(m.gate.r)}"
-        record.programs = [m.program]
-        record.program_checks = [locality.check(m.program)]
+
+    _one_program_pattern(graph, options, records, gated_mlp, gated_algebra.decide,
+                         rewrite.apply_gated, annotate)
 
 
 def _cross_entropy(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
     """logits GEMM → cross_entropy: per-row losses from the epilogue, logits when used."""
-    enabled = cross_entropy.NAME in options.patterns
-    for m in cross_entropy.find(graph):
-        if isinstance(m, cross_entropy.NoMatch):
+    def annotate(record, m, done):
+        record.producer = describe(m.proj.out)
+        if done and m.materialise:
+            record.materialised = [describe(m.proj.out)]
+
+    _one_program_pattern(graph, options, records, cross_entropy, ce_algebra.decide,
+                         rewrite.apply_cross_entropy, annotate)
+
+
+def _one_program_pattern(graph, options, records, pattern, decide, apply, annotate) -> None:
+    """find → build the program → decide → apply, for a pattern whose match becomes
+    one fused op with one program. ``annotate(record, match, rewritten)`` adds what the
+    report says about the match."""
+    enabled = pattern.NAME in options.patterns
+    for m in pattern.find(graph):
+        if isinstance(m, NoMatch):
             records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
             continue
-        record = MatchRecord(m.pattern, m.path, REJECTED, producer=describe(m.proj.out))
+        record = MatchRecord(m.pattern, m.path, REJECTED)
         records.append(record)
+        annotate(record, m, False)
         if not enabled:
             record.reason = "pattern disabled by options.patterns"
             continue
         try:
-            cross_entropy.build_program(m, options.materialize_logits)
-            decision = ce_algebra.decide(m, witness=options.witness)
+            pattern.build_program(m, options)
+            decision = decide(m, witness=options.witness)
         except Exception as e:  # a checker bug must cost a rewrite, never the compile
             record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
             continue
@@ -139,12 +133,11 @@ def _cross_entropy(graph: fx.Graph, options: Options, records: list[MatchRecord]
         if not decision.accepted:
             record.reason = decision.condition
             continue
-        rewrite.apply_cross_entropy(graph, m)
+        apply(graph, m)
         record.status = REWRITTEN
-        if m.materialise:
-            record.materialised = [describe(m.proj.out)]
         record.programs = [m.program]
         record.program_checks = [locality.check(m.program)]
+        annotate(record, m, True)
 
 
 def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:

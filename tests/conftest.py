@@ -81,3 +81,25 @@ def plain_llama(*, layers: int = 2, dim: int = 64, seed: int = 0, **kw):
 def tokens(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def build(family: str, **kw):
+    """An HF family's model, or the plain Llama for ``"plain"``."""
+    return plain_llama(**kw) if family == "plain" else hf_model(family, **kw)
+
+
+def loss_of(model, family: str, ids):
+    """The training loss: HF's own (labels=), or a hand-written causal-LM loss."""
+    if family == "plain":
+        out = model(ids)
+        return torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1).float(),
+                                                 ids[:, 1:].flatten())
+    return model(ids, labels=ids).loss
+
+
+def grads_match(model, ref, tol: float = 1e-4) -> None:
+    """Every parameter has a gradient, within ``tol`` (norm-wise) of the reference's."""
+    from coda_rewrite.numerics import rel_err
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, name
+        assert rel_err(p.grad, q.grad) <= tol, (name, rel_err(p.grad, q.grad))

@@ -182,10 +182,10 @@ def test_pair_mode_source_and_contract():
     assert "[M, N/2]" in text and "interleave gate and up" in text
     assert "gelu_tanh_approx(v_act_gate)" in generate(rowscale_gated("geglu")).source
     train = generate(gated_training()).source
-    for needle in ('"o_bias": RowVecLoad("o_bias")', "v_p_b_lo, v_p_b_hi = unpack(v_p_b)",
-                   '"D": pack(v_p_b_lo, v_p_b_hi), "postact": v_y'):
+    for needle in ('"o_bias": RowVecLoad("o_bias")', "v_y_b_lo, v_y_b_hi = unpack(v_y_b)",
+                   '"D": pack(v_y_b_lo, v_y_b_hi), "postact": v_act'):
         assert needle in train, (needle, train)
-    assert "gelu_erf(v_y_gate) * v_y_up" in generate(geglu_erf_plain()).source
+    assert "gelu_erf(v_act_gate) * v_act_up" in generate(geglu_erf_plain()).source
     for bad, why in ((lambda p, o: [(p.swiglu(ACC), Kind.PAIR, "bfloat16"),
                                     (p.row_sum(ACC), Kind.PER_ROW, "float32")], "reductions"),
                      (lambda p, o: [(p.swiglu(ACC), Kind.PAIR, "bfloat16"),

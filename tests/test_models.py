@@ -9,27 +9,11 @@ import pytest
 import torch
 
 import coda_rewrite
-from coda_rewrite.numerics import low_precision_errors, rel_err
+from coda_rewrite.numerics import logits_of, low_precision_errors, rel_err
 
-from conftest import HF_FAMILIES, hf_model, plain_llama, tokens
+from conftest import grads_match, HF_FAMILIES, build, hf_model, loss_of, tokens
 
 FAMILIES = HF_FAMILIES + ("plain",)
-
-
-def build(family, **kw):
-    return plain_llama(**kw) if family == "plain" else hf_model(family, **kw)
-
-
-def logits(out):
-    return out.logits if hasattr(out, "logits") else out
-
-
-def loss_of(model, family, ids):
-    if family == "plain":
-        out = model(ids)
-        return torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1).float(),
-                                                 ids[:, 1:].flatten())
-    return model(ids, labels=ids).loss
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,14 +41,12 @@ def test_float32_logits_loss_and_gradients_match_eager(family, inductor):
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     loss.backward()
     ref_loss.backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
-        assert p.grad is not None, name
-        assert rel_err(p.grad, q.grad) <= 1e-4, (name, rel_err(p.grad, q.grad))
+    grads_match(model, ref_model)
     with torch.no_grad():
-        assert rel_err(logits(fast(ids)), logits(ref_model(ids))) <= 1e-5
+        assert rel_err(logits_of(fast(ids)), logits_of(ref_model(ids))) <= 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("gemma", "phi3"))
 def test_bfloat16_no_worse_than_eager(family):
     ids = tokens(seq=64)  # 2 x 64 x 256 logits: >= 1e4 elements
     res = low_precision_errors(lambda seed: build(family, layers=2, seed=seed), (ids,),
@@ -78,10 +60,14 @@ def test_bfloat16_no_worse_than_eager(family):
     assert abs(a - b) <= 1e-2
 
 
-@pytest.mark.parametrize("family", ["llama", "plain"])
+@pytest.mark.parametrize("family", ["llama", "plain", "gemma", "phi3", "qwen2"])
 def test_two_optimizer_steps_match_eager(family):
+    """Every pattern on: the re-laid-out weights (gated MLPs) are rebuilt from the live
+    parameters after each step, the loss comes from the LM head's epilogue (HF models),
+    and state_dict() stays the original module's."""
     model = build(family, layers=2).train()
     ref_model = copy.deepcopy(model)
+    keys = list(model.state_dict())
     fast = coda_rewrite.optimize(model)
     # SGD: the update is linear in the gradient, so the comparison measures the rewrite
     # (Adam's g / sqrt(v) amplifies rounding-level differences of near-zero gradients)
@@ -97,7 +83,14 @@ def test_two_optimizer_steps_match_eager(family):
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         assert rel_err(p, q) <= 1e-5, name
     with torch.no_grad():
-        assert rel_err(logits(fast(tokens(seed=9))), logits(ref_model(tokens(seed=9)))) <= 1e-5
+        assert rel_err(logits_of(fast(tokens(seed=9))), logits_of(ref_model(tokens(seed=9)))) <= 1e-5
+    graphs = len(fast.report.graphs)  # the training graph, and the no_grad one above
+    assert fast.report.count(pattern="gated_mlp") == 2 * graphs, str(fast.report)
+    # the loss is in the training graph only (the no_grad call has no labels)
+    assert fast.report.count(pattern="lm_head_cross_entropy") == int(family != "plain")
+    assert list(model.state_dict()) == keys
+    for k, v in model.state_dict().items():
+        assert v.shape == ref_model.state_dict()[k].shape, k
 
 
 def test_parameters_are_read_live():
@@ -105,11 +98,11 @@ def test_parameters_are_read_live():
     fast = coda_rewrite.optimize(model)
     ids = tokens()
     with torch.no_grad():
-        before = logits(fast(ids)).clone()
+        before = logits_of(fast(ids)).clone()
         model.model.norm.weight.mul_(2.0)
         model.model.layers[0].post_attention_layernorm.weight.add_(0.25)
-        after = logits(fast(ids))
-        assert rel_err(after, logits(model(ids))) <= 1e-5
+        after = logits_of(fast(ids))
+        assert rel_err(after, logits_of(model(ids))) <= 1e-5
         assert rel_err(after, before) > 1e-2
     assert model.state_dict().keys() == copy.deepcopy(model).state_dict().keys()
 
@@ -120,8 +113,8 @@ def test_optimize_and_backend_agree(family):
     ids = tokens()
     backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
     with torch.no_grad():
-        a = logits(coda_rewrite.optimize(model)(ids))
-        b = logits(torch.compile(model, backend=backend)(ids))
+        a = logits_of(coda_rewrite.optimize(model)(ids))
+        b = logits_of(torch.compile(model, backend=backend)(ids))
     assert backend.report.count() == 5
     assert torch.equal(a, b)
 
@@ -134,7 +127,7 @@ def test_dynamic_shapes_one_compile(family):
     with torch.no_grad():
         for seq in (12, 20):
             ids = tokens(seq=seq)
-            assert rel_err(logits(compiled(ids)), logits(model(ids))) <= 1e-5
+            assert rel_err(logits_of(compiled(ids)), logits_of(model(ids))) <= 1e-5
     assert len(backend.report.graphs) == 1
     assert backend.report.count() == 5
 
@@ -146,10 +139,10 @@ def test_autocast_bfloat16_on_float32_model(family):
     ref = copy.deepcopy(model).double()
     fast = coda_rewrite.optimize(model)
     with torch.no_grad():
-        want = logits(ref(ids))
+        want = logits_of(ref(ids))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            eager = logits(model(ids))
-            new = logits(fast(ids))
+            eager = logits_of(model(ids))
+            new = logits_of(fast(ids))
     assert fast.report.count() == 5, str(fast.report)
     assert new.dtype == eager.dtype
     assert rel_err(new, want) <= 1.25 * rel_err(eager, want), (rel_err(new, want),

@@ -16,20 +16,17 @@ act(gate)·up. Side conditions, each checked here:
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
-from ..codegen.program import parse
 from ..kernels import ops
-from ..kernels import reference
 from ..numerics import rel_err
+from ..patterns.gated_mlp import same_value
 from . import statements
 from .decision import Decision, Proof, Rejection
-from .witness import _eval, _size, _Unreplayable
+from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
 def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
@@ -67,10 +64,10 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     else:
         if g.out is u.out:
             return held, "gate and up are the same GEMM output"
-        if not statements_same(g.x, u.x):
+        if not same_value(g.x, u.x):
             return held, (f"gate and up read different inputs ({describe(g.x)} vs "
                           f"{describe(u.x)})")
-        if (g.r is None) != (u.r is None) or (g.r is not None and not statements_same(g.r, u.r)):
+        if (g.r is None) != (u.r is None) or (g.r is not None and not same_value(g.r, u.r)):
             return held, ("gate and up carry different deferred row scales (the scale "
                           "precedes the activation: a pair needs one)")
         if tuple(meta(g.out).shape) != tuple(meta(u.out).shape):
@@ -100,34 +97,20 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     return held, None
 
 
-def statements_same(a, b) -> bool:
-    from ..patterns.gated_mlp import same_value
-    return same_value(a, b)
-
-
 def decide(m, witness: bool = True) -> Decision:
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_gated_interleave()
-    seen = replay(m) if witness else ""
+    seen = guarded(_replay, m) if witness else ""
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 
-def replay(m) -> str | Rejection:
-    """Evaluate the matched nodes on random float64 inputs (small shapes) and the fused
-    program, through the reference, on the same inputs."""
-    try:
-        return _replay(m)
-    except _Unreplayable as e:
-        return f"skipped: {e}"
-    except (RuntimeError, IndexError, ValueError) as e:
-        return f"skipped: the matched nodes do not replay at small shapes ({e})"
-
-
 def _replay(m) -> str | Rejection:
+    """The matched nodes on random float64 inputs (small shapes) against the fused
+    program, through the reference, on the same inputs."""
     gen = torch.Generator().manual_seed(4321)
 
     def rand(*shape, positive=False):
@@ -157,34 +140,12 @@ def _replay(m) -> str | Rejection:
         w_int = ops.interleave_rows(env[g.weight], env[u.weight])
         b_int = None if g.bias is None and u.bias is None else \
             ops.interleave_rows(env.get(g.bias), env.get(u.bias))
-    order = {n: i for i, n in enumerate(m.mul.graph.nodes)}
-    for node in sorted({n for p in (g, u) for n in p.nodes}, key=order.__getitem__):
-        if node.target is ops.fused_linear:  # a rowscale consumer, unrounded
-            args = (_exact(node.args[0]), *(env[a] for a in node.args[1:]))
-            env[node] = ops.fused_linear_reference(*args)
-        else:
-            env[node] = _eval(node, env)
-    if m.packed:
-        env[m.gate_value] = _eval(m.gate_value, env)
-        env[m.up_value] = _eval(m.up_value, env)
-    env[m.act] = _eval(m.act, env)
-    eager = _eval(m.mul, env)
-    operands = ([env[g.r].reshape(-1)] if g.r is not None else []) + \
-        ([b_int] if b_int is not None else [])
-    fused = reference.run_program(parse(_exact(m.program.to_text())), env[g.x].reshape(-1, k), w_int, operands)[0]
-    err = rel_err(fused.reshape(eager.shape), eager)
-    tol = 1e-6
-    if not err <= tol:
-        return Rejection(f"checker bug: the float64 witness disagrees ({err:.1e}; tol "
-                         f"{tol:g}); the rewrite is not applied", m.path)
-    return f"replay in float64 on rows {lead}: rel. error {err:.1e} (tol {tol:g})"
-
-
-def _exact(program_text: str) -> str:
-    """The program with float64 outputs: the replay compares math, not roundings."""
-    prog = parse(program_text)
-    return dataclasses.replace(prog, outputs=tuple(
-        dataclasses.replace(o, dtype="float64") for o in prog.outputs)).to_text()
+    eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
+                m.act, m.mul], env)
+    operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
+    fused = ops.fused_linear_reference(exact(m.program.to_text()), env[g.x], w_int,
+                                       *operands)[0]
+    return verdict(rel_err(fused, env[m.mul]), f"rows {lead}", m.path)
 
 
 def _contracted(p) -> int:

@@ -10,10 +10,13 @@ checker bug, never applied.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
 from ..canonical import meta
+from ..codegen.program import parse
 from ..kernels import ops as ops_mod
 from ..kernels import reference
 from ..numerics import rel_err
@@ -73,6 +76,48 @@ def _size(s) -> int:
     if isinstance(s, torch.SymInt):
         return s.node.hint if s.node.hint is not None else 2
     return int(s)
+
+
+# ---- shared by the witnesses of the later patterns (gated MLP, cross-entropy) ---------
+
+def exact(program_text: str) -> str:
+    """The program with float64 outputs: a replay compares math, not roundings."""
+    prog = parse(program_text)
+    return dataclasses.replace(prog, outputs=tuple(
+        dataclasses.replace(o, dtype="float64") for o in prog.outputs)).to_text()
+
+
+def eval_nodes(nodes, env: dict) -> None:
+    """Evaluate ``nodes`` into ``env`` in graph order; a fused_linear call an earlier
+    rewrite made (a rowscale consumer) runs the reference with unrounded outputs."""
+    nodes = list(nodes)
+    if not nodes:
+        return
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    for node in sorted(set(nodes), key=order.__getitem__):
+        if node.target is ops_mod.fused_linear:
+            env[node] = ops_mod.fused_linear_reference(
+                exact(node.args[0]), *(_value(a, env) for a in node.args[1:]))
+        else:
+            env[node] = _eval(node, env)
+
+
+def guarded(replay, match) -> str | Rejection:
+    """Run ``replay(match)``; a graph the witness cannot replay is reported as skipped."""
+    try:
+        return replay(match)
+    except _Unreplayable as e:
+        return f"skipped: {e}"
+    except (RuntimeError, IndexError, ValueError) as e:  # shape-bound ops in the match
+        return f"skipped: the matched nodes do not replay at small shapes ({e})"
+
+
+def verdict(err: float, what: str, path: str, tol: float = 1e-6) -> str | Rejection:
+    """The witness line, or a checker-bug rejection when the replay disagrees."""
+    if not err <= tol:  # NaN fails too
+        return Rejection(f"checker bug: the float64 witness disagrees ({err:.1e}; tol "
+                         f"{tol:g}); the rewrite is not applied", path)
+    return f"replay in float64 on {what}: rel. error {err:.1e} (tol {tol:g})"
 
 
 def witness(match, consumers) -> str | Rejection:

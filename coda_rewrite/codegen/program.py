@@ -271,6 +271,18 @@ def _join(kinds: list[Kind]) -> Kind:
     return s.pop()
 
 
+def scaled_acc_prefix(program: EpilogueProgram) -> tuple[str, int]:
+    """(value, instructions used) of the ``ProgramBuilder.scaled_acc`` prefix at the
+    start of ``program``'s body: ``(ACC, 0)`` when it has neither a row scale nor a bias."""
+    names = {o.name for o in program.operands}
+    body, v, i = program.body, ACC, 0
+    if "r" in names and i < len(body) and (body[i].op, body[i].args) == ("mul", (ACC, "r")):
+        v, i = body[i].out, i + 1
+    if "bias" in names and i < len(body) and (body[i].op, body[i].args) == ("add", (v, "bias")):
+        v, i = body[i].out, i + 1
+    return v, i
+
+
 @functools.lru_cache(maxsize=1024)
 def parse(text: str) -> EpilogueProgram:
     """Inverse of ``to_text`` (cached: the op wrapper parses on every call)."""
@@ -315,6 +327,17 @@ class ProgramBuilder:
         if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE or op in STATEFUL:
             return functools.partial(self.emit, op)
         raise AttributeError(op)
+
+    def scaled_acc(self, row_scale: bool, bias: bool) -> str:
+        """acc (· r[i]) (+ b[j]): the GEMM output under a deferred row scale and a bias,
+        the prefix consumer programs start with (operands ``r``, ``bias``; values ``y``,
+        ``y_b``). ``scaled_acc_prefix`` reads it back."""
+        v = ACC
+        if row_scale:
+            v = self.mul(v, self.operand("r", Kind.PER_ROW), name="y")
+        if bias:
+            v = self.add(v, self.operand("bias", Kind.PER_FEATURE), name="y_b")
+        return v
 
     def output(self, value: str, kind: Kind, dtype: str) -> None:
         self._outputs.append(Output(value, kind, dtype))

@@ -36,7 +36,7 @@ import functools
 
 import torch
 
-from ..codegen.program import ACC, EpilogueProgram, Kind
+from ..codegen.program import ACC, EpilogueProgram, Kind, scaled_acc_prefix
 from . import reference
 
 
@@ -51,19 +51,13 @@ def _gemm_grads(d_acc: torch.Tensor, a, b):
     return d @ b, d.t() @ a
 
 
-def _ops(prog):
-    return [(i.op, i.args) for i in prog.body]
-
-
 # ---- rowscale -------------------------------------------------------------------------
 
 def _is_rowscale(prog: EpilogueProgram) -> bool:
+    v, i = scaled_acc_prefix(prog)
     names = [o.name for o in prog.operands]
-    body = _ops(prog)
-    ok = prog.gemm and names[:1] == ["r"] and body[:1] == [("mul", (ACC, "r"))]
-    if names == ["r"]:
-        return ok and len(body) == 1
-    return ok and names == ["r", "bias"] and body[1:] == [("add", (prog.body[0].out, "bias"))]
+    return prog.gemm and names[:1] == ["r"] and set(names) <= {"r", "bias"} and \
+        i == len(prog.body) == len(names) and [o.value for o in prog.outputs] == [v]
 
 
 def _rowscale_vjp(prog, a, b, operands, outputs, grads):
@@ -175,19 +169,12 @@ def _residual_rmsnorm_saves(prog):
 # ---- gated pairs ----------------------------------------------------------------------
 
 def _gated_parts(prog: EpilogueProgram):
-    """[p1 = acc * r] [p2 = p1 + bias] y = pairop(p) -> outputs y (pair), p (tile)."""
+    """[y = acc * r] [y_b = y + bias] act = pairop(y) -> outputs act (pair), y (tile)."""
     from ..codegen.program import PAIRWISE
-    body = list(prog.body)
-    names = [o.name for o in prog.operands]
-    v, i = ACC, 0
-    if "r" in names:
-        assert (body[i].op, body[i].args) == ("mul", (ACC, "r"))
-        v, i = body[i].out, i + 1
-    if "bias" in names:
-        assert (body[i].op, body[i].args) == ("add", (v, "bias"))
-        v, i = body[i].out, i + 1
+    v, i = scaled_acc_prefix(prog)
+    body = prog.body
     assert len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args == (v,)
-    assert set(names) <= {"r", "bias"} and prog.gemm
+    assert {o.name for o in prog.operands} <= {"r", "bias"} and prog.gemm
     outs = [(o.value, o.kind) for o in prog.outputs]
     assert outs == [(body[i].out, Kind.PAIR), (v, Kind.TILE)]
     return PAIRWISE[body[i].op]
@@ -231,17 +218,10 @@ def _gated_vjp(prog, a, b, operands, outputs, grads):
 _CE_CHUNK_BYTES = 1 << 29
 
 
-def _lse_parts(prog: EpilogueProgram):
-    body = list(prog.body)
-    names = [o.name for o in prog.operands]
-    y, i = ACC, 0
-    if "r" in names:
-        assert (body[i].op, body[i].args) == ("mul", (ACC, "r"))
-        y, i = body[i].out, i + 1
-    if "bias" in names:
-        assert (body[i].op, body[i].args) == ("add", (y, "bias"))
-        y, i = body[i].out, i + 1
-    lse, tl, loss = body[i:]
+def _lse_parts(prog: EpilogueProgram) -> bool:
+    """Whether the cross-entropy program also stores the logits."""
+    y, i = scaled_acc_prefix(prog)
+    lse, tl, loss = prog.body[i:]
     assert (lse.op, lse.args) == ("row_logsumexp", (y,))
     assert (tl.op, tl.args) == ("select_column", (y, "target"))
     assert (loss.op, loss.args) == ("sub", (lse.out, tl.out))
@@ -259,17 +239,15 @@ def _is_lse_target(prog: EpilogueProgram) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=64)
 def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str) -> EpilogueProgram:
     """The softmax part of the cross-entropy gradient, formed in the epilogue of the GEMM
     that recomputes the logits: d_acc = exp(y − lse)·dsm (·r), y = acc (·r) (+ b). It is
-    stored once, in the GEMM dtype; no float32 [rows, vocab] tensor exists."""
+    stored once, in the GEMM dtype; no float32 [rows, vocab] tensor exists. (Cached: the
+    backward asks on every call.)"""
     from ..codegen.program import ProgramBuilder
     p = ProgramBuilder("ce_softmax_grad", gemm=True)
-    y = ACC
-    if has_r:
-        y = p.mul(y, p.operand("r", Kind.PER_ROW), name="y")
-    if has_bias:
-        y = p.add(y, p.operand("bias", Kind.PER_FEATURE), name="y_b")
+    y = p.scaled_acc(has_r, has_bias)
     lse, dsm = p.operand("lse", Kind.PER_ROW), p.operand("dsm", Kind.PER_ROW)
     d = p.mul(p.exp(p.sub(y, lse)), dsm, name="d")
     if has_r:
@@ -311,7 +289,7 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         bwd = softmax_grad_program(r is not None, bias is not None,
                                    reference.dtype_name(a.dtype))
         ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
-            ([bias] if bias is not None else []) + [lse.float(), dsm.float()]
+            ([bias] if bias is not None else []) + [lse, dsm]
         (d_acc,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
     # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0)
     onehot = torch.where(valid, d_loss * (r if r is not None else 1.0), zero)

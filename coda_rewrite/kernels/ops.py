@@ -149,22 +149,21 @@ def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                  *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``program`` over ``x @ weight.T`` (nn.Linear layout), x of any leading shape.
     Tile outputs come back as [*lead, N], per-row outputs as [*lead, 1]."""
-    prog = parse(program)
-    lead = x.shape[:-1]
-    outs = gemm_epilogue(program, x.reshape(-1, x.shape[-1]), weight,
-                         _flatten_operands(prog, operands))
-    return _unflatten(prog, outs, lead)
+    return _linear(gemm_epilogue, program, x, weight, operands)
 
 
 def fused_linear_reference(program: str, x: torch.Tensor, weight: torch.Tensor,
                            *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """fused_linear through the reference interpreter, bypassing the op (and its
     runtime counters): for the legality witnesses."""
+    return _linear(lambda text, a, b, ops: reference.run_program(parse(text), a, b, ops),
+                   program, x, weight, operands)
+
+
+def _linear(run, program, x, weight, operands):
     prog = parse(program)
-    lead = x.shape[:-1]
-    outs = reference.run_program(prog, x.reshape(-1, x.shape[-1]), weight,
-                                 _flatten_operands(prog, operands))
-    return _unflatten(prog, outs, lead)
+    outs = run(program, x.reshape(-1, x.shape[-1]), weight, _flatten_operands(prog, operands))
+    return _unflatten(prog, outs, x.shape[:-1])
 
 
 def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:

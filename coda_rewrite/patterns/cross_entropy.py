@@ -34,9 +34,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .. import patterns
 from ..canonical import canon, meta
 from ..capture import model_path
-from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
+from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..kernels.reference import dtype_name
 from .gated_mlp import Projection, projection_of
 
@@ -68,15 +69,8 @@ class Match:
         return model_path(self.ce) or model_path(self.proj.out)
 
 
-@dataclasses.dataclass
-class NoMatch:
-    node: fx.Node
-    reason: str
+class NoMatch(patterns.NoMatch):
     pattern = NAME
-
-    @property
-    def path(self) -> str:
-        return model_path(self.node)
 
 
 def _ce_args(node: fx.Node) -> dict:
@@ -184,27 +178,26 @@ def _row_slice(node: fx.Node):
     return full[0] - ms.dim(), s.start, s.stop  # dim counted from the end (V is -1)
 
 
-def ce_program(has_r: bool, has_bias: bool,
-               logits_dtype: torch.dtype | None) -> EpilogueProgram:
-    """y = acc (· r) (+ b); lse, target logit, loss = lse − tl; [y if materialised]."""
+def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
+               stat_dtype: str = "float32") -> EpilogueProgram:
+    """y = acc (· r) (+ b); lse, target logit, loss = lse − tl; [y if materialised].
+    The per-row values are stored in ``stat_dtype`` (float64 for a float64 model)."""
     p = ProgramBuilder("rowscale_lse_target" if has_r else "lse_target", gemm=True)
-    y = ACC
-    if has_r:
-        y = p.mul(y, p.operand("r", Kind.PER_ROW), name="y")
-    if has_bias:
-        y = p.add(y, p.operand("bias", Kind.PER_FEATURE), name="y_b")
+    y = p.scaled_acc(has_r, has_bias)
     target = p.operand("target", Kind.PER_ROW)
     lse = p.row_logsumexp(y, name="lse")
     tl = p.select_column(y, target, name="tl")
     loss = p.sub(lse, tl, name="loss")
     if logits_dtype is not None:
         p.output(y, Kind.TILE, dtype_name(logits_dtype))
-    p.output(loss, Kind.PER_ROW, "float32")
-    p.output(lse, Kind.PER_ROW, "float32")
+    p.output(loss, Kind.PER_ROW, stat_dtype)
+    p.output(lse, Kind.PER_ROW, stat_dtype)
     return p.build()
 
 
-def build_program(m: Match, materialize_logits: bool) -> None:
-    m.materialise = bool(m.logits_readers) and materialize_logits
+def build_program(m: Match, options) -> None:
+    m.materialise = bool(m.logits_readers) and options.materialize_logits
+    dtype = meta(m.proj.out).dtype
     m.program = ce_program(m.proj.r is not None, m.proj.bias is not None,
-                           meta(m.proj.out).dtype if m.materialise else None)
+                           dtype if m.materialise else None,
+                           "float64" if dtype == torch.float64 else "float32")

@@ -7,9 +7,9 @@ interleaved weight W_int = [g0, u0, g1, u1, ...] (W_int[2j] = W_g[j], W_int[2j+1
 W_u[j]), so that each adjacent pair of output columns is one (gate, up) pair, and the
 epilogue writes act(gate)·up at half width (QuACK's mode="acc_pair"):
 
-    epilogue:  p = r[i]·acc[i, :] (+ b_int)          (r: a deferred rstd, if any)
-               y[i, j] = act(p[i, 2j])·p[i, 2j+1]     (stored, [M, I])
-               p                                      (stored only when training:
+    epilogue:  y = r[i]·acc[i, :] (+ b_int)          (r: a deferred rstd, if any)
+               out[i, j] = act(y[i, 2j])·y[i, 2j+1]   (stored, [M, I])
+               y                                      (stored only when training:
                                                        what the backward reads, and
                                                        what eager keeps as gate and up)
 
@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 import torch.fx as fx
 
+from .. import patterns
 from ..canonical import canon, meta
 from ..capture import describe, model_path
-from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder, parse
+from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
 from ..kernels import ops
 from ..kernels.reference import dtype_name
 
@@ -67,6 +68,8 @@ class Match:
     gate: Projection
     up: Projection                 # packed: the same Projection as gate
     packed: bool
+    gate_value: fx.Node | None = None   # packed: chunk(...)[0] / [1]
+    up_value: fx.Node | None = None
     program: EpilogueProgram | None = None
 
     pattern = NAME
@@ -82,19 +85,9 @@ class Match:
             return [self.gate_value, self.up_value, self.gate.out, self.act]
         return [self.gate.out, self.up.out, self.act]
 
-    gate_value: fx.Node | None = None   # packed: chunk(...)[0] / [1]
-    up_value: fx.Node | None = None
 
-
-@dataclasses.dataclass
-class NoMatch:
-    node: fx.Node
-    reason: str
+class NoMatch(patterns.NoMatch):
     pattern = NAME
-
-    @property
-    def path(self) -> str:
-        return model_path(self.node)
 
 
 def activation_of(node: fx.Node) -> tuple[str, fx.Node] | str | None:
@@ -246,21 +239,16 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
 
 def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
                   keep_preact: bool) -> EpilogueProgram:
-    """p = acc (· r) (+ b_int); y = pairop(p) -> y (pair) [, p (tile) when training]."""
+    """y = acc (· r) (+ b_int); act = pairop(y) -> act (pair) [, y (tile) when training]."""
     p = ProgramBuilder(f"rowscale_{op}" if has_r else op, gemm=True)
-    v = ACC
-    if has_r:
-        v = p.mul(v, p.operand("r", Kind.PER_ROW), name="p")
-    if has_bias:
-        v = p.add(v, p.operand("bias", Kind.PER_FEATURE), name="p_b")
-    y = p.emit(op, v, name="y")
-    p.output(y, Kind.PAIR, dtype_name(dtype))
+    v = p.scaled_acc(has_r, has_bias)
+    p.output(p.emit(op, v, name="act"), Kind.PAIR, dtype_name(dtype))
     if keep_preact:
         p.output(v, Kind.TILE, dtype_name(dtype))
     return p.build()
 
 
-def build_program(m: Match) -> None:
+def build_program(m: Match, options) -> None:
     has_bias = m.gate.bias is not None or m.up.bias is not None
     mm = meta(m.mul)
     m.program = gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from .. import patterns
 from ..canonical import NearMiss, RmsNorm, canon, find_rms_norms, meta
 from ..capture import describe, model_path
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
@@ -72,16 +73,8 @@ class Match:
         return model_path(self.norm.output) or model_path(self.norm.nodes[-1])
 
 
-@dataclasses.dataclass
-class NoMatch:
-    """A norm (or near miss) this pattern could not use, and why (for the report)."""
-    node: fx.Node
-    reason: str
+class NoMatch(patterns.NoMatch):
     pattern = NAME
-
-    @property
-    def path(self) -> str:
-        return model_path(self.node)
 
 
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
@@ -217,10 +210,7 @@ def norm_program(norm: RmsNorm, producer: Producer | None) -> EpilogueProgram:
 def rowscale_program(consumer: Consumer) -> EpilogueProgram:
     """out = r[i] · acc[i, j] (+ b[j])."""
     p = ProgramBuilder("rowscale", gemm=True)
-    v = p.mul(ACC, p.operand("r", Kind.PER_ROW), name="y")
-    if consumer.bias is not None:
-        v = p.add(v, p.operand("bias", Kind.PER_FEATURE), name="y_b")
-    p.output(v, Kind.TILE, _dt(consumer.linear))
+    p.output(p.scaled_acc(True, consumer.bias is not None), Kind.TILE, _dt(consumer.linear))
     return p.build()
 
 
