@@ -17,7 +17,7 @@ from common import bench, env_line
 import coda_rewrite
 from coda_rewrite.kernels import ops
 
-M, H, FFN, Q, KV, V = 8192, 4096, 14336, 4096, 1024, 128256
+M, H, FFN, Q, KV, V, HEAD = 8192, 4096, 14336, 4096, 1024, 128256, 128
 bf = torch.bfloat16
 
 
@@ -43,6 +43,47 @@ class Region(nn.Module):
         return z, [c(h) for c in self.consumers]
 
 
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RopeRegion(nn.Module):
+    """[producer GEMM -> residual -> RMSNorm ->] q, k, v -> Hugging Face RoPE on q and k
+    (cos/sin from positions x inverse frequencies, as LlamaRotaryEmbedding computes them)
+    -> causal SDPA, tokens as [4, 2048]: the attention input of a Llama-3-8B layer (the
+    bare baseline runs the same SDPA on its GEMMs' outputs)."""
+
+    def __init__(self, norm: bool):
+        super().__init__()
+        self.norm = Region(FFN, [Q, KV, KV]) if norm else None
+        self.q, self.k, self.v = (nn.Linear(H, n, bias=False) for n in (Q, KV, KV))
+        if norm:  # one set of projections: the norm region's consumers
+            self.q, self.k, self.v = self.norm.consumers
+        d = HEAD
+        self.register_buffer("inv_freq", 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d)))
+
+    def forward(self, x, residual):
+        b, s = x.shape[:2]
+        if self.norm is not None:
+            z = residual + self.norm.producer(x)
+            h = z.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+            h = self.norm.weight * h.to(z.dtype)
+        else:
+            z, h = residual, x
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), -1)
+        cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
+        q = self.q(h).view(b, s, -1, HEAD).transpose(1, 2)
+        k = self.k(h).view(b, s, -1, HEAD).transpose(1, 2)
+        v = self.v(h).view(b, s, -1, HEAD).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        # attention reads q and k (the permuted order never leaves the region)
+        return z, [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)]
+
+
 class GatedMLP(nn.Module):
     """gate, up -> SwiGLU on an input with no norm in front (the pairwise epilogue
     alone; the region of ../shared/gpu/README.md's rstd + SwiGLU figure)."""
@@ -56,50 +97,70 @@ class GatedMLP(nn.Module):
         return residual, [F.silu(self.gate(x)) * self.up(x)]
 
 
-# name -> (producer K, consumer Ns, gated, rewrites expected: norm, gated)
+# name -> (producer K, consumer Ns, kind, rewrites expected: norm, gated, rope)
 REGIONS = {
-    "o_proj -> post-attn norm -> gate, up": (H, [FFN, FFN], False, (1, 0)),
-    "o_proj -> norm -> gate, up -> SwiGLU": (H, [FFN, FFN], True, (1, 1)),
-    "gate, up -> SwiGLU (no norm)": (None, [FFN, FFN], True, (0, 1)),
-    "down -> input norm -> q, k, v": (FFN, [Q, KV, KV], False, (1, 0)),
-    "down -> final norm -> lm_head": (FFN, [V], False, (1, 0)),
+    "o_proj -> post-attn norm -> gate, up": (H, [FFN, FFN], "plain", (1, 0, 0)),
+    "o_proj -> norm -> gate, up -> SwiGLU": (H, [FFN, FFN], "gated", (1, 1, 0)),
+    "gate, up -> SwiGLU (no norm)": (None, [FFN, FFN], "gated", (0, 1, 0)),
+    "down -> input norm -> q, k, v": (FFN, [Q, KV, KV], "plain", (1, 0, 0)),
+    "down -> norm -> q, k, v -> RoPE": (FFN, [Q, KV, KV], "rope", (1, 0, 1)),
+    "q, k, v -> RoPE (no norm)": (None, [Q, KV, KV], "rope", (0, 0, 1)),
+    "down -> final norm -> lm_head": (FFN, [V], "plain", (1, 0, 0)),
 }
+
+
+def make_region(k0, consumers, kind):
+    if kind == "rope":
+        return RopeRegion(norm=k0 is not None)
+    return Region(k0, consumers, kind == "gated") if k0 else GatedMLP()
 
 
 def main():
     print(env_line(), flush=True)
     rows = []
-    for name, (k0, consumers, gated, expected) in REGIONS.items():
+    for name, (k0, consumers, kind, expected) in REGIONS.items():
         torch.manual_seed(0)
-        region = (Region(k0, consumers, gated) if k0 else GatedMLP()).cuda().to(bf)
-        x = torch.randn(M, k0 or H, device="cuda", dtype=bf)
-        res = torch.randn(M, H, device="cuda", dtype=bf)
+        region = make_region(k0, consumers, kind).cuda().to(bf)
+        lead = (4, M // 4) if kind == "rope" else (M,)  # RoPE needs [batch, seq] tokens
+        x = torch.randn(*lead, k0 or H, device="cuda", dtype=bf)
+        res = torch.randn(*lead, H, device="cuda", dtype=bf)
         with torch.no_grad():
             fused = coda_rewrite.optimize(region)
             compiled = torch.compile(region)
             z, outs = region(x, res)
             zf, outs_f = fused(x, res)
             got = (fused.report.count(pattern="residual_rmsnorm_gemm"),
-                   fused.report.count(pattern="gated_mlp"))
+                   fused.report.count(pattern="gated_mlp"), fused.report.count(pattern="rope"))
             assert got == expected, str(fused.report)
             errs = [float((a.float() - b.float()).norm() / b.float().norm())
                     for a, b in zip([z, *outs], [zf, *outs_f])]
             h = torch.randn(M, H, device="cuda", dtype=bf)
-            ws = [c.weight for c in region.consumers] if k0 else \
-                [region.gate.weight, region.up.weight]
-            w0 = region.producer.weight if k0 else None
+            x2 = x.reshape(M, -1)
+            if kind == "rope":
+                ws = [region.q.weight, region.k.weight, region.v.weight]
+                w0 = region.norm.producer.weight if k0 else None
+            else:
+                ws = [c.weight for c in region.consumers] if k0 else \
+                    [region.gate.weight, region.up.weight]
+                w0 = region.producer.weight if k0 else None
 
             def bare():
                 if w0 is not None:
-                    torch.mm(x, w0.t())
-                for w in ws:
-                    torch.mm(h, w.t())
+                    torch.mm(x2, w0.t())
+                outs = [torch.mm(h, w.t()) for w in ws]
+                if kind == "rope":
+                    q, k, v = (o.view(4, M // 4, -1, HEAD).transpose(1, 2) for o in outs)
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
             t = {"fused": bench(lambda: fused(x, res)), "bare": bench(bare),
                  "compile": bench(lambda: compiled(x, res)),
                  "eager": bench(lambda: region(x, res))}
-            if gated:  # the per-call weight re-layout inside "fused", alone
+            if kind == "gated":  # the per-call weight re-layout inside "fused", alone
                 t["interleave"] = bench(lambda: ops.interleave_rows(*ws))
+            if kind == "rope":
+                lay = ((0, Q, Q // HEAD, HEAD, HEAD), (0, KV, KV // HEAD, HEAD, HEAD),
+                       (0, KV, 0, 0, 0))
+                t["interleave"] = bench(lambda: ops.rope_segments(lay, *ws))
         rows.append((name, t, max(errs)))
         print(name, t, "max rel diff vs eager", max(errs), flush=True)
         torch.cuda.empty_cache()
@@ -114,7 +175,7 @@ def main():
               f"{t['eager']:8.3f}  {t['fused'] / t['bare']:10.3f}x  {t['fused'] / t['compile']:10.3f}x")
     for name, t, _ in rows:
         if "interleave" in t:
-            print(f"  {name}: of which the per-call weight interleave {t['interleave']:.3f} ms")
+            print(f"  {name}: of which the per-call weight re-layout {t['interleave']:.3f} ms")
     g = 1.0
     for r in ratios:
         g *= r

@@ -19,7 +19,7 @@ class Options:
     witness: bool = True
     # Patterns to apply; the others are still matched and reported as disabled.
     patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
-                                 "lm_head_cross_entropy")
+                                 "rope", "lm_head_cross_entropy")
     # Logits that something besides the loss reads (a model output) are still written,
     # with eager's values; False: never written, and those readers get an empty tensor
     # (training loops that read only the loss save tokens x vocab x 2 bytes).

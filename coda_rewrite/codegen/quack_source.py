@@ -11,7 +11,11 @@ new kernel code. The program splits in two stages:
                and auxiliary TileStores; a gated pair (swiglu/geglu) switches QuACK to
                mode="acc_pair" and stores the half-width result as ``postact``
                (and at most one full-width tile, the pre-activation a backward
-               reads, as ``D``); row reductions become ColVecReduce sinks
+               reads, as ``D``); a rotation (rope) is pair mode too, full width,
+               with cos/sin from QuACK's float-float angle in turns
+               (quack.epilogue.rotary: the math of its rope_posfreq epilogues) or
+               from a cos/sin table (its rotary_cos_sin_load, staged by TMA);
+               row reductions become ColVecReduce sinks
                (``scaled=True`` with the two factors when the reduced value is a
                product, so the fold is one FMA and the product is never rounded).
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
@@ -30,7 +34,7 @@ import dataclasses
 import hashlib
 import re
 
-from .program import ACC, PAIRWISE, REDUCTIONS, STATEFUL, EpilogueProgram, Instr, Kind
+from .program import ACC, PAIRWISE, REDUCTIONS, ROTARY, STATEFUL, EpilogueProgram, Instr, Kind
 
 GENERATOR_VERSION = "3"
 
@@ -72,7 +76,7 @@ class LayoutContract:
                  f"  weight permutation: {self.weight_permutation}"]
         for b in self.operands:
             shape = {Kind.TILE: "[M, N]", Kind.PER_ROW: "[M]", Kind.PER_FEATURE: "[N]",
-                     Kind.SCALAR: "[]"}[b.kind]
+                     Kind.SCALAR: "[]", Kind.COS_SIN: "[M, hd]"}[b.kind]
             lines.append(f"  {b.name:<10} {shape:<7} {b.kind.value:<11} -> {b.quack_op}")
         for value, out in self.tile_outputs:
             shape = "[M, N/2]" if out in self.pair_outputs else "[M, N]"
@@ -147,7 +151,10 @@ def generate(program: EpilogueProgram) -> KernelSource:
     if not program.gemm:
         raise Unlowerable("no GEMM: a row-wise program runs as plain torch ops")
     kinds = program.value_kinds()
-    pair_mode = any(i.op in PAIRWISE for i in program.body)
+    pair_mode = any(i.op in PAIRWISE or i.op in ROTARY for i in program.body)
+    rotary = any(i.op in ROTARY for i in program.body)
+    angles = any(i.op == "rope" for i in program.body)
+    table = any(o.kind == Kind.COS_SIN for o in program.operands)
     if pair_mode and any(i.op in REDUCTIONS or i.op in STATEFUL for i in program.body):
         raise Unlowerable("row reductions in pair mode")
     if pair_mode and sum(o.kind == Kind.TILE for o in program.outputs) > 1:
@@ -167,7 +174,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
             first_tile = False
             continue
         op = {Kind.TILE: "TileLoad", Kind.PER_ROW: "ColVecLoad",
-              Kind.PER_FEATURE: "RowVecLoad", Kind.SCALAR: "Scalar"}[o.kind]
+              Kind.PER_FEATURE: "RowVecLoad", Kind.SCALAR: "Scalar",
+              Kind.COS_SIN: "rotary_cos_sin_load"}[o.kind]
         param = f"o_{o.name}"  # prefixed: no clash with imports or the C operand
         bindings.append(Binding(o.name, o.kind, param, f'{op}("{param}")'))
     names = {b.name: b.param for b in bindings}
@@ -252,6 +260,16 @@ def generate(program: EpilogueProgram) -> KernelSource:
             g, u = f"{_arg(i.out)}_gate", f"{_arg(i.out)}_up"
             lines.append(f"{g}, {u} = unpack({args[0]})")
             rhs = f"{_CALLS[PAIRWISE[i.op]].format(g)} * {u}"
+        elif i.op in ROTARY:  # (x1, x2) pairs rotated by θ = pos·f turns, or by a table
+            o = _arg(i.out)
+            lines.append(f"{o}_x1, {o}_x2 = unpack({args[0]})")
+            if i.op == "rope_table":
+                lines.append(f"{o}_cos, {o}_sin = unpack({args[1]})")
+            else:
+                lines.append(f"{o}_sin, {o}_cos = _sincos_turns(*_angle_turns({args[1]}, "
+                             f"{args[2]}))")
+            rhs = (f"pack({o}_x1 * {o}_cos - {o}_x2 * {o}_sin, "
+                   f"{o}_x1 * {o}_sin + {o}_x2 * {o}_cos)")
         elif i.op in _BINARY:
             rhs = f"{args[0]} {_BINARY[i.op]} {args[1]}"
         elif i.op in _CALLS:
@@ -304,6 +322,10 @@ def generate(program: EpilogueProgram) -> KernelSource:
         "from quack.epilogue.math import pack, pexp, unpack",
         "from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce,",
         "                                RowVecLoad, Scalar, TileLoad)",
+        # QuACK's float-float angle in turns and its MUFU sin/cos (private helpers of
+        # the rope_posfreq epilogues; quack-kernels is pinned, and CI compiles this)
+        *(["from quack.epilogue.rotary import _angle_turns, _sincos_turns"] if angles else []),
+        *(["from quack.epilogue.rotary import rotary_cos_sin_load"] if table else []),
         "",
         *(f'_index_{c} = ColVecLoad("{c}")' for c in companions),
         *([""] if companions else []),
@@ -318,8 +340,13 @@ def generate(program: EpilogueProgram) -> KernelSource:
                 if b.param in companions else b for b in bindings]
     contract = LayoutContract(
         program.key, tuple(bindings), tuple(tile_outputs), tuple(reductions),
-        weight_permutation=("rows of b interleave gate and up: [g0, u0, g1, u1, ...]"
-                            if pair_mode else "none"),
+        weight_permutation=(
+            "rows (2j, 2j+1) of b are one rotation pair, as the model orders them; cos/sin "
+            "from a [M, head_dim] table repeating every head_dim columns" if table else
+            "rows (2j, 2j+1) of b are one rotation pair (per head: [x0, x_h, x1, x_h+1, "
+            "...], h = rotary_dim/2); zero-frequency columns pass through" if rotary else
+            "rows of b interleave gate and up: [g0, u0, g1, u1, ...]" if pair_mode
+            else "none"),
         pair_outputs=frozenset({"postact"} if pairs else ()))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
                         row_stage)

@@ -49,8 +49,8 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     """Trace and compile one program's kernel for the configured arch (no launch)."""
     import torch
 
-    from ..codegen.program import Kind, parse
-    from .quack_path import load
+    from ..codegen.program import ROTARY, Kind, parse
+    from .quack_path import _table_config, load
     from .reference import dtype_from_name
 
     ks, module = load(text)
@@ -59,11 +59,12 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     a = torch.randn(m, k, dtype=dt)
     b = torch.randn(n, k, dtype=dt)
     by_name = {}
+    angles = {a for i in prog.body if i.op in ROTARY for a in i.args[1:]}
     for spec in prog.operands:
         shape = {Kind.TILE: (m, n), Kind.PER_ROW: (m,), Kind.PER_FEATURE: (n,),
-                 Kind.SCALAR: ()}[spec.kind]
+                 Kind.SCALAR: (), Kind.COS_SIN: (m, 128)}[spec.kind]  # head_dim 128
         by_name[spec.name] = torch.randn(shape, dtype=torch.float32 if spec.kind in (
-            Kind.PER_ROW, Kind.SCALAR) else dt)
+            Kind.PER_ROW, Kind.SCALAR) or spec.name in angles else dt)
         if spec.kind == Kind.SCALAR:  # passed by pointer, as the runtime does
             by_name[spec.name] = by_name[spec.name].reshape(1)
         if spec.name in prog.index_operands:
@@ -80,7 +81,9 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     out = {name: torch.empty(m, width[value], dtype=out_dtype[value])
            for value, name in ks.contract.tile_outputs}
     t0 = time.perf_counter()
-    module.epilogue.plan(a, b.t(), c, out=out, **kwargs)
+    table = any(o.kind == Kind.COS_SIN for o in prog.operands)
+    module.epilogue.plan(a, b.t(), c, out=out, config=_table_config() if table else None,
+                         **kwargs)
     return {"program": prog.key, "module": ks.module_name,
             "seconds": round(time.perf_counter() - t0, 2)}
 

@@ -18,6 +18,9 @@ what the forward kept, never recomputed:
   stores p (what eager keeps as the gate and up outputs) next to y; dp comes from the
   activation's derivative on p, and the rest is the rowscale rule with dy := dp.
 
+* ``rope`` (y = r ⊙ acc + bias; out = R(θ)·y per column pair): dy = R(−θ)·dout, an
+  elementwise rotation back, then the rowscale rule.
+
 * ``lse_target`` (y = r ⊙ acc + bias; loss = lse(y) − y[t]; lse): dy = softmax(y)·(dloss
   + dlse) − onehot(t)·dloss (+ dlogits). When the forward did not write the logits, one
   GEMM recomputes them and its epilogue forms r·softmax(y)·dsm (softmax_grad_program:
@@ -64,13 +67,7 @@ def _rowscale_vjp(prog, a, b, operands, outputs, grads):
     (dy,) = grads
     if dy is None:
         return None, None, [None] * len(operands)
-    r = _up(operands[0])
-    g = _up(dy.to(b.dtype) @ b)                      # G = dy·b
-    grad_a = (g * r[:, None]).to(a.dtype)
-    grad_b = ((_up(dy) * r[:, None]).to(a.dtype)).t() @ a
-    grad_r = (g * _up(a)).sum(-1).to(operands[0].dtype)
-    rest = [_up(dy).sum(0).to(operands[1].dtype)] if len(operands) > 1 else []
-    return grad_a, grad_b, [grad_r, *rest]
+    return _through_scaled_acc(prog, a, b, operands, _up(dy))
 
 
 # ---- residual + RMSNorm ---------------------------------------------------------------
@@ -197,19 +194,77 @@ def _gated_vjp(prog, a, b, operands, outputs, grads):
         p = _up(outputs[1]).detach().requires_grad_(True)
         y = act(p[:, 0::2]) * p[:, 1::2]
         (dp,) = torch.autograd.grad(y, p, _up(dy))
+    return _through_scaled_acc(prog, a, b, operands, dp)
+
+
+def _through_scaled_acc(prog, a, b, operands, dy):
+    """Gradients of y = r ⊙ acc (+ bias) given dy (float32/64): the rowscale rule
+    (no acc needed: dr is a row dot with the GEMM dy·b the backward computes anyway).
+    Operands other than r and bias get no gradient."""
     by_name = dict(zip((o.name for o in prog.operands), operands))
     grads_by_name = {}
     if "bias" in by_name:
-        grads_by_name["bias"] = dp.sum(0).to(by_name["bias"].dtype)
+        grads_by_name["bias"] = dy.sum(0).to(by_name["bias"].dtype)
     if "r" in by_name:
         r = _up(by_name["r"])[:, None]
-        g = _up(dp.to(b.dtype) @ b)                        # G = dp·b
+        g = _up(dy.to(b.dtype) @ b)                        # G = dy·b
         grad_a = (g * r).to(a.dtype)
-        grad_b = (dp * r).to(a.dtype).t() @ a
+        grad_b = (dy * r).to(a.dtype).t() @ a
         grads_by_name["r"] = (g * _up(a)).sum(-1).to(by_name["r"].dtype)
     else:
-        grad_a, grad_b = _gemm_grads(dp, a, b)
+        grad_a, grad_b = _gemm_grads(dy, a, b)
     return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
+
+
+# ---- rotation (RoPE) ------------------------------------------------------------------
+
+def _rope_parts(prog: EpilogueProgram) -> tuple[str, ...]:
+    """[y = acc * r] [y_b = y + bias] [y_s = y_b * s] out = rope(y, pos, freq) or
+    rope_table(y, cs) -> out: the rotation's operand names."""
+    v, i = scaled_acc_prefix(prog)
+    body = prog.body
+    assert prog.gemm and body[-1].op in ("rope", "rope_table")
+    scale = 1.0
+    if len(body) == i + 2:  # the rope type's attention scaling, a literal
+        assert body[i].op == "mul" and body[i].args[0] == v and \
+            not isinstance(body[i].args[1], str)
+        v, scale = body[i].out, float(body[i].args[1])
+    assert len(body) in (i + 1, i + 2) and body[-1].args[0] == v
+    angle = body[-1].args[1:]
+    assert {o.name for o in prog.operands} <= {"r", "bias", *angle}
+    assert [(o.value, o.kind) for o in prog.outputs] == [(body[-1].out, Kind.TILE)]
+    return scale, angle
+
+
+def _is_rope(prog: EpilogueProgram) -> bool:
+    try:
+        _rope_parts(prog)
+        return True
+    except (AssertionError, IndexError):
+        return False
+
+
+def _rope_vjp(prog, a, b, operands, outputs, grads):
+    """A rotation is orthogonal: dy = R(θ)ᵀ·dout = R(−θ)·dout, one elementwise pass
+    (−freq negates both float-float parts, so the angle exactly; a table's sin column
+    negated). Positions, frequencies and tables get no gradient (the pattern only
+    rewrites ones that need none)."""
+    (dout,) = grads
+    if dout is None:
+        return None, None, [None] * len(operands)
+    scale, angle = _rope_parts(prog)
+    by_name = dict(zip((o.name for o in prog.operands), operands))
+    if len(angle) == 1:
+        cs = _up(by_name[angle[0]]).clone()
+        cs[:, 1::2] = -cs[:, 1::2]
+        dy = reference.rotate_pairs_by_table(_up(dout), cs)
+    else:
+        pos, freq = angle
+        dy = reference.rotate_pairs(_up(dout), by_name[pos].reshape(-1, 1),
+                                    -by_name[freq].reshape(1, -1))
+    if scale != 1.0:
+        dy = dy * scale
+    return _through_scaled_acc(prog, a, b, operands, dy)
 
 
 # ---- log-sum-exp and target logit (cross-entropy) --------------------------------------
@@ -323,6 +378,7 @@ SPECIALISED = [
     (_is_rowscale, _rowscale_vjp, lambda prog: ([], set())),
     (_is_residual_rmsnorm, _residual_rmsnorm_vjp, _residual_rmsnorm_saves),
     (_is_gated, _gated_vjp, lambda prog: ([1], set())),
+    (_is_rope, _rope_vjp, lambda prog: ([], set())),
     (_is_lse_target, _lse_target_vjp, _lse_target_saves),
 ]
 

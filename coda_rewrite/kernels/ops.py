@@ -19,6 +19,7 @@ Face's ``logits_to_keep`` slice) apply to them unchanged.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 
 import torch
@@ -220,6 +221,81 @@ def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
     read as ``chunk(2, dim=-1)``): rows [0, n) are the gate, [n, 2n) the up."""
     half = packed.shape[0] // 2
     return packed.unflatten(0, (2, half)).transpose(0, 1).flatten(0, 1)
+
+
+# ---- RoPE: layouts, positions and frequencies of the fused q/k/v GEMM -------------------
+#
+# A segment layout is (lo, hi, n_heads, head_dim, rotary_dim): rows [lo, hi) of a
+# projection, per-head interleaved for the rotation (n_heads > 0), or kept as they are
+# (n_heads == 0: v, frequency 0).
+
+def rope_interleave(t: torch.Tensor, n_heads: int, head_dim: int, rotary_dim: int
+                    ) -> torch.Tensor:
+    """Rows of a q or k projection (weight [H·d, K] or bias [H·d]) reordered per head to
+    [x0, x_h, x1, x_h+1, ..., x_{h-1}, x_{2h-1}, pass-through rows], h = rotary_dim / 2:
+    Hugging Face's rotation pair (f, f + h) becomes the adjacent pair (2f, 2f + 1)."""
+    heads = t.reshape(n_heads, head_dim, *t.shape[1:])
+    rot = heads[:, :rotary_dim].unflatten(1, (2, rotary_dim // 2)).transpose(1, 2).flatten(1, 2)
+    if rotary_dim < head_dim:
+        rot = torch.cat((rot, heads[:, rotary_dim:]), 1)
+    return rot.reshape(t.shape)
+
+
+def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The inverse of rope_interleave on an activation's last dim (one head): eager's
+    feature order, for a rotated q or k that flows where the order shows."""
+    rot = t[..., :rotary_dim].unflatten(-1, (rotary_dim // 2, 2)).transpose(-1, -2).flatten(-2)
+    if rotary_dim < head_dim:
+        rot = torch.cat((rot, t[..., rotary_dim:]), -1)
+    return rot.contiguous()
+
+
+def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
+    """The fused GEMM's weight (or bias) from each segment's projection weight (or bias;
+    None: zeros), recomputed from the live parameters on every call."""
+    like = next(t for t in tensors if t is not None)
+    parts = []
+    for (lo, hi, n_heads, head_dim, rotary_dim), t in zip(layout, tensors):
+        t = t[lo:hi] if t is not None else like.new_zeros(hi - lo, *like.shape[1:])
+        parts.append(rope_interleave(t, n_heads, head_dim, rotary_dim) if n_heads else t)
+    return torch.cat(parts, 0)
+
+
+def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The epilogue's per-column frequencies [N] (float32): each rotation pair (2f, 2f+1)
+    holds f's inverse frequency in turns per position as a float-float split (hi, lo),
+    so the kernel forms the angle to ~2^-48 relative; pass-through columns hold 0."""
+    t = inv_freq.reshape(-1).double() / (2 * math.pi)
+    hi = t.float()
+    lo = (t - hi.double()).float()
+    pair = torch.stack((hi, lo), -1).flatten()
+    parts = []
+    for lo_, hi_, n_heads, head_dim, rotary_dim in layout:
+        if n_heads:
+            head = F.pad(pair, (0, head_dim - pair.numel()))
+            parts.append(head.repeat(n_heads))
+        else:
+            parts.append(pair.new_zeros(hi_ - lo_))
+    return torch.cat(parts)
+
+
+def rope_positions(pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each GEMM row's position (float32 [B·S]) from the graph's positions [Bp, 1, S]
+    (Bp = 1 or B) and the GEMM input x [B, S, K]."""
+    b, s = x.shape[0], x.shape[1]
+    return pos.reshape(pos.shape[0], pos.shape[-1]).float().expand(b, s).reshape(-1) \
+        .contiguous()
+
+
+def rope_table_rows(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each GEMM row's (cos, sin) row [B·S, head_dim] (float32, cos at 2p and sin at
+    2p+1) from a model's complex table [S, hd/2] or [Bt, S, hd/2] (TorchTitan's
+    freqs_cis, or view_as_complex of a real [.., hd/2, 2] one; Bt = 1 or B) and the
+    GEMM input x [B, S, K]."""
+    b, s = x.shape[0], x.shape[1]
+    real = torch.view_as_real(table) if table.is_complex() else table
+    rows = real.reshape(-1, s, real.shape[-2] * 2).float()
+    return rows.expand(b, -1, -1).reshape(b * s, -1).contiguous()
 
 
 # ---- cross-entropy from per-row losses -------------------------------------------------

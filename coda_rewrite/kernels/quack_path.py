@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..codegen.program import EpilogueProgram, Kind
+from ..codegen.program import ROTARY, EpilogueProgram, Kind
 from ..codegen.quack_source import GENERATOR_VERSION, KernelSource, Unlowerable, generate
 from . import reference
 
@@ -40,6 +40,11 @@ log = logging.getLogger("coda_rewrite.kernels")
 SUPPORTED_ARCH_MAJOR = (9,)
 _GEMM_DTYPES = (torch.bfloat16, torch.float16)
 _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# A cos/sin table wraps every head_dim columns, so a tile must hold whole heads or a
+# whole fraction of one: such programs run at tile_n 128 (QuACK's default, 192, fits
+# neither 64 nor 128; measured on the H200: BENCHMARKS.md, RoPE sources).
+TABLE_TILE_N = 128
 
 COMPILES: list[tuple[str, float]] = []  # (kernel, seconds of its first call)
 _seen: set = set()
@@ -135,10 +140,24 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
     if not (_aligned(a) and _aligned(b)):
         return "a or b not K-contiguous and 16-byte aligned"
     indices = program.index_operands
+    angles = {a for i in program.body if i.op in ROTARY for a in i.args[1:]}
     for spec, t in zip(program.operands, operands):
+        if spec.name in angles and t.dtype != torch.float32:
+            return (f"rotation operand {spec.name} is {t.dtype} (positions and float-float "
+                    "frequencies are float32)")
         if spec.name in indices:
             if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (m,):
                 return f"index operand {spec.name} must be int32/int64 of shape ({m},)"
+            continue
+        if spec.kind == Kind.COS_SIN:
+            hd = t.shape[-1] if t.dim() == 2 else 0
+            if t.dim() != 2 or t.shape[0] != m or hd % 8 or n % max(hd, 1) or \
+                    (TABLE_TILE_N % hd and hd % TABLE_TILE_N):
+                return (f"cos/sin table {spec.name} of shape {tuple(t.shape)}: needs [M, hd] "
+                        f"with hd a multiple of 8 dividing N, and dividing or a multiple of "
+                        f"{TABLE_TILE_N} (the kernel's tile width)")
+            if t.dtype not in (torch.float32, torch.bfloat16) or not _aligned(t):
+                return f"cos/sin table {spec.name} is {t.dtype} or not 16-byte aligned"
             continue
         if spec.kind == Kind.SCALAR:
             if t.numel() != 1:
@@ -172,6 +191,13 @@ def select(program: EpilogueProgram, program_text: str, a, b, operands):
         return None, f"not lowerable: {e}"
 
 
+@functools.lru_cache(maxsize=None)
+def _table_config():
+    from quack.gemm_config import GemmConfig
+    return GemmConfig(tile_m=128, tile_n=TABLE_TILE_N, pingpong=True, cluster_m=2,
+                      cluster_n=1, is_dynamic_persistent=False)
+
+
 def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
     """Launch the kernel, then the row-stage finaliser; outputs in program order."""
     prog = ks.program
@@ -197,7 +223,9 @@ def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
     key = (ks.module_name, a.dtype, tuple(t.dtype for t in operands))
     first = key not in _seen
     t0 = time.perf_counter()
-    result = module.epilogue(a, b.t(), c, out=out, store_d="D" in out, tuned=False, **kwargs)
+    config = _table_config() if any(o.kind == Kind.COS_SIN for o in prog.operands) else None
+    result = module.epilogue(a, b.t(), c, out=out, store_d="D" in out, tuned=False,
+                             config=config, **kwargs)
     if first:
         if not torch.cuda.is_current_stream_capturing():  # timing only; never in a capture
             torch.cuda.synchronize(a.device)

@@ -12,11 +12,12 @@ program and differentiates this function (see ops.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from ..codegen.program import (ACC, ELEMENTWISE, PAIRWISE, REDUCTIONS, STATEFUL,
-                               EpilogueProgram, Kind)
+from ..codegen.program import ACC, PAIRWISE, ROTARY, EpilogueProgram, Kind
 
 _DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -77,6 +78,10 @@ def eval_body(body, env: dict, cd: torch.dtype) -> None:
         elif ins.op in PAIRWISE:  # interleaved columns: gate at 2j, up at 2j + 1
             x = args[0]
             out = _UNARY[PAIRWISE[ins.op]](x[:, 0::2]) * x[:, 1::2]
+        elif ins.op == "rope_table":
+            out = rotate_pairs_by_table(*args)
+        elif ins.op in ROTARY:
+            out = rotate_pairs(*args)
         elif ins.op == "row_logsumexp":
             out = torch.logsumexp(args[0], dim=1, keepdim=True)
         elif ins.op == "select_column":
@@ -90,9 +95,32 @@ def eval_body(body, env: dict, cd: torch.dtype) -> None:
         elif ins.op == "row_max":
             out = args[0].amax(dim=1, keepdim=True)
         else:  # validated programs never get here
-            raise AssertionError(f"op {ins.op} not in "
-                                 f"{sorted(ELEMENTWISE) + sorted(REDUCTIONS) + sorted(STATEFUL)}")
+            raise AssertionError(f"op {ins.op} not in the IR")
         env[ins.out] = out
+
+
+def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """``rope``: rotate each adjacent column pair (2j, 2j+1) of x [M, N] by
+    θ = pos[i]·f_j turns, f_j = freq[2j] + freq[2j+1] (pos [M, 1], freq [1, N]). The
+    angle is formed and reduced mod 1 in float64, as exact as the kernel's float-float
+    angle; cos and sin then enter the compute dtype. Differentiable in x (the
+    backward of a rotation is the rotation by −θ: pass −freq)."""
+    f = freq[..., 0::2].double() + freq[..., 1::2].double()
+    turns = torch.remainder(pos.double() * f, 1.0)
+    theta = turns * (2 * math.pi)
+    c, s = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
+    x1, x2 = x[:, 0::2], x[:, 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def rotate_pairs_by_table(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """``rope_table``: rotate each adjacent column pair of x [M, N] by the angle whose
+    (cos, sin) row i of the table [M, head_dim] holds at (2p, 2p+1), p = (j mod
+    head_dim) / 2: the table repeats every head_dim columns."""
+    reps = x.shape[1] // cs.shape[1]
+    c, s = cs[:, 0::2].to(x.dtype).repeat(1, reps), cs[:, 1::2].to(x.dtype).repeat(1, reps)
+    x1, x2 = x[:, 0::2], x[:, 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
 
 def problem_size(program: EpilogueProgram, a, b, operands) -> tuple[int, int]:

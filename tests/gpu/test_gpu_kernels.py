@@ -37,10 +37,31 @@ SHAPES = [(256, 512, 384), (333, 200, 264), (512, 512, 512), (8, 4096, 1024),
 PROGRAMS = [residual_rmsnorm, rowscale_bias, *NEW_PROGRAMS]
 
 
+def _rotation_operands(prog, m, n) -> dict:
+    """Positions (two sequences of m/2 tokens) and float-float frequencies: heads of 16
+    columns, the last 16 columns at frequency 0 (v passing through)."""
+    tables = [o.name for o in prog.operands if o.kind == Kind.COS_SIN]
+    if tables:  # head_dim 16: two sequences' angles
+        th = (torch.arange(m, device=DEV) % max(m // 2, 1)).float()[:, None] * \
+            (1.0 / (10000.0 ** (torch.arange(0, 16, 2, device=DEV).float() / 16)))
+        return {tables[0]: torch.stack((th.cos(), th.sin()), -1).flatten(1).contiguous()}
+    angles = [a for i in prog.body if i.op == "rope" for a in i.args[1:]]
+    if not angles:
+        return {}
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, device=DEV).float() / 16))
+    freq = ops.rope_frequencies(inv, ((0, n - 16, (n - 16) // 16, 16, 16), (n - 16, n, 0, 0, 0)))
+    pos = (torch.arange(m, device=DEV) % max(m // 2, 1)).float() * 37
+    return {angles[0]: pos, angles[1]: freq}
+
+
 def _operands(prog, m, n, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     out = []
+    rotation = _rotation_operands(prog, m, n)
     for spec in prog.operands:
+        if spec.name in rotation:
+            out.append(rotation[spec.name])
+            continue
         if spec.name in prog.index_operands:  # a column index, some out of range
             idx = torch.randint(0, n, (m,), generator=g, device=DEV)
             idx[::7] = -100
@@ -104,8 +125,9 @@ def test_kernel_matches_reference_and_float64(make, shape):
 @pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 528), (512, 512, 1024)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_pair_and_stateful_kernels(make, shape):
-    """Gated pairs (half-width output; N even) and the online-LSE / column-select sinks
-    (an integer index operand, some rows out of range)."""
+    """Gated pairs (half-width output; N even), rotations (full width, frequency 0 on
+    the last columns) and the online-LSE / column-select sinks (an integer index
+    operand, some rows out of range)."""
     m, k, n = shape
     _check_kernel(make(), m, k, n, seed=m + n)
 
@@ -163,11 +185,43 @@ def test_small_llama_bf16_on_gpu(via):
             torch.compile(model, backend="coda")
 
     before = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel")
+    rope_before = _kernel_calls("rowscale_rope#")
     res = low_precision_errors(_llama, (ids,), rewrite, seeds=(0, 1, 2), device=DEV)
     kernels = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel") - before
+    # per layer: o_proj + norm, q/k/v + RoPE, gate/up + SwiGLU, down + norm; lm_head
     assert kernels >= 3 * (4 * 2 + 1), ops.runtime_summary()  # the fused GEMMs ran
+    assert _kernel_calls("rowscale_rope#") - rope_before >= 3 * 2, ops.runtime_summary()
     print(f"{via}: {res}")
     assert res["ok"], res
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_rope_bf16_with_cache_on_gpu(family):
+    """Biased q/k/v (Qwen2) and the packed qkv (Phi-3) through the rotation kernels, with
+    the key cache returned (eager's order restored on that edge): logits and cache
+    against a float64 copy, no worse than eager."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    before = _kernel_calls("rowscale_rope#")
+    errs = {"eager": [], "new": []}
+    for seed in range(3):
+        torch._dynamo.reset()
+        base = hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512).eval()
+        ref = copy.deepcopy(base).to(DEV, torch.float64)
+        eager = copy.deepcopy(base).to(DEV, torch.bfloat16)
+        fast = coda_rewrite.optimize(copy.deepcopy(base).to(DEV, torch.bfloat16))
+        with torch.no_grad():
+            outs = [m(ids, use_cache=True) for m in (ref, eager, fast)]
+
+        def flat(o):
+            return torch.cat([o.logits.double().flatten()] + [
+                layer.keys.double().flatten() for layer in o.past_key_values.layers])
+
+        for key, o in (("eager", outs[1]), ("new", outs[2])):
+            errs[key].append(rel_err(flat(o), flat(outs[0])))
+    assert _kernel_calls("rowscale_rope#") - before >= 3 * 2, ops.runtime_summary()
+    ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
+    print(f"{family} logits + key cache: {errs} ratio {ratio:.3f}")
+    assert ratio <= 1.25
 
 
 @pytest.mark.parametrize("family,op", [("gemma", "geglu"), ("phi3", "swiglu")])
@@ -212,6 +266,7 @@ def test_small_llama_bf16_training_on_gpu(materialize):
         for key, m, loss in (("eager", eager, losses[1]), ("new", model, losses[2])):
             errs[key].append(rel_err(flat(m), want) + abs(float(loss) - float(losses[0])))
     assert _kernel_calls("rowscale_swiglu#") > 0, ops.runtime_summary()
+    assert _kernel_calls("rowscale_rope#") > 0, ops.runtime_summary()
     assert _kernel_calls("rowscale_lse_target#") - before >= 3, ops.runtime_summary()
     ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
     print(f"loss + grads (logits written: {materialize}): {errs} ratio {ratio:.3f}")
@@ -257,6 +312,6 @@ def test_backend_dynamic_shapes_on_gpu():
     # Seen on the H200 (2026-11-29): dynamo compiled this twice (seq 96, then 160) even
     # with dynamic=True, where the CPU run compiles once; every graph is fully rewritten.
     graphs = backend.report.graphs
-    assert 1 <= len(graphs) <= 2 and backend.report.count() == 5 * len(graphs)
+    assert 1 <= len(graphs) <= 2 and backend.report.count() == 7 * len(graphs)
     kernels = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel")
     assert kernels > 0

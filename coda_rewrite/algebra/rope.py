@@ -1,0 +1,399 @@
+"""Legality of a RoPE rewrite: the interleave identity, the escape analysis of the
+permuted q and k, the side conditions, and a float64 replay of the matched rotation.
+
+The identities (statements.py): π(rope_half(x)) = rope_pairs(π(x)) for the per-head
+interleave π; (Q·P)(K·P)ᵀ = Q·Kᵀ when q and k carry the same permutation; frequency 0
+passes a pair through (v in the same GEMM); R(−θ) undoes R(θ) (the backward).
+
+Escape analysis. The fused GEMM leaves q and k in the permuted order. Starting from the
+rotated values, the *permuted region* grows through ops that act on the head dim as a
+whole (views and reshapes that keep it last, transposes of other dims, expand, casts,
+index ops that leave it alone, concatenation along another dim of values that are all
+in the region); where a region value meets anything else, the permutation would show:
+
+* a scaled_dot_product_attention whose query and key both come from the region sums
+  over the head dim: invariant, the permutation stays (the point of the rewrite);
+* every other edge (a returned KV cache, a concatenation with cached keys in eager
+  order, an attention that gets only one of q and k permuted, an unknown op) gets the
+  eager order back on that edge (kernels/ops.rope_unpermute, a copy of that value only).
+
+So every value outside the region is eager's, and inside it only an invariant
+contraction reads the permuted order: the rewrite is exact wherever it is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..canonical import canon, meta
+from ..capture import describe
+from ..kernels import ops
+from ..numerics import rel_err
+from ..patterns import rope as rope_pattern
+from . import statements
+from .decision import Decision, Proof, Rejection
+from .witness import _size, exact, guarded, verdict
+
+_SDPA = {torch._C._nn.scaled_dot_product_attention,
+         torch.nn.functional.scaled_dot_product_attention}
+_SHAPE = {"view", "reshape", "expand", "unsqueeze", "contiguous", "clone", "detach",
+          torch.reshape, torch.unsqueeze, torch.clone, torch.detach}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+
+
+@dataclasses.dataclass
+class Region:
+    """Where the permuted order lives, and the edges that get eager's order back."""
+    nodes: set
+    invariant: list[fx.Node]                 # attentions reading permuted q and k
+    unpermute: list[tuple[fx.Node, fx.Node]]  # (consumer, region value it reads)
+
+    def describe(self) -> str:
+        inv = ", ".join(n.name for n in self.invariant) or "none"
+        back = ", ".join(f"{v.name} → {'output' if c.op == 'output' else c.name}"
+                         for c, v in self.unpermute) or "none"
+        return f"q·k invariant at {inv}; eager order restored on {back}"
+
+
+def _last_dim_kept(node: fx.Node, src: fx.Node) -> bool:
+    """``node`` (one input ``src``) keeps src's last dim as its last dim, intact."""
+    mi, mo = meta(src), meta(node)
+    if mi is None or mo is None or mi.dim() == 0 or mo.dim() == 0 \
+            or mi.shape[-1] != mo.shape[-1]:
+        return False
+    t = node.target
+    if t in ("transpose", torch.transpose):
+        dims = [a for a in node.args[1:3]]
+        return all(isinstance(d, int) and d % mi.dim() != mi.dim() - 1 for d in dims)
+    if t in ("permute", torch.permute):
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
+            else node.args[1:]
+        return len(dims) > 0 and isinstance(dims[-1], int) and dims[-1] % mi.dim() == mi.dim() - 1
+    if t is operator.getitem:
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if Ellipsis in idx:
+            tail = idx[idx.index(Ellipsis) + 1:]
+            return all(isinstance(e, slice) and e == slice(None) for e in tail)
+        real = [e for e in idx if e is not None]
+        return len(real) < mi.dim() or (isinstance(real[-1], slice) and real[-1] == slice(None))
+    c = canon(node)
+    if c is not None and c.name == "cast":
+        return True
+    return t in _SHAPE  # same last dim size: rows of the head dim stay whole (C order)
+
+
+def _cat_in_region(node: fx.Node, region: set) -> bool | None:
+    """For a concatenation: whether it joins the region (None: not a concatenation)."""
+    if node.target not in _CAT:
+        return None
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    m = meta(node)
+    if m is None or not isinstance(dim, int) or dim % m.dim() == m.dim() - 1:
+        return False
+    live = [t for t in tensors if meta(t) is None or meta(t).numel() != 0]
+    return all(t in region for t in live)
+
+
+def _invariant_attention(u: fx.Node, region: set) -> bool:
+    """An attention whose region inputs are exactly its query and key: it reads them
+    only through q·kᵀ, a sum over the head dim."""
+    if u.target not in _SDPA:
+        return False
+    q = u.args[0] if u.args else u.kwargs.get("query")
+    k = u.args[1] if len(u.args) > 1 else u.kwargs.get("key")
+    rest = [a for i, a in enumerate(u.args) if i >= 2] + \
+        [v for name, v in u.kwargs.items() if name not in ("query", "key")]
+    nodes_in_rest: list[fx.Node] = []
+    fx.node.map_arg(rest, nodes_in_rest.append)
+    return q in region and k in region and not any(a in region for a in nodes_in_rest)
+
+
+def permuted_region(starts: list[fx.Node]) -> Region:
+    region = set(starts)
+    changed = True
+    while changed:  # grow to a fixpoint (a concatenation waits for all its inputs)
+        changed = False
+        for n in list(region):
+            for u in n.users:
+                if u in region or u.op not in ("call_function", "call_method"):
+                    continue
+                cat = _cat_in_region(u, region)
+                if cat is None:
+                    ok = len([a for a in u.all_input_nodes if a in region]) == 1 \
+                        and u.args and u.args[0] is n and _last_dim_kept(u, n)
+                else:
+                    ok = cat
+                if ok:
+                    region.add(u)
+                    changed = True
+    invariant, unpermute = [], []
+    for n in region:
+        for u in n.users:
+            if u in region:
+                continue
+            if _invariant_attention(u, region):
+                if u not in invariant:
+                    invariant.append(u)
+                continue
+            unpermute.append((u, n))
+    order = {x: i for i, x in enumerate(starts[0].graph.nodes)}
+    unpermute = sorted(set(unpermute), key=lambda e: (order[e[0]], order[e[1]]))
+    return Region(region, invariant, unpermute)
+
+
+# ---- side conditions ---------------------------------------------------------------------
+
+def _private(m) -> list[fx.Node]:
+    """Nodes only the fused GEMM may read: everything between the projections and the
+    rotated outputs."""
+    nodes = []
+    for r in m.rotated:
+        nodes += [n for n in r.nodes if n is not r.out] + list(r.split) + [r.column_node]
+    return nodes
+
+
+def side_conditions(m) -> tuple[list[str], str | None]:
+    held = []
+    shapes = {(r.head_dim, r.rotary_dim) for r in m.rotated}
+    if len(shapes) != 1:
+        return held, "q and k differ in head_dim or rotary_dim (one permutation for both)"
+    head_dim, rotary_dim = shapes.pop()
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        return held, f"rotary_dim {rotary_dim} is odd or exceeds head_dim {head_dim}"
+    x = meta(m.proj.x)
+    if m.form == "pairs":
+        mt = meta(m.table)
+        if mt.requires_grad:
+            return held, f"the table {describe(m.table)} requires grad"
+        if x is None or x.dim() != 3 or mt.shape[-2] != x.shape[1] or \
+                (mt.dim() == 3 and mt.shape[0] not in (1, x.shape[0])):
+            return held, "the GEMM input is not [batch, seq, hidden] matching the table"
+        held.append(f"q and k rotate adjacent pairs by the complex table {describe(m.table)}")
+    else:
+        angle = m.angle
+        n_freq = meta(angle.inv_freq).shape[1]
+        if 2 * n_freq != rotary_dim:
+            return held, (f"{n_freq} frequencies for a rotary_dim of {rotary_dim}")
+        for node in (angle.inv_freq, angle.pos):
+            if meta(node).requires_grad:
+                return held, (f"{describe(node)} requires grad (positions and frequencies "
+                              "are data)")
+        held.append(f"the angle is pos ⊗ inv_freq ({describe(angle.pos)}, "
+                    f"{describe(angle.inv_freq)}), cos/sin of cat(θ, θ)"
+                    + (f", scaled by {angle.scale:g}" if angle.scale != 1.0 else ""))
+        mp = meta(angle.pos)
+        if x is None or x.dim() != 3 or mp.shape[-1] != x.shape[1] or \
+                mp.shape[0] not in (1, x.shape[0]):
+            return held, "the GEMM input is not [batch, seq, hidden] matching the positions"
+    private = set(_private(m))
+    for r in m.rotated:
+        if r.columns[1] - r.columns[0] != r.n_heads * r.head_dim:
+            return held, f"{describe(r.column_node)} is not the {r.n_heads} heads it splits"
+    inside = private | {r.out for r in m.rotated}
+    for n in private:
+        outside = [u for u in n.users if u not in inside]
+        if outside:
+            return held, (f"{describe(n)} is also read by {describe(outside[0])}: the fused "
+                          "GEMM writes only the rotated values")
+    seg_nodes = {s.column_node for s in m.segments}
+    for proj in {s.proj.out: s.proj for s in m.segments}.values():
+        for call in (n for n in proj.nodes if n.target is ops.fused_linear):
+            if set(call.users) != {proj.out}:
+                return held, f"{describe(call)} has readers outside the fused GEMM"
+        if proj.out in seg_nodes:
+            continue
+        # a packed projection: read only through its q, k, v slices, which tile it
+        if any(u not in seg_nodes for u in proj.out.users):
+            return held, (f"the packed projection {describe(proj.out)} is read beyond its "
+                          "q, k, v slices")
+        covered = sorted(s.columns for s in m.segments if s.proj.out is proj.out)
+        if _tiling(covered, meta(proj.out).shape[-1]) is None:
+            return held, f"the slices of {describe(proj.out)} do not cover it exactly once"
+    held.append("the unrotated q and k are read only by their rotation")
+    dtypes = {meta(r.out).dtype for r in m.rotated}
+    if len(dtypes) != 1:
+        return held, "q and k are rotated into different dtypes"
+    dtype = dtypes.pop()
+    m.passthrough = [s for s in m.passthrough if meta(s.column_node).dtype == dtype]
+    return held, None
+
+
+def _tiling(cols, n):
+    """``cols`` if they tile [0, n) in order, else something else."""
+    at = 0
+    for lo, hi in cols:
+        if lo != at:
+            return None
+        at = hi
+    return cols if at == n else None
+
+
+def decide(m, witness: bool = True) -> Decision:
+    held, failed = side_conditions(m)
+    if failed:
+        return Rejection(failed, m.path)
+    if m.form == "pairs":  # already adjacent pairs: nothing is permuted
+        m.region = Region(set(), [], [])
+        rotation, facts = statements.prove_complex_rotation(), statements.prove_rotation_facts()
+        seen = guarded(_replay, m) if witness else ""
+        if isinstance(seen, Rejection):
+            return seen
+        return Proof(f"{rotation.statement};  {facts.statement}",
+                     (*rotation.assumptions, *held,
+                      "q and k keep the model's feature order (no permutation)"),
+                     (*rotation.steps, *facts.steps), seen)
+    region = permuted_region([r.out for r in m.rotated])
+    m.region = region
+    interleave = statements.prove_rope_interleave()
+    invariance = statements.prove_permutation_invariance()
+    facts = statements.prove_rotation_facts()
+    held.append(region.describe())
+    if m.passthrough:
+        held.append("v joins the GEMM with frequency 0: " + ", ".join(
+            describe(s.column_node) for s in m.passthrough))
+    seen = guarded(_replay, m) if witness else ""
+    if isinstance(seen, Rejection):
+        return seen
+    return Proof(
+        f"{interleave.statement};  {invariance.statement};  {facts.statement}",
+        (*interleave.assumptions, *held),
+        (*interleave.steps, *invariance.steps, *facts.steps,
+         "every edge out of the permuted region is an invariant q·k contraction or gets "
+         "eager's order back"),
+        seen)
+
+
+# ---- witness -----------------------------------------------------------------------------
+
+def layout(m) -> tuple:
+    """The fused GEMM's segments as kernels/ops layouts."""
+    out = []
+    for s in m.segments:
+        lo, hi = s.columns
+        if isinstance(s, rope_pattern.Rotated) and s.form == "half":
+            out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim))
+        else:
+            out.append((lo, hi, 0, 0, 0))
+    return tuple(out)
+
+
+def _replay(m) -> str | Rejection:
+    """The matched rotations on random float64 inputs (one short sequence, the model's
+    heads), eager's nodes against the fused program + un-permutation."""
+    gen = torch.Generator().manual_seed(2718)
+    seq = min(_size(meta(m.proj.x).shape[1]), 5)
+    k = min(_size(meta(m.proj.x).shape[-1]), 16)
+    x = torch.randn(1, seq, k, generator=gen, dtype=torch.float64)
+    r = torch.rand(1, seq, 1, generator=gen, dtype=torch.float64) + 0.5
+    n_freq = _size(meta(m.angle.inv_freq).shape[1]) if m.form == "half" else \
+        m.rotated[0].head_dim // 2
+    # float32-representable frequencies: the kernel's float-float split of a float32
+    # inv_freq is exact, so eager and fused see the same angles
+    inv = (torch.rand(n_freq, generator=gen, dtype=torch.float64) + 0.05).float().double()
+    pos = torch.arange(seq, dtype=torch.float64) * 7 + 3
+    weights, biases = {}, {}
+    for s in m.segments:
+        n_out = _size(meta(s.proj.out).shape[-1])
+        if s.proj.out not in weights:
+            weights[s.proj.out] = torch.randn(n_out, k, generator=gen, dtype=torch.float64)
+            biases[s.proj.out] = torch.randn(n_out, generator=gen, dtype=torch.float64) \
+                if s.proj.bias is not None else None
+
+    def columns(s):  # what eager's projection computes: (r·) x·Wᵀ (+ b)
+        y = x @ weights[s.proj.out].T
+        if s.proj.r is not None:
+            y = y * r
+        if biases[s.proj.out] is not None:
+            y = y + biases[s.proj.out]
+        return y[..., s.columns[0]:s.columns[1]]
+
+    theta = pos[None, :, None] * inv[None, None, :]          # [1, S, h]
+    scale = m.angle.scale if m.form == "half" else 1.0
+    emb = torch.cat((theta, theta), -1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
+    want = []
+    for rot in m.rotated:
+        env = {}
+        cols = columns(rot)
+        heads = cols.view(1, seq, rot.n_heads, rot.head_dim)
+        unsq = 2
+        if len(rot.split) == 2:
+            heads, unsq = heads.transpose(1, 2), 1
+        env[rot.heads] = heads
+        if rot.form == "pairs":  # the table broadcast the way the graph broadcasts it
+            shape = [1, 1, 1, 1]
+            shape[3 - unsq] = seq
+            shape[3] = rot.head_dim // 2
+            env[rot.table_view] = table.reshape(shape)
+        order = {n: i for i, n in enumerate(rot.out.graph.nodes)}
+        for node in sorted(rot.nodes, key=order.__getitem__):  # in graph order
+            if node in env:
+                continue
+            env[node] = _eval_rotation(node, env, rot, cos.unsqueeze(unsq), sin.unsqueeze(unsq))
+        out = env[rot.out]
+        want.append(out.transpose(1, 2) if unsq == 1 else out)
+
+    lay = layout(m)
+    w = ops.rope_segments(lay, *(weights[s.proj.out] for s in m.segments))
+    b = ops.rope_segments(lay, *(biases[s.proj.out] for s in m.segments)) \
+        if rope_pattern.has_bias(m) else None
+    operands = ([r] if m.proj.r is not None else []) + ([b] if b is not None else [])
+    if m.form == "pairs":
+        operands.append(ops.rope_table_rows(table, x))
+    else:
+        operands += [ops.rope_positions(pos[None, None, :], x),
+                     ops.rope_frequencies(inv.float(), lay)]
+    fused = ops.fused_linear_reference(exact(m.program.to_text()), x, w, *operands)[0]
+    err, at = 0.0, 0
+    for rot, ref in zip(m.rotated, want):
+        got = fused[..., at:at + rot.n_heads * rot.head_dim].unflatten(
+            -1, (rot.n_heads, rot.head_dim))
+        if rot.form == "half":
+            got = ops.rope_unpermute(got, rot.head_dim, rot.rotary_dim)
+        err = max(err, rel_err(got, ref))
+        at += rot.n_heads * rot.head_dim
+    for s in m.passthrough:
+        n = s.columns[1] - s.columns[0]
+        err = max(err, rel_err(fused[..., at:at + n], columns(s)))
+        at += n
+    return verdict(err, f"1 × {seq} tokens, {len(m.segments)} segments", m.path)
+
+
+def _eval_rotation(node, env, rot, cos, sin):
+    """One node of the rotation on float64 values; cos/sin tables are the given ones.
+    Casts keep float64 (the replay checks math, not roundings), and the complex form's
+    split into pairs follows the replay's shape (the graph's has the captured sizes)."""
+    if _is_cast_node(node):
+        return env[node.args[0]]
+    if node.target in ("view", "reshape", torch.reshape) and rot.form == "pairs" \
+            and node.args[0] in env:
+        x = env[node.args[0]]
+        return x.reshape(*x.shape[:-1], -1, 2)
+    def arg(a):
+        if isinstance(a, fx.Node):
+            if a in env:
+                return env[a]
+            if a.target in ("unsqueeze", torch.unsqueeze):
+                return cos if _is_cos_side(a, rot) else sin
+            raise ValueError(f"{a.name} outside the rotation")
+        return a
+    args = fx.node.map_arg(node.args, arg)
+    kwargs = fx.node.map_arg(node.kwargs, arg)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _is_cast_node(node) -> bool:
+    c = canon(node)
+    return c is not None and c.name == "cast"
+
+
+def _is_cos_side(unsq: fx.Node, rot) -> bool:
+    return unsq.args[0] is rot.angle.cos

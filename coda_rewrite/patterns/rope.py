@@ -1,0 +1,645 @@
+"""GEMM → RoPE: the rotation of q and k in their projection's epilogue, q/k/v in one GEMM.
+
+Hugging Face models rotate q and k after their projections with
+
+    q_embed = q·cos + rotate_half(q)·sin        rotate_half(q) = cat(−q[..., h:], q[..., :h])
+    cos, sin = cos(emb), sin(emb) (· s)         emb = cat(θ, θ),  θ[b, s, p] = pos[b, s]·f_p
+
+(s: the rope type's attention scaling), i.e. feature i of each head is rotated with
+feature i + h (h = rotary_dim / 2) by the angle pos·f_i. Eager writes q and k, reads them
+back, writes the rotated copies and reads them again for attention. The rewrite makes
+the pair adjacent by permuting each head's output features of W_q and W_k
+([x0, x_h, x1, x_h+1, ...]; pass-through features of a partial rotary stay at the end),
+runs q, k (and v, when it reads the same input) as one GEMM and rotates each column pair
+in the epilogue, with cos/sin computed there from the row's position and the column's
+frequency (QuACK's rope_posfreq form: measured faster than a cos/sin table on the H200,
+and frequency 0, an exact identity, lets v share the GEMM; see BENCHMARKS.md):
+
+    epilogue:  y = r[i]·acc[i, :] (+ b)   (· s)        r: the input norm's deferred rstd
+               out[i, 2p], out[i, 2p+1] = rotation of (y[i, 2p], y[i, 2p+1]) by pos[i]·f_p
+
+q and k then stay in the permuted order: attention scores are sums over the head dim,
+invariant when q and k carry the same permutation. Where a rotated value flows anywhere
+else (a returned KV cache, a cache concatenation with earlier keys, an attention that is
+not a q·k contraction), the rewrite puts the eager order back on that edge
+(algebra/rope.py proves which edges need it).
+
+Spellings: separate q/k/v projections (Llama, Qwen2 with biases, Mistral, Gemma) or one
+packed projection sliced into q, k, v (Phi-3); full or partial rotary (Phi-style
+``q_rot, q_pass = q[..., :rot], q[..., rot:]``); heads before or after the sequence dim
+(unsqueeze_dim 1 or 2); any rope type whose angle is pos × inv_freq (default, linear,
+llama3, NTK, YaRN's frequencies; dynamic rope recomputes inv_freq in the graph, which
+the rewrite reads).
+
+The complex form (TorchTitan: ``view_as_real(view_as_complex(q.float().reshape(..., -1,
+2)) * freqs_cis).flatten(3).type_as(q)``) already rotates adjacent pairs: no permutation,
+q and k in one GEMM whose epilogue reads (cos, sin) from the model's own table (QuACK's
+rotary_cos_sin_load; a table rotates every column, so v keeps its GEMM).
+
+Left with the reason: cos/sin neither an outer product of positions and frequencies in
+the graph nor a complex table (a graph break in front of them, a table indexed by
+arbitrary positions), q or k read before the rotation, differently rotated q and k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import patterns
+from ..canonical import canon, meta
+from ..capture import describe, model_path
+from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
+from ..kernels.reference import dtype_name
+from .gated_mlp import Projection, projection_of, same_value
+
+NAME = "rope"
+
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_MATMUL = {torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm"}
+_COS = {torch.cos, "cos"}
+_SIN = {torch.sin, "sin"}
+_SPLIT = {"view", "reshape", torch.reshape}
+_TRANSPOSE = {"transpose", torch.transpose}
+
+
+@dataclasses.dataclass(frozen=True)
+class Angle:
+    """cos/sin of emb = cat(θ, θ) with θ = (inv_freq ⊗ pos)ᵀ, as the graph computes them."""
+    emb: fx.Node
+    inv_freq: fx.Node        # [1, h, 1] (a batch-independent frequency column)
+    pos: fx.Node             # [Bp, 1, S] float positions
+    scale: float             # the rope type's attention scaling (cos·s, sin·s)
+    cos: fx.Node             # the [Bp, S, r] tables the rotation reads
+    sin: fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotated:
+    """One rotated projection (q or k): out = rope(split(GEMM columns [lo, hi)))."""
+    out: fx.Node             # the rotated heads eager writes (q_embed)
+    heads: fx.Node           # the head-split projection it rotates (query_states)
+    split: tuple[fx.Node, ...]   # view (/transpose) from the projection's columns to heads
+    proj: Projection
+    columns: tuple[int, int]
+    column_node: fx.Node     # the [.., hi - lo] value: the projection, or its slice
+    n_heads: int
+    head_dim: int
+    rotary_dim: int
+    angle: Angle | None      # "half": cos/sin of pos ⊗ inv_freq
+    nodes: tuple[fx.Node, ...]   # the rotation's own nodes (erased once dead)
+    form: str = "half"       # "half" (rotate_half) | "pairs" (complex, adjacent pairs)
+    table: fx.Node | None = None     # "pairs": the complex table [(Bt,) S, hd/2]
+    table_view: fx.Node | None = None  # "pairs": the table broadcast against the heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Passthrough:
+    """A projection (or packed slice) that joins the GEMM unrotated: v."""
+    proj: Projection
+    columns: tuple[int, int]
+    column_node: fx.Node
+
+
+@dataclasses.dataclass
+class Match:
+    rotated: list[Rotated]         # q and k, in graph order
+    passthrough: list[Passthrough]  # v, when it reads the same input (frequency 0)
+    program: EpilogueProgram | None = None
+    region: object = None          # algebra/rope.Region, once decided
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.rotated[0].out)
+
+    @property
+    def proj(self) -> Projection:
+        return self.rotated[0].proj
+
+    @property
+    def angle(self) -> Angle | None:
+        return self.rotated[0].angle
+
+    @property
+    def form(self) -> str:
+        return self.rotated[0].form
+
+    @property
+    def table(self) -> fx.Node | None:
+        return self.rotated[0].table
+
+    @property
+    def segments(self) -> list[Rotated | Passthrough]:
+        """The fused GEMM's output columns, in order: rotated q, k, then v."""
+        return [*self.rotated, *self.passthrough]
+
+
+class NoMatch(patterns.NoMatch):
+    pattern = NAME
+
+
+# ---- small graph helpers ----------------------------------------------------------------
+
+def _args(node: fx.Node, *names, defaults=()):
+    """Positional-or-keyword arguments of a call, by name."""
+    vals = list(node.args) + [None] * len(names)
+    out = []
+    for i, n in enumerate(names):
+        v = node.kwargs.get(n, vals[i] if i < len(node.args) else None)
+        if v is None and i < len(defaults):
+            v = defaults[i]
+        out.append(v)
+    return out
+
+
+def _is(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") \
+        and node.target in targets
+
+
+def _last_dim_slice(node) -> tuple[fx.Node, int | None, int | None] | None:
+    """(x, start, stop) for ``x[..., start:stop]`` (step 1), else None."""
+    if not (_is(node, {operator.getitem}) and isinstance(node.args[0], fx.Node)):
+        return None
+    idx = node.args[1]
+    if not (isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis
+            and isinstance(idx[1], slice) and idx[1].step in (None, 1)):
+        return None
+    return node.args[0], idx[1].start, idx[1].stop
+
+
+def _norm_slice(start, stop, n) -> tuple[int, int] | None:
+    if not all(isinstance(v, (int, type(None))) for v in (start, stop)):
+        return None
+    a = 0 if start is None else (start + n if start < 0 else start)
+    b = n if stop is None else (stop + n if stop < 0 else min(stop, n))
+    return (a, b) if 0 <= a <= b <= n else None
+
+
+def _cat_last(node) -> list | None:
+    """The inputs of a concatenation along the last dim."""
+    if not _is(node, _CAT):
+        return None
+    tensors, dim = _args(node, "tensors", "dim", defaults=(None, 0))
+    m = meta(node)
+    if m is None or not isinstance(tensors, (list, tuple)) or dim not in (-1, m.dim() - 1):
+        return None
+    return list(tensors)
+
+
+def _strip(node, ok) -> tuple[fx.Node, list[fx.Node]]:
+    """Walk up through nodes ``ok`` accepts (a cast, a scalar scale); the path walked."""
+    path = []
+    while isinstance(node, fx.Node) and ok(node):
+        path.append(node)
+        node = node.args[0]
+    return node, path
+
+
+def _is_cast(node) -> bool:
+    c = canon(node) if isinstance(node, fx.Node) else None
+    return c is not None and c.name == "cast"
+
+
+# ---- the angle: cos/sin of cat(θ, θ), θ an outer product of positions and frequencies ----
+
+def _scalar_scale(node) -> float | None:
+    c = canon(node) if isinstance(node, fx.Node) else None
+    if c is None or c.name != "mul":
+        return None
+    a, b = c.args
+    for t, s in ((a, b), (b, a)):
+        if isinstance(t, fx.Node) and isinstance(s, (int, float)):
+            return float(s)
+    return None
+
+
+def _table(node) -> tuple[fx.Node, fx.Node, float] | str:
+    """(emb, the cos/sin node, scale) of a cos or sin table [Bp, S, r] (casts and one
+    scalar scale allowed on the way), or why not."""
+    scale = 1.0
+    node, _ = _strip(node, _is_cast)
+    s = _scalar_scale(node)
+    if s is not None:
+        c = canon(node)
+        node = next(a for a in c.args if isinstance(a, fx.Node))
+        scale = s
+    node, _ = _strip(node, _is_cast)
+    if isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr"):
+        return (f"cos/sin {describe(node)} come from outside this graph (a graph break, or "
+                "a precomputed table): the epilogue needs their positions and frequencies")
+    if not (_is(node, _COS) or _is(node, _SIN)):
+        return f"{describe(node)} is not cos/sin of an angle table"
+    return node.args[0], node, scale
+
+
+def _outer(theta) -> tuple[fx.Node, fx.Node] | None:
+    """(inv_freq [1, h, 1], pos [Bp, 1, S]) for θ = (inv_freq @ pos).transpose(1, 2)."""
+    if not _is(theta, _TRANSPOSE):
+        return None
+    x, d0, d1 = _args(theta, "input", "dim0", "dim1")
+    if sorted((d0 % 3, d1 % 3)) != [1, 2] or not _is(x, _MATMUL):
+        return None
+    a, p = x.args[:2]
+    ma, mp = meta(a), meta(p)
+    if ma is None or mp is None or ma.dim() != 3 or mp.dim() != 3 \
+            or ma.shape[2] != 1 or mp.shape[1] != 1:
+        return None
+    # frequencies must not vary with the batch: a [1, h, 1] value, possibly expanded
+    while meta(a).shape[0] != 1 and (_is_cast(a) or (_is(a, {"expand"}))):
+        a = a.args[0]
+    if meta(a) is None or meta(a).dim() != 3 or meta(a).shape[0] != 1:
+        return None
+    if not (ma.is_floating_point() and mp.is_floating_point()):
+        return None
+    return a, p
+
+
+def angle_of(cos_t, sin_t) -> Angle | str:
+    c, s = _table(cos_t), _table(sin_t)
+    for t in (c, s):
+        if isinstance(t, str):
+            return t
+    (emb_c, cnode, sc_c), (emb_s, snode, sc_s) = c, s
+    if not (_is(cnode, _COS) and _is(snode, _SIN)):
+        return "the cos and sin tables are swapped or not cos/sin"
+    if emb_c is not emb_s:
+        return "cos and sin are taken of different angle tables"
+    if sc_c != sc_s:
+        return "cos and sin carry different scales"
+    halves = _cat_last(emb_c)
+    if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
+        return (f"the angle table {describe(emb_c)} is not cat(θ, θ) (the pairing of feature "
+                "i with i + rotary_dim/2 needs both halves to share one angle)")
+    outer = _outer(halves[0])
+    if outer is None:
+        return (f"the angles {describe(halves[0])} are not an outer product of positions and "
+                "frequencies in this graph (a precomputed table): the epilogue computes "
+                "cos/sin from the row's position and the column's frequency")
+    return Angle(emb_c, outer[0], outer[1], sc_c, cos_t, sin_t)
+
+
+# ---- the rotation: q·cos + rotate_half(q)·sin ----------------------------------------------
+
+def _half_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
+    """(x, 0 or 1, nodes) for the low or high half of x's last dim: ``x[..., :h]`` /
+    ``x[..., h:]`` or ``x.chunk(2, dim=-1)[0]`` / ``[1]``."""
+    sl = _last_dim_slice(node)
+    if sl is not None:
+        x = sl[0]
+        if meta(x) is None or int(meta(x).shape[-1]) % 2:
+            return None
+        n = int(meta(x).shape[-1])
+        which = {(0, n // 2): 0, (n // 2, n): 1}.get(_norm_slice(sl[1], sl[2], n))
+        return (x, which, (node,)) if which is not None else None
+    if _is(node, {operator.getitem}) and _is(node.args[0], {torch.chunk, "chunk"}) \
+            and node.args[1] in (0, 1):
+        ch = node.args[0]
+        x, chunks, dim = _args(ch, "input", "chunks", "dim", defaults=(None, None, 0))
+        mx = meta(x)
+        if chunks == 2 and mx is not None and dim in (-1, mx.dim() - 1) \
+                and int(mx.shape[-1]) % 2 == 0:
+            return x, node.args[1], (node, ch)
+    return None
+
+
+def _rotate_half_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """(x, its nodes) for ``cat(-x_hi, x_lo, dim=-1)``: the halves of x's last dim
+    swapped, the high one negated (Hugging Face's rotate_half)."""
+    parts = _cat_last(node)
+    if parts is None or len(parts) != 2:
+        return None
+    neg, lo = parts
+    c = canon(neg) if isinstance(neg, fx.Node) else None
+    if c is None or c.name != "neg" or not isinstance(lo, fx.Node):
+        return None
+    hi, low = _half_of(c.args[0]), _half_of(lo)
+    if hi is None or low is None or hi[0] is not low[0] or (hi[1], low[1]) != (1, 0):
+        return None
+    return hi[0], (node, neg, *hi[2], *low[2])
+
+
+def _unsqueezed(node) -> tuple[fx.Node, int] | None:
+    """(x, dim) for ``x.unsqueeze(dim)`` or ``x[:, None]``-style indexing."""
+    if _is(node, {operator.getitem}):
+        x, idx = node.args
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        nones = [i for i, e in enumerate(idx) if e is None]
+        if len(nones) == 1 and isinstance(x, fx.Node) and \
+                all(e is None or e == slice(None) for e in idx):
+            return x, nones[0]
+        return None
+    if not _is(node, {"unsqueeze", torch.unsqueeze}):
+        return None
+    x, dim = _args(node, "input", "dim")
+    return (x, dim) if isinstance(x, fx.Node) and isinstance(dim, int) else None
+
+
+def _rope_core(add: fx.Node):
+    """(x, cos table, sin table, unsqueeze dim, the rotation's own nodes) for
+    x·C + rotate_half(x)·S, C and S the tables unsqueezed at the head axis."""
+    c = canon(add)
+    if c is None or c.name != "add" or not all(isinstance(a, fx.Node) for a in c.args):
+        return None
+    for m1, m2 in (c.args, c.args[::-1]):
+        c1, c2 = canon(m1), canon(m2)
+        if c1 is None or c2 is None or c1.name != "mul" or c2.name != "mul":
+            continue
+        for rot, s_t in (c2.args, c2.args[::-1]):
+            rh = _rotate_half_of(rot)
+            if rh is None:
+                continue
+            x, rot_nodes = rh
+            for x1, c_t in (c1.args, c1.args[::-1]):
+                if x1 is not x:
+                    continue
+                cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
+                if cu is None or su is None or cu[1] != su[1]:
+                    return "cos/sin are not [batch, seq, rotary_dim] tables broadcast over the heads"
+                return x, cu[0], su[0], cu[1], (m1, m2, *rot_nodes, add)
+    return None
+
+
+def _head_split(heads: fx.Node, unsq_dim: int):
+    """(column value [B, S, H·d], split nodes, H, d) for heads = view(P, (B, S, H, d))
+    [.transpose(1, 2)], where the cos/sin unsqueeze dim is the head axis."""
+    mh = meta(heads)
+    if mh is None or mh.dim() != 4:
+        return None
+    split = []
+    node = heads
+    if _is(node, _TRANSPOSE):
+        _, d0, d1 = _args(node, "input", "dim0", "dim1")
+        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
+            return None
+        split.append(node)
+        node = node.args[0]
+    elif unsq_dim % 4 != 2:
+        return None
+    if not _is(node, _SPLIT) and not _is(node, {"unflatten"}):
+        return None
+    split.append(node)
+    src = node.args[0]
+    ms, mv = meta(src), meta(node)
+    if ms is None or mv is None or ms.dim() != 3 or tuple(ms.shape[:2]) != tuple(mv.shape[:2]) \
+            or ms.shape[2] != mv.shape[2] * mv.shape[3]:
+        return None
+    return src, tuple(split), int(mv.shape[2]), int(mv.shape[3])
+
+
+def _columns(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
+    """The GEMM that produces ``value`` and which of its output columns it is."""
+    p = projection_of(value)
+    if p is not None:
+        return p, (0, int(meta(value).shape[-1]))
+    sl = _last_dim_slice(value)
+    if sl is None:
+        return None
+    p = projection_of(sl[0])
+    if p is None or meta(sl[0]) is None:
+        return None
+    cols = _norm_slice(sl[1], sl[2], int(meta(sl[0]).shape[-1]))
+    if cols is None:
+        return None
+    return dataclasses.replace(p, nodes=p.nodes + (value,)), cols
+
+
+def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
+    core = _rope_core(add)
+    if core is None:
+        return None
+    if isinstance(core, str):
+        return NoMatch(add, core)
+    x, cos_t, sin_t, unsq, nodes = core
+    out, rotary_part = add, x
+    # partial rotary: out = cat([rope(q[..., :r]), q[..., r:]]) over the head dim
+    sl = _last_dim_slice(x)
+    if sl is not None:
+        heads = sl[0]
+        users = [u for u in add.users]
+        whole = int(meta(heads).shape[-1]) if meta(heads) is not None else None
+        if whole is None or _norm_slice(sl[1], sl[2], whole) != (0, int(meta(x).shape[-1])):
+            return NoMatch(add, "the rotated features are not a prefix of the head")
+        if len(users) != 1 or _cat_last(users[0]) is None:
+            return NoMatch(add, "a partial rotary whose rotated part is not concatenated "
+                                "back with the rest of the head")
+        parts = _cat_last(users[0])
+        rest = parts[1] if len(parts) == 2 and parts[0] is add else None
+        rs = _last_dim_slice(rest) if rest is not None else None
+        if rs is None or rs[0] is not heads or \
+                _norm_slice(rs[1], rs[2], whole) != (int(meta(x).shape[-1]), whole):
+            return NoMatch(add, "a partial rotary that does not keep the rest of the head")
+        out = users[0]
+        nodes = nodes + (x, rest, out)
+    else:
+        heads = x
+    split = _head_split(heads, unsq)
+    if split is None:
+        return NoMatch(add, f"the rotated value {describe(heads)} is not the head-split "
+                            "output of a projection")
+    col_value, split_nodes, n_heads, head_dim = split
+    cols = _columns(col_value)
+    if cols is None:
+        return None  # rotating something that no GEMM produced here: not this pattern
+    proj, columns = cols
+    angle = angle_of(cos_t, sin_t)
+    if isinstance(angle, str):
+        return NoMatch(add, angle)
+    mc = meta(angle.cos)
+    rotary_dim = int(meta(rotary_part).shape[-1])
+    if mc is None or mc.dim() != 3 or int(mc.shape[-1]) != rotary_dim:
+        return NoMatch(add, "cos/sin are not [batch, seq, rotary_dim] tables")
+    return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
+                   rotary_dim, angle, nodes)
+
+
+# ---- the complex form: view_as_real(view_as_complex(q) · table) (TorchTitan) ------------------
+
+def _unit_dims_of(node) -> fx.Node | None:
+    """The value under views that only add or drop unit dims (a table broadcast for a
+    product: ``t[None, :, None, :]``, ``t.view(1, S, 1, d)``, ``t.unsqueeze(k)``)."""
+    while isinstance(node, fx.Node) and (_is(node, _SPLIT | {operator.getitem, "unsqueeze",
+                                                             torch.unsqueeze, "contiguous"})):
+        src = node.args[0]
+        ms, mn = meta(src), meta(node)
+        if ms is None or mn is None or ms.numel() != mn.numel() or \
+                [d for d in ms.shape if d != 1] != [d for d in mn.shape if d != 1]:
+            break
+        if node.target is operator.getitem:
+            idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if not all(e is None or e == slice(None) for e in idx):
+                break
+        node = src
+    return node
+
+
+def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
+    if not _is(vr, {torch.view_as_real}):
+        return None
+    c = canon(vr.args[0]) if isinstance(vr.args[0], fx.Node) else None
+    if c is None or c.name != "mul":
+        return None
+    for xc, rot in (c.args, c.args[::-1]):
+        if not (_is(xc, {torch.view_as_complex}) and isinstance(rot, fx.Node)):
+            continue
+        pairs = xc.args[0]
+        if not _is(pairs, _SPLIT):
+            continue
+        heads, casts = _strip(pairs.args[0], _is_cast)
+        mh, mp = meta(heads), meta(pairs)
+        if mh is None or mp is None or mh.dim() != 4 or \
+                tuple(mp.shape) != (*mh.shape[:-1], mh.shape[-1] // 2, 2):
+            continue
+        table = _unit_dims_of(rot)
+        mt, mr = meta(table), meta(rot)
+        if mt is None or not mt.is_complex() or mr.dim() != 4:
+            return NoMatch(vr, "the complex rotation's factor is not a table broadcast over "
+                               "the heads")
+        users = list(vr.users)
+        flat = users[0] if len(users) == 1 else None
+        if flat is None or not _is(flat, {"flatten", torch.flatten}) or \
+                tuple(meta(flat).shape) != tuple(mh.shape):
+            return NoMatch(vr, "the rotated pairs are not flattened back to the head dim")
+        out, after = flat, []
+        while len(out.users) == 1 and _is_cast(next(iter(out.users))):
+            out = next(iter(out.users))
+            after.append(out)
+        # the head axis is where the table has a unit dim and the heads do not
+        for axis in (2, 1):
+            split = _head_split(heads, axis)
+            if split is not None and mr.shape[axis] == 1:
+                break
+        else:
+            return NoMatch(vr, f"the rotated value {describe(heads)} is not the head-split "
+                               "output of a projection")
+        col_value, split_nodes, n_heads, head_dim = split
+        seq_axis = 1 if axis == 2 else 2
+        if mr.shape[seq_axis] != mh.shape[seq_axis] or mr.shape[-1] != head_dim // 2 or \
+                mt.shape[-2] != mh.shape[seq_axis] or mt.dim() not in (2, 3) or \
+                (mt.dim() == 3 and mt.shape[0] not in (1, mh.shape[0])):
+            return NoMatch(vr, "the table's rows are not the sequence positions of the heads")
+        cols = _columns(col_value)
+        if cols is None:
+            return None
+        proj, columns = cols
+        nodes = (*casts, pairs, xc, vr.args[0], vr, flat, *after)
+        return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
+                       head_dim, None, nodes, form="pairs", table=table, table_view=rot)
+    return None
+
+
+# ---- grouping: q and k (and v) over one input ---------------------------------------------
+
+def same_computation(a, b, depth: int = 4) -> bool:
+    """Two nodes known to hold the same value: the same node, or the same pure call on
+    arguments that are (the plain Llama rebuilds view_as_complex(table) per use)."""
+    if a is b:
+        return True
+    if depth == 0 or not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
+    if a.op != b.op or a.op not in ("call_function", "call_method") or a.target != b.target \
+            or a.is_impure() or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
+    return all(same_computation(x, y, depth - 1) for x, y in zip(a.args, b.args))
+
+
+def _same_input(a: Projection, b: Projection) -> bool:
+    return same_value(a.x, b.x) and (a.r is None) == (b.r is None) and \
+        (a.r is None or same_value(a.r, b.r))
+
+
+def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passthrough]:
+    """Other GEMM outputs over the same input (and row scale): v, or the rest of a
+    packed projection. They join the GEMM with frequency 0."""
+    p0 = group[0].proj
+    taken = {(r.proj.out, r.columns) for r in group}
+    out = []
+    packed = {r.proj.out for r in group}
+    for node in graph.nodes:
+        if meta(node) is None:
+            continue
+        found = _columns(node)
+        if found is None:
+            continue
+        proj, cols = found
+        if (proj.out, cols) in taken or not _same_input(proj, p0):
+            continue
+        if proj.out is node and proj.out in packed:
+            continue  # the packed projection itself, not one of its slices
+        if node is not proj.out and proj.out not in packed:
+            continue  # a slice of another projection: leave it to that projection
+        if any(o.column_node is node for o in out):
+            continue
+        out.append(Passthrough(proj, cols, node))
+    return out
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    found: list[Rotated] = []
+    out: list[Match | NoMatch] = []
+    for node in list(graph.nodes):
+        r = _rotated(node)
+        if r is None:
+            r = _complex_rotated(node)
+        if isinstance(r, NoMatch):
+            out.append(r)
+        elif r is not None:
+            found.append(r)
+    groups: list[list[Rotated]] = []
+    for r in found:
+        for g in groups:
+            same_angle = same_computation(g[0].table, r.table) if r.form == "pairs" else \
+                g[0].form == "half" and g[0].angle.emb is r.angle.emb
+            if _same_input(g[0].proj, r.proj) and same_angle:
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    for g in groups:
+        # a table rotates every column it covers: v cannot join a "pairs" GEMM
+        out.append(Match(g, _passthrough_candidates(g, graph) if g[0].form == "half" else []))
+    return out
+
+
+# ---- the program ----------------------------------------------------------------------------
+
+def rope_program(has_r: bool, has_bias: bool, scale: float, dtype: torch.dtype
+                 ) -> EpilogueProgram:
+    """y = acc (· r) (+ b) (· s); out = rope(y, pos, freq) -> out (tile)."""
+    p = ProgramBuilder("rowscale_rope" if has_r else "rope", gemm=True)
+    v = p.scaled_acc(has_r, has_bias)
+    if scale != 1.0:
+        v = p.mul(v, scale, name="y_s")
+    pos = p.operand("pos", Kind.PER_ROW)
+    freq = p.operand("freq", Kind.PER_FEATURE)
+    p.output(p.rope(v, pos, freq, name="rot"), Kind.TILE, dtype_name(dtype))
+    return p.build()
+
+
+def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype) -> EpilogueProgram:
+    """y = acc (· r) (+ b); out = rope_table(y, cs) -> out (tile)."""
+    p = ProgramBuilder("rowscale_rope_table" if has_r else "rope_table", gemm=True)
+    v = p.scaled_acc(has_r, has_bias)
+    cs = p.operand("cs", Kind.COS_SIN)
+    p.output(p.rope_table(v, cs, name="rot"), Kind.TILE, dtype_name(dtype))
+    return p.build()
+
+
+def has_bias(m: Match) -> bool:
+    return any(s.proj.bias is not None for s in m.segments)
+
+
+def build_program(m: Match, options) -> None:
+    if m.form == "pairs":
+        m.program = rope_table_program(m.proj.r is not None, has_bias(m),
+                                       meta(m.rotated[0].out).dtype)
+        return
+    if m.angle.scale != 1.0:
+        m.passthrough = []  # the scale would touch v too: v keeps its own GEMM
+    m.program = rope_program(m.proj.r is not None, has_bias(m), m.angle.scale,
+                             meta(m.rotated[0].out).dtype)

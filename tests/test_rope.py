@@ -1,0 +1,324 @@
+"""RoPE in the q/k/v GEMM's epilogue: match counts on real models, outputs and gradients
+against eager, KV caches and decoding with past_key_values, the rope types' frequencies,
+the escape analysis (where eager's order is put back), near misses, the layouts, and the
+specialised backward against the general one."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import coda_rewrite
+from coda_rewrite.codegen.program import Kind
+from coda_rewrite.kernels import backward, ops, reference
+from coda_rewrite.numerics import rel_err
+from coda_rewrite.patterns.rope import rope_program, rope_table_program
+
+from conftest import build, grads_match, hf_model, loss_of, tokens
+
+HF = ("llama", "qwen2", "mistral", "gemma", "phi3")
+
+
+def rope_records(report, status="rewritten"):
+    return [r for r in report.records if r.pattern == "rope" and r.status == status]
+
+
+def unpermuted(report):
+    return [m for r in rope_records(report) for m in r.materialised]
+
+
+@pytest.mark.parametrize("family", HF)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rotation_per_layer_with_v_in_the_same_gemm(family, dtype):
+    model = build(family, layers=2).to(dtype).eval()
+    report = coda_rewrite.explain(model, tokens(), use_cache=False)
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
+    for r in done:
+        assert r.programs[0].name == "rowscale_rope", str(report)  # the input norm's rstd
+        assert len(r.consumers) == 3 and "frequency 0" in r.consumers[2], r.consumers
+        text = r.decision.render()
+        assert "PROVED" in text and "witness replay in float64" in text, text
+        assert "q·k invariant at scaled_dot_product_attention" in text, text
+    assert unpermuted(report) == []  # no cache returned: the permutation never shows
+
+
+@pytest.mark.parametrize("family", HF)
+def test_float32_outputs_and_gradients_match_eager(family):
+    model = build(family, layers=2).train()
+    ref_model = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    loss, ref_loss = loss_of(fast, family, ids), loss_of(ref_model, family, ids)
+    assert len(rope_records(fast.report)) == 2, str(fast.report)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    grads_match(model, ref_model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_returned_key_cache_is_eager_order(family):
+    """use_cache=True returns the keys: the rewrite puts eager's order back on that edge
+    only (attention still reads the permuted q and k)."""
+    model = build(family, layers=2).eval()
+    ids = tokens(seq=8)
+    with torch.no_grad():
+        want = model(ids, use_cache=True)
+        fast = coda_rewrite.optimize(model)
+        got = fast(ids, use_cache=True)
+    assert len(rope_records(fast.report)) == 2, str(fast.report)
+    assert len(unpermuted(fast.report)) == 2, str(fast.report)  # one key cache per layer
+    assert all("graph output" in m for m in unpermuted(fast.report))
+    assert rel_err(got.logits, want.logits) <= 1e-5
+    for layer in range(2):
+        for kind in ("keys", "values"):
+            a = getattr(got.past_key_values.layers[layer], kind)
+            b = getattr(want.past_key_values.layers[layer], kind)
+            assert rel_err(a, b) <= 1e-5, (layer, kind, rel_err(a, b))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoding_with_past_key_values_matches_eager(family):
+    """Prefill, then token-by-token decode with the cache and position offsets; the
+    concatenation with cached (eager-order) keys gets eager's order back."""
+    model = build(family, layers=2).eval()
+    ids = tokens(seq=12)
+    fast = coda_rewrite.optimize(model, dynamic=False)
+    with torch.no_grad():
+        ref = model(ids[:, :6], use_cache=True)
+        out = fast(ids[:, :6], use_cache=True)
+        assert rel_err(out.logits, ref.logits) <= 1e-5
+        past_ref, past = ref.past_key_values, out.past_key_values
+        for t in range(6, 9):
+            ref = model(ids[:, t:t + 1], past_key_values=past_ref, use_cache=True)
+            out = fast(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            assert rel_err(out.logits, ref.logits) <= 1e-5, t
+            past_ref, past = ref.past_key_values, out.past_key_values
+        for layer in range(2):
+            assert rel_err(past.layers[layer].keys, past_ref.layers[layer].keys) <= 1e-5
+    decode = [g for g in fast.report.graphs if any(
+        "output" not in m for r in rope_records(g) for m in r.materialised)]
+    assert decode, str(fast.report)  # some graph un-permuted q and k before the cache cat
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+])
+def test_rope_types_give_eager_frequencies(rope_scaling):
+    kw = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
+    model = hf_model("llama", layers=1, max_position_embeddings=32, **kw).eval()
+    ids = tokens(seq=48)  # past the original context: dynamic and llama3 differ there
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        fast = coda_rewrite.optimize(model)
+        got = fast(ids, use_cache=False).logits
+    assert len(rope_records(fast.report)) == 1, str(fast.report)
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_dynamic_rope_graph_break_is_reported():
+    """Dynamic NTK rope updates inv_freq data-dependently: dynamo breaks the graph there,
+    so the layers receive cos/sin as inputs. Left as is, with the reason; still right."""
+    model = hf_model("llama", layers=1, max_position_embeddings=32,
+                     rope_scaling={"rope_type": "dynamic", "factor": 2.0}).eval()
+    ids = tokens(seq=48)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        fast = coda_rewrite.optimize(model)
+        got = fast(ids, use_cache=False).logits
+    missed = [r for r in fast.report.records if r.pattern == "rope"]
+    assert missed and all(r.status != "rewritten" for r in missed), str(fast.report)
+    assert all("outside this graph" in r.reason for r in missed), str(fast.report)
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_yarn_attention_scaling_keeps_v_out():
+    model = hf_model("llama", layers=1, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}).eval()
+    ids = tokens(seq=24)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        fast = coda_rewrite.optimize(model)
+        got = fast(ids, use_cache=False).logits
+    (r,) = rope_records(fast.report)
+    assert "scaled by" in r.decision.render()
+    assert len(r.consumers) == 2  # the scale would touch v: v keeps its own GEMM
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_partial_rotary_phi():
+    model = hf_model("phi3", layers=2, partial_rotary_factor=0.5).eval()
+    ids = tokens()
+    with torch.no_grad():
+        want = model(ids, use_cache=True)
+        fast = coda_rewrite.optimize(model)
+        got = fast(ids, use_cache=True)
+    assert len(rope_records(fast.report)) == 2, str(fast.report)
+    assert rel_err(got.logits, want.logits) <= 1e-5
+    assert rel_err(got.past_key_values.layers[1].keys, want.past_key_values.layers[1].keys) \
+        <= 1e-5
+
+
+def test_bfloat16_no_worse_than_eager():
+    ids = tokens(seq=32)
+    ratios = []
+    for seed in range(3):
+        model = build("llama", layers=2, seed=seed).to(torch.bfloat16).eval()
+        exact = copy.deepcopy(model).double()
+        with torch.no_grad():
+            ref = exact(ids, use_cache=False).logits
+            eager = model(ids, use_cache=False).logits
+            fast = coda_rewrite.optimize(model)
+            got = fast(ids, use_cache=False).logits
+        assert len(rope_records(fast.report)) == 2
+        ratios.append(rel_err(got, ref) / rel_err(eager, ref))
+    assert sorted(ratios)[1] <= 1.25, ratios
+
+
+def test_q_read_before_rotation_is_left_alone():
+    """A model that also returns the unrotated q: the fused GEMM would not write it."""
+    import torch.nn as nn
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(32, 32, bias=False) for _ in range(3))
+            inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+            self.register_buffer("inv_freq", inv)
+
+        def forward(self, x, pos):
+            b, s, _ = x.shape
+            q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+            k = self.k(x).view(b, s, 4, 8).transpose(1, 2)
+            v = self.v(x).view(b, s, 4, 8).transpose(1, 2)
+            th = (self.inv_freq[None, :, None].expand(b, -1, 1)
+                  @ pos[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((th, th), -1)
+            cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+
+            def rot(t):
+                return torch.cat((-t[..., 4:], t[..., :4]), -1)
+            qe, ke = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+            o = torch.nn.functional.scaled_dot_product_attention(qe, ke, v, is_causal=True)
+            return o, q
+
+    m = Attn()
+    x, pos = torch.randn(2, 6, 32), torch.arange(6)[None].expand(2, 6)
+    report = coda_rewrite.explain(m, x, pos)
+    rej = [r for r in report.records if r.pattern == "rope"]
+    assert rej and rej[0].status != "rewritten", str(report)
+    assert "also read by" in rej[0].reason, rej[0].reason
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(m)
+        for a, b in zip(fast(x, pos), m(x, pos)):
+            assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_complex_form_rotates_in_the_epilogue_from_the_table(layers):
+    """The plain Llama (TorchTitan's view_as_complex over a precomputed table): q and k
+    in one GEMM reading (cos, sin) rows of the model's table, no permutation, v apart."""
+    model = build("plain", layers=layers).train()
+    ref_model = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    loss, ref_loss = loss_of(fast, "plain", ids), loss_of(ref_model, "plain", ids)
+    done = rope_records(fast.report)
+    assert len(done) == layers, str(fast.report)
+    for r in done:
+        assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 2, r.consumers
+        assert "no permutation" in r.decision.render() and "witness replay" in \
+            r.decision.render(), r.decision.render()
+    assert unpermuted(fast.report) == []
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    grads_match(model, ref_model)
+
+
+# ---- layouts, frequencies, kernel-level math ----------------------------------------
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(8, 8), (8, 4), (6, 6)])
+def test_interleave_and_unpermute_are_inverse(head_dim, rotary_dim):
+    w = torch.randn(3 * head_dim, 5)
+    inter = ops.rope_interleave(w, 3, head_dim, rotary_dim)
+    back = ops.rope_unpermute(inter.T.unflatten(-1, (3, head_dim)), head_dim, rotary_dim)
+    assert torch.equal(back.flatten(-2).T, w)
+    h = rotary_dim // 2
+    assert torch.equal(inter[1], w[h]) and torch.equal(inter[2], w[1])
+
+
+def test_frequencies_are_float_float_turns():
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    f = ops.rope_frequencies(inv, ((0, 256, 2, 128, 128), (256, 384, 0, 0, 0)))
+    assert f.dtype == torch.float32 and f.shape == (384,)
+    turns = f[0:128:2].double() + f[1:128:2].double()
+    assert torch.allclose(turns, inv.double() / (2 * math.pi), rtol=1e-14, atol=0)
+    assert torch.equal(f[:128], f[128:256]) and not f[256:].any()
+
+
+def test_reference_rotation_at_large_positions():
+    """The kernel forms the angle in float-float turns; the reference in float64: both
+    stay accurate where a float32 angle (eager's) loses whole radians."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    inv = torch.tensor([1.0, 0.5, 0.1, 0.01])
+    pos = torch.tensor([0.0, 1.0, 2.0 ** 20, 2.0 ** 24 - 1]).reshape(-1, 1)
+    freq = ops.rope_frequencies(inv, ((0, 8, 1, 8, 8),)).reshape(1, -1)
+    got = reference.rotate_pairs(x, pos, freq)
+
+    def rotate(th):
+        th = th.double()
+        return torch.stack((x[:, 0::2] * th.cos() - x[:, 1::2] * th.sin(),
+                            x[:, 0::2] * th.sin() + x[:, 1::2] * th.cos()), -1).flatten(-2)
+    want = rotate(pos.double() * inv.double().reshape(1, -1))
+    assert rel_err(got, want) <= 1e-7  # float64 angles of ~1e7 radians: ~1e-9 apart
+    assert (rotate(pos.float() * inv.reshape(1, -1)) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("form", ["angles", "table"])
+@pytest.mark.parametrize("has_r,has_bias,scale", [(False, False, 1.0), (True, False, 1.0),
+                                                  (True, True, 1.0), (False, True, 1.3)])
+def test_rope_backward_rule_matches_autograd(form, has_r, has_bias, scale):
+    torch.manual_seed(0)
+    if form == "table" and scale != 1.0:
+        pytest.skip("a table carries its own scale")
+    prog = rope_program(has_r, has_bias, scale, torch.float64) if form == "angles" else \
+        rope_table_program(has_r, has_bias, torch.float64)
+    assert backward._rule(prog) is not None
+    a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(16, 5, dtype=torch.float64)
+    operands = ([torch.rand(6, dtype=torch.float64) + 0.5] if has_r else []) + \
+        ([torch.randn(16, dtype=torch.float64)] if has_bias else [])
+    if form == "angles":
+        angle = [torch.arange(6).float() * 3,
+                 ops.rope_frequencies(torch.rand(4) + 0.1, ((0, 16, 2, 8, 8),))]
+    else:
+        th = torch.randn(6, 4, dtype=torch.float64)
+        angle = [torch.stack((th.cos(), th.sin()), -1).flatten(1)]  # [M, head_dim 8]
+    operands += angle
+    dout = torch.randn(6, 16, dtype=torch.float64)
+    outs = reference.run_program(prog, a, b, operands)
+    got = backward.vjp(prog, a, b, operands, outs, [dout])
+    want = backward._general_vjp(prog, a, b, operands, outs, [dout])
+    n = len(angle)
+    for g, w in zip([got[0], got[1], *got[2][:-n]], [want[0], want[1], *want[2][:-n]]):
+        assert rel_err(g, w) <= 1e-12
+    assert [o.kind for o in prog.outputs] == [Kind.TILE]
+
+
+def test_table_rotation_matches_complex_product():
+    th = torch.randn(2, 5, 4, dtype=torch.float64)          # [B, S, hd/2]
+    table = torch.polar(torch.ones_like(th[0]), th[0])       # the model's [S, hd/2]
+    x = torch.randn(2, 5, 3 * 8, dtype=torch.float64)        # 3 heads of 8
+    rows = ops.rope_table_rows(table, x)
+    assert rows.shape == (10, 8) and rows.dtype == torch.float32
+    got = reference.rotate_pairs_by_table(x.reshape(10, 24), rows.double())
+    xc = torch.view_as_complex(x.reshape(2, 5, 3, 4, 2))
+    want = torch.view_as_real(xc * table[None, :, None]).flatten(-3)
+    assert rel_err(got.reshape(2, 5, 24), want) <= 1e-6  # the table rows are float32
