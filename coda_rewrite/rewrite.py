@@ -230,6 +230,8 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
         x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
         if m.form == "half":
             angle = [graph.call_function(ops.rope_positions, (m.angle.pos, x)), freq]
+            if rope_pattern.scaled(m):
+                b.append(graph.call_function(ops.rope_column_scale, (m.angle.scale, lay, x)))
         else:
             angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
         r = [p.r] if p.r is not None else []

@@ -122,7 +122,8 @@ def test_per_block_compile(checkpointed):
     # the three blocks share one code object: dynamo may reuse one graph for all
     assert backend.report.count() == 2 * len(backend.report.graphs) >= 2
     kinds = {r.programs[0].name for r in backend.report.records if r.programs}
-    assert kinds == {"rmsnorm_rowscale", "residual_rmsnorm", "rowscale_swiglu"}
+    assert kinds == {"rmsnorm_rowscale", "residual_rmsnorm", "rowscale_swiglu",
+                     "rowscale_rope_table"}
 
 
 class _Checkpointed(torch.nn.Module):

@@ -144,13 +144,13 @@ def rope_qkv():
     """What the RoPE pattern emits for Llama's q/k/v: the input norm's rstd, then the
     rotation by θ = pos·f (frequency 0 on v's columns)."""
     from coda_rewrite.patterns.rope import rope_program
-    return rope_program(True, False, 1.0, torch.bfloat16)
+    return rope_program(True, False, False, torch.bfloat16)
 
 
 def rope_bias_scaled():
     """Qwen2-style biases and a YaRN attention scaling, no norm in front."""
     from coda_rewrite.patterns.rope import rope_program
-    return rope_program(False, True, 1.25, torch.bfloat16)
+    return rope_program(False, True, True, torch.bfloat16)
 
 
 def rope_table_qk():
@@ -229,7 +229,7 @@ def test_rotation_source_and_contract():
     assert "postact" not in src  # full width: the rotated tile is D
     assert "rotation pair" in ks.contract.render()
     scaled = generate(rope_bias_scaled()).source
-    assert "v_y_s = v_y_b * 1.25" in scaled and "unpack(v_y_s)" in scaled, scaled
+    assert "v_y_s = v_y_b * o_colscale" in scaled and "unpack(v_y_s)" in scaled, scaled
     assert "_angle_turns" not in generate(rowscale_gated()).source  # imported only for rope
     table = generate(rope_table_qk()).source
     for needle in ('"o_cs": rotary_cos_sin_load("o_cs")',

@@ -139,7 +139,7 @@ def test_dynamic_rope_graph_break_is_reported():
     assert rel_err(got, want) <= 1e-5
 
 
-def test_yarn_attention_scaling_keeps_v_out():
+def test_yarn_attention_scaling_keeps_v_in_the_gemm():
     model = hf_model("llama", layers=1, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}).eval()
     ids = tokens(seq=24)
@@ -149,8 +149,25 @@ def test_yarn_attention_scaling_keeps_v_out():
         got = fast(ids, use_cache=False).logits
     (r,) = rope_records(fast.report)
     assert "scaled by" in r.decision.render()
-    assert len(r.consumers) == 2  # the scale would touch v: v keeps its own GEMM
+    assert len(r.consumers) == 3  # the scale is per column: 1 on v's
     assert rel_err(got, want) <= 1e-5
+
+
+def test_dynamic_shapes_run_time_scaling():
+    """Under dynamic=True dynamo lifts the rotary module's attention_scaling to a graph
+    input (a run-time scalar): it becomes the per-column scale, v still joins."""
+    model = hf_model("llama", layers=2).eval()
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for seq in (12, 20):
+            ids = tokens(seq=seq)
+            assert rel_err(compiled(ids, use_cache=False).logits,
+                           model(ids, use_cache=False).logits) <= 1e-5
+    done = [r for g in backend.report.graphs for r in rope_records(g)]
+    assert len(done) == 2 * len(backend.report.graphs), str(backend.report)
+    assert all("run-time scalar" in r.decision.render() and len(r.consumers) == 3
+               for r in done)
 
 
 def test_partial_rotary_phi():
@@ -289,15 +306,17 @@ def test_rope_backward_rule_matches_autograd(form, has_r, has_bias, scale):
     torch.manual_seed(0)
     if form == "table" and scale != 1.0:
         pytest.skip("a table carries its own scale")
-    prog = rope_program(has_r, has_bias, scale, torch.float64) if form == "angles" else \
+    prog = rope_program(has_r, has_bias, scale != 1.0, torch.float64) if form == "angles" else \
         rope_table_program(has_r, has_bias, torch.float64)
     assert backward._rule(prog) is not None
     a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(16, 5, dtype=torch.float64)
     operands = ([torch.rand(6, dtype=torch.float64) + 0.5] if has_r else []) + \
         ([torch.randn(16, dtype=torch.float64)] if has_bias else [])
     if form == "angles":
-        angle = [torch.arange(6).float() * 3,
-                 ops.rope_frequencies(torch.rand(4) + 0.1, ((0, 16, 2, 8, 8),))]
+        lay = ((0, 8, 1, 8, 8), (8, 16, 0, 0, 0))
+        colscale = [ops.rope_column_scale(scale, lay, a).double()] if scale != 1.0 else []
+        angle = colscale + [torch.arange(6).float() * 3,
+                 ops.rope_frequencies(torch.rand(4) + 0.1, lay)]
     else:
         th = torch.randn(6, 4, dtype=torch.float64)
         angle = [torch.stack((th.cos(), th.sin()), -1).flatten(1)]  # [M, head_dim 8]
@@ -306,7 +325,7 @@ def test_rope_backward_rule_matches_autograd(form, has_r, has_bias, scale):
     outs = reference.run_program(prog, a, b, operands)
     got = backward.vjp(prog, a, b, operands, outs, [dout])
     want = backward._general_vjp(prog, a, b, operands, outs, [dout])
-    n = len(angle)
+    n = len(angle)  # (positions, frequencies, tables and scales get no gradient)
     for g, w in zip([got[0], got[1], *got[2][:-n]], [want[0], want[1], *want[2][:-n]]):
         assert rel_err(g, w) <= 1e-12
     assert [o.kind for o in prog.outputs] == [Kind.TILE]

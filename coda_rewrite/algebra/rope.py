@@ -185,7 +185,9 @@ def side_conditions(m) -> tuple[list[str], str | None]:
                               "are data)")
         held.append(f"the angle is pos ⊗ inv_freq ({describe(angle.pos)}, "
                     f"{describe(angle.inv_freq)}), cos/sin of cat(θ, θ)"
-                    + (f", scaled by {angle.scale:g}" if angle.scale != 1.0 else ""))
+                    + ("" if not rope_pattern.scaled(m) else ", scaled by " + (
+                        f"{angle.scale:g}" if isinstance(angle.scale, float)
+                        else f"the run-time scalar {describe(angle.scale)}")))
         mp = meta(angle.pos)
         if x is None or x.dim() != 3 or mp.shape[-1] != x.shape[1] or \
                 mp.shape[0] not in (1, x.shape[0]):
@@ -313,7 +315,8 @@ def _replay(m) -> str | Rejection:
         return y[..., s.columns[0]:s.columns[1]]
 
     theta = pos[None, :, None] * inv[None, None, :]          # [1, S, h]
-    scale = m.angle.scale if m.form == "half" else 1.0
+    scale = 1.0 if not rope_pattern.scaled(m) else \
+        m.angle.scale if isinstance(m.angle.scale, float) else 1.25  # a run-time one: any
     emb = torch.cat((theta, theta), -1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
@@ -347,6 +350,8 @@ def _replay(m) -> str | Rejection:
     if m.form == "pairs":
         operands.append(ops.rope_table_rows(table, x))
     else:
+        if rope_pattern.scaled(m):
+            operands.append(ops.rope_column_scale(scale, lay, x))
         operands += [ops.rope_positions(pos[None, None, :], x),
                      ops.rope_frequencies(inv.float(), lay)]
     fused = ops.fused_linear_reference(exact(m.program.to_text()), x, w, *operands)[0]

@@ -219,19 +219,18 @@ def _through_scaled_acc(prog, a, b, operands, dy):
 # ---- rotation (RoPE) ------------------------------------------------------------------
 
 def _rope_parts(prog: EpilogueProgram) -> tuple[str, ...]:
-    """[y = acc * r] [y_b = y + bias] [y_s = y_b * s] out = rope(y, pos, freq) or
+    """[y = acc * r] [y_b = y + bias] [y_s = y_b * colscale] out = rope(y, pos, freq) or
     rope_table(y, cs) -> out: the rotation's operand names."""
     v, i = scaled_acc_prefix(prog)
     body = prog.body
     assert prog.gemm and body[-1].op in ("rope", "rope_table")
-    scale = 1.0
-    if len(body) == i + 2:  # the rope type's attention scaling, a literal
-        assert body[i].op == "mul" and body[i].args[0] == v and \
-            not isinstance(body[i].args[1], str)
-        v, scale = body[i].out, float(body[i].args[1])
+    scale = None
+    if len(body) == i + 2:  # the rope type's attention scaling per column
+        assert body[i].op == "mul" and body[i].args == (v, "colscale")
+        v, scale = body[i].out, "colscale"
     assert len(body) in (i + 1, i + 2) and body[-1].args[0] == v
     angle = body[-1].args[1:]
-    assert {o.name for o in prog.operands} <= {"r", "bias", *angle}
+    assert {o.name for o in prog.operands} <= {"r", "bias", "colscale", *angle}
     assert [(o.value, o.kind) for o in prog.outputs] == [(body[-1].out, Kind.TILE)]
     return scale, angle
 
@@ -262,8 +261,8 @@ def _rope_vjp(prog, a, b, operands, outputs, grads):
         pos, freq = angle
         dy = reference.rotate_pairs(_up(dout), by_name[pos].reshape(-1, 1),
                                     -by_name[freq].reshape(1, -1))
-    if scale != 1.0:
-        dy = dy * scale
+    if scale is not None:
+        dy = dy * _up(by_name[scale]).reshape(1, -1)
     return _through_scaled_acc(prog, a, b, operands, dy)
 
 

@@ -279,6 +279,16 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def rope_column_scale(scale, layout: tuple, like: torch.Tensor) -> torch.Tensor:
+    """The attention scaling per output column (float32 [N]): ``scale`` (a number or a
+    0-d tensor) on rotated columns, 1 on pass-through ones."""
+    parts = []
+    for lo, hi, n_heads, _, _ in layout:
+        ones = torch.ones(hi - lo, dtype=torch.float32, device=like.device)
+        parts.append(ones * scale if n_heads else ones)
+    return torch.cat(parts)
+
+
 def rope_positions(pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Each GEMM row's position (float32 [B·S]) from the graph's positions [Bp, 1, S]
     (Bp = 1 or B) and the GEMM input x [B, S, K]."""

@@ -45,6 +45,9 @@ _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # whole fraction of one: such programs run at tile_n 128 (QuACK's default, 192, fits
 # neither 64 nor 128; measured on the H200: BENCHMARKS.md, RoPE sources).
 TABLE_TILE_N = 128
+# ... and QuACK's TMA table load needs whole epilogue subtiles per head (seen on the
+# H200: head_dim 16 fails its "multiple of the epi tile N" check; 64 and 128 run)
+TABLE_MIN_HEAD = 64
 
 COMPILES: list[tuple[str, float]] = []  # (kernel, seconds of its first call)
 _seen: set = set()
@@ -151,11 +154,11 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
             continue
         if spec.kind == Kind.COS_SIN:
             hd = t.shape[-1] if t.dim() == 2 else 0
-            if t.dim() != 2 or t.shape[0] != m or hd % 8 or n % max(hd, 1) or \
+            if t.dim() != 2 or t.shape[0] != m or hd % TABLE_MIN_HEAD or n % max(hd, 1) or \
                     (TABLE_TILE_N % hd and hd % TABLE_TILE_N):
                 return (f"cos/sin table {spec.name} of shape {tuple(t.shape)}: needs [M, hd] "
-                        f"with hd a multiple of 8 dividing N, and dividing or a multiple of "
-                        f"{TABLE_TILE_N} (the kernel's tile width)")
+                        f"with hd a multiple of {TABLE_MIN_HEAD} dividing N, and dividing or "
+                        f"a multiple of {TABLE_TILE_N} (the kernel's tile width)")
             if t.dtype not in (torch.float32, torch.bfloat16) or not _aligned(t):
                 return f"cos/sin table {spec.name} is {t.dtype} or not 16-byte aligned"
             continue

@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from .. import patterns
-from ..canonical import canon, meta
+from ..canonical import canon, meta, runtime_scalar
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..kernels.reference import dtype_name
@@ -72,7 +72,8 @@ class Angle:
     emb: fx.Node
     inv_freq: fx.Node        # [1, h, 1] (a batch-independent frequency column)
     pos: fx.Node             # [Bp, 1, S] float positions
-    scale: float             # the rope type's attention scaling (cos·s, sin·s)
+    scale: float | fx.Node   # the rope type's attention scaling (cos·s, sin·s); a 0-d
+                             # tensor node when only known at run time (dynamic=True)
     cos: fx.Node             # the [Bp, S, r] tables the rotation reads
     sin: fx.Node
 
@@ -208,14 +209,19 @@ def _is_cast(node) -> bool:
 
 # ---- the angle: cos/sin of cat(θ, θ), θ an outer product of positions and frequencies ----
 
-def _scalar_scale(node) -> float | None:
+def _scalar_scale(node) -> tuple[fx.Node, float | fx.Node] | None:
+    """(x, s) for x·s with s a constant or a run-time scalar."""
     c = canon(node) if isinstance(node, fx.Node) else None
     if c is None or c.name != "mul":
         return None
     a, b = c.args
     for t, s in ((a, b), (b, a)):
-        if isinstance(t, fx.Node) and isinstance(s, (int, float)):
-            return float(s)
+        if not (isinstance(t, fx.Node) and meta(t) is not None and meta(t).dim() > 0):
+            continue
+        if isinstance(s, (int, float)) and not isinstance(s, bool):
+            return t, float(s)
+        if runtime_scalar(s) is not None:
+            return t, runtime_scalar(s)
     return None
 
 
@@ -224,11 +230,9 @@ def _table(node) -> tuple[fx.Node, fx.Node, float] | str:
     scalar scale allowed on the way), or why not."""
     scale = 1.0
     node, _ = _strip(node, _is_cast)
-    s = _scalar_scale(node)
-    if s is not None:
-        c = canon(node)
-        node = next(a for a in c.args if isinstance(a, fx.Node))
-        scale = s
+    found = _scalar_scale(node)
+    if found is not None:
+        node, scale = found
     node, _ = _strip(node, _is_cast)
     if isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr"):
         return (f"cos/sin {describe(node)} come from outside this graph (a graph break, or "
@@ -270,7 +274,7 @@ def angle_of(cos_t, sin_t) -> Angle | str:
         return "the cos and sin tables are swapped or not cos/sin"
     if emb_c is not emb_s:
         return "cos and sin are taken of different angle tables"
-    if sc_c != sc_s:
+    if not same_computation(sc_c, sc_s):
         return "cos and sin carry different scales"
     halves = _cat_last(emb_c)
     if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
@@ -608,13 +612,15 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 # ---- the program ----------------------------------------------------------------------------
 
-def rope_program(has_r: bool, has_bias: bool, scale: float, dtype: torch.dtype
+def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype
                  ) -> EpilogueProgram:
-    """y = acc (· r) (+ b) (· s); out = rope(y, pos, freq) -> out (tile)."""
+    """y = acc (· r) (+ b) (· s_j); out = rope(y, pos, freq) -> out (tile). s_j: the
+    attention scaling on rotated columns, 1 on pass-through ones (a per-feature operand:
+    v stays in the GEMM, and a scale known only at run time needs no recompile)."""
     p = ProgramBuilder("rowscale_rope" if has_r else "rope", gemm=True)
     v = p.scaled_acc(has_r, has_bias)
-    if scale != 1.0:
-        v = p.mul(v, scale, name="y_s")
+    if scaled:
+        v = p.mul(v, p.operand("colscale", Kind.PER_FEATURE), name="y_s")
     pos = p.operand("pos", Kind.PER_ROW)
     freq = p.operand("freq", Kind.PER_FEATURE)
     p.output(p.rope(v, pos, freq, name="rot"), Kind.TILE, dtype_name(dtype))
@@ -639,7 +645,10 @@ def build_program(m: Match, options) -> None:
         m.program = rope_table_program(m.proj.r is not None, has_bias(m),
                                        meta(m.rotated[0].out).dtype)
         return
-    if m.angle.scale != 1.0:
-        m.passthrough = []  # the scale would touch v too: v keeps its own GEMM
-    m.program = rope_program(m.proj.r is not None, has_bias(m), m.angle.scale,
+    m.program = rope_program(m.proj.r is not None, has_bias(m), scaled(m),
                              meta(m.rotated[0].out).dtype)
+
+
+def scaled(m: Match) -> bool:
+    """Whether the rotation carries an attention scaling other than a constant 1."""
+    return m.form == "half" and not (isinstance(m.angle.scale, float) and m.angle.scale == 1.0)

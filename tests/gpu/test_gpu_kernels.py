@@ -41,9 +41,9 @@ def _rotation_operands(prog, m, n) -> dict:
     """Positions (two sequences of m/2 tokens) and float-float frequencies: heads of 16
     columns, the last 16 columns at frequency 0 (v passing through)."""
     tables = [o.name for o in prog.operands if o.kind == Kind.COS_SIN]
-    if tables:  # head_dim 16: two sequences' angles
+    if tables:  # head_dim 64 (the TMA table needs whole epilogue subtiles): two sequences
         th = (torch.arange(m, device=DEV) % max(m // 2, 1)).float()[:, None] * \
-            (1.0 / (10000.0 ** (torch.arange(0, 16, 2, device=DEV).float() / 16)))
+            (1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=DEV).float() / 64)))
         return {tables[0]: torch.stack((th.cos(), th.sin()), -1).flatten(1).contiguous()}
     angles = [a for i in prog.body if i.op == "rope" for a in i.args[1:]]
     if not angles:
@@ -129,7 +129,10 @@ def test_pair_and_stateful_kernels(make, shape):
     the last columns) and the online-LSE / column-select sinks (an integer index
     operand, some rows out of range)."""
     m, k, n = shape
-    _check_kernel(make(), m, k, n, seed=m + n)
+    prog = make()
+    if any(o.kind == Kind.COS_SIN for o in prog.operands):
+        n = -(-n // 64) * 64  # whole heads of 64
+    _check_kernel(prog, m, k, n, seed=m + n)
 
 
 def _cuda_kernels(fn):
@@ -312,6 +315,7 @@ def test_backend_dynamic_shapes_on_gpu():
     # Seen on the H200 (2026-11-29): dynamo compiled this twice (seq 96, then 160) even
     # with dynamic=True, where the CPU run compiles once; every graph is fully rewritten.
     graphs = backend.report.graphs
-    assert 1 <= len(graphs) <= 2 and backend.report.count() == 7 * len(graphs)
+    assert 1 <= len(graphs) <= 2 and backend.report.count() == 5 * len(graphs)
+    assert backend.report.count(pattern="rope") == 2 * len(graphs)
     kernels = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel")
     assert kernels > 0
