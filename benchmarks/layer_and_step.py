@@ -4,7 +4,9 @@ the Llama-3.2-1B-shaped training step (hidden 2048, 16 layers, 32/8 heads, inter
 each under eager, torch.compile, optimize() and backend="coda": ms, tokens/s, peak
 memory, and the kernel-time split of the training step.
 
-    source .gpu/setup.sh && python benchmarks/layer_and_step.py [layer|step|both]
+    source .gpu/setup.sh && python benchmarks/layer_and_step.py [layer|step|both] [variants]
+
+(variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``)
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def layer():
     freqs = rope_table(128, 4096, 10000.0).cuda()
     variants = {"eager": block, "torch.compile": torch.compile(block),
                 "optimize()": coda_rewrite.optimize(block),
-                'backend="coda"': torch.compile(block, backend="coda")}
+                'backend="coda"': torch.compile(block, backend="coda"),
+                # serving: re-laid-out weights kept between calls (version-keyed)
+                'coda, cached re-layouts': torch.compile(block, backend=coda_rewrite.CodaBackend(
+                    coda_rewrite.Options(cache_relayouts=True)))}
     rows = []
     with torch.no_grad():
         want = block(x, freqs)
@@ -54,6 +59,13 @@ def layer():
             print(f"layer {name}: {ms:.3f} ms (first call {first:.1f} s, rel diff {err:.2e})",
                   flush=True)
     return rows
+
+
+def liger(model):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=model)
+    return model
 
 
 def step():
@@ -79,6 +91,9 @@ def step():
         # a loop that reads only the loss: the logits are never written
         'coda-no-logits': lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
             coda_rewrite.Options(materialize_logits=False))),
+        # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches
+        # transformers' Llama module globally, so it runs last
+        "Liger 0.8.5": lambda: liger(model),
     }
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)
     for name in names:

@@ -24,6 +24,11 @@ class Options:
     # with eager's values; False: never written, and those readers get an empty tensor
     # (training loops that read only the loss save tokens x vocab x 2 bytes).
     materialize_logits: bool = True
+    # Keep re-laid-out weights (interleaved gate/up, permuted q/k/v) between calls, keyed
+    # by the parameters' version counters (kernels/relayout.py), instead of recomputing
+    # them on every call. For serving: saves a read + write of those weights per call,
+    # costs one more copy of them in memory; writes through ``param.data`` go unseen.
+    cache_relayouts: bool = False
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from .algebra.row_scale import mutated_value, replay_chain
 from .canonical import meta
-from .kernels import ops
+from .kernels import ops, relayout
 from .patterns import residual_rmsnorm
 
 
@@ -135,19 +136,30 @@ def apply(graph: fx.Graph, match, accepted_consumers):
     return [n for n in norm.nodes if n in alive], replacements
 
 
+def _relayout(graph: fx.Graph, cached: bool, kind: str, layout: tuple, *sources) -> fx.Node:
+    """A weight re-layout (kernels/ops.py): a graph op recomputed on every call, or the
+    version-keyed cached op (kernels/relayout.py, Options.cache_relayouts)."""
+    if cached:
+        spec = relayout.spec_of(layout)
+        return graph.call_function(torch.ops.coda.relayout.default, (kind, spec, list(sources)))
+    fn = getattr(ops, kind)
+    return graph.call_function(fn, (layout, *sources) if kind == "rope_segments" else sources)
+
+
 def apply_gated(graph: fx.Graph, m) -> fx.Node:
     """Replace act(gate)·up by one GEMM over the interleaved weights (see
     patterns/gated_mlp.py); returns the fused call."""
     g, u = m.gate, m.up
     text = m.program.to_text()
+    cached = m.cache_relayouts
     with graph.inserting_before(m.mul):
         if m.packed:
-            w = graph.call_function(ops.interleave_halves, (g.weight,))
-            b = graph.call_function(ops.interleave_halves, (g.bias,)) \
+            w = _relayout(graph, cached, "interleave_halves", (), g.weight)
+            b = _relayout(graph, cached, "interleave_halves", (), g.bias) \
                 if g.bias is not None else None
         else:
-            w = graph.call_function(ops.interleave_rows, (g.weight, u.weight))
-            b = graph.call_function(ops.interleave_rows, (g.bias, u.bias)) \
+            w = _relayout(graph, cached, "interleave_rows", (), g.weight, u.weight)
+            b = _relayout(graph, cached, "interleave_rows", (), g.bias, u.bias) \
                 if g.bias is not None or u.bias is not None else None
         x, w, *b = _cast_for_gemm(graph, g.out, g.x, w, *([b] if b is not None else []))
         r = [g.r] if g.r is not None else []
@@ -224,8 +236,9 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
     if m.form == "half":
         freq = _shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
-        w = graph.call_function(ops.rope_segments, (lay, *(s.proj.weight for s in m.segments)))
-        b = [graph.call_function(ops.rope_segments, (lay, *(s.proj.bias for s in m.segments)))] \
+        cached = m.cache_relayouts
+        w = _relayout(graph, cached, "rope_segments", lay, *(s.proj.weight for s in m.segments))
+        b = [_relayout(graph, cached, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
             if rope_pattern.has_bias(m) else []
         x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
         if m.form == "half":

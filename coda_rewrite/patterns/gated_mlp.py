@@ -71,6 +71,7 @@ class Match:
     gate_value: fx.Node | None = None   # packed: chunk(...)[0] / [1]
     up_value: fx.Node | None = None
     program: EpilogueProgram | None = None
+    cache_relayouts: bool = False  # Options.cache_relayouts
 
     pattern = NAME
 
@@ -249,6 +250,7 @@ def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
 
 
 def build_program(m: Match, options) -> None:
+    m.cache_relayouts = options.cache_relayouts
     has_bias = m.gate.bias is not None or m.up.bias is not None
     mm = meta(m.mul)
     m.program = gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,

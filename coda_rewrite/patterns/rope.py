@@ -111,6 +111,7 @@ class Match:
     passthrough: list[Passthrough]  # v, when it reads the same input (frequency 0)
     program: EpilogueProgram | None = None
     region: object = None          # algebra/rope.Region, once decided
+    cache_relayouts: bool = False  # Options.cache_relayouts
 
     pattern = NAME
 
@@ -641,6 +642,7 @@ def has_bias(m: Match) -> bool:
 
 
 def build_program(m: Match, options) -> None:
+    m.cache_relayouts = options.cache_relayouts
     if m.form == "pairs":
         m.program = rope_table_program(m.proj.r is not None, has_bias(m),
                                        meta(m.rotated[0].out).dtype)

@@ -1,0 +1,82 @@
+"""Options(cache_relayouts=True): re-laid-out weights kept between calls, keyed by the
+parameters' version counters. Same numbers as recomputing, recomputed after every
+in-place update (optimizer steps, no_grad writes), never a stale hit from another
+tensor, and the same through Inductor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import coda_rewrite
+from coda_rewrite.kernels import relayout
+from coda_rewrite.numerics import rel_err
+
+from conftest import build, grads_match, hf_model, loss_of, tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "plain"])
+def test_training_steps_recompute_and_match_eager(family):
+    model = build(family, layers=2).train()
+    ref = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(model, cache_relayouts=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    ids = tokens()
+    for _ in range(2):
+        relayout.STATS.clear()
+        loss, want = loss_of(fast, family, ids), loss_of(ref, family, ids)
+        assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+        loss.backward()
+        want.backward()
+        grads_match(model, ref)
+        assert relayout.STATS["miss"] >= 2 and relayout.STATS["hit"] == 0  # new weights
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def test_inference_hits_until_a_weight_changes():
+    model = hf_model("qwen2", layers=2).eval()  # biases: four re-layouts per layer
+    fast = coda_rewrite.optimize(model, cache_relayouts=True)
+    ids = tokens()
+    with torch.no_grad():
+        fast(ids)
+        relayout.STATS.clear()
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+        assert relayout.STATS == {"hit": 6}  # gate/up, q/k/v weights and biases, x2
+        model.model.layers[1].self_attn.k_proj.bias.add_(1.0)  # bumps its version
+        relayout.STATS.clear()
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+        assert relayout.STATS == {"hit": 5, "miss": 1}
+
+
+def test_no_stale_hit_from_a_new_model_of_the_same_shapes():
+    ids = tokens()
+    outs = []
+    for seed in range(2):
+        model = hf_model("llama", layers=1, seed=seed).eval()
+        fast = coda_rewrite.optimize(model, cache_relayouts=True)
+        with torch.no_grad():
+            outs.append((fast(ids).logits, model(ids).logits))
+        del model, fast
+    for got, want in outs:
+        assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.inductor
+def test_cache_through_inductor():
+    model = hf_model("llama", layers=1).eval()
+    compiled = torch.compile(model, backend=coda_rewrite.CodaBackend(
+        coda_rewrite.Options(cache_relayouts=True)))
+    ids = tokens()
+    with torch.no_grad():
+        compiled(ids)
+        relayout.STATS.clear()
+        assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
+        assert relayout.STATS == {"hit": 2}
+        model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+        relayout.STATS.clear()
+        assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
+        assert relayout.STATS == {"hit": 1, "miss": 1}
