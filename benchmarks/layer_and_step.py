@@ -91,6 +91,10 @@ def step():
         # a loop that reads only the loss: the logits are never written
         'coda-no-logits': lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
             coda_rewrite.Options(materialize_logits=False))),
+        # the same without the RoPE rewrite: what RoPE changes in a training step
+        "coda-no-rope": lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
+            coda_rewrite.Options(patterns=tuple(
+                p for p in coda_rewrite.Options().patterns if p != "rope")))),
         # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches
         # transformers' Llama module globally, so it runs last
         "Liger 0.8.5": lambda: liger(model),
