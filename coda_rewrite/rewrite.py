@@ -212,6 +212,20 @@ def _shared_call(graph: fx.Graph, fn, args, anchor: fx.Node) -> fx.Node:
         return graph.call_function(fn, tuple(args))
 
 
+def _positions(graph: fx.Graph, pos: fx.Node, x: fx.Node, anchor: fx.Node) -> fx.Node:
+    """Each GEMM row's position: one node per graph for one token grid (every layer's
+    q/k/v GEMM reads the same rows), made where the first layer needs it."""
+    mx = meta(x)
+    for n in graph.nodes:
+        if n is anchor:
+            break
+        if n.op == "call_function" and n.target is ops.rope_positions and n.args[0] is pos:
+            other = meta(n.args[1])
+            if mx is not None and other is not None and mx.shape[:-1] == other.shape[:-1]:
+                return n
+    return graph.call_function(ops.rope_positions, (pos, x))
+
+
 def apply_rope(graph: fx.Graph, m) -> fx.Node:
     """Replace q/k projections + rotation (and v's projection) by one GEMM with a
     rotating epilogue (see patterns/rope.py); eager's feature order is put back on the
@@ -242,7 +256,7 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
             if rope_pattern.has_bias(m) else []
         x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
         if m.form == "half":
-            angle = [graph.call_function(ops.rope_positions, (m.angle.pos, x)), freq]
+            angle = [_positions(graph, m.angle.pos, x, anchor), freq]
             if rope_pattern.scaled(m):
                 b.append(graph.call_function(ops.rope_column_scale, (m.angle.scale, lay, x)))
         else:

@@ -103,3 +103,22 @@ def grads_match(model, ref, tol: float = 1e-4) -> None:
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad is not None, name
         assert rel_err(p.grad, q.grad) <= tol, (name, rel_err(p.grad, q.grad))
+
+
+def step_matches_eager(family: str, layers: int = 2, **options):
+    """One training forward + backward of ``family`` through optimize(**options) against
+    eager: the loss within 1e-5, every gradient within 1e-4. Returns the report."""
+    import copy
+
+    import coda_rewrite
+    model = build(family, layers=layers).train()
+    ref_model = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model, **options)
+    loss, ref_loss = loss_of(fast, family, ids), loss_of(ref_model, family, ids)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    grads_match(model, ref_model)
+    return fast.report
+

@@ -62,9 +62,9 @@ def test_bfloat16_no_worse_than_eager(family):
 
 @pytest.mark.parametrize("family", ["llama", "plain", "gemma", "phi3", "qwen2"])
 def test_two_optimizer_steps_match_eager(family):
-    """Every pattern on: the re-laid-out weights (gated MLPs) are rebuilt from the live
-    parameters after each step, the loss comes from the LM head's epilogue (HF models),
-    and state_dict() stays the original module's."""
+    """Every pattern on: the re-laid-out weights (gated MLPs, permuted q/k/v) are rebuilt
+    from the live parameters after each step, the loss comes from the LM head's epilogue
+    (HF models), and state_dict() stays the original module's."""
     model = build(family, layers=2).train()
     ref_model = copy.deepcopy(model)
     keys = list(model.state_dict())
@@ -86,6 +86,7 @@ def test_two_optimizer_steps_match_eager(family):
         assert rel_err(logits_of(fast(tokens(seed=9))), logits_of(ref_model(tokens(seed=9)))) <= 1e-5
     graphs = len(fast.report.graphs)  # the training graph, and the no_grad one above
     assert fast.report.count(pattern="gated_mlp") == 2 * graphs, str(fast.report)
+    assert fast.report.count(pattern="rope") == 2 * graphs, str(fast.report)
     # the loss is in the training graph only (the no_grad call has no labels)
     assert fast.report.count(pattern="lm_head_cross_entropy") == int(family != "plain")
     assert list(model.state_dict()) == keys

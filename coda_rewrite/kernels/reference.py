@@ -102,13 +102,13 @@ def eval_body(body, env: dict, cd: torch.dtype) -> None:
 def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     """``rope``: rotate each adjacent column pair (2j, 2j+1) of x [M, N] by
     θ = pos[i]·f_j turns, f_j = freq[2j] + freq[2j+1] (pos [M, 1], freq [1, N]). The
-    angle is formed and reduced mod 1 in float64, as exact as the kernel's float-float
-    angle; cos and sin then enter the compute dtype. Differentiable in x (the
-    backward of a rotation is the rotation by −θ: pass −freq)."""
+    angle is formed and reduced mod 1 in float64 (as exact as the kernel's float-float
+    angle, at any position below 2^24); cos and sin of the reduced angle are taken in
+    x's dtype (float32: the kernel's MUFU accuracy; float64 for float64 models).
+    Differentiable in x (the backward of a rotation is the rotation by −θ: pass −freq)."""
     f = freq[..., 0::2].double() + freq[..., 1::2].double()
-    turns = torch.remainder(pos.double() * f, 1.0)
-    theta = turns * (2 * math.pi)
-    c, s = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
+    theta = (torch.remainder(pos.double() * f, 1.0) * (2 * math.pi)).to(x.dtype)
+    c, s = torch.cos(theta), torch.sin(theta)
     x1, x2 = x[:, 0::2], x[:, 1::2]
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
