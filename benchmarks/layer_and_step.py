@@ -55,9 +55,10 @@ def layer():
             first = time.time() - t0
             err = float((got.float() - want.float()).norm() / want.float().norm())
             ms = bench(lambda: m(x, freqs))
-            rows.append((name, ms, err, first))
-            print(f"layer {name}: {ms:.3f} ms (first call {first:.1f} s, rel diff {err:.2e})",
-                  flush=True)
+            split = kernel_split(lambda: m(x, freqs))
+            rows.append((name, ms, err, first, split))
+            print(f"layer {name}: {ms:.3f} ms (first call {first:.1f} s, rel diff {err:.2e})"
+                  f" | {split}", flush=True)
     return rows
 
 
@@ -134,8 +135,9 @@ def main():
     print(f"\n{env_line()}")
     if lrows:
         print("Llama-3-8B decoder layer forward, bf16, 2 x 4096 tokens")
-        for name, ms, err, first in lrows:
-            print(f"  {name:16s} {ms:8.3f} ms  {8192 / ms * 1e3:10.0f} tok/s  rel diff {err:.1e}")
+        for name, ms, err, first, split in lrows:
+            print(f"  {name:16s} {ms:8.3f} ms  {8192 / ms * 1e3:10.0f} tok/s  rel diff {err:.1e}"
+                  f"  | {split}")
     if srows:
         print("Llama-3.2-1B training step, bf16, 2 x 4096 tokens (fwd + bwd + loss)")
         for name, ms, mem, loss, first, split in srows:

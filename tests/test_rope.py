@@ -52,6 +52,21 @@ def test_float32_outputs_and_gradients_match_eager(family):
     assert len(rope_records(report)) == 2, str(report)
 
 
+def test_eager_attention_scores_are_invariant_too():
+    """attn_implementation="eager": scores are q @ k.transpose(2, 3), a sum over the
+    head dim; the permutation stays there too."""
+    model = hf_model("llama", layers=2, attn_implementation="eager").eval()
+    ids = tokens()
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        fast = coda_rewrite.optimize(model)
+        got = fast(ids, use_cache=False).logits
+    done = rope_records(fast.report)
+    assert len(done) == 2 and unpermuted(fast.report) == [], str(fast.report)
+    assert all("q·k invariant at matmul" in r.decision.render() for r in done)
+    assert rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 def test_returned_key_cache_is_eager_order(family):
     """use_cache=True returns the keys: the rewrite puts eager's order back on that edge

@@ -11,8 +11,9 @@ whole (views and reshapes that keep it last, transposes of other dims, expand, c
 index ops that leave it alone, concatenation along another dim of values that are all
 in the region); where a region value meets anything else, the permutation would show:
 
-* a scaled_dot_product_attention whose query and key both come from the region sums
-  over the head dim: invariant, the permutation stays (the point of the rewrite);
+* a scaled_dot_product_attention whose query and key both come from the region, or an
+  eager attention's ``q @ k.transpose(-2, -1)`` with both from it, sums over the head
+  dim: invariant, the permutation stays (the point of the rewrite);
 * every other edge (a returned KV cache, a concatenation with cached keys in eager
   order, an attention that gets only one of q and k permuted, an unknown op) gets the
   eager order back on that edge (kernels/ops.rope_unpermute, a copy of that value only).
@@ -113,6 +114,33 @@ def _invariant_attention(u: fx.Node, region: set) -> bool:
     return q in region and k in region and not any(a in region for a in nodes_in_rest)
 
 
+_MATMUL = {torch.matmul, operator.matmul, "matmul"}
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    m = meta(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if m is None or m.dim() < 2:
+        return False
+    if node.target in ("transpose", torch.transpose) and len(node.args) == 3:
+        dims = {d % m.dim() for d in node.args[1:] if isinstance(d, int)}
+        return dims == {m.dim() - 2, m.dim() - 1}
+    return False
+
+
+def _invariant_matmul(u: fx.Node, region: set) -> bool:
+    """``q @ kᵀ`` with q and k from the region: a sum over the head dim (eager
+    attention's scores). ``u`` is the matmul or the transpose feeding it."""
+    if u.target not in _MATMUL:
+        users = list(u.users)
+        return _swaps_last_two(u) and u.args[0] in region and bool(users) and \
+            all(_invariant_matmul(m, region) for m in users)
+    if len(u.args) != 2 or not all(isinstance(a, fx.Node) for a in u.args):
+        return False
+    q, kt = u.args
+    return q in region and kt not in region and _swaps_last_two(kt) and kt.args[0] in region \
+        and len(kt.users) == 1
+
+
 def permuted_region(starts: list[fx.Node]) -> Region:
     region = set(starts)
     changed = True
@@ -136,8 +164,8 @@ def permuted_region(starts: list[fx.Node]) -> Region:
         for u in n.users:
             if u in region:
                 continue
-            if _invariant_attention(u, region):
-                if u not in invariant:
+            if _invariant_attention(u, region) or _invariant_matmul(u, region):
+                if (u.target in _SDPA or u.target in _MATMUL) and u not in invariant:
                     invariant.append(u)
                 continue
             unpermute.append((u, n))
