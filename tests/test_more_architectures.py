@@ -16,22 +16,27 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
               pad_token_id=0)
 
-# (config, model, extra config, at least this many norms rewritten)
+# (config, model, extra config, at least this many norms rewritten, RoPE rewrites)
 ARCHS = [
-    ("Phi3Config", "Phi3ForCausalLM", {}, 5),                   # packed qkv / gate_up
-    ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 5),    # q/k norms over heads
-    ("GraniteConfig", "GraniteForCausalLM", {}, 5),              # residual multiplier
+    ("Phi3Config", "Phi3ForCausalLM", {}, 5, 2),                # packed qkv / gate_up
+    ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 5, 0),  # q/k norms over heads
+    ("GraniteConfig", "GraniteForCausalLM", {}, 5, 2),          # residual multiplier
     ("MixtralConfig", "MixtralForCausalLM",
-     {"num_local_experts": 4, "num_experts_per_tok": 2}, 3),     # MoE MLP: routed GEMMs
-    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, 1),  # sandwich norms
-    ("CohereConfig", "CohereForCausalLM", {}, 0),                # LayerNorm, parallel block
-    ("Starcoder2Config", "Starcoder2ForCausalLM", {}, 0),        # LayerNorm with bias
-    ("Exaone4Config", "Exaone4ForCausalLM", {}, 1),
+     {"num_local_experts": 4, "num_experts_per_tok": 2}, 3, 2),  # MoE MLP: routed GEMMs
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, 1, 0),  # sandwich norms
+    ("CohereConfig", "CohereForCausalLM", {}, 0, 0),            # LayerNorm, parallel block,
+                                                                # RoPE on interleaved pairs
+    ("Starcoder2Config", "Starcoder2ForCausalLM", {}, 0, 2),    # LayerNorm with bias
+    ("Exaone4Config", "Exaone4ForCausalLM", {}, 1, 0),
+    ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}, 0, 2),
+    ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, 0, 2),
+    ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}, 0, 0),  # heads interleave q/k/v
+    ("Olmo2Config", "Olmo2ForCausalLM", {}, 0, 0),              # a norm over the whole q
 ]
 
 
-@pytest.mark.parametrize("cfg,cls,extra,min_norms", ARCHS, ids=[a[1] for a in ARCHS])
-def test_architecture_stays_exact(cfg, cls, extra, min_norms):
+@pytest.mark.parametrize("cfg,cls,extra,min_norms,ropes", ARCHS, ids=[a[1] for a in ARCHS])
+def test_architecture_stays_exact(cfg, cls, extra, min_norms, ropes):
     if not hasattr(tf, cls):
         pytest.skip(f"transformers {tf.__version__} has no {cls}")
     torch.manual_seed(0)
@@ -42,4 +47,5 @@ def test_architecture_stays_exact(cfg, cls, extra, min_norms):
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
     report = fast.report
     assert report.count() >= min_norms, str(report)
+    assert report.count(pattern="rope") == ropes, str(report)
     assert all(r.reason for r in report.records if r.status != "rewritten"), str(report)

@@ -450,7 +450,9 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
     col_value, split_nodes, n_heads, head_dim = split
     cols = _columns(col_value)
     if cols is None:
-        return None  # rotating something that no GEMM produced here: not this pattern
+        return NoMatch(add, f"the rotated heads are not a GEMM's output columns "
+                            f"({describe(col_value)} is computed in between: a norm over q "
+                            "or k, say)")
     proj, columns = cols
     angle = angle_of(cos_t, sin_t)
     if isinstance(angle, str):
