@@ -240,14 +240,15 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
     # pipeline reports the match as left alone)
     p = m.proj
     reads = [p.x, p.r, *(s.proj.weight for s in m.segments), *(s.proj.bias for s in m.segments),
-             *((m.table,) if m.form == "pairs" else (m.angle.inv_freq, m.angle.pos))]
+             *((m.table,) if m.form == "pairs" else (m.angle.cos, m.angle.sin)
+               if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
     last = max((n for n in reads if isinstance(n, fx.Node)), key=order.__getitem__)
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]
     anchor = last.next
     if readers and order[anchor] > min(order[u] for u in readers):
         raise ValueError("the fused GEMM's inputs are computed after a reader of its outputs")
-    if m.form == "half":
+    if m.angle_source == "angles":
         freq = _shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
         cached = m.cache_relayouts
@@ -255,10 +256,14 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
         b = [_relayout(graph, cached, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
             if rope_pattern.has_bias(m) else []
         x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
-        if m.form == "half":
+        if m.angle_source == "angles":
             angle = [_positions(graph, m.angle.pos, x, anchor), freq]
             if rope_pattern.scaled(m):
                 b.append(graph.call_function(ops.rope_column_scale, (m.angle.scale, lay, x)))
+        elif m.form == "half":
+            rot = m.rotated[0]
+            angle = [graph.call_function(ops.rope_half_table_rows, (
+                m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
         else:
             angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
         r = [p.r] if p.r is not None else []

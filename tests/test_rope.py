@@ -17,7 +17,7 @@ from coda_rewrite.kernels import backward, ops, reference
 from coda_rewrite.numerics import rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 
-from conftest import build, hf_model, step_matches_eager, tokens
+from conftest import build, hf_model, loss_of, step_matches_eager, tokens
 
 HF = ("llama", "qwen2", "mistral", "gemma", "phi3")
 
@@ -130,9 +130,10 @@ def test_rope_types_give_eager_frequencies(rope_scaling):
     assert rel_err(got, want) <= 1e-5
 
 
-def test_dynamic_rope_graph_break_is_reported():
+def test_cos_sin_from_outside_the_graph_are_read_as_a_table():
     """Dynamic NTK rope updates inv_freq data-dependently: dynamo breaks the graph there,
-    so the layers receive cos/sin as inputs. Left as is, with the reason; still right."""
+    so the layers receive cos/sin as inputs. The epilogue reads them as a table (their
+    halves checked on the device), q and k still permuted, v keeps its GEMM."""
     model = hf_model("llama", layers=1, max_position_embeddings=32,
                      rope_scaling={"rope_type": "dynamic", "factor": 2.0}).eval()
     ids = tokens(seq=48)
@@ -140,10 +141,65 @@ def test_dynamic_rope_graph_break_is_reported():
         want = model(ids, use_cache=False).logits
         fast = coda_rewrite.optimize(model)
         got = fast(ids, use_cache=False).logits
-    missed = [r for r in fast.report.records if r.pattern == "rope"]
-    assert missed and all(r.status != "rewritten" for r in missed), str(fast.report)
-    assert all("outside this graph" in r.reason for r in missed), str(fast.report)
+    (r,) = rope_records(fast.report)
+    assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 2
+    text = r.decision.render()
+    assert "come from outside this graph" in text and "checked on the device" in text, text
     assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_layers_compiled_one_by_one(family):
+    """Each decoder layer compiled alone (position_embeddings arrive as inputs): the
+    table path, in training; loss and every gradient against eager."""
+    model = build(family, layers=2).train()
+    ref = copy.deepcopy(model)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = coda_rewrite.optimize(layer)
+    ids = tokens()
+    loss, want = loss_of(model, family, ids), loss_of(ref, family, ids)
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    loss.backward()
+    want.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
+    for layer in model.model.layers:
+        (r,) = rope_records(layer.report)
+        assert r.programs[0].name == "rowscale_rope_table", str(layer.report)
+
+
+def test_a_table_that_is_not_cat_theta_theta_fails_loudly():
+    """Tables from outside the graph can break the half-split pairing (cos[f] ≠
+    cos[f + h]); eager then is no rotation, and the rewrite refuses at run time."""
+    import torch.nn as nn
+
+    class Rot(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, s, _ = x.shape
+            q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+            k = self.k(x).view(b, s, 4, 8).transpose(1, 2)
+
+            def rot(t):
+                return torch.cat((-t[..., 4:], t[..., :4]), -1)
+            c, sn = cos[:, None], sin[:, None]
+            qe, ke = q * c + rot(q) * sn, k * c + rot(k) * sn
+            return torch.nn.functional.scaled_dot_product_attention(qe, ke, ke)
+
+    m = Rot()
+    x = torch.randn(2, 6, 32)
+    th = torch.randn(1, 6, 4)
+    good = (torch.cat((th, th), -1).cos(), torch.cat((th, th), -1).sin())
+    bad = (torch.cat((th, 2 * th), -1).cos(), torch.cat((th, 2 * th), -1).sin())
+    fast = coda_rewrite.optimize(m)
+    with torch.no_grad():
+        assert rel_err(fast(x, *good), m(x, *good)) <= 1e-5
+        assert len(rope_records(fast.report)) == 1, str(fast.report)
+        with pytest.raises(RuntimeError, match="cos/sin halves differ"):
+            fast(x, *bad)
 
 
 def test_yarn_attention_scaling_keeps_v_in_the_gemm():

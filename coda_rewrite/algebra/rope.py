@@ -202,6 +202,16 @@ def side_conditions(m) -> tuple[list[str], str | None]:
                 (mt.dim() == 3 and mt.shape[0] not in (1, x.shape[0])):
             return held, "the GEMM input is not [batch, seq, hidden] matching the table"
         held.append(f"q and k rotate adjacent pairs by the complex table {describe(m.table)}")
+    elif m.angle_source == "table":
+        mc = meta(m.angle.cos)
+        if x is None or x.dim() != 3 or mc.shape[1] != x.shape[1] or \
+                mc.shape[0] not in (1, x.shape[0]):
+            return held, "the GEMM input is not [batch, seq, hidden] matching the cos/sin tables"
+        held.append(f"cos/sin read as tables ({describe(m.angle.cos)}, "
+                    f"{describe(m.angle.sin)}): {m.angle.why_table}")
+        held.append("their halves agree (cat(θ, θ), as Hugging Face builds them): not visible "
+                    "in this graph, so checked on the device at every call (a table that "
+                    "breaks it fails loudly)")
     else:
         angle = m.angle
         n_freq = meta(angle.inv_freq).shape[1]
@@ -320,8 +330,8 @@ def _replay(m) -> str | Rejection:
     k = min(_size(meta(m.proj.x).shape[-1]), 16)
     x = torch.randn(1, seq, k, generator=gen, dtype=torch.float64)
     r = torch.rand(1, seq, 1, generator=gen, dtype=torch.float64) + 0.5
-    n_freq = _size(meta(m.angle.inv_freq).shape[1]) if m.form == "half" else \
-        m.rotated[0].head_dim // 2
+    n_freq = _size(meta(m.angle.inv_freq).shape[1]) if m.angle_source == "angles" else \
+        m.rotated[0].rotary_dim // 2
     # float32-representable frequencies: the kernel's float-float split of a float32
     # inv_freq is exact, so eager and fused see the same angles
     inv = (torch.rand(n_freq, generator=gen, dtype=torch.float64) + 0.05).float().double()
@@ -377,6 +387,10 @@ def _replay(m) -> str | Rejection:
     operands = ([r] if m.proj.r is not None else []) + ([b] if b is not None else [])
     if m.form == "pairs":
         operands.append(ops.rope_table_rows(table, x))
+    elif m.angle_source == "table":
+        rot = m.rotated[0]
+        operands.append(ops.rope_half_table_rows(cos, sin, x, rot.head_dim,
+                                                 rot.rotary_dim).double())
     else:
         if rope_pattern.scaled(m):
             operands.append(ops.rope_column_scale(scale, lay, x))

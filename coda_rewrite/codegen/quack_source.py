@@ -341,8 +341,9 @@ def generate(program: EpilogueProgram) -> KernelSource:
     contract = LayoutContract(
         program.key, tuple(bindings), tuple(tile_outputs), tuple(reductions),
         weight_permutation=(
-            "rows (2j, 2j+1) of b are one rotation pair, as the model orders them; cos/sin "
-            "from a [M, head_dim] table repeating every head_dim columns" if table else
+            "rows (2j, 2j+1) of b are one rotation pair (a half-split model's heads are "
+            "permuted so); cos/sin from a [M, head_dim] table repeating every head_dim "
+            "columns" if table else
             "rows (2j, 2j+1) of b are one rotation pair (per head: [x0, x_h, x1, x_h+1, "
             "...], h = rotary_dim/2); zero-frequency columns pass through" if rotary else
             "rows of b interleave gate and up: [g0, u0, g1, u1, ...]" if pair_mode

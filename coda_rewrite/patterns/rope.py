@@ -36,9 +36,14 @@ The complex form (TorchTitan: ``view_as_real(view_as_complex(q.float().reshape(.
 q and k in one GEMM whose epilogue reads (cos, sin) from the model's own table (QuACK's
 rotary_cos_sin_load; a table rotates every column, so v keeps its GEMM).
 
-Left with the reason: cos/sin neither an outer product of positions and frequencies in
-the graph nor a complex table (a graph break in front of them, a table indexed by
-arbitrary positions), q or k read before the rotation, differently rotated q and k.
+When cos/sin are not an outer product computed in this graph (graph inputs: a decoder
+layer compiled alone, dynamic NTK rope's graph break; angles of another shape), the
+half-split form reads them as a table instead (algebra/rope.py: their halves are checked
+on the device at run time) and v keeps its own GEMM.
+
+Left with the reason: q or k read before the rotation, a norm between the projection and
+the rotation (Qwen3, Gemma 3, OLMo 2), heads that interleave q, k and v (GPT-NeoX),
+differently rotated q and k.
 """
 
 from __future__ import annotations
@@ -68,14 +73,23 @@ _TRANSPOSE = {"transpose", torch.transpose}
 
 @dataclasses.dataclass(frozen=True)
 class Angle:
-    """cos/sin of emb = cat(θ, θ) with θ = (inv_freq ⊗ pos)ᵀ, as the graph computes them."""
-    emb: fx.Node
-    inv_freq: fx.Node        # [1, h, 1] (a batch-independent frequency column)
-    pos: fx.Node             # [Bp, 1, S] float positions
-    scale: float | fx.Node   # the rope type's attention scaling (cos·s, sin·s); a 0-d
-                             # tensor node when only known at run time (dynamic=True)
-    cos: fx.Node             # the [Bp, S, r] tables the rotation reads
+    """Where the rotation's cos/sin come from. ``source == "angles"``: cos/sin of
+    emb = cat(θ, θ) with θ = (inv_freq ⊗ pos)ᵀ, computed in this graph (the epilogue
+    recomputes them from positions and frequencies). ``"table"``: the [Bp, S, r] cos/sin
+    values themselves (graph inputs after a graph break, a layer compiled alone, angles
+    that are no outer product): the epilogue reads them as a table."""
+    emb: fx.Node | None
+    inv_freq: fx.Node | None  # [1, h, 1] (a batch-independent frequency column)
+    pos: fx.Node | None       # [Bp, 1, S] float positions
+    scale: float | fx.Node    # the rope type's attention scaling (cos·s, sin·s); a 0-d
+                              # tensor node when only known at run time (dynamic=True)
+    cos: fx.Node              # the [Bp, S, r] tables the rotation reads
     sin: fx.Node
+    why_table: str = ""       # "table": why the angles are not recomputed in the epilogue
+
+    @property
+    def source(self) -> str:
+        return "angles" if self.inv_freq is not None else "table"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +148,11 @@ class Match:
     @property
     def table(self) -> fx.Node | None:
         return self.rotated[0].table
+
+    @property
+    def angle_source(self) -> str:
+        """"angles" (recomputed from positions and frequencies) or "table"."""
+        return "table" if self.form == "pairs" else self.angle.source
 
     @property
     def segments(self) -> list[Rotated | Passthrough]:
@@ -284,9 +303,20 @@ def angle_of(cos_t, sin_t) -> Angle | str:
     outer = _outer(halves[0])
     if outer is None:
         return (f"the angles {describe(halves[0])} are not an outer product of positions and "
-                "frequencies in this graph (a precomputed table): the epilogue computes "
-                "cos/sin from the row's position and the column's frequency")
+                "frequencies in this graph (a precomputed table)")
     return Angle(emb_c, outer[0], outer[1], sc_c, cos_t, sin_t)
+
+
+def table_angle(cos_t, sin_t, why: str) -> Angle | str:
+    """cos/sin read as a table: any [Bp, S, r] floating values not needing a gradient
+    (their halves must be equal, cat(θ, θ): checked on the device at run time)."""
+    mc, ms = meta(cos_t), meta(sin_t)
+    if mc is None or ms is None or mc.dim() != 3 or tuple(mc.shape) != tuple(ms.shape) \
+            or not mc.is_floating_point():
+        return f"{why}; and they are not [batch, seq, rotary_dim] tables"
+    if mc.requires_grad or ms.requires_grad:
+        return f"{why}; and they require grad"
+    return Angle(None, None, None, 1.0, cos_t, sin_t, why_table=why)
 
 
 # ---- the rotation: q·cos + rotate_half(q)·sin ----------------------------------------------
@@ -456,7 +486,11 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
     proj, columns = cols
     angle = angle_of(cos_t, sin_t)
     if isinstance(angle, str):
-        return NoMatch(add, angle)
+        if "swapped" in angle or "different" in angle:
+            return NoMatch(add, angle)
+        angle = table_angle(cos_t, sin_t, angle)
+        if isinstance(angle, str):
+            return NoMatch(add, angle)
     mc = meta(angle.cos)
     rotary_dim = int(meta(rotary_part).shape[-1])
     if mc is None or mc.dim() != 3 or int(mc.shape[-1]) != rotary_dim:
@@ -600,16 +634,26 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
     groups: list[list[Rotated]] = []
     for r in found:
         for g in groups:
-            same_angle = same_computation(g[0].table, r.table) if r.form == "pairs" else \
-                g[0].form == "half" and g[0].angle.emb is r.angle.emb
+            a, b = g[0].angle, r.angle
+            if r.form == "pairs":
+                same_angle = g[0].form == "pairs" and same_computation(g[0].table, r.table)
+            elif a is None or a.source != b.source:
+                same_angle = False
+            elif b.source == "angles":
+                same_angle = a.emb is b.emb
+            else:
+                same_angle = same_computation(a.cos, b.cos) and same_computation(a.sin, b.sin)
             if _same_input(g[0].proj, r.proj) and same_angle:
                 g.append(r)
                 break
         else:
             groups.append([r])
     for g in groups:
-        # a table rotates every column it covers: v cannot join a "pairs" GEMM
-        out.append(Match(g, _passthrough_candidates(g, graph) if g[0].form == "half" else []))
+        # a table rotates every column it covers: v joins only when angles are recomputed
+        m = Match(g, [])
+        if m.angle_source == "angles":
+            m.passthrough = _passthrough_candidates(g, graph)
+        out.append(m)
     return out
 
 
@@ -645,7 +689,7 @@ def has_bias(m: Match) -> bool:
 
 def build_program(m: Match, options) -> None:
     m.cache_relayouts = options.cache_relayouts
-    if m.form == "pairs":
+    if m.angle_source == "table":
         m.program = rope_table_program(m.proj.r is not None, has_bias(m),
                                        meta(m.rotated[0].out).dtype)
         return
@@ -655,4 +699,5 @@ def build_program(m: Match, options) -> None:
 
 def scaled(m: Match) -> bool:
     """Whether the rotation carries an attention scaling other than a constant 1."""
-    return m.form == "half" and not (isinstance(m.angle.scale, float) and m.angle.scale == 1.0)
+    return m.angle_source == "angles" and not (isinstance(m.angle.scale, float)
+                                               and m.angle.scale == 1.0)
