@@ -287,6 +287,9 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
                 s.out.replace_all_uses_with(v)
             else:
                 s.column_node.replace_all_uses_with(piece)
+    for s in m.remainders:  # what else a packed projection held: its own GEMM
+        with graph.inserting_before(s.column_node):
+            s.column_node.replace_all_uses_with(_column_gemm(graph, s))
     region = rope_algebra.permuted_region(new_outs) if m.form == "half" else \
         rope_algebra.Region(set(), [], [])
     rot = m.rotated[0]
@@ -297,5 +300,26 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
         consumer.replace_input_with(value, back)
     m.region = region
     erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
-                  + [n for s in m.segments for n in (s.column_node, *s.proj.nodes)])
+                  + [n for s in (*m.segments, *m.remainders)
+                     for n in (s.column_node, *s.proj.nodes)])
     return call
+
+
+def _column_gemm(graph: fx.Graph, s) -> fx.Node:
+    """Columns [lo, hi) of a projection as a GEMM of their own: the weight's (and bias's)
+    rows sliced from the live parameters; a rewritten norm consumer keeps its program."""
+    lo, hi = s.columns
+    p = s.proj
+    w = graph.call_function(operator.getitem, (p.weight, slice(lo, hi)))
+    b = [graph.call_function(operator.getitem, (p.bias, slice(lo, hi)))] \
+        if p.bias is not None else []
+    call = next((n for n in p.nodes if n.target is ops.fused_linear), None)
+    if call is None:
+        out = graph.call_function(torch._C._nn.linear, (p.x, w, *(b or [None])))
+    else:
+        x, _, r, *_ = call.args[1:]
+        new = graph.call_function(ops.fused_linear, (call.args[0], x, w, r, *b))
+        _copy_meta(new, call)
+        out = graph.call_function(operator.getitem, (new, 0))
+    _same_meta(out, s.column_node)
+    return out

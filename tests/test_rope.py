@@ -148,10 +148,11 @@ def test_cos_sin_from_outside_the_graph_are_read_as_a_table():
     assert rel_err(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 def test_layers_compiled_one_by_one(family):
     """Each decoder layer compiled alone (position_embeddings arrive as inputs): the
-    table path, in training; loss and every gradient against eager."""
+    table path, in training; loss and every gradient against eager. Phi-3's packed qkv:
+    q and k in the rotating GEMM, v's rows in a GEMM of their own."""
     model = build(family, layers=2).train()
     ref = copy.deepcopy(model)
     for i, layer in enumerate(model.model.layers):
@@ -166,6 +167,7 @@ def test_layers_compiled_one_by_one(family):
     for layer in model.model.layers:
         (r,) = rope_records(layer.report)
         assert r.programs[0].name == "rowscale_rope_table", str(layer.report)
+        assert ("gets a GEMM of its own" in r.decision.render()) == (family == "phi3")
 
 
 def test_a_table_that_is_not_cat_theta_theta_fails_loudly():

@@ -240,26 +240,37 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         if outside:
             return held, (f"{describe(n)} is also read by {describe(outside[0])}: the fused "
                           "GEMM writes only the rotated values")
+    dtypes = {meta(r.out).dtype for r in m.rotated}
+    if len(dtypes) != 1:
+        return held, "q and k are rotated into different dtypes"
+    dtype = dtypes.pop()
+    m.passthrough = [s for s in m.passthrough if meta(s.column_node).dtype == dtype]
     seg_nodes = {s.column_node for s in m.segments}
+    m.remainders = []
     for proj in {s.proj.out: s.proj for s in m.segments}.values():
         for call in (n for n in proj.nodes if n.target is ops.fused_linear):
             if set(call.users) != {proj.out}:
                 return held, f"{describe(call)} has readers outside the fused GEMM"
         if proj.out in seg_nodes:
             continue
-        # a packed projection: read only through its q, k, v slices, which tile it
-        if any(u not in seg_nodes for u in proj.out.users):
-            return held, (f"the packed projection {describe(proj.out)} is read beyond its "
-                          "q, k, v slices")
-        covered = sorted(s.columns for s in m.segments if s.proj.out is proj.out)
+        # a packed projection: read only through column slices; those the fused GEMM
+        # does not produce (v, when it cannot join) get a GEMM of their own
+        for u in proj.out.users:
+            if u in seg_nodes:
+                continue
+            sl = rope_pattern.columns_of(u)
+            if sl is None or sl[0].out is not proj.out:
+                return held, (f"the packed projection {describe(proj.out)} is read beyond its "
+                              "column slices")
+            m.remainders.append(rope_pattern.Passthrough(sl[0], sl[1], u))
+        covered = sorted([s.columns for s in m.segments if s.proj.out is proj.out] +
+                         [s.columns for s in m.remainders if s.proj.out is proj.out])
         if _tiling(covered, meta(proj.out).shape[-1]) is None:
             return held, f"the slices of {describe(proj.out)} do not cover it exactly once"
     held.append("the unrotated q and k are read only by their rotation")
-    dtypes = {meta(r.out).dtype for r in m.rotated}
-    if len(dtypes) != 1:
-        return held, "q and k are rotated into different dtypes"
-    dtype = dtypes.pop()
-    m.passthrough = [s for s in m.passthrough if meta(s.column_node).dtype == dtype]
+    if m.remainders:
+        held.append("the rest of the packed projection (" + ", ".join(
+            describe(s.column_node) for s in m.remainders) + ") gets a GEMM of its own")
     return held, None
 
 

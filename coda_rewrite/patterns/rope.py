@@ -125,6 +125,8 @@ class Match:
     passthrough: list[Passthrough]  # v, when it reads the same input (frequency 0)
     program: EpilogueProgram | None = None
     region: object = None          # algebra/rope.Region, once decided
+    remainders: list = dataclasses.field(default_factory=list)  # packed slices left over:
+                                   # their own GEMM (algebra/rope.side_conditions)
     cache_relayouts: bool = False  # Options.cache_relayouts
 
     pattern = NAME
@@ -427,7 +429,7 @@ def _head_split(heads: fx.Node, unsq_dim: int):
     return src, tuple(split), int(mv.shape[2]), int(mv.shape[3])
 
 
-def _columns(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
+def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
     """The GEMM that produces ``value`` and which of its output columns it is."""
     p = projection_of(value)
     if p is not None:
@@ -478,7 +480,7 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         return NoMatch(add, f"the rotated value {describe(heads)} is not the head-split "
                             "output of a projection")
     col_value, split_nodes, n_heads, head_dim = split
-    cols = _columns(col_value)
+    cols = columns_of(col_value)
     if cols is None:
         return NoMatch(add, f"the rotated heads are not a GEMM's output columns "
                             f"({describe(col_value)} is computed in between: a norm over q "
@@ -564,7 +566,7 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
                 mt.shape[-2] != mh.shape[seq_axis] or mt.dim() not in (2, 3) or \
                 (mt.dim() == 3 and mt.shape[0] not in (1, mh.shape[0])):
             return NoMatch(vr, "the table's rows are not the sequence positions of the heads")
-        cols = _columns(col_value)
+        cols = columns_of(col_value)
         if cols is None:
             return None
         proj, columns = cols
@@ -604,7 +606,7 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passt
     for node in graph.nodes:
         if meta(node) is None:
             continue
-        found = _columns(node)
+        found = columns_of(node)
         if found is None:
             continue
         proj, cols = found
