@@ -329,6 +329,22 @@ def test_interleave_and_unpermute_are_inverse(head_dim, rotary_dim):
     assert torch.equal(inter[1], w[h]) and torch.equal(inter[2], w[1])
 
 
+def test_segments_are_written_in_place_with_their_gradient():
+    """rope_segments writes each permuted segment straight into the fused weight (one
+    pass); the same values and gradients as permuting, then concatenating."""
+    lay = ((0, 48, 3, 16, 8), (0, 32, 2, 16, 16), (0, 32, 0, 0, 0))
+    ws = [torch.randn(n, 5, requires_grad=True) for n in (48, 32, 32)]
+    got = ops.rope_segments(lay, *ws)
+    want = torch.cat((ops.rope_interleave(ws[0], 3, 16, 8),
+                      ops.rope_interleave(ws[1], 2, 16, 16), ws[2]))
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, ws, g), torch.autograd.grad(want, ws, g)):
+        assert torch.equal(a, b)
+    bias = ops.rope_segments(lay, torch.ones(48), None, torch.ones(32))  # k has no bias
+    assert not bias[48:80].any() and bias[:48].all() and bias[80:].all()
+
+
 def test_frequencies_are_float_float_turns():
     inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
     f = ops.rope_frequencies(inv, ((0, 256, 2, 128, 128), (256, 384, 0, 0, 0)))

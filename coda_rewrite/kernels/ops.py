@@ -252,13 +252,28 @@ def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Ten
 
 def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
     """The fused GEMM's weight (or bias) from each segment's projection weight (or bias;
-    None: zeros), recomputed from the live parameters on every call."""
+    None: zeros), recomputed from the live parameters on every call. Each segment is
+    written once, in place into the result (one pass over the weights, where permuting
+    and then concatenating would make two; autograd scatters the gradient back)."""
     like = next(t for t in tensors if t is not None)
-    parts = []
+    out = like.new_empty(sum(hi - lo for lo, hi, *_ in layout), *like.shape[1:])
+    at = 0
     for (lo, hi, n_heads, head_dim, rotary_dim), t in zip(layout, tensors):
-        t = t[lo:hi] if t is not None else like.new_zeros(hi - lo, *like.shape[1:])
-        parts.append(rope_interleave(t, n_heads, head_dim, rotary_dim) if n_heads else t)
-    return torch.cat(parts, 0)
+        dst = out[at:at + hi - lo]
+        at += hi - lo
+        if t is None:
+            dst.zero_()
+        elif not n_heads:
+            dst.copy_(t[lo:hi])
+        else:
+            src = t[lo:hi].unflatten(0, (n_heads, head_dim))
+            heads = dst.unflatten(0, (n_heads, head_dim))
+            h = rotary_dim // 2
+            heads[:, :rotary_dim].unflatten(1, (h, 2)).copy_(
+                src[:, :rotary_dim].unflatten(1, (2, h)).transpose(1, 2))
+            if rotary_dim < head_dim:
+                heads[:, rotary_dim:].copy_(src[:, rotary_dim:])
+    return out
 
 
 def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
