@@ -250,6 +250,33 @@ def test_chunk_spelling_heads_after_sequence():
         assert rel_err(p.grad, q.grad) <= 1e-4, name
 
 
+def test_a_rotated_value_updated_in_place_is_left_alone():
+    class Scaled(ChunkSpelling):
+        def forward(self, x):
+            b, s, _ = x.shape
+            pos = torch.arange(s)[None]
+            th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((th, th), dim=-1)
+            cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+
+            def rotate_half(t):
+                return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+            q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+            k = self.k(x).view(b, s, 2, 8).transpose(1, 2)
+            v = self.v(x).view(b, s, 2, 8).transpose(1, 2)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q.mul_(0.5)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    m = Scaled().eval()
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(m)
+        assert rel_err(fast(x), m(x)) <= 1e-5
+    (r,) = [r for r in fast.report.records if r.pattern == "rope"]
+    assert r.status != "rewritten" and "updated in place" in r.reason, str(fast.report)
+
+
 def test_per_sequence_positions():
     """position_ids that differ per sequence (left padding, packed documents): each GEMM
     row gets its own sequence's position."""

@@ -37,6 +37,7 @@ from ..numerics import rel_err
 from ..patterns import rope as rope_pattern
 from . import statements
 from .decision import Decision, Proof, Rejection
+from .row_scale import mutated_value
 from .witness import _size, exact, guarded, verdict
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention,
@@ -299,6 +300,11 @@ def decide(m, witness: bool = True) -> Decision:
                       "q and k keep the model's feature order (no permutation)"),
                      (*rotation.steps, *facts.steps), seen)
     region = permuted_region([r.out for r in m.rotated])
+    for n in region.nodes:  # an in-place update would land in the permuted order
+        for u in n.users:
+            if mutated_value(u) is n:
+                return Rejection(f"{describe(n)} is updated in place by {describe(u)} (a "
+                                 "permuted value must only be read)", m.path)
     m.region = region
     interleave = statements.prove_rope_interleave()
     invariance = statements.prove_permutation_invariance()
