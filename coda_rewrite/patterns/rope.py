@@ -15,7 +15,8 @@ in the epilogue, with cos/sin computed there from the row's position and the col
 frequency (QuACK's rope_posfreq form: measured faster than a cos/sin table on the H200,
 and frequency 0, an exact identity, lets v share the GEMM; see BENCHMARKS.md):
 
-    epilogue:  y = r[i]·acc[i, :] (+ b)   (· s)        r: the input norm's deferred rstd
+    epilogue:  y = r[i]·acc[i, :] (+ b)   (· s_j)      r: the input norm's deferred rstd;
+                                                    s_j: s on rotated columns, 1 on v's
                out[i, 2p], out[i, 2p+1] = rotation of (y[i, 2p], y[i, 2p+1]) by pos[i]·f_p
 
 q and k then stay in the permuted order: attention scores are sums over the head dim,
@@ -27,9 +28,10 @@ not a q·k contraction), the rewrite puts the eager order back on that edge
 Spellings: separate q/k/v projections (Llama, Qwen2 with biases, Mistral, Gemma) or one
 packed projection sliced into q, k, v (Phi-3); full or partial rotary (Phi-style
 ``q_rot, q_pass = q[..., :rot], q[..., rot:]``); heads before or after the sequence dim
-(unsqueeze_dim 1 or 2); any rope type whose angle is pos × inv_freq (default, linear,
-llama3, NTK, YaRN's frequencies; dynamic rope recomputes inv_freq in the graph, which
-the rewrite reads).
+(unsqueeze_dim 1 or 2); rotate_half by slices or chunk; any rope type whose angle is
+pos × inv_freq computed in the graph (default, linear, llama3, YaRN: the frequencies are
+read from the graph, the attention scaling, a run-time scalar under dynamic=True,
+becomes the per-column s_j).
 
 The complex form (TorchTitan: ``view_as_real(view_as_complex(q.float().reshape(..., -1,
 2)) * freqs_cis).flatten(3).type_as(q)``) already rotates adjacent pairs: no permutation,
