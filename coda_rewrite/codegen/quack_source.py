@@ -68,6 +68,7 @@ class LayoutContract:
     reductions: tuple[Reduction, ...]
     weight_permutation: str = "none"            # the re-layout b must already carry
     pair_outputs: frozenset = frozenset()        # kernel outputs half as wide (gated)
+    notes: tuple[str, ...] = ()                  # operand encodings worth stating
 
     def render(self) -> str:
         lines = [f"layout contract of {self.program_key}",
@@ -81,6 +82,7 @@ class LayoutContract:
         for value, out in self.tile_outputs:
             shape = "[M, N/2]" if out in self.pair_outputs else "[M, N]"
             lines.append(f"  out {value:<6} {shape:<8} tile store '{out}'")
+        lines += [f"  {n}" for n in self.notes]
         for r in self.reductions:
             how = "scaled fma" if r.scaled else r.combine
             op = {"lse": "OnlineLSEReduce", "select": "ColVecSelect"}.get(r.combine,
@@ -348,7 +350,13 @@ def generate(program: EpilogueProgram) -> KernelSource:
             "...], h = rotary_dim/2); zero-frequency columns pass through" if rotary else
             "rows of b interleave gate and up: [g0, u0, g1, u1, ...]" if pair_mode
             else "none"),
-        pair_outputs=frozenset({"postact"} if pairs else ()))
+        pair_outputs=frozenset({"postact"} if pairs else ()),
+        notes=tuple(
+            f"{i.args[1]}, {i.args[2]}: float32; positions, and each pair's frequency in turns "
+            f"per position as a float-float split (f_j = {i.args[2]}[2j] + {i.args[2]}[2j+1]; "
+            "0 passes the pair through)" if i.op == "rope" else
+            f"{i.args[1]}: float32 [M, head_dim], (cos, sin) of pair p at (2p, 2p+1); head_dim "
+            "must divide tile_n or be a multiple of it" for i in program.body if i.op in ROTARY))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
                         row_stage)
 
