@@ -137,8 +137,8 @@ def main():
                 if name.startswith(("table", "posfreq")):
                     e = f"{err(unpermute(*out), ref):.2e}"
                 elif name in ("eager", "torch.compile, unfused"):
-                    q, k, v = out
-                    e = f"{err(torch.cat([t.transpose(1, 2).reshape(M, -1) for t in (q, k, v)], -1), ref):.2e}"
+                    flat = torch.cat([t.transpose(1, 2).reshape(M, -1) for t in out], -1)
+                    e = f"{err(flat, ref):.2e}"
                 else:
                     e = "-"
                 ms = bench(fn)

@@ -1,15 +1,17 @@
 """The pass over one captured graph: match → decide → rewrite, recording everything.
 
-Four pattern families run in turn: the attention inputs (SDPA calls), the norms, the
+Five pattern families run in turn: the attention inputs (SDPA calls), the norms, the
 gated MLPs (after the norms: a gate/up pair that became two rowscale consumers of a
 rewritten norm merges into one GEMM that applies the deferred rstd before the
-activation), then the LM head's cross-entropy (whose logits GEMM may be the final norm's
-rowscale consumer by then). Norm matches are found once, then decided and applied in graph order. A rewrite replaces nodes
-that a later match may name (the residual add one norm's producer fuses is the residual
-input of the next), so each match is brought up to date before its turn: replaced nodes
-are followed to their replacements, and a producing GEMM that an earlier rewrite already
-turned into a fused op is not fused a second time (the later norm then gets the
-row-wise program, and the report says why).
+activation), RoPE (after the attention inputs, whose SDPA calls its escape analysis
+reads, and after the norms: q/k/v as rowscale consumers merge into one rotating GEMM),
+then the LM head's cross-entropy (whose logits GEMM may be the final norm's rowscale
+consumer by then). Norm matches are found once, then decided and applied in graph order.
+A rewrite replaces nodes that a later match may name (the residual add one norm's
+producer fuses is the residual input of the next), so each match is brought up to date
+before its turn: replaced nodes are followed to their replacements, and a producing GEMM
+that an earlier rewrite already turned into a fused op is not fused a second time (the
+later norm then gets the row-wise program, and the report says why).
 """
 
 from __future__ import annotations

@@ -399,7 +399,8 @@ def _rope_core(add: fx.Node):
                     continue
                 cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
                 if cu is None or su is None or cu[1] != su[1]:
-                    return "cos/sin are not [batch, seq, rotary_dim] tables broadcast over the heads"
+                    return ("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
+                            "the heads")
                 return x, cu[0], su[0], cu[1], (m1, m2, *rot_nodes, add)
     return None
 
