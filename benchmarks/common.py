@@ -61,3 +61,22 @@ def kernel_split(fn) -> str:
     s = sum(tot.values())
     return " | ".join(f"{k} {tot[k] / 1e3:.1f} ms" for k in ("gemm", "attention", "other")) \
         + f" | total {s / 1e3:.1f} ms"
+
+
+def kernel_top(fn, n: int = 15) -> str:
+    """The ``n`` GPU kernels that take the most time in one call of ``fn`` (name, calls,
+    ms): where two variants' splits differ, this says which kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    time_by, calls = collections.Counter(), collections.Counter()
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            time_by[e.name] += e.device_time_total
+            calls[e.name] += 1
+    return "\n".join(f"    {t / 1e3:8.2f} ms  {calls[k]:5d}x  {k[:110]}"
+                     for k, t in time_by.most_common(n))
+

@@ -6,17 +6,19 @@ memory, and the kernel-time split of the training step.
 
     source .gpu/setup.sh && python benchmarks/layer_and_step.py [layer|step|both] [variants]
 
-(variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``)
+(variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``;
+CODA_BENCH_TOP=1 also prints each variant's top kernels)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
 
-from common import bench, env_line, kernel_split
+from common import bench, env_line, kernel_split, kernel_top
 
 import coda_rewrite
 from coda_rewrite.kernels import ops
@@ -119,6 +121,8 @@ def step():
         ms = (time.time() - t0) / n * 1e3
         mem = peak_mib(lambda: run(m))
         split = kernel_split(lambda: run(m))
+        if os.environ.get("CODA_BENCH_TOP"):  # the kernels behind the split, per variant
+            print(f"step {name}: top kernels\n{kernel_top(lambda: run(m))}", flush=True)
         model.zero_grad(set_to_none=True)
         rows.append((name, ms, mem, float(loss), first, split))
         print(f"step {name}: {ms:.1f} ms, peak {mem:.0f} MiB, loss {float(loss):.4f}, "
