@@ -112,6 +112,25 @@ def test_decoding_with_past_key_values_matches_eager(family):
     assert decode, str(fast.report)  # some graph un-permuted q and k before the cache cat
 
 
+def test_generate_with_a_compiled_forward():
+    """model.generate() over forward compiled with the backend: prefill and decode graphs
+    (the cache as inputs) are all rewritten; the tokens and their logits are eager's."""
+    model = hf_model("llama", layers=2).eval()
+    ids = tokens(seq=8)
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
+        model.forward = torch.compile(model.forward, backend=backend)
+        got = model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel_err(a, b) for a, b in zip(got.logits, want.logits)) <= 1e-5
+    graphs = backend.report.graphs
+    assert len(graphs) >= 2 and all(len(rope_records(g)) == 2 for g in graphs), str(
+        backend.report)
+
+
 @pytest.mark.parametrize("rope_scaling", [
     None,
     {"rope_type": "linear", "factor": 4.0},
