@@ -227,6 +227,25 @@ def test_rope_bf16_with_cache_on_gpu(family):
     assert ratio <= 1.25
 
 
+def test_rope_from_a_table_with_layers_compiled_one_by_one_on_gpu():
+    """Decoder layers compiled alone get cos/sin as inputs: the half-split rotation reads
+    them as a table (the kernel of the complex form, on permuted heads), the halves
+    checked on the device. Logits against float64, no worse than eager."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    before = _kernel_calls("rowscale_rope_table#")
+
+    def per_layer(model):
+        torch._dynamo.reset()
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = coda_rewrite.optimize(layer)
+        return model
+
+    res = low_precision_errors(_llama, (ids,), per_layer, seeds=(0, 1, 2), device=DEV)
+    assert _kernel_calls("rowscale_rope_table#") - before >= 3 * 2, ops.runtime_summary()
+    print(f"per-layer table RoPE: {res}")
+    assert res["ok"], res
+
+
 @pytest.mark.parametrize("family,op", [("gemma", "geglu"), ("phi3", "swiglu")])
 def test_gated_mlps_bf16_on_gpu(family, op):
     """GeGLU (Gemma) and the packed gate_up (Phi-3) through the pair-mode kernels."""
