@@ -140,8 +140,9 @@ def _relayout(graph: fx.Graph, cached: bool, kind: str, layout: tuple, *sources)
     """A weight re-layout (kernels/ops.py): a graph op recomputed on every call, or the
     version-keyed cached op (kernels/relayout.py, Options.cache_relayouts)."""
     if cached:
-        spec = relayout.spec_of(layout)
-        return graph.call_function(torch.ops.coda.relayout.default, (kind, spec, list(sources)))
+        spec = relayout.spec_of(layout, sources)
+        return graph.call_function(torch.ops.coda.relayout.default,
+                                   (kind, spec, [t for t in sources if t is not None]))
     fn = getattr(ops, kind)
     return graph.call_function(fn, (layout, *sources) if kind == "rope_segments" else sources)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import coda_rewrite
-from coda_rewrite.kernels import relayout
+from coda_rewrite.kernels import ops, relayout
 from coda_rewrite.numerics import rel_err
 
 from conftest import build, grads_match, hf_model, loss_of, tokens
@@ -101,3 +101,37 @@ def test_training_through_inductor_recomputes_after_each_step():
         for o in opts:
             o.step()
             o.zero_grad()
+
+
+def test_op_with_a_missing_source_and_its_gradient():
+    """A bias that only some segments have (zeros there), through the op, with autograd
+    (a None in the op's tensor list would hide every gradient: it is left out)."""
+    lay = ((0, 16, 2, 8, 8), (0, 8, 1, 8, 8), (0, 8, 0, 0, 0))
+    bq, bv = torch.randn(16, requires_grad=True), torch.randn(8, requires_grad=True)
+    spec = relayout.spec_of(lay, (bq, None, bv))
+    got = torch.ops.coda.relayout("rope_segments", spec, [bq, bv])
+    want = ops.rope_segments(lay, bq, None, bv)
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    a = torch.autograd.grad(got, (bq, bv), g)
+    b = torch.autograd.grad(want, (bq, bv), g)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    relayout.STATS.clear()
+    torch.ops.coda.relayout("rope_segments", spec, [bq, bv])
+    assert relayout.STATS == {"hit": 1}
+
+
+def test_bias_on_q_only_trains_through_the_cache():
+    """q has a bias, k and v do not: the cached fused bias still passes its gradient."""
+    from test_rope import ChunkSpelling
+
+    m = ChunkSpelling().train()
+    ref = copy.deepcopy(m)
+    fast = coda_rewrite.optimize(m, cache_relayouts=True)
+    x = torch.randn(2, 6, 32)
+    got, want = fast(x), ref(x)
+    assert rel_err(got, want) <= 1e-5
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None and rel_err(p.grad, q.grad) <= 1e-4, name

@@ -38,29 +38,39 @@ STATS = collections.Counter()  # "hit" / "miss": what the cache did (tests, benc
 _ATTR = "_coda_relayout_cache"
 
 
-def spec_of(layout: tuple) -> str:
-    """A rope_segments layout as the op's string argument ("lo,hi,heads,d,r;...")."""
-    return ";".join(",".join(str(int(v)) for v in seg) for seg in layout)
+def spec_of(layout: tuple, sources) -> str:
+    """The op's string argument: the layout ("lo,hi,heads,d,r;...") and which sources are
+    present ("|" then 1 or 0 per source). Missing ones (a bias only some projections
+    have) are left out of the op's tensor list: autograd does not see through None
+    entries of a tensor list, so they never enter it."""
+    return ";".join(",".join(str(int(v)) for v in seg) for seg in layout) + "|" + \
+        "".join("0" if t is None else "1" for t in sources)
 
 
 def _layout(spec: str) -> tuple:
-    return tuple(tuple(int(v) for v in seg.split(",")) for seg in spec.split(";") if seg)
+    text = spec.split("|")[0]
+    return tuple(tuple(int(v) for v in seg.split(",")) for seg in text.split(";") if seg)
+
+
+def _with_missing(spec: str, sources) -> list:
+    present = iter(sources)
+    return [next(present) if c == "1" else None for c in spec.split("|")[1]]
 
 
 def compute(kind: str, spec: str, sources) -> torch.Tensor:
-    return _KINDS[kind](spec, *sources)
+    """The re-layout of the present ``sources`` (missing ones as the spec says)."""
+    return _KINDS[kind](spec, *_with_missing(spec, sources))
 
 
 def _key(kind, spec, sources):
-    return (kind, spec, tuple(
-        None if t is None else (t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()),
-                                t.dtype) for t in sources))
+    return (kind, spec, tuple((t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()),
+                               t.dtype) for t in sources))
 
 
 @torch.library.custom_op("coda::relayout", mutates_args=())
-def relayout(kind: str, spec: str, sources: list[torch.Tensor | None]) -> torch.Tensor:
+def relayout(kind: str, spec: str, sources: list[torch.Tensor]) -> torch.Tensor:
     """``compute(kind, spec, sources)``, reused while no source changed."""
-    holder = next(t for t in sources if t is not None)
+    holder = sources[0]
     capturing = holder.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _key(kind, spec, sources)
     cache = getattr(holder, _ATTR, None)
@@ -83,20 +93,17 @@ def _(kind, spec, sources):
 def _setup_context(ctx, inputs, output):
     kind, spec, sources = inputs
     ctx.kind, ctx.spec = kind, spec
-    ctx.save_for_backward(*[t for t in sources if t is not None])
-    ctx.present = [t is not None for t in sources]
+    ctx.save_for_backward(*sources)
 
 
 def _backward(ctx, grad):
     """A re-layout only moves entries: its gradient moves them back (autograd of the
     same function on the saved sources)."""
-    saved = iter(ctx.saved_tensors)
-    sources = [next(saved).detach().requires_grad_(True) if p else None for p in ctx.present]
-    live = [t for t in sources if t is not None]
+    sources = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
     with torch.enable_grad():
         out = compute(ctx.kind, ctx.spec, sources)
-        got = iter(torch.autograd.grad(out, live, grad, allow_unused=True))
-    return None, None, [next(got) if t is not None else None for t in sources]
+        got = torch.autograd.grad(out, sources, grad, allow_unused=True)
+    return None, None, list(got)
 
 
 relayout.register_autograd(_backward, setup_context=_setup_context)
