@@ -201,30 +201,28 @@ def apply_cross_entropy(graph: fx.Graph, m) -> None:
     erase_if_dead(graph, [m.ce, *m.chain, *p.nodes])
 
 
-def _shared_call(graph: fx.Graph, fn, args, anchor: fx.Node) -> fx.Node:
-    """``fn(*args)``, reusing an identical call earlier in the graph (the per-column
-    frequencies are the same for every layer)."""
+def _shared_call(graph: fx.Graph, fn, args, anchor: fx.Node, same=None) -> fx.Node:
+    """``fn(*args)``, reusing an equivalent call earlier in the graph (``same(node)``;
+    default: the same arguments): the per-column frequencies and each row's position are
+    the same for every layer of one graph."""
+    same = same or (lambda n: n.args == tuple(args))
     for n in graph.nodes:
         if n is anchor:
             break
-        if n.op == "call_function" and n.target is fn and n.args == tuple(args):
+        if n.op == "call_function" and n.target is fn and same(n):
             return n
     with graph.inserting_before(anchor):
         return graph.call_function(fn, tuple(args))
 
 
-def _positions(graph: fx.Graph, pos: fx.Node, x: fx.Node, anchor: fx.Node) -> fx.Node:
-    """Each GEMM row's position: one node per graph for one token grid (every layer's
-    q/k/v GEMM reads the same rows), made where the first layer needs it."""
-    mx = meta(x)
-    for n in graph.nodes:
-        if n is anchor:
-            break
-        if n.op == "call_function" and n.target is ops.rope_positions and n.args[0] is pos:
-            other = meta(n.args[1])
-            if mx is not None and other is not None and mx.shape[:-1] == other.shape[:-1]:
-                return n
-    return graph.call_function(ops.rope_positions, (pos, x))
+def _same_rows(pos: fx.Node, x: fx.Node):
+    """A rope_positions call on the same positions for GEMM rows of the same shape (x is
+    read for its leading shape only)."""
+    def same(n):
+        mx, other = meta(x), meta(n.args[1])
+        return n.args[0] is pos and mx is not None and other is not None \
+            and mx.shape[:-1] == other.shape[:-1]
+    return same
 
 
 def apply_rope(graph: fx.Graph, m) -> fx.Node:
@@ -258,7 +256,8 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
             if rope_pattern.has_bias(m) else []
         x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
         if m.angle_source == "angles":
-            angle = [_positions(graph, m.angle.pos, x, anchor), freq]
+            angle = [_shared_call(graph, ops.rope_positions, (m.angle.pos, x), anchor,
+                                  _same_rows(m.angle.pos, x)), freq]
             if rope_pattern.scaled(m):
                 b.append(graph.call_function(ops.rope_column_scale, (m.angle.scale, lay, x)))
         elif m.form == "half":

@@ -14,12 +14,21 @@ import torch
 import coda_rewrite
 from coda_rewrite.codegen.program import Kind
 from coda_rewrite.kernels import backward, ops, reference
-from coda_rewrite.numerics import rel_err
+from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 
 from conftest import build, hf_model, loss_of, step_matches_eager, tokens
 
 HF = ("llama", "qwen2", "mistral", "gemma", "phi3")
+
+
+def eager_and_rewritten(model, *args, **kwargs):
+    """(rewritten output, eager output, report) of one no_grad call."""
+    with torch.no_grad():
+        want = model(*args, **kwargs)
+        fast = coda_rewrite.optimize(model)
+        got = fast(*args, **kwargs)
+    return got, want, fast.report
 
 
 def rope_records(report, status="rewritten"):
@@ -57,12 +66,10 @@ def test_eager_attention_scores_are_invariant_too():
     head dim; the permutation stays there too."""
     model = hf_model("llama", layers=2, attn_implementation="eager").eval()
     ids = tokens()
-    with torch.no_grad():
-        want = model(ids, use_cache=False).logits
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, use_cache=False).logits
-    done = rope_records(fast.report)
-    assert len(done) == 2 and unpermuted(fast.report) == [], str(fast.report)
+    got, want, report = eager_and_rewritten(model, ids, use_cache=False)
+    got, want = got.logits, want.logits
+    done = rope_records(report)
+    assert len(done) == 2 and unpermuted(report) == [], str(report)
     assert all("q·k invariant at matmul" in r.decision.render() for r in done)
     assert rel_err(got, want) <= 1e-5
 
@@ -72,14 +79,10 @@ def test_returned_key_cache_is_eager_order(family):
     """use_cache=True returns the keys: the rewrite puts eager's order back on that edge
     only (attention still reads the permuted q and k)."""
     model = build(family, layers=2).eval()
-    ids = tokens(seq=8)
-    with torch.no_grad():
-        want = model(ids, use_cache=True)
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, use_cache=True)
-    assert len(rope_records(fast.report)) == 2, str(fast.report)
-    assert len(unpermuted(fast.report)) == 2, str(fast.report)  # one key cache per layer
-    assert all("graph output" in m for m in unpermuted(fast.report))
+    got, want, report = eager_and_rewritten(model, tokens(seq=8), use_cache=True)
+    assert len(rope_records(report)) == 2, str(report)
+    assert len(unpermuted(report)) == 2, str(report)  # one key cache per layer
+    assert all("graph output" in m for m in unpermuted(report))
     assert rel_err(got.logits, want.logits) <= 1e-5
     for layer in range(2):
         for kind in ("keys", "values"):
@@ -141,11 +144,9 @@ def test_rope_types_give_eager_frequencies(rope_scaling):
     kw = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
     model = hf_model("llama", layers=1, max_position_embeddings=32, **kw).eval()
     ids = tokens(seq=48)  # past the original context: dynamic and llama3 differ there
-    with torch.no_grad():
-        want = model(ids, use_cache=False).logits
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, use_cache=False).logits
-    assert len(rope_records(fast.report)) == 1, str(fast.report)
+    got, want, report = eager_and_rewritten(model, ids, use_cache=False)
+    got, want = got.logits, want.logits
+    assert len(rope_records(report)) == 1, str(report)
     assert rel_err(got, want) <= 1e-5
 
 
@@ -156,11 +157,9 @@ def test_cos_sin_from_outside_the_graph_are_read_as_a_table():
     model = hf_model("llama", layers=1, max_position_embeddings=32,
                      rope_scaling={"rope_type": "dynamic", "factor": 2.0}).eval()
     ids = tokens(seq=48)
-    with torch.no_grad():
-        want = model(ids, use_cache=False).logits
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, use_cache=False).logits
-    (r,) = rope_records(fast.report)
+    got, want, report = eager_and_rewritten(model, ids, use_cache=False)
+    got, want = got.logits, want.logits
+    (r,) = rope_records(report)
     assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 2
     text = r.decision.render()
     assert "come from outside this graph" in text and "checked on the device" in text, text
@@ -302,23 +301,18 @@ def test_per_sequence_positions():
     model = hf_model("qwen2", layers=2).eval()
     ids = tokens(seq=10)
     pos = torch.stack((torch.arange(10), torch.arange(10) * 3 + 5))
-    with torch.no_grad():
-        want = model(ids, position_ids=pos, use_cache=False).logits
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, position_ids=pos, use_cache=False).logits
-    assert len(rope_records(fast.report)) == 2, str(fast.report)
-    assert rel_err(got, want) <= 1e-5
+    got, want, report = eager_and_rewritten(model, ids, position_ids=pos, use_cache=False)
+    assert len(rope_records(report)) == 2, str(report)
+    assert rel_err(got.logits, want.logits) <= 1e-5
 
 
 def test_yarn_attention_scaling_keeps_v_in_the_gemm():
     model = hf_model("llama", layers=1, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}).eval()
     ids = tokens(seq=24)
-    with torch.no_grad():
-        want = model(ids, use_cache=False).logits
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, use_cache=False).logits
-    (r,) = rope_records(fast.report)
+    got, want, report = eager_and_rewritten(model, ids, use_cache=False)
+    got, want = got.logits, want.logits
+    (r,) = rope_records(report)
     assert "scaled by" in r.decision.render()
     assert len(r.consumers) == 3  # the scale is per column: 1 on v's
     assert rel_err(got, want) <= 1e-5
@@ -343,31 +337,24 @@ def test_dynamic_shapes_run_time_scaling():
 
 def test_partial_rotary_phi():
     model = hf_model("phi3", layers=2, partial_rotary_factor=0.5).eval()
-    ids = tokens()
-    with torch.no_grad():
-        want = model(ids, use_cache=True)
-        fast = coda_rewrite.optimize(model)
-        got = fast(ids, use_cache=True)
-    assert len(rope_records(fast.report)) == 2, str(fast.report)
+    got, want, report = eager_and_rewritten(model, tokens(), use_cache=True)
+    assert len(rope_records(report)) == 2, str(report)
     assert rel_err(got.logits, want.logits) <= 1e-5
     assert rel_err(got.past_key_values.layers[1].keys, want.past_key_values.layers[1].keys) \
         <= 1e-5
 
 
 def test_bfloat16_no_worse_than_eager():
-    ids = tokens(seq=32)
-    ratios = []
-    for seed in range(3):
-        model = build("llama", layers=2, seed=seed).to(torch.bfloat16).eval()
-        exact = copy.deepcopy(model).double()
-        with torch.no_grad():
-            ref = exact(ids, use_cache=False).logits
-            eager = model(ids, use_cache=False).logits
-            fast = coda_rewrite.optimize(model)
-            got = fast(ids, use_cache=False).logits
-        assert len(rope_records(fast.report)) == 2
-        ratios.append(rel_err(got, ref) / rel_err(eager, ref))
-    assert sorted(ratios)[1] <= 1.25, ratios
+    reports = []
+
+    def rewrite(model):
+        fast = coda_rewrite.optimize(model)
+        reports.append(fast)
+        return fast
+    res = low_precision_errors(lambda seed: build("llama", layers=2, seed=seed),
+                               (tokens(seq=32),), rewrite, seeds=(0, 1, 2))
+    assert all(len(rope_records(f.report)) == 2 for f in reports)
+    assert res["ok"], res
 
 
 def test_q_read_before_rotation_is_left_alone():
@@ -425,24 +412,30 @@ def test_complex_form_rotates_in_the_epilogue_from_the_table(layers):
 
 # ---- layouts, frequencies, kernel-level math ----------------------------------------
 
+def _interleaved_rows(n_heads, head_dim, rotary_dim):
+    """The per-head row order, spelled out: [x0, x_h, x1, x_h+1, ..., pass-through]."""
+    h = rotary_dim // 2
+    head = [i for f in range(h) for i in (f, f + h)] + list(range(rotary_dim, head_dim))
+    return torch.tensor([k * head_dim + i for k in range(n_heads) for i in head])
+
+
 @pytest.mark.parametrize("head_dim,rotary_dim", [(8, 8), (8, 4), (6, 6)])
 def test_interleave_and_unpermute_are_inverse(head_dim, rotary_dim):
     w = torch.randn(3 * head_dim, 5)
-    inter = ops.rope_interleave(w, 3, head_dim, rotary_dim)
+    inter = ops.rope_segments(((0, 3 * head_dim, 3, head_dim, rotary_dim),), w)
+    assert torch.equal(inter, w[_interleaved_rows(3, head_dim, rotary_dim)])
     back = ops.rope_unpermute(inter.T.unflatten(-1, (3, head_dim)), head_dim, rotary_dim)
     assert torch.equal(back.flatten(-2).T, w)
-    h = rotary_dim // 2
-    assert torch.equal(inter[1], w[h]) and torch.equal(inter[2], w[1])
 
 
 def test_segments_are_written_in_place_with_their_gradient():
     """rope_segments writes each permuted segment straight into the fused weight (one
-    pass); the same values and gradients as permuting, then concatenating."""
+    pass): the rows of each source in the spelled-out order, and the gradient back."""
     lay = ((0, 48, 3, 16, 8), (0, 32, 2, 16, 16), (0, 32, 0, 0, 0))
     ws = [torch.randn(n, 5, requires_grad=True) for n in (48, 32, 32)]
     got = ops.rope_segments(lay, *ws)
-    want = torch.cat((ops.rope_interleave(ws[0], 3, 16, 8),
-                      ops.rope_interleave(ws[1], 2, 16, 16), ws[2]))
+    want = torch.cat((ws[0][_interleaved_rows(3, 16, 8)], ws[1][_interleaved_rows(2, 16, 16)],
+                      ws[2]))
     assert torch.equal(got, want)
     g = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, ws, g), torch.autograd.grad(want, ws, g)):
@@ -474,7 +467,7 @@ def test_reference_rotation_at_large_positions():
         return torch.stack((x[:, 0::2] * th.cos() - x[:, 1::2] * th.sin(),
                             x[:, 0::2] * th.sin() + x[:, 1::2] * th.cos()), -1).flatten(-2)
     want = rotate(pos.double() * inv.double().reshape(1, -1))
-    assert rel_err(got, want) <= 1e-7  # float64 angles of ~1e7 radians: ~1e-9 apart
+    assert rel_err(got, want) <= 1e-8  # float64 angles of ~1e7 radians: ~1e-9 apart
     assert (rotate(pos.float() * inv.reshape(1, -1)) - want).abs().max() > 1e-2
 
 

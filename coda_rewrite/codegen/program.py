@@ -242,6 +242,12 @@ class EpilogueProgram:
         names = {o.name for o in self.operands if o.kind == Kind.PER_ROW}
         return frozenset({i.args[1] for i in self.body if i.op == "select_column"} & names)
 
+    @functools.cached_property
+    def rotation_operands(self) -> frozenset[str]:
+        """Operands a rotation reads its angle from (positions, frequencies, a cos/sin
+        table): float32 at run time, whatever the model's dtype."""
+        return frozenset(a for i in self.body if i.op in ROTARY for a in i.args[1:])
+
     # ---- serialisation ----------------------------------------------------------------
     # Computed once per program: the op reads the key on every call (runtime counters).
     # (cached_property writes the instance __dict__ directly, which a frozen dataclass

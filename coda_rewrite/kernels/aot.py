@@ -49,7 +49,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     """Trace and compile one program's kernel for the configured arch (no launch)."""
     import torch
 
-    from ..codegen.program import ROTARY, Kind, parse
+    from ..codegen.program import Kind, parse
     from .quack_path import _table_config, load
     from .reference import dtype_from_name
 
@@ -59,12 +59,11 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     a = torch.randn(m, k, dtype=dt)
     b = torch.randn(n, k, dtype=dt)
     by_name = {}
-    angles = {a for i in prog.body if i.op in ROTARY for a in i.args[1:]}
     for spec in prog.operands:
         shape = {Kind.TILE: (m, n), Kind.PER_ROW: (m,), Kind.PER_FEATURE: (n,),
                  Kind.SCALAR: (), Kind.COS_SIN: (m, 128)}[spec.kind]  # head_dim 128
         by_name[spec.name] = torch.randn(shape, dtype=torch.float32 if spec.kind in (
-            Kind.PER_ROW, Kind.SCALAR) or spec.name in angles else dt)
+            Kind.PER_ROW, Kind.SCALAR) or spec.name in prog.rotation_operands else dt)
         if spec.kind == Kind.SCALAR:  # passed by pointer, as the runtime does
             by_name[spec.name] = by_name[spec.name].reshape(1)
         if spec.name in prog.index_operands:

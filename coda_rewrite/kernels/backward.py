@@ -48,6 +48,18 @@ def _up(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
+def _shaped(parts):
+    """A predicate from a program-shape parser: ``parts(prog)`` raises on another shape
+    (each rule parses its program once, and the parse is its test)."""
+    def matches(prog: EpilogueProgram) -> bool:
+        try:
+            parts(prog)
+            return True
+        except (AssertionError, ValueError, KeyError, IndexError):
+            return False
+    return matches
+
+
 def _gemm_grads(d_acc: torch.Tensor, a, b):
     """grad_a = d_acc·b, grad_b = d_accᵀ·a, in the operands' dtype."""
     d = d_acc.to(a.dtype)
@@ -72,17 +84,11 @@ def _rowscale_vjp(prog, a, b, operands, outputs, grads):
 
 # ---- residual + RMSNorm ---------------------------------------------------------------
 
-def _is_residual_rmsnorm(prog: EpilogueProgram) -> bool:
-    """z = acc (+ bias) + residual  |  z = x;  [s = gamma + c];  h2 = z * s or h2 = z;
-    ss = row_sum(square(z)); r = rsqrt(ss / d + eps) -> outputs (z,) h2, r."""
-    try:
-        _residual_rmsnorm_parts(prog)
-        return True
-    except (AssertionError, ValueError, KeyError, IndexError):
-        return False
 
 
 def _residual_rmsnorm_parts(prog):
+    """z = acc (+ bias) + residual  |  z = x;  [s = gamma + c];  h2 = z * s or h2 = z;
+    ss = row_sum(square(z)); r = rsqrt(ss / d + eps) -> outputs (z,) h2, r."""
     body = list(prog.body)
     kinds = {o.name: o.kind for o in prog.operands}
     names = [o.name for o in prog.operands]
@@ -177,12 +183,6 @@ def _gated_parts(prog: EpilogueProgram):
     return PAIRWISE[body[i].op]
 
 
-def _is_gated(prog: EpilogueProgram) -> bool:
-    try:
-        _gated_parts(prog)
-        return True
-    except (AssertionError, IndexError):
-        return False
 
 
 def _gated_vjp(prog, a, b, operands, outputs, grads):
@@ -235,12 +235,6 @@ def _rope_parts(prog: EpilogueProgram) -> tuple[str, ...]:
     return scale, angle
 
 
-def _is_rope(prog: EpilogueProgram) -> bool:
-    try:
-        _rope_parts(prog)
-        return True
-    except (AssertionError, IndexError):
-        return False
 
 
 def _rope_vjp(prog, a, b, operands, outputs, grads):
@@ -285,12 +279,6 @@ def _lse_parts(prog: EpilogueProgram) -> bool:
     return len(outs) == 3
 
 
-def _is_lse_target(prog: EpilogueProgram) -> bool:
-    try:
-        _lse_parts(prog)
-        return True
-    except (AssertionError, ValueError, IndexError):
-        return False
 
 
 @functools.lru_cache(maxsize=64)
@@ -375,10 +363,10 @@ def _lse_target_saves(prog):
 # (applies to, rule, what the forward must keep: (output indices, operands not needed))
 SPECIALISED = [
     (_is_rowscale, _rowscale_vjp, lambda prog: ([], set())),
-    (_is_residual_rmsnorm, _residual_rmsnorm_vjp, _residual_rmsnorm_saves),
-    (_is_gated, _gated_vjp, lambda prog: ([1], set())),
-    (_is_rope, _rope_vjp, lambda prog: ([], set())),
-    (_is_lse_target, _lse_target_vjp, _lse_target_saves),
+    (_shaped(_residual_rmsnorm_parts), _residual_rmsnorm_vjp, _residual_rmsnorm_saves),
+    (_shaped(_gated_parts), _gated_vjp, lambda prog: ([1], set())),
+    (_shaped(_rope_parts), _rope_vjp, lambda prog: ([], set())),
+    (_shaped(_lse_parts), _lse_target_vjp, _lse_target_saves),
 ]
 
 

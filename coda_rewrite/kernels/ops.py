@@ -229,21 +229,10 @@ def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
 # projection, per-head interleaved for the rotation (n_heads > 0), or kept as they are
 # (n_heads == 0: v, frequency 0).
 
-def rope_interleave(t: torch.Tensor, n_heads: int, head_dim: int, rotary_dim: int
-                    ) -> torch.Tensor:
-    """Rows of a q or k projection (weight [H·d, K] or bias [H·d]) reordered per head to
-    [x0, x_h, x1, x_h+1, ..., x_{h-1}, x_{2h-1}, pass-through rows], h = rotary_dim / 2:
-    Hugging Face's rotation pair (f, f + h) becomes the adjacent pair (2f, 2f + 1)."""
-    heads = t.reshape(n_heads, head_dim, *t.shape[1:])
-    rot = heads[:, :rotary_dim].unflatten(1, (2, rotary_dim // 2)).transpose(1, 2).flatten(1, 2)
-    if rotary_dim < head_dim:
-        rot = torch.cat((rot, heads[:, rotary_dim:]), 1)
-    return rot.reshape(t.shape)
-
-
 def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The inverse of rope_interleave on an activation's last dim (one head): eager's
-    feature order, for a rotated q or k that flows where the order shows."""
+    """The inverse of rope_segments' per-head permutation on an activation's last dim
+    (one head): eager's feature order, for a rotated q or k that flows where the order
+    shows."""
     rot = t[..., :rotary_dim].unflatten(-1, (rotary_dim // 2, 2)).transpose(-1, -2).flatten(-2)
     if rotary_dim < head_dim:
         rot = torch.cat((rot, t[..., rotary_dim:]), -1)
@@ -252,7 +241,10 @@ def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Ten
 
 def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
     """The fused GEMM's weight (or bias) from each segment's projection weight (or bias;
-    None: zeros), recomputed from the live parameters on every call. Each segment is
+    None: zeros), recomputed from the live parameters on every call. A rotated segment's
+    rows are reordered per head to [x0, x_h, x1, x_h+1, ..., x_{h-1}, x_{2h-1}, pass-
+    through rows], h = rotary_dim / 2: Hugging Face's rotation pair (f, f + h) becomes
+    the adjacent pair (2f, 2f + 1). Each segment is
     written once, in place into the result (one pass over the weights, where permuting
     and then concatenating would make two; autograd scatters the gradient back)."""
     like = next(t for t in tensors if t is not None)

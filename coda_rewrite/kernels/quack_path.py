@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..codegen.program import ROTARY, EpilogueProgram, Kind
+from ..codegen.program import EpilogueProgram, Kind
 from ..codegen.quack_source import GENERATOR_VERSION, KernelSource, Unlowerable, generate
 from . import reference
 
@@ -143,9 +143,8 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
     if not (_aligned(a) and _aligned(b)):
         return "a or b not K-contiguous and 16-byte aligned"
     indices = program.index_operands
-    angles = {a for i in program.body if i.op in ROTARY for a in i.args[1:]}
     for spec, t in zip(program.operands, operands):
-        if spec.name in angles and t.dtype != torch.float32:
+        if spec.name in program.rotation_operands and t.dtype != torch.float32:
             return (f"rotation operand {spec.name} is {t.dtype} (positions and float-float "
                     "frequencies are float32)")
         if spec.name in indices:

@@ -140,7 +140,7 @@ def projection_of(node: fx.Node) -> Projection | None:
     return Projection(node, x, w, b[0] if b else None, r, (node, call))
 
 
-def _chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
+def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(chunk node, index) for ``t.chunk(2, dim=-1)[index]``."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return None
@@ -155,15 +155,19 @@ def _chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
     return ch, idx
 
 
-def same_value(a, b) -> bool:
-    """Two graph values known to be equal: the same node, or the same cast of it (the
-    norm rewrite casts each consumer's input separately under autocast)."""
+def same_value(a, b, depth: int = 4) -> bool:
+    """Two graph values known to be equal: the same node, or the same pure call on
+    arguments that are (the norm rewrite casts each consumer's input separately under
+    autocast; the plain Llama rebuilds view_as_complex(table) for q and for k)."""
     if a is b:
         return True
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
+    if depth == 0 or a.op != b.op or a.op not in ("call_function", "call_method") \
+            or a.target != b.target or a.is_impure() or len(a.args) != len(b.args) \
+            or a.kwargs != b.kwargs:
         return False
-    return a.op == b.op == "call_method" and a.target == b.target == "to" \
-        and a.args == b.args and a.kwargs == b.kwargs
+    return all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
 
 
 def through_casts(node):
@@ -215,7 +219,7 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 
 def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
-    half_g, half_u = _chunk_half(gate_v), _chunk_half(up_v)
+    half_g, half_u = chunk_half(gate_v), chunk_half(up_v)
     if half_g is not None or half_u is not None:
         if half_g is None or half_u is None or half_g[0] is not half_u[0]:
             return NoMatch(mul, "gate and up are not the two halves of one packed projection")

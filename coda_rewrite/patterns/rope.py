@@ -61,7 +61,7 @@ from ..canonical import canon, meta, runtime_scalar
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..kernels.reference import dtype_name
-from .gated_mlp import Projection, projection_of, same_value
+from .gated_mlp import Projection, chunk_half, projection_of, same_value, through_casts
 
 NAME = "rope"
 
@@ -217,15 +217,6 @@ def _cat_last(node) -> list | None:
     return list(tensors)
 
 
-def _strip(node, ok) -> tuple[fx.Node, list[fx.Node]]:
-    """Walk up through nodes ``ok`` accepts (a cast, a scalar scale); the path walked."""
-    path = []
-    while isinstance(node, fx.Node) and ok(node):
-        path.append(node)
-        node = node.args[0]
-    return node, path
-
-
 def _is_cast(node) -> bool:
     c = canon(node) if isinstance(node, fx.Node) else None
     return c is not None and c.name == "cast"
@@ -253,11 +244,11 @@ def _table(node) -> tuple[fx.Node, fx.Node, float] | str:
     """(emb, the cos/sin node, scale) of a cos or sin table [Bp, S, r] (casts and one
     scalar scale allowed on the way), or why not."""
     scale = 1.0
-    node, _ = _strip(node, _is_cast)
+    node, _ = through_casts(node)
     found = _scalar_scale(node)
     if found is not None:
         node, scale = found
-    node, _ = _strip(node, _is_cast)
+    node, _ = through_casts(node)
     if isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr"):
         return (f"cos/sin {describe(node)} come from outside this graph (a graph break, or "
                 "a precomputed table): the epilogue needs their positions and frequencies")
@@ -298,7 +289,7 @@ def angle_of(cos_t, sin_t) -> Angle | str:
         return "the cos and sin tables are swapped or not cos/sin"
     if emb_c is not emb_s:
         return "cos and sin are taken of different angle tables"
-    if not same_computation(sc_c, sc_s):
+    if not same_value(sc_c, sc_s):
         return "cos and sin carry different scales"
     halves = _cat_last(emb_c)
     if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
@@ -336,14 +327,9 @@ def _half_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
         n = int(meta(x).shape[-1])
         which = {(0, n // 2): 0, (n // 2, n): 1}.get(_norm_slice(sl[1], sl[2], n))
         return (x, which, (node,)) if which is not None else None
-    if _is(node, {operator.getitem}) and _is(node.args[0], {torch.chunk, "chunk"}) \
-            and node.args[1] in (0, 1):
-        ch = node.args[0]
-        x, chunks, dim = _args(ch, "input", "chunks", "dim", defaults=(None, None, 0))
-        mx = meta(x)
-        if chunks == 2 and mx is not None and dim in (-1, mx.dim() - 1) \
-                and int(mx.shape[-1]) % 2 == 0:
-            return x, node.args[1], (node, ch)
+    half = chunk_half(node)
+    if half is not None and int(meta(half[0].args[0]).shape[-1]) % 2 == 0:
+        return half[0].args[0], half[1], (node, half[0])
     return None
 
 
@@ -536,7 +522,10 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
         pairs = xc.args[0]
         if not _is(pairs, _SPLIT):
             continue
-        heads, casts = _strip(pairs.args[0], _is_cast)
+        heads, casts = pairs.args[0], []  # q.float(): the casts are the rotation's own
+        while _is_cast(heads):
+            casts.append(heads)
+            heads = heads.args[0]
         mh, mp = meta(heads), meta(pairs)
         if mh is None or mp is None or mh.dim() != 4 or \
                 tuple(mp.shape) != (*mh.shape[:-1], mh.shape[-1] // 2, 2):
@@ -580,19 +569,6 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
 
 
 # ---- grouping: q and k (and v) over one input ---------------------------------------------
-
-def same_computation(a, b, depth: int = 4) -> bool:
-    """Two nodes known to hold the same value: the same node, or the same pure call on
-    arguments that are (the plain Llama rebuilds view_as_complex(table) per use)."""
-    if a is b:
-        return True
-    if depth == 0 or not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
-    if a.op != b.op or a.op not in ("call_function", "call_method") or a.target != b.target \
-            or a.is_impure() or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
-        return False
-    return all(same_computation(x, y, depth - 1) for x, y in zip(a.args, b.args))
-
 
 def _same_input(a: Projection, b: Projection) -> bool:
     return same_value(a.x, b.x) and (a.r is None) == (b.r is None) and \
@@ -641,13 +617,13 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         for g in groups:
             a, b = g[0].angle, r.angle
             if r.form == "pairs":
-                same_angle = g[0].form == "pairs" and same_computation(g[0].table, r.table)
+                same_angle = g[0].form == "pairs" and same_value(g[0].table, r.table)
             elif a is None or a.source != b.source:
                 same_angle = False
             elif b.source == "angles":
                 same_angle = a.emb is b.emb
             else:
-                same_angle = same_computation(a.cos, b.cos) and same_computation(a.sin, b.sin)
+                same_angle = same_value(a.cos, b.cos) and same_value(a.sin, b.sin)
             if _same_input(g[0].proj, r.proj) and same_angle:
                 g.append(r)
                 break
