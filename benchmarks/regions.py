@@ -115,6 +115,31 @@ def make_region(k0, consumers, kind):
     return Region(k0, consumers, kind == "gated") if k0 else GatedMLP()
 
 
+def per_gemm(fused, *args) -> list[tuple[str, float, float]]:
+    """Each generated GEMM of one call of ``fused``, timed alone against cuBLAS's
+    ``torch.mm`` at its shape: (what, generated ms, cuBLAS ms). Says which kernel a
+    region's gap is in."""
+    from coda_rewrite.codegen.program import parse
+    calls, run = [], ops.gemm_epilogue
+
+    def spy(program, a, b, operands):
+        calls.append((program, a, b, list(operands)))
+        return run(program, a, b, operands)
+    ops.gemm_epilogue = spy
+    try:
+        fused(*args)
+    finally:
+        ops.gemm_epilogue = run
+    rows = []
+    for program, a, b, operands in calls:
+        if a is None:
+            continue
+        what = f"{parse(program).name} (M {a.shape[0]}, K {a.shape[1]}, N {b.shape[0]})"
+        rows.append((what, bench(lambda: run(program, a, b, operands)),
+                     bench(lambda: torch.mm(a, b.t()))))
+    return rows
+
+
 def main():
     print(env_line(), flush=True)
     rows = []
@@ -158,13 +183,16 @@ def main():
                  "eager": bench(lambda: region(x, res))}
             if kind in ("gated", "rope"):  # serving: the re-layout kept between calls
                 t["cached"] = bench(lambda: cached(x, res))
+                backend = torch.compile(region, backend="coda")  # Inductor around the kernels
+                t["backend"] = bench(lambda: backend(x, res))
+            gemms = per_gemm(cached, x, res)
             if kind == "gated":  # the per-call weight re-layout inside "fused", alone
                 t["interleave"] = bench(lambda: ops.interleave_rows(*ws))
             if kind == "rope":
                 lay = ((0, Q, Q // HEAD, HEAD, HEAD), (0, KV, KV // HEAD, HEAD, HEAD),
                        (0, KV, 0, 0, 0))
                 t["interleave"] = bench(lambda: ops.rope_segments(lay, *ws))
-        rows.append((name, t, max(errs)))
+        rows.append((name, t, max(errs), gemms))
         print(name, t, "max rel diff vs eager", max(errs), flush=True)
         torch.cuda.empty_cache()
     print("\nruntime:", *ops.runtime_summary(), sep="\n  ")
@@ -172,16 +200,25 @@ def main():
     print(f"{'region (8192 tokens, Llama-3-8B)':40s} {'fused':>8s} {'cuBLAS':>8s} {'compile':>8s} "
           f"{'eager':>8s}  fused/cuBLAS  fused/compile")
     ratios = []
-    for name, t, _ in rows:
+    for name, t, _, _ in rows:
         ratios.append(t["fused"] / t["bare"])
         print(f"{name:40s} {t['fused']:8.3f} {t['bare']:8.3f} {t['compile']:8.3f} "
               f"{t['eager']:8.3f}  {t['fused'] / t['bare']:10.3f}x  {t['fused'] / t['compile']:10.3f}x")
-    for name, t, _ in rows:
+    for name, t, _, _ in rows:
         if "interleave" in t:
             print(f"  {name}: of which the per-call weight re-layout {t['interleave']:.3f} ms;"
                   f" with cache_relayouts=True {t['cached']:.3f} ms"
                   f" ({t['cached'] / t['bare']:.3f}x cuBLAS, {t['cached'] / t['compile']:.3f}x"
+                  f" compile); backend=\"coda\" {t['backend']:.3f} ms"
+                  f" ({t['backend'] / t['bare']:.3f}x cuBLAS, {t['backend'] / t['compile']:.3f}x"
                   " compile)")
+    print("\neach generated GEMM alone vs cuBLAS torch.mm at its shape:")
+    seen = set()
+    for _, _, _, gemms in rows:
+        for what, ms, mm in gemms:
+            if what not in seen:
+                seen.add(what)
+                print(f"  {what:55s} {ms:7.3f} ms  cuBLAS {mm:7.3f}  {ms / mm:6.3f}x")
     g = 1.0
     for r in ratios:
         g *= r

@@ -30,6 +30,14 @@ class Options:
     # costs one more copy of them in memory; writes through ``param.data`` go unseen.
     cache_relayouts: bool = False
 
+    @property
+    def keeps_relayouts(self) -> bool:
+        """cache_relayouts where it is safe: not under Inductor, whose buffer planning may
+        reuse a custom op's output as scratch memory once its last reader ran, and would
+        then write over the kept copy (Inductor makes each re-layout one copy kernel
+        instead: measured 0.02 ms for Llama-3-8B's q/k/v weights, BENCHMARKS.md)."""
+        return self.cache_relayouts and not self.inductor
+
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":
         merged = {**(options or {}), **kw}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch.fx as fx
 
@@ -44,7 +45,14 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     _cross_entropy(graph, options, records)
     graph.lint()
     gm.recompile()
-    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+    notes = []
+    if options.cache_relayouts and not options.keeps_relayouts:
+        notes.append("cache_relayouts is not used under Inductor (its buffer planning may "
+                     "reuse a kept re-layout as scratch memory); each re-layout is one "
+                     "generated copy kernel per call instead")
+        warnings.warn(f"coda_rewrite: {notes[-1]}", stacklevel=2)  # shown once per site
+    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0,
+                       notes)
 
 
 def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
@@ -106,7 +114,8 @@ def _rope(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None
     rotates in its epilogue; eager's order back wherever the permutation would show."""
     def annotate(record, m, done):
         record.consumers = [describe(r.out) for r in m.rotated] + \
-            [f"{describe(s.column_node)} (frequency 0)" for s in m.passthrough]
+            [f"{describe(s.column_node)} (" + ("frequency 0" if m.angle_source == "angles"
+                                               else "not rotated") + ")" for s in m.passthrough]
         if m.proj.r is not None:
             record.producer = f"rows scaled by the deferred rstd {describe(m.proj.r)}"
         if done and m.region is not None and m.region.unpermute:
@@ -154,7 +163,11 @@ def _one_program_pattern(graph, options, records, pattern, decide, apply, annota
         if not decision.accepted:
             record.reason = decision.condition
             continue
-        apply(graph, m)
+        try:
+            apply(graph, m)
+        except rewrite.NotPlaceable as e:  # raised before the graph changes
+            record.reason = f"not applied: {e}"
+            continue
         record.status = REWRITTEN
         record.programs = [m.program]
         record.program_checks = [locality.check(m.program)]

@@ -77,6 +77,7 @@ class GraphReport:
     canonical: str
     rewritten_code: str
     seconds: float
+    notes: list[str] = dataclasses.field(default_factory=list)  # about the whole graph
 
     @property
     def rewritten(self) -> list[MatchRecord]:
@@ -96,7 +97,7 @@ class GraphReport:
         return f"graph {self.index}: {parts or 'no candidates'} ({self.seconds * 1e3:.0f} ms)"
 
     def render(self, with_code: bool = True) -> str:
-        out = [self.summary()]
+        out = [self.summary(), *(f"    note: {n}" for n in self.notes)]
         if not any(r.pattern == "residual_rmsnorm_gemm" for r in self.records):
             out.append("    nothing matched: no RMSNorm (mean of squares over the last dim, "
                        "rsqrt, scale) with a GEMM reading its output was found in this graph")

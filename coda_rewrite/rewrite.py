@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .algebra.row_scale import mutated_value, replay_chain
 from .canonical import meta
+from .capture import describe
 from .kernels import ops, relayout
 from .patterns import residual_rmsnorm
 
@@ -232,21 +233,22 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
     from .algebra import rope as rope_algebra
     from .patterns import rope as rope_pattern
 
-    order = {n: i for i, n in enumerate(graph.nodes)}
     lay = rope_algebra.layout(m)
     # the fused GEMM goes right after the last value it reads, which must precede every
-    # reader of what it replaces (true of every model seen; else this raises and the
-    # pipeline reports the match as left alone)
+    # reader of what it replaces: values computed later (TorchTitan's table, made complex
+    # inside the rotation of q, after v's reshape) are moved up if they are pure
     p = m.proj
     reads = [p.x, p.r, *(s.proj.weight for s in m.segments), *(s.proj.bias for s in m.segments),
              *((m.table,) if m.form == "pairs" else (m.angle.cos, m.angle.sin)
                if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
-    last = max((n for n in reads if isinstance(n, fx.Node)), key=order.__getitem__)
+    reads = [n for n in reads if isinstance(n, fx.Node)]
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]
-    anchor = last.next
-    if readers and order[anchor] > min(order[u] for u in readers):
-        raise ValueError("the fused GEMM's inputs are computed after a reader of its outputs")
+    if readers:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        hoist_before(min(readers, key=order.__getitem__), reads)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max(reads, key=order.__getitem__).next
     if m.angle_source == "angles":
         freq = _shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
@@ -260,12 +262,17 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
                                   _same_rows(m.angle.pos, x)), freq]
             if rope_pattern.scaled(m):
                 b.append(graph.call_function(ops.rope_column_scale, (m.angle.scale, lay, x)))
-        elif m.form == "half":
-            rot = m.rotated[0]
-            angle = [graph.call_function(ops.rope_half_table_rows, (
-                m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
         else:
-            angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
+            if m.form == "half":
+                rot = m.rotated[0]
+                angle = [graph.call_function(ops.rope_half_table_rows, (
+                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
+            else:
+                angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
+            if m.passthrough:
+                spans = rope_algebra.rotated_spans(m)
+                angle.append(_shared_call(graph, ops.rope_rotated_columns, (spans, x), anchor,
+                                          lambda n: n.args[0] == spans))
         r = [p.r] if p.r is not None else []
         call = graph.call_function(ops.fused_linear, (m.program.to_text(), x, w, *r, *b,
                                                       *angle))
@@ -303,6 +310,31 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
                   + [n for s in (*m.segments, *m.remainders)
                      for n in (s.column_node, *s.proj.nodes)])
     return call
+
+
+class NotPlaceable(ValueError):
+    """No place in the graph for a fused call; raised before the graph changes, so the
+    pipeline leaves the match as it is and reports why."""
+
+
+def hoist_before(first: fx.Node, needed: list[fx.Node]) -> None:
+    """Move the ``needed`` values that are computed at or after ``first``, with what they
+    are computed from, to just before it (graph order kept among them). Only pure nodes
+    move; anything else raises NotPlaceable before the graph is touched."""
+    order = {n: i for i, n in enumerate(first.graph.nodes)}
+    late, stack = set(), [n for n in needed if order[n] >= order[first]]
+    while stack:
+        n = stack.pop()
+        if n in late:
+            continue
+        if n is first or n.op not in ("call_function", "call_method", "get_attr") or \
+                n.is_impure():
+            raise NotPlaceable(f"the fused GEMM reads {describe(n)}, which is computed after "
+                             f"{describe(first)} reads its outputs and cannot move up")
+        late.add(n)
+        stack += [a for a in n.all_input_nodes if order[a] >= order[first]]
+    for n in sorted(late, key=order.__getitem__):
+        first.prepend(n)
 
 
 def _column_gemm(graph: fx.Graph, s) -> fx.Node:

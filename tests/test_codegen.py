@@ -159,10 +159,16 @@ def rope_table_qk():
     return rope_table_program(True, False, torch.bfloat16)
 
 
+def rope_table_qkv():
+    """A table rotation with v passing through under a per-column 0 flag."""
+    from coda_rewrite.patterns.rope import rope_table_program
+    return rope_table_program(True, True, torch.bfloat16, passthrough=True)
+
+
 # Pair mode and stateful sinks: N must be even (pairs) and the index operand is an int
 PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, gated_training, geglu_erf_plain,
                      lse_target, ce_logits_kept, ce_no_logits, rope_qkv, rope_bias_scaled,
-                     rope_table_qk]
+                     rope_table_qk, rope_table_qkv]
 
 
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)
@@ -237,6 +243,15 @@ def test_rotation_source_and_contract():
                    "v_rot_cos, v_rot_sin = unpack(o_cs)"):
         assert needle in table, (needle, table)
     assert "_angle_turns" not in table
+    flagged = generate(rope_table_qkv())
+    for needle in ("v_rot_on, _ = unpack(o_on)",
+                   "v_rot_cos = v_rot_on * v_rot_cos + (1.0 - v_rot_on)",
+                   "v_rot_sin = v_rot_on * v_rot_sin"):
+        assert needle in flagged.source, (needle, flagged.source)
+    assert "1 on rotated columns, 0 on pass-through" in flagged.contract.render()
+    with pytest.raises(ProgramError, match="per-feature rotate-or-not"):
+        program_of("bad", lambda p, o: [(p.rope_table(ACC, o["cs"], o["r"]), Kind.TILE,
+                                         "bfloat16")], [("cs", Kind.COS_SIN), ("r", Kind.PER_ROW)])
     with pytest.raises(ProgramError, match="positions from a per-row operand"):
         program_of("bad", lambda p, o: [(p.rope(ACC, o["f"], o["f"]), Kind.TILE, "bfloat16")],
                    [("f", Kind.PER_FEATURE)])

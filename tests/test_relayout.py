@@ -66,24 +66,28 @@ def test_no_stale_hit_from_a_new_model_of_the_same_shapes():
 
 
 @pytest.mark.inductor
-def test_cache_through_inductor():
+def test_not_kept_under_inductor():
+    """Inductor may reuse a custom op's output buffer as scratch once its last reader ran:
+    a kept re-layout handed to it could be written over. Under Inductor the option is
+    reported and not used; the re-layouts are graph ops again (one copy kernel each)."""
     model = hf_model("llama", layers=1).eval()
-    compiled = torch.compile(model, backend=coda_rewrite.CodaBackend(
-        coda_rewrite.Options(cache_relayouts=True)))
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(cache_relayouts=True))
+    compiled = torch.compile(model, backend=backend)
     ids = tokens()
+    with torch.no_grad(), pytest.warns(UserWarning, match="not used under Inductor"):
+        relayout.STATS.clear()
+        assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
+    assert "cache_relayouts is not used under Inductor" in str(backend.report)
+    assert backend.report.count(pattern="rope") == 1
+    assert "coda.relayout" not in backend.report.graphs[0].rewritten_code
     with torch.no_grad():
-        compiled(ids)
-        relayout.STATS.clear()
-        assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
-        assert relayout.STATS == {"hit": 2}
         model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
-        relayout.STATS.clear()
         assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
-        assert relayout.STATS == {"hit": 1, "miss": 1}
+    assert not relayout.STATS
 
 
 @pytest.mark.inductor
-def test_training_through_inductor_recomputes_after_each_step():
+def test_training_through_inductor_with_the_option_set():
     model = hf_model("llama", layers=1).train()
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend=coda_rewrite.CodaBackend(
@@ -97,7 +101,7 @@ def test_training_through_inductor_recomputes_after_each_step():
         loss.backward()
         want.backward()
         grads_match(model, ref)
-        assert relayout.STATS == {"miss": 2}  # gate/up and q/k/v: new weights each step
+        assert not relayout.STATS  # not kept under Inductor: recomputed by construction
         for o in opts:
             o.step()
             o.zero_grad()

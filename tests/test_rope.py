@@ -153,24 +153,27 @@ def test_rope_types_give_eager_frequencies(rope_scaling):
 def test_cos_sin_from_outside_the_graph_are_read_as_a_table():
     """Dynamic NTK rope updates inv_freq data-dependently: dynamo breaks the graph there,
     so the layers receive cos/sin as inputs. The epilogue reads them as a table (their
-    halves checked on the device), q and k still permuted, v keeps its GEMM."""
+    halves checked on the device), q and k still permuted, v in the same GEMM under a
+    0 rotate flag."""
     model = hf_model("llama", layers=1, max_position_embeddings=32,
                      rope_scaling={"rope_type": "dynamic", "factor": 2.0}).eval()
     ids = tokens(seq=48)
     got, want, report = eager_and_rewritten(model, ids, use_cache=False)
     got, want = got.logits, want.logits
     (r,) = rope_records(report)
-    assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 2
+    assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 3
+    assert "not rotated" in r.consumers[2] and "on" in {o.name for o in r.programs[0].operands}
     text = r.decision.render()
     assert "come from outside this graph" in text and "checked on the device" in text, text
+    assert "v joins the GEMM under a 0 rotate flag" in text, text
     assert rel_err(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 def test_layers_compiled_one_by_one(family):
     """Each decoder layer compiled alone (position_embeddings arrive as inputs): the
-    table path, in training; loss and every gradient against eager. Phi-3's packed qkv:
-    q and k in the rotating GEMM, v's rows in a GEMM of their own."""
+    table path, in training; loss and every gradient against eager; v in the rotating
+    GEMM under a 0 flag (Phi-3: all of the packed qkv, no remainder)."""
     model = build(family, layers=2).train()
     ref = copy.deepcopy(model)
     for i, layer in enumerate(model.model.layers):
@@ -185,7 +188,7 @@ def test_layers_compiled_one_by_one(family):
     for layer in model.model.layers:
         (r,) = rope_records(layer.report)
         assert r.programs[0].name == "rowscale_rope_table", str(layer.report)
-        assert ("gets a GEMM of its own" in r.decision.render()) == (family == "phi3")
+        assert len(r.consumers) == 3 and "gets a GEMM of its own" not in r.decision.render()
 
 
 def test_a_table_that_is_not_cat_theta_theta_fails_loudly():
@@ -399,15 +402,48 @@ def test_q_read_before_rotation_is_left_alone():
 @pytest.mark.parametrize("layers", [1, 3])
 def test_complex_form_rotates_in_the_epilogue_from_the_table(layers):
     """The plain Llama (TorchTitan's view_as_complex over a precomputed table): q and k
-    in one GEMM reading (cos, sin) rows of the model's table, no permutation, v apart."""
+    in one GEMM reading (cos, sin) rows of the model's table, no permutation, v in the
+    same GEMM under a 0 rotate flag."""
     report = step_matches_eager("plain", layers=layers)
     done = rope_records(report)
     assert len(done) == layers, str(report)
     for r in done:
-        assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 2, r.consumers
+        assert r.programs[0].name == "rowscale_rope_table" and len(r.consumers) == 3, r.consumers
         assert "no permutation" in r.decision.render() and "witness replay" in \
             r.decision.render(), r.decision.render()
     assert unpermuted(report) == []
+
+
+def test_late_pure_inputs_move_up_and_others_refuse():
+    """The fused GEMM must precede every reader of its outputs: pure values it reads that
+    are computed later (TorchTitan's table made complex inside q's rotation, after v's
+    reshape) move up with what they are computed from; anything else refuses before the
+    graph changes."""
+    import torch.fx as fx
+    import torch.nn as nn
+
+    from coda_rewrite.rewrite import NotPlaceable, hoist_before
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, t):
+            early = x.relu()            # reads the output: the fused call must come first
+            table = t.float().cos()     # read by the fused call, computed after
+            late = self.lin(t)          # a module call: not known to be pure
+            return early + table + late
+
+    gm = fx.symbolic_trace(M())
+    nodes = {n.name: n for n in gm.graph.nodes}
+    hoist_before(nodes["relu"], [nodes["cos"]])
+    names = [n.name for n in gm.graph.nodes]
+    assert names.index("float_1") < names.index("cos") < names.index("relu"), names
+    gm.graph.lint()
+    with pytest.raises(NotPlaceable, match="cannot move up"):
+        hoist_before(nodes["relu"], [nodes["lin"]])
+    assert [n.name for n in gm.graph.nodes] == names  # untouched
 
 
 # ---- layouts, frequencies, kernel-level math ----------------------------------------
@@ -442,6 +478,45 @@ def test_segments_are_written_in_place_with_their_gradient():
         assert torch.equal(a, b)
     bias = ops.rope_segments(lay, torch.ones(48), None, torch.ones(32))  # k has no bias
     assert not bias[48:80].any() and bias[:48].all() and bias[80:].all()
+
+
+def test_segments_without_autograd_move_rows_as_words():
+    """Outside autograd the re-layout copies rows as 8-byte words (a strided copy moves
+    one element per step); same bytes, and the element path wherever rows are not whole
+    aligned words or a gradient is wanted."""
+    lay = ((0, 48, 3, 16, 8), (0, 32, 2, 16, 16), (0, 32, 0, 0, 0))
+    for k, dtype in ((8, torch.bfloat16), (12, torch.float32), (5, torch.bfloat16)):
+        ws = [torch.randn(n, k).to(dtype) for n in (48, 32, 32)]
+        want = torch.cat((ws[0][_interleaved_rows(3, 16, 8)], ws[1][_interleaved_rows(2, 16, 16)],
+                          ws[2]))
+        with torch.no_grad():
+            assert torch.equal(ops.rope_segments(lay, *ws), want)
+            out, _ = ops._as_row_words(torch.empty(4, k, dtype=dtype), ws)
+        assert (out.dtype == torch.int64) == (k * dtype.itemsize % 8 == 0)
+    w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = ops._as_row_words(torch.empty(4, 8, dtype=torch.bfloat16), [w])
+    assert out.dtype == torch.bfloat16  # autograd sees the element copy
+
+
+def test_frequencies_kept_until_the_buffer_changes(monkeypatch):
+    """Run eagerly, the per-column frequencies are computed once per inv_freq buffer (not a
+    dozen launches per call) and again when the buffer changes in place."""
+    computed = []
+    inner = ops._rope_frequencies
+    monkeypatch.setattr(ops, "_rope_frequencies",
+                        lambda *a: computed.append(1) or inner(*a))
+    model = build("llama", layers=2).eval()
+    fast = coda_rewrite.optimize(model)
+    ids = tokens()
+    with torch.no_grad():
+        fast(ids, use_cache=False)  # capture, rewrite (the witness replays), first call
+        computed.clear()
+        fast(ids, use_cache=False)
+        assert computed == []
+        model.model.rotary_emb.inv_freq.mul_(0.5)
+        got, want = fast(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+    assert len(computed) == 1
+    assert rel_err(got, want) <= 1e-5
 
 
 def test_frequencies_are_float_float_turns():

@@ -311,7 +311,8 @@ def decide(m, witness: bool = True) -> Decision:
     facts = statements.prove_rotation_facts()
     held.append(region.describe())
     if m.passthrough:
-        held.append("v joins the GEMM with frequency 0: " + ", ".join(
+        held.append("v joins the GEMM " + ("with frequency 0" if m.angle_source == "angles"
+                                          else "under a 0 rotate flag") + ": " + ", ".join(
             describe(s.column_node) for s in m.passthrough))
     seen = guarded(_replay, m) if witness else ""
     if isinstance(seen, Rejection):
@@ -337,6 +338,12 @@ def layout(m) -> tuple:
         else:
             out.append((lo, hi, 0, 0, 0))
     return tuple(out)
+
+
+def rotated_spans(m) -> tuple:
+    """(width, rotated) per segment of the fused GEMM, for a table rotation's flags."""
+    return tuple((s.columns[1] - s.columns[0], isinstance(s, rope_pattern.Rotated))
+                 for s in m.segments)
 
 
 def _replay(m) -> str | Rejection:
@@ -408,6 +415,8 @@ def _replay(m) -> str | Rejection:
         rot = m.rotated[0]
         operands.append(ops.rope_half_table_rows(cos, sin, x, rot.head_dim,
                                                  rot.rotary_dim).double())
+    if m.angle_source == "table" and m.passthrough:
+        operands.append(ops.rope_rotated_columns(rotated_spans(m), x))
     else:
         if rope_pattern.scaled(m):
             operands.append(ops.rope_column_scale(scale, lay, x))

@@ -329,15 +329,21 @@ def prove_rope_interleave() -> Proof:
 @functools.cache
 def prove_rotation_facts() -> Proof:
     """What the fused rotation relies on besides the interleave: frequency 0 passes a
-    column pair through (v in the q/k/v GEMM), R(−θ) undoes R(θ) (the backward), a
-    scale commutes with the rotation (the rope type's attention scaling)."""
-    x1, x2, th, sc = sp.symbols("x1 x2 theta s", real=True)
+    column pair through (v in the q/k/v GEMM), and so does a table read under a 0 flag
+    (cos' = on·cos + 1 − on, sin' = on·sin; the table itself under a 1), R(−θ) undoes
+    R(θ) (the backward), a scale commutes with the rotation (the rope type's attention
+    scaling)."""
+    x1, x2, th, sc, c, s, on = sp.symbols("x1 x2 theta s c s_ on", real=True)
 
     def rot(a, b, t):
         return a * sp.cos(t) - b * sp.sin(t), a * sp.sin(t) + b * sp.cos(t)
 
     for lane, (got, want) in enumerate(zip(rot(x1, x2, 0), (x1, x2))):
         _require(got - want, f"zero-frequency pass-through (lane {lane})")
+    flagged = (on * c + 1 - on, on * s)
+    for value, want in ((0, (1, 0)), (1, (c, s))):
+        for got, w in zip(flagged, want):
+            _require(got.subs(on, value) - w, f"table flag {value}")
     back = rot(*rot(x1, x2, th), -th)
     for lane, (got, want) in enumerate(zip(back, (x1, x2))):
         _require(sp.simplify(got - want), f"R(-θ)·R(θ) = I (lane {lane})")
@@ -356,7 +362,8 @@ def prove_rotation_facts() -> Proof:
         return max(rel_err(r(r(xx, t), -t), xx), rel_err(r(xx, torch.zeros_like(t)), xx))
 
     return Proof(
-        "R(0)·y = y,  R(−θ)·R(θ)·y = y,  R(θ)·(s·y) = s·R(θ)·y  (R(θ) a 2×2 rotation)",
+        "R(0)·y = y,  R(−θ)·R(θ)·y = y,  R(θ)·(s·y) = s·R(θ)·y  (R(θ) a 2×2 rotation);  "
+        "a table under flag 0 is (cos, sin) = (1, 0), under flag 1 itself",
         ("cos 0 = 1 and sin 0 = 0 exactly (and in the kernel: MUFU sin/cos of 0)",),
         ("cos²θ + sin²θ = 1", "the rotation is linear"),
         _witness("rotation facts", num))

@@ -52,7 +52,10 @@ The primitive classes of DESIGN.md, and where each lives here:
                             rotated (v of a packed q/k/v GEMM) pass through.
                             ``rope_table(x, cs)`` is the same rotation with cos/sin read
                             from a COS_SIN operand (a precomputed table: TorchTitan's
-                            freqs_cis).
+                            freqs_cis). ``rope_table(x, cs, rot)`` rotates only where the
+                            per-feature operand rot is 1 and passes columns where it is
+                            0 through (v beside q and k): cos' = rot·cos + (1 − rot),
+                            sin' = rot·sin, exact for rot in {0, 1}.
     6 stateful reduction    ``row_logsumexp`` keeps a per-row online (max, sum-exp) state,
                             merged across tiles by the proved LSE merge
                             (algebra/statements.py); ``select_column(x, idx)`` picks
@@ -96,9 +99,10 @@ ELEMENTWISE = {
 }
 # Gated pairs over interleaved columns: op -> the activation applied to the gate lane.
 PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh", "geglu_erf": "gelu_erf"}
-# Rotations of adjacent column pairs: op -> arity (x, per-row positions, per-feature
-# float-float frequencies in turns).
-ROTARY = {"rope": 3, "rope_table": 2}
+# Rotations of adjacent column pairs: op -> arities (rope: x, per-row positions,
+# per-feature float-float frequencies in turns; rope_table: x, a cos/sin table, and
+# optionally a per-feature 0/1 "rotate this column").
+ROTARY = {"rope": (3,), "rope_table": (2, 3)}
 # Stateful row reductions: op -> arity (select_column's second argument is a per-row
 # integer operand, an index into the row).
 STATEFUL = {"row_logsumexp": 1, "select_column": 2}
@@ -187,14 +191,17 @@ class EpilogueProgram:
                     raise ProgramError(f"{self.name}: {ins.op} pairs up the columns of a tile")
                 env[ins.out] = (Kind.PAIR, False)
             elif ins.op in ROTARY:
-                if len(ins.args) != ROTARY[ins.op]:
-                    raise ProgramError(f"{self.name}: {ins.op} takes {ROTARY[ins.op]} args")
+                if len(ins.args) not in ROTARY[ins.op]:
+                    raise ProgramError(f"{self.name}: {ins.op} takes "
+                                       f"{' or '.join(map(str, ROTARY[ins.op]))} args")
                 k, final = kinds[0]
                 if k != Kind.TILE or final:
                     raise ProgramError(f"{self.name}: {ins.op} rotates column pairs of a tile")
                 kinds_of = {o.name: o.kind for o in self.operands}
-                if ins.op == "rope_table" and kinds_of.get(ins.args[1]) != Kind.COS_SIN:
-                    raise ProgramError(f"{self.name}: rope_table reads a cos_sin operand")
+                if ins.op == "rope_table" and (kinds_of.get(ins.args[1]) != Kind.COS_SIN or any(
+                        kinds_of.get(a) != Kind.PER_FEATURE for a in ins.args[2:])):
+                    raise ProgramError(f"{self.name}: rope_table reads a cos_sin operand (and "
+                                       "a per-feature rotate-or-not operand)")
                 if ins.op == "rope" and (kinds_of.get(ins.args[1]) != Kind.PER_ROW or
                                          kinds_of.get(ins.args[2]) != Kind.PER_FEATURE):
                     raise ProgramError(f"{self.name}: {ins.op} reads its positions from a "

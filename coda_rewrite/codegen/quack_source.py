@@ -267,6 +267,10 @@ def generate(program: EpilogueProgram) -> KernelSource:
             lines.append(f"{o}_x1, {o}_x2 = unpack({args[0]})")
             if i.op == "rope_table":
                 lines.append(f"{o}_cos, {o}_sin = unpack({args[1]})")
+                if len(args) == 3:  # 1: rotate; 0: pass through (cos 1, sin 0), exactly
+                    lines.append(f"{o}_on, _ = unpack({args[2]})")
+                    lines.append(f"{o}_cos = {o}_on * {o}_cos + (1.0 - {o}_on)")
+                    lines.append(f"{o}_sin = {o}_on * {o}_sin")
             else:
                 lines.append(f"{o}_sin, {o}_cos = _sincos_turns(*_angle_turns({args[1]}, "
                              f"{args[2]}))")
@@ -356,7 +360,9 @@ def generate(program: EpilogueProgram) -> KernelSource:
             f"per position as a float-float split (f_j = {i.args[2]}[2j] + {i.args[2]}[2j+1]; "
             "0 passes the pair through)" if i.op == "rope" else
             f"{i.args[1]}: float32 [M, head_dim], (cos, sin) of pair p at (2p, 2p+1); head_dim "
-            "must divide tile_n or be a multiple of it" for i in program.body if i.op in ROTARY))
+            "must divide tile_n or be a multiple of it"
+            + (f"; {i.args[2]}: float32 [N], 1 on rotated columns, 0 on pass-through ones"
+               if len(i.args) == 3 else "") for i in program.body if i.op in ROTARY))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
                         row_stage)
 

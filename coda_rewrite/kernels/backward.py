@@ -247,10 +247,10 @@ def _rope_vjp(prog, a, b, operands, outputs, grads):
         return None, None, [None] * len(operands)
     scale, angle = _rope_parts(prog)
     by_name = dict(zip((o.name for o in prog.operands), operands))
-    if len(angle) == 1:
+    if prog.body[-1].op == "rope_table":
         cs = _up(by_name[angle[0]]).clone()
         cs[:, 1::2] = -cs[:, 1::2]
-        dy = reference.rotate_pairs_by_table(_up(dout), cs)
+        dy = reference.rotate_pairs_by_table(_up(dout), cs, *(by_name[a] for a in angle[1:]))
     else:
         pos, freq = angle
         dy = reference.rotate_pairs(_up(dout), by_name[pos].reshape(-1, 1),

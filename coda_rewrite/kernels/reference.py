@@ -113,12 +113,17 @@ def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> torc
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
 
-def rotate_pairs_by_table(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+def rotate_pairs_by_table(x: torch.Tensor, cs: torch.Tensor,
+                          rot: torch.Tensor | None = None) -> torch.Tensor:
     """``rope_table``: rotate each adjacent column pair of x [M, N] by the angle whose
     (cos, sin) row i of the table [M, head_dim] holds at (2p, 2p+1), p = (j mod
-    head_dim) / 2: the table repeats every head_dim columns."""
+    head_dim) / 2: the table repeats every head_dim columns. With ``rot`` ([1, N], 0 or
+    1 per column) only where it is 1: (cos, sin) = (1, 0) elsewhere, exactly."""
     reps = x.shape[1] // cs.shape[1]
     c, s = cs[:, 0::2].to(x.dtype).repeat(1, reps), cs[:, 1::2].to(x.dtype).repeat(1, reps)
+    if rot is not None:
+        on = rot.reshape(1, -1)[:, 0::2].to(x.dtype)
+        c, s = on * c + (1 - on), on * s
     x1, x2 = x[:, 0::2], x[:, 1::2]
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 

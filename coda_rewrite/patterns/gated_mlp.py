@@ -254,7 +254,7 @@ def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
 
 
 def build_program(m: Match, options) -> None:
-    m.cache_relayouts = options.cache_relayouts
+    m.cache_relayouts = options.keeps_relayouts
     has_bias = m.gate.bias is not None or m.up.bias is not None
     mm = meta(m.mul)
     m.program = gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,

@@ -35,13 +35,14 @@ becomes the per-column s_j).
 
 The complex form (TorchTitan: ``view_as_real(view_as_complex(q.float().reshape(..., -1,
 2)) * freqs_cis).flatten(3).type_as(q)``) already rotates adjacent pairs: no permutation,
-q and k in one GEMM whose epilogue reads (cos, sin) from the model's own table (QuACK's
-rotary_cos_sin_load; a table rotates every column, so v keeps its GEMM).
+q/k/v in one GEMM whose epilogue reads (cos, sin) from the model's own table (QuACK's
+rotary_cos_sin_load; the table repeats every head_dim columns, so a per-column 0/1 flag
+says which columns it rotates: v's pass through).
 
 When cos/sin are not an outer product computed in this graph (graph inputs: a decoder
 layer compiled alone, dynamic NTK rope's graph break; angles of another shape), the
 half-split form reads them as a table instead (algebra/rope.py: their halves are checked
-on the device at run time) and v keeps its own GEMM.
+on the device at run time), v again passing through under a 0 flag.
 
 Left with the reason: q or k read before the rotation, a norm between the projection and
 the rotation (Qwen3, Gemma 3, OLMo 2), heads that interleave q, k and v (GPT-NeoX),
@@ -630,11 +631,8 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         else:
             groups.append([r])
     for g in groups:
-        # a table rotates every column it covers: v joins only when angles are recomputed
-        m = Match(g, [])
-        if m.angle_source == "angles":
-            m.passthrough = _passthrough_candidates(g, graph)
-        out.append(m)
+        # v joins at frequency 0 (angles) or under a 0 "rotate" flag (a table)
+        out.append(Match(g, _passthrough_candidates(g, graph)))
     return out
 
 
@@ -655,12 +653,17 @@ def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype
     return p.build()
 
 
-def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype) -> EpilogueProgram:
-    """y = acc (· r) (+ b); out = rope_table(y, cs) -> out (tile)."""
+def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype,
+                       passthrough: bool = False) -> EpilogueProgram:
+    """y = acc (· r) (+ b); out = rope_table(y, cs [, on]) -> out (tile). A table repeats
+    every head_dim columns and cannot tell v's heads from q's: with pass-through columns
+    a per-feature flag ``on`` (1 rotate, 0 pass through) keeps v in the GEMM."""
     p = ProgramBuilder("rowscale_rope_table" if has_r else "rope_table", gemm=True)
     v = p.scaled_acc(has_r, has_bias)
-    cs = p.operand("cs", Kind.COS_SIN)
-    p.output(p.rope_table(v, cs, name="rot"), Kind.TILE, dtype_name(dtype))
+    angle = [p.operand("cs", Kind.COS_SIN)]
+    if passthrough:
+        angle.append(p.operand("on", Kind.PER_FEATURE))
+    p.output(p.rope_table(v, *angle, name="rot"), Kind.TILE, dtype_name(dtype))
     return p.build()
 
 
@@ -669,10 +672,10 @@ def has_bias(m: Match) -> bool:
 
 
 def build_program(m: Match, options) -> None:
-    m.cache_relayouts = options.cache_relayouts
+    m.cache_relayouts = options.keeps_relayouts
     if m.angle_source == "table":
         m.program = rope_table_program(m.proj.r is not None, has_bias(m),
-                                       meta(m.rotated[0].out).dtype)
+                                       meta(m.rotated[0].out).dtype, bool(m.passthrough))
         return
     m.program = rope_program(m.proj.r is not None, has_bias(m), scaled(m),
                              meta(m.rotated[0].out).dtype)

@@ -39,12 +39,17 @@ PROGRAMS = [residual_rmsnorm, rowscale_bias, *NEW_PROGRAMS]
 
 def _rotation_operands(prog, m, n) -> dict:
     """Positions (two sequences of m/2 tokens) and float-float frequencies: heads of 16
-    columns, the last 16 columns at frequency 0 (v passing through)."""
+    columns, the last 16 columns at frequency 0 (v passing through). A table: heads of
+    64, the last head passing through where the program reads a rotate flag."""
     tables = [o.name for o in prog.operands if o.kind == Kind.COS_SIN]
     if tables:  # head_dim 64 (the TMA table needs whole epilogue subtiles): two sequences
         th = (torch.arange(m, device=DEV) % max(m // 2, 1)).float()[:, None] * \
             (1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=DEV).float() / 64)))
-        return {tables[0]: torch.stack((th.cos(), th.sin()), -1).flatten(1).contiguous()}
+        out = {tables[0]: torch.stack((th.cos(), th.sin()), -1).flatten(1).contiguous()}
+        flags = [a for i in prog.body if i.op == "rope_table" for a in i.args[2:]]
+        if flags:
+            out[flags[0]] = ops.rope_rotated_columns(((n - 64, True), (64, False)), th)
+        return out
     angles = [a for i in prog.body if i.op == "rope" for a in i.args[1:]]
     if not angles:
         return {}
