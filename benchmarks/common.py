@@ -36,6 +36,24 @@ def bench(fn, warmup=25, rep=200) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def bench_rounds(fns: dict, rounds: int = 3) -> dict:
+    """{name: (median ms, spread)} of variants timed in alternating rounds (the order
+    reversed every other round), so that a drift of the card's clocks during the run
+    lands on every variant alike; spread is (max − min) / median over the rounds: a
+    difference between variants smaller than it is noise."""
+    import statistics
+    seen = {k: [] for k in fns}
+    names = list(fns)
+    for i in range(rounds):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            seen[k].append(bench(fns[k], warmup=10, rep=100))
+    out = {}
+    for k, ts in seen.items():
+        med = statistics.median(ts)
+        out[k] = (med, (max(ts) - min(ts)) / med)
+    return out
+
+
 def classify(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):

@@ -25,18 +25,12 @@ class Options:
     # (training loops that read only the loss save tokens x vocab x 2 bytes).
     materialize_logits: bool = True
     # Keep re-laid-out weights (interleaved gate/up, permuted q/k/v) between calls, keyed
-    # by the parameters' version counters (kernels/relayout.py), instead of recomputing
-    # them on every call. For serving: saves a read + write of those weights per call,
-    # costs one more copy of them in memory; writes through ``param.data`` go unseen.
+    # by the parameters' version counters, inside the GEMM op that reads them
+    # (kernels/relayout.py), instead of recomputing them on every call. Inference graphs
+    # only (a training graph's weights change every step). For serving: saves a read +
+    # write of those weights per call, costs one more copy of them in memory; writes
+    # through ``param.data`` go unseen.
     cache_relayouts: bool = False
-
-    @property
-    def keeps_relayouts(self) -> bool:
-        """cache_relayouts where it is safe: not under Inductor, whose buffer planning may
-        reuse a custom op's output as scratch memory once its last reader ran, and would
-        then write over the kept copy (Inductor makes each re-layout one copy kernel
-        instead: measured 0.02 ms for Llama-3-8B's q/k/v weights, BENCHMARKS.md)."""
-        return self.cache_relayouts and not self.inductor
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":

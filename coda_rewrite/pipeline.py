@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 
 import torch.fx as fx
 
@@ -45,14 +44,18 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     _cross_entropy(graph, options, records)
     graph.lint()
     gm.recompile()
-    notes = []
-    if options.cache_relayouts and not options.keeps_relayouts:
-        notes.append("cache_relayouts is not used under Inductor (its buffer planning may "
-                     "reuse a kept re-layout as scratch memory); each re-layout is one "
-                     "generated copy kernel per call instead")
-        warnings.warn(f"coda_rewrite: {notes[-1]}", stacklevel=2)  # shown once per site
-    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0,
-                       notes)
+    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+
+
+def _weights_line(m, options: Options) -> str:
+    """What the report says about a fused GEMM's re-laid-out weights."""
+    if m.cache_relayouts:
+        return ("re-laid out once, kept inside the GEMM op until a weight changes "
+                "(cache_relayouts; version-keyed)")
+    if options.cache_relayouts:
+        return ("re-laid out on every call: this graph computes gradients (cache_relayouts "
+                "applies to inference graphs; here the weights change every step)")
+    return "re-laid out on every call, from the live parameters"
 
 
 def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None:
@@ -104,6 +107,8 @@ def _gated(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
             [describe(m.gate.out), describe(m.up.out)]
         if done and m.gate.r is not None:
             record.producer = f"rows scaled by the deferred rstd {describe(m.gate.r)}"
+        if done:
+            record.weights = _weights_line(m, options)
 
     _one_program_pattern(graph, options, records, gated_mlp, gated_algebra.decide,
                          rewrite.apply_gated, annotate)
@@ -118,6 +123,8 @@ def _rope(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> None
                                                else "not rotated") + ")" for s in m.passthrough]
         if m.proj.r is not None:
             record.producer = f"rows scaled by the deferred rstd {describe(m.proj.r)}"
+        if done:
+            record.weights = _weights_line(m, options)
         if done and m.region is not None and m.region.unpermute:
             record.materialised = [
                 f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"

@@ -38,6 +38,7 @@ class MatchRecord:
     programs: list[EpilogueProgram] = dataclasses.field(default_factory=list)
     program_checks: list[Decision] = dataclasses.field(default_factory=list)
     notes: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
+    weights: str = ""                    # how the fused GEMM's weights are re-laid out
 
     def render(self, i: int) -> str:
         head = f"[{i}] {self.pattern} at {self.path or '<top level>'}: {self.status.upper()}"
@@ -55,6 +56,8 @@ class MatchRecord:
             elif "direct" not in d.assumptions[0]:
                 lines.append(f"    consumer {name}: {d.assumptions[0]}")
                 lines += [f"      step {s}" for s in d.steps]
+        if self.weights:
+            lines.append(f"    weights: {self.weights}")
         if self.materialised:
             lines.append("    materialised (still read outside the rewrite): "
                          + ", ".join(self.materialised))
@@ -77,7 +80,6 @@ class GraphReport:
     canonical: str
     rewritten_code: str
     seconds: float
-    notes: list[str] = dataclasses.field(default_factory=list)  # about the whole graph
 
     @property
     def rewritten(self) -> list[MatchRecord]:
@@ -97,7 +99,7 @@ class GraphReport:
         return f"graph {self.index}: {parts or 'no candidates'} ({self.seconds * 1e3:.0f} ms)"
 
     def render(self, with_code: bool = True) -> str:
-        out = [self.summary(), *(f"    note: {n}" for n in self.notes)]
+        out = [self.summary()]
         if not any(r.pattern == "residual_rmsnorm_gemm" for r in self.records):
             out.append("    nothing matched: no RMSNorm (mean of squares over the last dim, "
                        "rsqrt, scale) with a GEMM reading its output was found in this graph")

@@ -137,15 +137,26 @@ def apply(graph: fx.Graph, match, accepted_consumers):
     return [n for n in norm.nodes if n in alive], replacements
 
 
-def _relayout(graph: fx.Graph, cached: bool, kind: str, layout: tuple, *sources) -> fx.Node:
-    """A weight re-layout (kernels/ops.py): a graph op recomputed on every call, or the
-    version-keyed cached op (kernels/relayout.py, Options.cache_relayouts)."""
-    if cached:
-        spec = relayout.spec_of(layout, sources)
-        return graph.call_function(torch.ops.coda.relayout.default,
-                                   (kind, spec, [t for t in sources if t is not None]))
+def _relayout(graph: fx.Graph, kind: str, layout: tuple, *sources) -> fx.Node:
+    """A re-layout (kernels/ops.py) as a graph op, recomputed on every call."""
     fn = getattr(ops, kind)
     return graph.call_function(fn, (layout, *sources) if kind == "rope_segments" else sources)
+
+
+def _relaid_gemm(graph: fx.Graph, m, text: str, linear: fx.Node, x: fx.Node, kind: str,
+                 layout: tuple, weights: tuple, r: list, biases: list, rest: list) -> fx.Node:
+    """The fused GEMM over a re-layout of ``weights``, its operands the row scale ``r``,
+    the (re-laid) ``biases`` and the ``rest`` (a rotation's float32 angles: not cast to
+    the GEMM's dtype). The re-layout is recomputed in the graph, or kept inside the op
+    between calls (kernels/relayout.py; m.cache_relayouts); biases are re-laid in the
+    graph either way (small)."""
+    if m.cache_relayouts:
+        x, *biases = _cast_for_gemm(graph, linear, x, *biases)
+        return graph.call_function(relayout.fused_linear_relaid, (
+            text, x, kind, relayout.spec_of(layout), list(weights), *r, *biases, *rest))
+    w = _relayout(graph, kind, layout, *weights)
+    x, w, *biases = _cast_for_gemm(graph, linear, x, w, *biases)
+    return graph.call_function(ops.fused_linear, (text, x, w, *r, *biases, *rest))
 
 
 def apply_gated(graph: fx.Graph, m) -> fx.Node:
@@ -153,19 +164,14 @@ def apply_gated(graph: fx.Graph, m) -> fx.Node:
     patterns/gated_mlp.py); returns the fused call."""
     g, u = m.gate, m.up
     text = m.program.to_text()
-    cached = m.cache_relayouts
     with graph.inserting_before(m.mul):
         if m.packed:
-            w = _relayout(graph, cached, "interleave_halves", (), g.weight)
-            b = _relayout(graph, cached, "interleave_halves", (), g.bias) \
-                if g.bias is not None else None
+            kind, weights, biases = "interleave_halves", (g.weight,), (g.bias,)
         else:
-            w = _relayout(graph, cached, "interleave_rows", (), g.weight, u.weight)
-            b = _relayout(graph, cached, "interleave_rows", (), g.bias, u.bias) \
-                if g.bias is not None or u.bias is not None else None
-        x, w, *b = _cast_for_gemm(graph, g.out, g.x, w, *([b] if b is not None else []))
+            kind, weights, biases = "interleave_rows", (g.weight, u.weight), (g.bias, u.bias)
+        b = [_relayout(graph, kind, (), *biases)] if any(t is not None for t in biases) else []
         r = [g.r] if g.r is not None else []
-        call = graph.call_function(ops.fused_linear, (text, x, w, *r, *b))
+        call = _relaid_gemm(graph, m, text, g.out, g.x, kind, (), weights, r, b, [])
         _copy_meta(call, m.mul)
         out = _results(graph, call, 1, m.mul)[0]
     out.meta.update({k: v for k, v in m.mul.meta.items() if k not in out.meta})
@@ -252,16 +258,15 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
     if m.angle_source == "angles":
         freq = _shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
-        cached = m.cache_relayouts
-        w = _relayout(graph, cached, "rope_segments", lay, *(s.proj.weight for s in m.segments))
-        b = [_relayout(graph, cached, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
+        b = [_relayout(graph, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
             if rope_pattern.has_bias(m) else []
-        x, w, *b = _cast_for_gemm(graph, p.out, p.x, w, *b)
+        x = p.x  # read for its leading shape only
         if m.angle_source == "angles":
             angle = [_shared_call(graph, ops.rope_positions, (m.angle.pos, x), anchor,
                                   _same_rows(m.angle.pos, x)), freq]
-            if rope_pattern.scaled(m):
-                b.append(graph.call_function(ops.rope_column_scale, (m.angle.scale, lay, x)))
+            if rope_pattern.scaled(m):  # a per-column float32 scale before the rotation
+                angle.insert(0, graph.call_function(ops.rope_column_scale,
+                                                    (m.angle.scale, lay, x)))
         else:
             if m.form == "half":
                 rot = m.rotated[0]
@@ -274,8 +279,9 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
                 angle.append(_shared_call(graph, ops.rope_rotated_columns, (spans, x), anchor,
                                           lambda n: n.args[0] == spans))
         r = [p.r] if p.r is not None else []
-        call = graph.call_function(ops.fused_linear, (m.program.to_text(), x, w, *r, *b,
-                                                      *angle))
+        weights = tuple(s.proj.weight for s in m.segments)
+        call = _relaid_gemm(graph, m, m.program.to_text(), p.out, p.x, "rope_segments", lay,
+                            weights, r, b, angle)
         _copy_meta(call, m.rotated[0].out)
         y = _results(graph, call, 1, m.rotated[0].out)[0]
         at, new_outs = 0, []

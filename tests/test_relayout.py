@@ -1,7 +1,8 @@
-"""Options(cache_relayouts=True): re-laid-out weights kept between calls, keyed by the
-parameters' version counters. Same numbers as recomputing, recomputed after every
-in-place update (optimizer steps, no_grad writes), never a stale hit from another
-tensor, and the same through Inductor."""
+"""Options(cache_relayouts=True): in inference graphs the re-laid-out weights are kept
+inside the GEMM op between calls, keyed by the parameters' version counters. Same
+numbers as recomputing, recomputed after every in-place update (no_grad writes,
+load_state_dict), never a stale hit from another tensor, the same through Inductor (where
+the kept tensor never leaves the op); training graphs recompute and say so."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import pytest
 import torch
 
 import coda_rewrite
+from coda_rewrite.codegen.program import parse
 from coda_rewrite.kernels import ops, relayout
 from coda_rewrite.numerics import rel_err
 
 from conftest import build, grads_match, hf_model, loss_of, tokens
 
 
+def weights_lines(report) -> list[str]:
+    return [r.weights for g in report.graphs for r in g.records if r.weights]
+
+
 @pytest.mark.parametrize("family", ["llama", "phi3", "plain"])
-def test_training_steps_recompute_and_match_eager(family):
+def test_training_graphs_recompute_and_match_eager(family):
     model = build(family, layers=2).train()
     ref = copy.deepcopy(model)
     fast = coda_rewrite.optimize(model, cache_relayouts=True)
@@ -31,25 +37,34 @@ def test_training_steps_recompute_and_match_eager(family):
         loss.backward()
         want.backward()
         grads_match(model, ref)
-        assert relayout.STATS["miss"] >= 2 and relayout.STATS["hit"] == 0  # new weights
+        assert not relayout.STATS  # graph ops: the weights change every step
         for o in opts:
             o.step()
             o.zero_grad()
+    lines = weights_lines(fast.report)
+    assert len(lines) == 4 and all("computes gradients" in w for w in lines), lines
 
 
 def test_inference_hits_until_a_weight_changes():
-    model = hf_model("qwen2", layers=2).eval()  # biases: four re-layouts per layer
+    model = hf_model("qwen2", layers=2).eval()  # biases: re-laid in the graph (small)
     fast = coda_rewrite.optimize(model, cache_relayouts=True)
     ids = tokens()
     with torch.no_grad():
         fast(ids)
         relayout.STATS.clear()
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
-        assert relayout.STATS == {"hit": 6}  # gate/up, q/k/v weights and biases, x2
-        model.model.layers[1].self_attn.k_proj.bias.add_(1.0)  # bumps its version
+        assert relayout.STATS == {"hit": 4}  # gate/up and q/k/v weights, x2 layers
+        model.model.layers[1].self_attn.k_proj.weight.mul_(0.5)  # bumps its version
+        model.model.layers[0].self_attn.q_proj.bias.add_(1.0)   # never kept: always live
         relayout.STATS.clear()
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
-        assert relayout.STATS == {"hit": 5, "miss": 1}
+        assert relayout.STATS == {"hit": 3, "miss": 1}
+        model.load_state_dict(hf_model("qwen2", layers=2, seed=1).state_dict())
+        relayout.STATS.clear()
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+        assert relayout.STATS == {"miss": 4}
+    lines = weights_lines(fast.report)
+    assert len(lines) == 4 and all("kept inside the GEMM op" in w for w in lines), lines
 
 
 def test_no_stale_hit_from_a_new_model_of_the_same_shapes():
@@ -66,24 +81,26 @@ def test_no_stale_hit_from_a_new_model_of_the_same_shapes():
 
 
 @pytest.mark.inductor
-def test_not_kept_under_inductor():
-    """Inductor may reuse a custom op's output buffer as scratch once its last reader ran:
-    a kept re-layout handed to it could be written over. Under Inductor the option is
-    reported and not used; the re-layouts are graph ops again (one copy kernel each)."""
+def test_kept_inside_the_op_under_inductor():
+    """Handed out as an op's output, a kept tensor could be reused by Inductor's buffer
+    planning as scratch memory; the op takes the source weights instead and runs the
+    GEMM on its kept copy, so Inductor only ever sees the GEMM's fresh outputs."""
     model = hf_model("llama", layers=1).eval()
     backend = coda_rewrite.CodaBackend(coda_rewrite.Options(cache_relayouts=True))
     compiled = torch.compile(model, backend=backend)
     ids = tokens()
-    with torch.no_grad(), pytest.warns(UserWarning, match="not used under Inductor"):
+    with torch.no_grad():
+        compiled(ids)
         relayout.STATS.clear()
         assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
-    assert "cache_relayouts is not used under Inductor" in str(backend.report)
-    assert backend.report.count(pattern="rope") == 1
-    assert "coda.relayout" not in backend.report.graphs[0].rewritten_code
-    with torch.no_grad():
+        assert relayout.STATS == {"hit": 2}
         model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+        relayout.STATS.clear()
         assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
-    assert not relayout.STATS
+        assert relayout.STATS == {"hit": 1, "miss": 1}
+    code = backend.report.graphs[0].rewritten_code
+    assert code.count("relayout_fused_linear_relaid(") == 2, code
+    assert "ops_interleave_rows(" not in code and "ops_rope_segments(" not in code, code
 
 
 @pytest.mark.inductor
@@ -101,32 +118,42 @@ def test_training_through_inductor_with_the_option_set():
         loss.backward()
         want.backward()
         grads_match(model, ref)
-        assert not relayout.STATS  # not kept under Inductor: recomputed by construction
+        assert not relayout.STATS  # a training graph: recomputed in the graph
         for o in opts:
             o.step()
             o.zero_grad()
 
 
-def test_op_with_a_missing_source_and_its_gradient():
-    """A bias that only some segments have (zeros there), through the op, with autograd
-    (a None in the op's tensor list would hide every gradient: it is left out)."""
+def test_the_op_is_the_gemm_on_the_kept_weights():
+    """coda::gemm_relaid = coda::gemm_epilogue on the re-layout, in the GEMM's dtype
+    (float32 weights under a bfloat16 GEMM: the cast is kept too); it has no gradient
+    formula, and the rewrite calls it only where none is needed."""
+    from coda_rewrite.patterns.rope import rope_program
+
     lay = ((0, 16, 2, 8, 8), (0, 8, 1, 8, 8), (0, 8, 0, 0, 0))
-    bq, bv = torch.randn(16, requires_grad=True), torch.randn(8, requires_grad=True)
-    spec = relayout.spec_of(lay, (bq, None, bv))
-    got = torch.ops.coda.relayout("rope_segments", spec, [bq, bv])
-    want = ops.rope_segments(lay, bq, None, bv)
-    assert torch.equal(got, want)
-    g = torch.randn_like(got)
-    a = torch.autograd.grad(got, (bq, bv), g)
-    b = torch.autograd.grad(want, (bq, bv), g)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    ws = [torch.randn(n, 12) for n in (16, 8, 8)]
+    a = torch.randn(5, 12, dtype=torch.bfloat16)
+    prog = rope_program(False, False, False, torch.bfloat16)
+    pos, freq = torch.arange(5.0), ops.rope_frequencies(torch.rand(4), lay)
+    spec = relayout.spec_of(lay)
     relayout.STATS.clear()
-    torch.ops.coda.relayout("rope_segments", spec, [bq, bv])
-    assert relayout.STATS == {"hit": 1}
+    got = torch.ops.coda.gemm_relaid(prog.to_text(), a, "rope_segments", spec, ws, [pos, freq])
+    want = ops.gemm_epilogue(prog.to_text(), a, ops.rope_segments(lay, *ws).bfloat16(),
+                             [pos, freq])
+    assert torch.equal(got[0], want[0])
+    torch.ops.coda.gemm_relaid(prog.to_text(), a, "rope_segments", spec, ws, [pos, freq])
+    assert relayout.STATS == {"miss": 1, "hit": 1}
+    assert parse(prog.to_text()).gemm
+    w = ws[0].requires_grad_()
+    with pytest.raises(RuntimeError, match="[Aa]utograd"):
+        out = torch.ops.coda.gemm_relaid(prog.to_text(), a, "rope_segments", spec,
+                                         [w, *ws[1:]], [pos, freq])
+        out[0].sum().backward()
 
 
-def test_bias_on_q_only_trains_through_the_cache():
-    """q has a bias, k and v do not: the cached fused bias still passes its gradient."""
+def test_bias_on_q_only_trains_with_the_option_set():
+    """q has a bias, k and v do not: the fused bias (zeros for k and v) passes its
+    gradient to q's."""
     from test_rope import ChunkSpelling
 
     m = ChunkSpelling().train()

@@ -1,23 +1,30 @@
-"""Weight re-layouts kept between calls, keyed by the parameters' version counters.
+"""Weight re-layouts kept between calls, inside the GEMM op that reads them.
 
 The fused GEMMs read re-laid-out weights (gate/up interleaved, q/k per-head permuted and
 concatenated with v). By default the rewritten graph recomputes them from the live
-parameters on every call (kernels/ops.py): always right, and it costs a read and a write
-of the weights per call (measured on the H200 at Llama-3-8B shapes: 0.12 ms per gated
-MLP, 0.09 ms per q/k/v; BENCHMARKS.md). With ``Options(cache_relayouts=True)`` the graph
-calls this op instead, which keeps the last result next to the first source tensor and
-recomputes only when a source changed:
+parameters on every call (kernels/ops.py; under Inductor one generated copy kernel):
+always right, and it costs a read and a write of the weights per call (measured on the
+H200 at Llama-3-8B shapes: 0.12 ms per gated MLP, 0.04 ms per q/k/v; BENCHMARKS.md).
+
+With ``Options(cache_relayouts=True)`` an inference graph calls ``coda::gemm_relaid``
+instead: the op takes the *source* weights, keeps their re-layout (cast to the GEMM's
+dtype) next to the first source tensor and recomputes it only when a source changed:
 
 * a source's version counter moves with every in-place update that autograd sees
   (optimizer steps, ``copy_`` under no_grad, ``load_state_dict``), and aliases share it;
-* the cache lives on the source tensor object, so it dies with it (no stale hit from a
-  new tensor at a recycled address);
+* the kept copy lives on the source tensor object, so it dies with it (no stale hit
+  from a new tensor at a recycled address);
 * inside a CUDA-graph capture it always recomputes (a replay cannot look at versions).
 
-What it cannot see: writes through ``param.data`` (a separate version counter), which
-PyTorch itself does not track either. That, and the memory of one more copy of every
-re-laid-out weight, is why it is opt-in: for serving, where weights do not change and
-the per-call cost is pure overhead.
+The kept tensor never leaves the op. Handed out as an op's output, Inductor's buffer
+planning could reuse its memory as scratch once the last reader ran and write over it;
+inside the op nothing else can reach it.
+
+Graphs that compute gradients always recompute (their weights change every step, and a
+kept copy would be saved for the backward as well). What the cache cannot see: writes
+through ``param.data`` (a separate version counter), which PyTorch itself does not track
+either. That, and the memory of one more copy of every re-laid-out weight, is why it is
+opt-in: for serving, where weights do not change and the per-call cost is pure overhead.
 """
 
 from __future__ import annotations
@@ -28,82 +35,70 @@ import torch
 
 from . import ops
 
-# kind -> the re-layout function (sources first, then the spec's decoded layout)
+# kind -> the re-layout function (the spec's decoded layout, then the sources)
 _KINDS = {
-    "interleave_rows": lambda spec, *src: ops.interleave_rows(*src),
-    "interleave_halves": lambda spec, *src: ops.interleave_halves(*src),
-    "rope_segments": lambda spec, *src: ops.rope_segments(_layout(spec), *src),
+    "interleave_rows": lambda layout, *src: ops.interleave_rows(*src),
+    "interleave_halves": lambda layout, *src: ops.interleave_halves(*src),
+    "rope_segments": ops.rope_segments,
 }
 STATS = collections.Counter()  # "hit" / "miss": what the cache did (tests, benchmarks)
 _ATTR = "_coda_relayout_cache"
 
 
-def spec_of(layout: tuple, sources) -> str:
-    """The op's string argument: the layout ("lo,hi,heads,d,r;...") and which sources are
-    present ("|" then 1 or 0 per source). Missing ones (a bias only some projections
-    have) are left out of the op's tensor list: autograd does not see through None
-    entries of a tensor list, so they never enter it."""
-    return ";".join(",".join(str(int(v)) for v in seg) for seg in layout) + "|" + \
-        "".join("0" if t is None else "1" for t in sources)
+def spec_of(layout: tuple) -> str:
+    """The op's string form of a layout: "lo,hi,heads,d,r;..." ("" for none)."""
+    return ";".join(",".join(str(int(v)) for v in seg) for seg in layout)
 
 
 def _layout(spec: str) -> tuple:
-    text = spec.split("|")[0]
-    return tuple(tuple(int(v) for v in seg.split(",")) for seg in text.split(";") if seg)
+    return tuple(tuple(int(v) for v in seg.split(",")) for seg in spec.split(";") if seg)
 
 
-def _with_missing(spec: str, sources) -> list:
-    present = iter(sources)
-    return [next(present) if c == "1" else None for c in spec.split("|")[1]]
+def compute(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
+    """The re-layout of ``sources`` in the GEMM's dtype, contiguous."""
+    return _KINDS[kind](_layout(spec), *sources).to(dtype).contiguous()
 
 
-def compute(kind: str, spec: str, sources) -> torch.Tensor:
-    """The re-layout of the present ``sources`` (missing ones as the spec says)."""
-    return _KINDS[kind](spec, *_with_missing(spec, sources))
+def _key(kind, spec, dtype, sources):
+    return (kind, spec, dtype, tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride(),
+                                      t.dtype) for t in sources))
 
 
-def _key(kind, spec, sources):
-    return (kind, spec, tuple((t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()),
-                               t.dtype) for t in sources))
-
-
-@torch.library.custom_op("coda::relayout", mutates_args=())
-def relayout(kind: str, spec: str, sources: list[torch.Tensor]) -> torch.Tensor:
-    """``compute(kind, spec, sources)``, reused while no source changed."""
+def kept(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
+    """``compute(...)``, reused while no source changed (see the module docstring)."""
     holder = sources[0]
     capturing = holder.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = _key(kind, spec, sources)
+    key = _key(kind, spec, dtype, sources)
     cache = getattr(holder, _ATTR, None)
     if not capturing and cache is not None and cache[0] == key:
         STATS["hit"] += 1
-        return cache[1].detach()  # a new tensor object: each call's autograd history is its own
+        return cache[1]
     with torch.no_grad():
-        out = compute(kind, spec, sources).contiguous()
+        out = compute(kind, spec, sources, dtype)
     STATS["miss"] += 1
     if not capturing:
         setattr(holder, _ATTR, (key, out))
     return out
 
 
-@relayout.register_fake
-def _(kind, spec, sources):
-    return compute(kind, spec, sources).contiguous()
+@torch.library.custom_op("coda::gemm_relaid", mutates_args=())
+def gemm_relaid(program: str, a: torch.Tensor, kind: str, spec: str,
+                sources: list[torch.Tensor], operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``coda::gemm_epilogue(program, a, b, operands)`` with b the kept re-layout of
+    ``sources`` (inference only: the op has no autograd formula, and the rewrite uses
+    it only in graphs that compute no gradient)."""
+    b = kept(kind, spec, sources, a.dtype)
+    return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
 
 
-def _setup_context(ctx, inputs, output):
-    kind, spec, sources = inputs
-    ctx.kind, ctx.spec = kind, spec
-    ctx.save_for_backward(*sources)
+@gemm_relaid.register_fake
+def _(program, a, kind, spec, sources, operands):
+    b = compute(kind, spec, sources, a.dtype)
+    return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
 
 
-def _backward(ctx, grad):
-    """A re-layout only moves entries: its gradient moves them back (autograd of the
-    same function on the saved sources)."""
-    sources = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-    with torch.enable_grad():
-        out = compute(ctx.kind, ctx.spec, sources)
-        got = torch.autograd.grad(out, sources, grad, allow_unused=True)
-    return None, None, list(got)
-
-
-relayout.register_autograd(_backward, setup_context=_setup_context)
+def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
+                        sources: list[torch.Tensor], *operands: torch.Tensor):
+    """``ops.fused_linear`` over the kept re-layout of ``sources`` (nn.Linear layout)."""
+    return ops._linear(lambda text, a, _, flat: torch.ops.coda.gemm_relaid(
+        text, a, kind, spec, sources, flat), program, x, None, operands)

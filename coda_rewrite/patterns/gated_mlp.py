@@ -253,8 +253,13 @@ def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
     return p.build()
 
 
+def trains(m: Match) -> bool:
+    """Whether the graph computes a gradient through this MLP (its output needs one)."""
+    return bool(meta(m.mul).requires_grad)
+
+
 def build_program(m: Match, options) -> None:
-    m.cache_relayouts = options.keeps_relayouts
+    m.cache_relayouts = options.cache_relayouts and not trains(m)
     has_bias = m.gate.bias is not None or m.up.bias is not None
     mm = meta(m.mul)
     m.program = gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,

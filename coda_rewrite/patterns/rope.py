@@ -671,8 +671,13 @@ def has_bias(m: Match) -> bool:
     return any(s.proj.bias is not None for s in m.segments)
 
 
+def trains(m: Match) -> bool:
+    """Whether the graph computes a gradient through these projections."""
+    return any(bool(meta(r.out).requires_grad) for r in m.rotated)
+
+
 def build_program(m: Match, options) -> None:
-    m.cache_relayouts = options.keeps_relayouts
+    m.cache_relayouts = options.cache_relayouts and not trains(m)
     if m.angle_source == "table":
         m.program = rope_table_program(m.proj.r is not None, has_bias(m),
                                        meta(m.rotated[0].out).dtype, bool(m.passthrough))

@@ -300,12 +300,14 @@ def test_small_llama_bf16_training_on_gpu(materialize):
     assert ratio <= 1.25
 
 
-def test_rewritten_model_inside_a_cuda_graph():
+@pytest.mark.parametrize("cache", [False, True], ids=["relaid-per-call", "kept"])
+def test_rewritten_model_inside_a_cuda_graph(cache):
     """After one warm-up call (compiles and plans every kernel), the rewritten forward is
-    captured into a CUDA graph and replayed on new inputs."""
+    captured into a CUDA graph and replayed on new inputs (kept re-layouts are recomputed
+    inside the capture: a replay cannot look at versions)."""
     torch._dynamo.reset()
     model = _llama(0).to(DEV, torch.bfloat16).eval()
-    fast = coda_rewrite.optimize(model)
+    fast = coda_rewrite.optimize(model, cache_relayouts=cache)
     static_ids = torch.randint(0, 512, (2, 128), device=DEV)
     with torch.no_grad():
         fast(static_ids)  # warm-up: compile + first launch outside the capture
@@ -324,6 +326,34 @@ def test_rewritten_model_inside_a_cuda_graph():
         torch.cuda.synchronize()
         want = fast(new_ids).logits
     assert rel_err(static_out, want) <= 1e-6
+
+
+@pytest.mark.parametrize("via", ["optimize", "backend"])
+def test_kept_relayouts_on_gpu(via):
+    """cache_relayouts: the same kernels on the same re-laid-out weights, so logits equal
+    to the per-call re-layout's, before and after a weight changes; hits in between."""
+    from coda_rewrite.kernels import relayout
+
+    model = _llama(0).to(DEV, torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+
+    def rewrite(cache):
+        torch._dynamo.reset()
+        if via == "optimize":
+            return coda_rewrite.optimize(model, cache_relayouts=cache)
+        return torch.compile(model, backend=coda_rewrite.CodaBackend(
+            coda_rewrite.Options(cache_relayouts=cache)))
+    with torch.no_grad():
+        plain = rewrite(False)
+        want = plain(ids).logits
+        kept = rewrite(True)
+        kept(ids)
+        relayout.STATS.clear()
+        assert torch.equal(kept(ids).logits, want)
+        assert relayout.STATS == {"hit": 4}  # gate/up and q/k/v, two layers
+        model.model.layers[1].mlp.gate_proj.weight.mul_(0.5)
+        want = plain(ids).logits
+        assert torch.equal(kept(ids).logits, want)
 
 
 def test_backend_dynamic_shapes_on_gpu():
