@@ -334,7 +334,7 @@ def hoist_before(first: fx.Node, needed: list[fx.Node]) -> None:
         if n in late:
             continue
         if n is first or n.op not in ("call_function", "call_method", "get_attr") or \
-                n.is_impure():
+                n.is_impure() or mutated_value(n) is not None:
             raise NotPlaceable(f"the fused GEMM reads {describe(n)}, which is computed after "
                              f"{describe(first)} reads its outputs and cannot move up")
         late.add(n)

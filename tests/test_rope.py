@@ -414,6 +414,50 @@ def test_complex_form_rotates_in_the_epilogue_from_the_table(layers):
     assert unpermuted(report) == []
 
 
+class PackedWideRotation(torch.nn.Module):
+    """Packed q/k/v whose rotation runs in float64 (a float64 angle table): v stays
+    float32, so it cannot share the fused GEMM's float64 output."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 64, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).double() / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None] @ pos[:, None, :].double()).transpose(1, 2)
+        emb = torch.cat((th, th), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+
+        def rotate_half(t):
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        qkv = self.qkv(x)
+        q = qkv[..., :32].view(b, s, 4, 8).transpose(1, 2)
+        k = qkv[..., 32:48].view(b, s, 2, 8).transpose(1, 2)
+        v = qkv[..., 48:].view(b, s, 2, 8).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v, is_causal=True, enable_gqa=True)
+
+
+def test_packed_columns_that_cannot_join_get_their_own_gemm():
+    """A packed projection's slice the fused GEMM cannot write (v in another dtype than
+    the rotated q and k) is computed by a GEMM over its rows of the live weight; outputs
+    and the weight's gradient (from both GEMMs) match eager."""
+    m = PackedWideRotation().train()
+    ref = copy.deepcopy(m)
+    fast = coda_rewrite.optimize(m)
+    x = torch.randn(2, 6, 32)
+    got, want = fast(x), ref(x)
+    assert rel_err(got, want) <= 1e-6
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert rel_err(m.qkv.weight.grad, ref.qkv.weight.grad) <= 1e-6
+    (r,) = rope_records(fast.report)
+    assert len(r.consumers) == 2 and "gets a GEMM of its own" in r.decision.render(), str(r)
+
+
 def test_late_pure_inputs_move_up_and_others_refuse():
     """The fused GEMM must precede every reader of its outputs: pure values it reads that
     are computed later (TorchTitan's table made complex inside q's rotation, after v's
@@ -433,7 +477,8 @@ def test_late_pure_inputs_move_up_and_others_refuse():
             early = x.relu()            # reads the output: the fused call must come first
             table = t.float().cos()     # read by the fused call, computed after
             late = self.lin(t)          # a module call: not known to be pure
-            return early + table + late
+            bumped = t.mul(2).add_(1)   # an in-place update: order matters
+            return early + table + late + bumped
 
     gm = fx.symbolic_trace(M())
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -441,9 +486,10 @@ def test_late_pure_inputs_move_up_and_others_refuse():
     names = [n.name for n in gm.graph.nodes]
     assert names.index("float_1") < names.index("cos") < names.index("relu"), names
     gm.graph.lint()
-    with pytest.raises(NotPlaceable, match="cannot move up"):
-        hoist_before(nodes["relu"], [nodes["lin"]])
-    assert [n.name for n in gm.graph.nodes] == names  # untouched
+    for late in ("lin", "add_"):
+        with pytest.raises(NotPlaceable, match="cannot move up"):
+            hoist_before(nodes["relu"], [nodes[late]])
+        assert [n.name for n in gm.graph.nodes] == names  # untouched
 
 
 # ---- layouts, frequencies, kernel-level math ----------------------------------------
