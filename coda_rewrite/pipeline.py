@@ -51,7 +51,8 @@ def _weights_line(m, options: Options) -> str:
     """What the report says about a fused GEMM's re-laid-out weights."""
     if m.cache_relayouts:
         return ("re-laid out once, kept inside the GEMM op until a weight changes "
-                "(cache_relayouts; version-keyed)")
+                "(cache_relayouts; version-keyed; weights made under inference_mode have no "
+                "version counter and are re-laid out on every call)")
     if options.cache_relayouts:
         return ("re-laid out on every call: this graph computes gradients (cache_relayouts "
                 "applies to inference graphs; here the weights change every step)")

@@ -80,6 +80,22 @@ def test_no_stale_hit_from_a_new_model_of_the_same_shapes():
         assert rel_err(got, want) <= 1e-5
 
 
+def test_a_model_made_under_inference_mode():
+    """Inference tensors have no version counter (and inference mode may update them in
+    place unseen): nothing is kept for them, the frequencies memo included; the numbers
+    are eager's."""
+    with torch.inference_mode():
+        model = hf_model("llama", layers=1).eval()
+        ids = tokens()
+        want = model(ids).logits
+        fast = coda_rewrite.optimize(model, cache_relayouts=True)
+        fast(ids)
+        relayout.STATS.clear()
+        got = fast(ids).logits
+    assert rel_err(got, want) <= 1e-5
+    assert relayout.STATS == {"not kept": 2}
+
+
 @pytest.mark.inductor
 def test_kept_inside_the_op_under_inductor():
     """Handed out as an op's output, a kept tensor could be reused by Inductor's buffer

@@ -300,9 +300,10 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     a result that changes only with the model's inv_freq buffer (measured on the H200:
     0.26 ms of host time per graph call): the result is kept on the buffer, keyed by its
     version counter and storage, as kernels/relayout.py keeps weight re-layouts. Never
-    under tracing (Inductor fuses these ops into one kernel) or CUDA-graph capture."""
+    under tracing (Inductor fuses these ops into one kernel) or CUDA-graph capture, nor
+    for an inference tensor (it has no version counter to key on)."""
     memo = type(inv_freq) is torch.Tensor and not inv_freq.requires_grad \
-        and not torch.compiler.is_compiling() \
+        and not inv_freq.is_inference() and not torch.compiler.is_compiling() \
         and not (inv_freq.is_cuda and torch.cuda.is_current_stream_capturing())
     # the graph reads the buffer through a fresh view each call (inv_freq[None, :, None]):
     # the memo lives on the view's base, which lives as long as the model's buffer

@@ -14,7 +14,9 @@ dtype) next to the first source tensor and recomputes it only when a source chan
   (optimizer steps, ``copy_`` under no_grad, ``load_state_dict``), and aliases share it;
 * the kept copy lives on the source tensor object, so it dies with it (no stale hit
   from a new tensor at a recycled address);
-* inside a CUDA-graph capture it always recomputes (a replay cannot look at versions).
+* inside a CUDA-graph capture it always recomputes (a replay cannot look at versions),
+  and so it does for inference tensors (made under ``torch.inference_mode()``: they have
+  no version counter, and inference mode may update them in place unseen).
 
 The kept tensor never leaves the op. Handed out as an op's output, Inductor's buffer
 planning could reuse its memory as scratch once the last reader ran and write over it;
@@ -67,16 +69,17 @@ def _key(kind, spec, dtype, sources):
 def kept(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
     """``compute(...)``, reused while no source changed (see the module docstring)."""
     holder = sources[0]
-    capturing = holder.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = _key(kind, spec, dtype, sources)
-    cache = getattr(holder, _ATTR, None)
-    if not capturing and cache is not None and cache[0] == key:
+    keep = not (holder.is_cuda and torch.cuda.is_current_stream_capturing()) and \
+        not any(t.is_inference() for t in sources)
+    key = _key(kind, spec, dtype, sources) if keep else None
+    cache = getattr(holder, _ATTR, None) if keep else None
+    if cache is not None and cache[0] == key:
         STATS["hit"] += 1
         return cache[1]
     with torch.no_grad():
         out = compute(kind, spec, sources, dtype)
-    STATS["miss"] += 1
-    if not capturing:
+    STATS["miss" if keep else "not kept"] += 1
+    if keep:
         setattr(holder, _ATTR, (key, out))
     return out
 
