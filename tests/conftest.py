@@ -121,4 +121,3 @@ def step_matches_eager(family: str, layers: int = 2, **options):
     ref_loss.backward()
     grads_match(model, ref_model)
     return fast.report
-

@@ -50,7 +50,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     import torch
 
     from ..codegen.program import Kind, parse
-    from .quack_path import _table_config, load
+    from .quack_path import config_for, load
     from .reference import dtype_from_name
 
     ks, module = load(text)
@@ -80,9 +80,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     out = {name: torch.empty(m, width[value], dtype=out_dtype[value])
            for value, name in ks.contract.tile_outputs}
     t0 = time.perf_counter()
-    table = any(o.kind == Kind.COS_SIN for o in prog.operands)
-    module.epilogue.plan(a, b.t(), c, out=out, config=_table_config() if table else None,
-                         **kwargs)
+    module.epilogue.plan(a, b.t(), c, out=out, config=config_for(prog), **kwargs)
     return {"program": prog.key, "module": ks.module_name,
             "seconds": round(time.perf_counter() - t0, 2)}
 

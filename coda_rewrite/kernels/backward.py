@@ -84,8 +84,6 @@ def _rowscale_vjp(prog, a, b, operands, outputs, grads):
 
 # ---- residual + RMSNorm ---------------------------------------------------------------
 
-
-
 def _residual_rmsnorm_parts(prog):
     """z = acc (+ bias) + residual  |  z = x;  [s = gamma + c];  h2 = z * s or h2 = z;
     ss = row_sum(square(z)); r = rsqrt(ss / d + eps) -> outputs (z,) h2, r."""
@@ -183,8 +181,6 @@ def _gated_parts(prog: EpilogueProgram):
     return PAIRWISE[body[i].op]
 
 
-
-
 def _gated_vjp(prog, a, b, operands, outputs, grads):
     dy = grads[0]
     if dy is None:
@@ -218,9 +214,9 @@ def _through_scaled_acc(prog, a, b, operands, dy):
 
 # ---- rotation (RoPE) ------------------------------------------------------------------
 
-def _rope_parts(prog: EpilogueProgram) -> tuple[str, ...]:
+def _rope_parts(prog: EpilogueProgram) -> tuple[str | None, tuple[str, ...]]:
     """[y = acc * r] [y_b = y + bias] [y_s = y_b * colscale] out = rope(y, pos, freq) or
-    rope_table(y, cs) -> out: the rotation's operand names."""
+    rope_table(y, cs [, on]) -> out: (the column scale's name, the angle's operands)."""
     v, i = scaled_acc_prefix(prog)
     body = prog.body
     assert prog.gemm and body[-1].op in ("rope", "rope_table")
@@ -233,8 +229,6 @@ def _rope_parts(prog: EpilogueProgram) -> tuple[str, ...]:
     assert {o.name for o in prog.operands} <= {"r", "bias", "colscale", *angle}
     assert [(o.value, o.kind) for o in prog.outputs] == [(body[-1].out, Kind.TILE)]
     return scale, angle
-
-
 
 
 def _rope_vjp(prog, a, b, operands, outputs, grads):
@@ -250,7 +244,8 @@ def _rope_vjp(prog, a, b, operands, outputs, grads):
     if prog.body[-1].op == "rope_table":
         cs = _up(by_name[angle[0]]).clone()
         cs[:, 1::2] = -cs[:, 1::2]
-        dy = reference.rotate_pairs_by_table(_up(dout), cs, *(by_name[a] for a in angle[1:]))
+        flags = [by_name[name] for name in angle[1:]]  # rope_table's rotate-or-not column flag
+        dy = reference.rotate_pairs_by_table(_up(dout), cs, *flags)
     else:
         pos, freq = angle
         dy = reference.rotate_pairs(_up(dout), by_name[pos].reshape(-1, 1),
@@ -277,8 +272,6 @@ def _lse_parts(prog: EpilogueProgram) -> bool:
     tail = [(loss.out, Kind.PER_ROW), (lse.out, Kind.PER_ROW)]
     assert outs in (tail, [(y, Kind.TILE), *tail]) and prog.gemm
     return len(outs) == 3
-
-
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..codegen.program import Kind, parse
-from . import backward, quack_path, reference
+from . import backward, quack_path, reference, versioned
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
 RUNTIME: collections.Counter = collections.Counter()
@@ -246,10 +246,9 @@ def _as_row_words(out: torch.Tensor, tensors) -> tuple:
     speed (measured on the H200: 0.113 ms for Llama-3-8B's q/k/v weights, a plain
     concatenation of them 0.030). Under autograd or tracing, the tensors as they are."""
     present = [t for t in tensors if t is not None]
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == out.dtype
-                for t in present)  # not fake or functional (tracing), no cast in the copy
+    same_dtype = all(t.dtype == out.dtype for t in present)  # a bit copy casts nothing
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in present)
-    if out.dim() < 2 or not plain or grad or torch.compiler.is_compiling():
+    if out.dim() < 2 or not same_dtype or grad or not versioned.real([out, *present]):
         return out, tensors
     try:
         return out.view(torch.int64), [None if t is None else t.view(torch.int64)
@@ -299,24 +298,15 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     Run eagerly (optimize() without Inductor) this is a dozen tiny launches per call for
     a result that changes only with the model's inv_freq buffer (measured on the H200:
     0.26 ms of host time per graph call): the result is kept on the buffer, keyed by its
-    version counter and storage, as kernels/relayout.py keeps weight re-layouts. Never
-    under tracing (Inductor fuses these ops into one kernel) or CUDA-graph capture, nor
-    for an inference tensor (it has no version counter to key on)."""
-    memo = type(inv_freq) is torch.Tensor and not inv_freq.requires_grad \
-        and not inv_freq.is_inference() and not torch.compiler.is_compiling() \
-        and not (inv_freq.is_cuda and torch.cuda.is_current_stream_capturing())
+    version counter and storage (kernels/versioned.py, as the opt-in weight re-layouts
+    are). Under tracing Inductor fuses these ops into one kernel instead."""
+    if inv_freq.requires_grad:  # a kept value would cut the graph
+        return _rope_frequencies(inv_freq, layout)
     # the graph reads the buffer through a fresh view each call (inv_freq[None, :, None]):
-    # the memo lives on the view's base, which lives as long as the model's buffer
+    # the value lives on the view's base, which lives as long as the model's buffer
     holder = inv_freq if inv_freq._base is None else inv_freq._base
-    key = (inv_freq._version, inv_freq.data_ptr(), inv_freq.dtype, tuple(inv_freq.shape),
-           inv_freq.stride(), layout) if memo else None
-    kept = getattr(holder, _FREQUENCIES, None) if memo else None
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    out = _rope_frequencies(inv_freq, layout)
-    if memo:
-        setattr(holder, _FREQUENCIES, (key, out))
-    return out
+    return versioned.kept(holder, _FREQUENCIES, [inv_freq], layout,
+                          lambda: _rope_frequencies(inv_freq, layout))[0]
 
 
 def _rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:

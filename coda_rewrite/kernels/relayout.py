@@ -8,15 +8,11 @@ H200 at Llama-3-8B shapes: 0.12 ms per gated MLP, 0.04 ms per q/k/v; BENCHMARKS.
 
 With ``Options(cache_relayouts=True)`` an inference graph calls ``coda::gemm_relaid``
 instead: the op takes the *source* weights, keeps their re-layout (cast to the GEMM's
-dtype) next to the first source tensor and recomputes it only when a source changed:
-
-* a source's version counter moves with every in-place update that autograd sees
-  (optimizer steps, ``copy_`` under no_grad, ``load_state_dict``), and aliases share it;
-* the kept copy lives on the source tensor object, so it dies with it (no stale hit
-  from a new tensor at a recycled address);
-* inside a CUDA-graph capture it always recomputes (a replay cannot look at versions),
-  and so it does for inference tensors (made under ``torch.inference_mode()``: they have
-  no version counter, and inference mode may update them in place unseen).
+dtype) on the first source tensor and recomputes it only when a source changed, by its
+version counter (kernels/versioned.py: every in-place update autograd sees moves it,
+optimizer steps, ``copy_`` under no_grad, ``load_state_dict``). Inside a CUDA-graph
+capture, and for inference tensors (``torch.inference_mode()``: no version counter), it
+recomputes on every call.
 
 The kept tensor never leaves the op. Handed out as an op's output, Inductor's buffer
 planning could reuse its memory as scratch once the last reader ran and write over it;
@@ -24,8 +20,7 @@ inside the op nothing else can reach it.
 
 Graphs that compute gradients always recompute (their weights change every step, and a
 kept copy would be saved for the backward as well). What the cache cannot see: writes
-through ``param.data`` (a separate version counter), which PyTorch itself does not track
-either. That, and the memory of one more copy of every re-laid-out weight (which also
+through ``param.data``. That, and the memory of one more copy of every re-laid-out weight (which also
 travels with the parameter object: ``copy.deepcopy`` and pickling the whole module carry
 it; ``state_dict()`` does not), is why it is opt-in: for serving, where weights do not
 change and the per-call cost is pure overhead.
@@ -37,7 +32,7 @@ import collections
 
 import torch
 
-from . import ops
+from . import ops, versioned
 
 # kind -> the re-layout function (the spec's decoded layout, then the sources)
 _KINDS = {
@@ -45,7 +40,7 @@ _KINDS = {
     "interleave_halves": lambda layout, *src: ops.interleave_halves(*src),
     "rope_segments": ops.rope_segments,
 }
-STATS = collections.Counter()  # "hit" / "miss": what the cache did (tests, benchmarks)
+STATS = collections.Counter()  # "hit" / "miss" / "not kept": what the cache did
 _ATTR = "_coda_relayout_cache"
 
 
@@ -63,26 +58,13 @@ def compute(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
     return _KINDS[kind](_layout(spec), *sources).to(dtype).contiguous()
 
 
-def _key(kind, spec, dtype, sources):
-    return (kind, spec, dtype, tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride(),
-                                      t.dtype) for t in sources))
-
-
 def kept(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
     """``compute(...)``, reused while no source changed (see the module docstring)."""
-    holder = sources[0]
-    keep = not (holder.is_cuda and torch.cuda.is_current_stream_capturing()) and \
-        not any(t.is_inference() for t in sources)
-    key = _key(kind, spec, dtype, sources) if keep else None
-    cache = getattr(holder, _ATTR, None) if keep else None
-    if cache is not None and cache[0] == key:
-        STATS["hit"] += 1
-        return cache[1]
-    with torch.no_grad():
-        out = compute(kind, spec, sources, dtype)
-    STATS["miss" if keep else "not kept"] += 1
-    if keep:
-        setattr(holder, _ATTR, (key, out))
+    def fresh():
+        with torch.no_grad():
+            return compute(kind, spec, sources, dtype)
+    out, what = versioned.kept(sources[0], _ATTR, sources, (kind, spec, dtype), fresh)
+    STATS[what] += 1
     return out
 
 

@@ -1,0 +1,46 @@
+"""Values derived from tensors, kept on a tensor between calls and recomputed when one
+of those tensors changed.
+
+Two things are worth keeping this way: the fused GEMMs' re-laid-out weights
+(relayout.py, opt-in) and RoPE's per-column frequencies (ops.rope_frequencies, run
+eagerly). The key is what PyTorch itself tracks: each tensor's version counter (moved
+by every in-place update autograd sees, shared by aliases), storage, shape, strides and
+dtype. The kept value lives on the holder tensor object, so it dies with it: no stale
+hit from a new tensor at a recycled address.
+
+Nothing is kept where the key would mean nothing: traced (fake or functional) tensors,
+a CUDA-graph capture in progress (a replay cannot look at versions), inference tensors
+(no version counter; inference mode may update them in place unseen). Writes through
+``t.data`` go unseen (a separate version counter), as they do by autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def real(tensors) -> bool:
+    """Plain tensors of an eager run: not fake or functional ones under tracing."""
+    return not torch.compiler.is_compiling() and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def _keyable(tensors) -> bool:
+    return real(tensors) and not any(t.is_inference() for t in tensors) and not (
+        any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing())
+
+
+def kept(holder: torch.Tensor, slot: str, tensors, extra, compute):
+    """(``compute()``, "hit" / "miss" / "not kept"): the value kept on ``holder`` under
+    ``slot`` while no tensor changed and ``extra`` (what else the value depends on) is
+    the same; else computed, and kept where a key means something."""
+    if not _keyable(tensors):
+        return compute(), "not kept"
+    key = (extra, tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                        for t in tensors))
+    cache = getattr(holder, slot, None)
+    if cache is not None and cache[0] == key:
+        return cache[1], "hit"
+    out = compute()
+    setattr(holder, slot, (key, out))
+    return out, "miss"
