@@ -397,3 +397,43 @@ def render(graph: fx.Graph) -> str:
         path = model_path(n)
         lines.append(f"%{n.name} = {rhs}{ty}" + (f"    # {path}" if path else ""))
     return "\n".join(lines) + "\n"
+
+
+# ---- autocast and graphs eager rejects --------------------------------------------------
+
+_AUTOCAST_ENTER = "_enter_autocast"
+_AUTOCAST_EXIT = "_exit_autocast"
+
+
+def _ambient_autocast() -> bool:
+    """Autocast entered outside the captured code: dynamo guards on it and the graph is
+    rewritten under it (the backend runs in the caller's autocast state)."""
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+
+
+def under_autocast(node: fx.Node) -> bool:
+    """Whether eager runs ``node`` under autocast: entered around the compiled call, or
+    inside the graph (dynamo records ``with torch.autocast(...)`` as enter/exit calls)."""
+    if _ambient_autocast():
+        return True
+    depth = 0
+    for n in node.graph.nodes:
+        if n is node:
+            return depth > 0
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        depth += (name == _AUTOCAST_ENTER) - (name == _AUTOCAST_EXIT)
+    return False
+
+
+def gemm_eager_rejects(graph: fx.Graph) -> fx.Node | None:
+    """A GEMM whose input and weight differ in dtype with no autocast in force: eager
+    raises there (fake tensors let it through at capture). A graph holding one raises in
+    eager whatever else it does, so the pass leaves it as captured: it must still raise."""
+    for node in graph.nodes:
+        c = canon(node) if node.op in ("call_function", "call_method") else None
+        if c is None or c.name != "linear":
+            continue
+        dtypes = {m.dtype for m in map(meta, c.args) if m is not None}
+        if len(dtypes) > 1 and not under_autocast(node):
+            return node
+    return None

@@ -15,8 +15,6 @@ class Options:
     # Write the report, canonical graph, rewritten graph and programs here
     # (default: $CODA_DUMP_DIR, else nowhere).
     dump_dir: str | None = None
-    # Replay every match on float64 inputs before applying it (algebra/witness.py).
-    witness: bool = True
     # Patterns to apply; the others are still matched and reported as disabled.
     patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
                                  "rope", "lm_head_cross_entropy")

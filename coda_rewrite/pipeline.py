@@ -23,12 +23,13 @@ import torch.fx as fx
 
 from . import algebra, canonical, rewrite
 from .algebra import locality
-from .capture import describe
+from .capture import describe, model_path
 from .options import Options
 from .algebra import cross_entropy as ce_algebra
 from .algebra import gated as gated_algebra
 from .algebra import rope as rope_algebra
 from .patterns import NoMatch, attention, cross_entropy, gated_mlp, residual_rmsnorm, rope
+from .algebra.decision import RejectionKind
 from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 
@@ -37,6 +38,13 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     graph = gm.graph
     canonical_text = canonical.render(graph)
     records: list[MatchRecord] = []
+    raising = canonical.gemm_eager_rejects(graph)
+    if raising is not None:  # eager raises here: leave the graph as captured, so it does
+        records.append(MatchRecord(
+            "graph", model_path(raising), REJECTED, kind=RejectionKind.CONDITION, reason=(
+                f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
+                "force: eager raises there, so the graph is left exactly as captured")))
+        return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
     _attention(graph, options, records)
     _norms(graph, options, records)
     _gated(graph, options, records)
@@ -45,6 +53,12 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     graph.lint()
     gm.recompile()
     return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+
+
+def _dtypes(linear: fx.Node) -> str:
+    c = canonical.canon(linear)
+    return " by ".join(str(canonical.meta(a).dtype) for a in c.args[:2]
+                       if canonical.meta(a) is not None)
 
 
 def _weights_line(m, options: Options) -> str:
@@ -68,7 +82,7 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
             records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
             continue
         m = _refresh(m, replaced)
-        residual_rmsnorm.build_programs(m)
+        residual_rmsnorm.build_programs(m, lambda c: algebra.row_scale.has_shift(c, m.norm))
         record = MatchRecord(
             m.pattern, m.path, REJECTED,
             producer=describe(m.producer.linear) if m.producer else m.producer_note,
@@ -76,22 +90,19 @@ def _norms(graph: fx.Graph, options: Options, records: list[MatchRecord]) -> Non
         )
         records.append(record)
         if not enabled:
-            record.reason = "pattern disabled by options.patterns"
+            record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns")
             continue
         try:
-            if options.witness:
-                decision, per_consumer, accepted = algebra.decide_row_scale(m, graph)
-            else:
-                decision, per_consumer = algebra.row_scale.check(m, graph)
-                accepted = [c for c in m.consumers
-                            if decision.accepted and per_consumer[c.linear].accepted]
+            decision, per_consumer, accepted = algebra.decide_row_scale(m, graph)
         except Exception as e:  # a checker bug must cost a rewrite, never the compile
-            record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
+            record.reject(RejectionKind.INTERNAL_ERROR,
+                          f"internal error while deciding ({type(e).__name__}: {e}); left as is")
             continue
         record.decision = decision
         record.consumer_decisions = [(describe(n), d) for n, d in per_consumer.items()]
         if not accepted:
-            record.reason = decision.condition if not decision.accepted else ""
+            record.reject(decision.kind if not decision.accepted else RejectionKind.CONDITION,
+                          decision.condition if not decision.accepted else "")
             continue
         alive, replacements = rewrite.apply(graph, m, accepted)
         replaced.update(replacements)
@@ -159,22 +170,23 @@ def _one_program_pattern(graph, options, records, pattern, decide, apply, annota
         records.append(record)
         annotate(record, m, False)
         if not enabled:
-            record.reason = "pattern disabled by options.patterns"
+            record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns")
             continue
         try:
             pattern.build_program(m, options)
-            decision = decide(m, witness=options.witness)
+            decision = decide(m)
         except Exception as e:  # a checker bug must cost a rewrite, never the compile
-            record.reason = f"internal error while deciding ({type(e).__name__}: {e}); left as is"
+            record.reject(RejectionKind.INTERNAL_ERROR,
+                          f"internal error while deciding ({type(e).__name__}: {e}); left as is")
             continue
         record.decision = decision
         if not decision.accepted:
-            record.reason = decision.condition
+            record.reject(decision.kind, decision.condition)
             continue
         try:
             apply(graph, m)
         except rewrite.NotPlaceable as e:  # raised before the graph changes
-            record.reason = f"not applied: {e}"
+            record.reject(RejectionKind.NOT_PLACEABLE, f"not applied: {e}")
             continue
         record.status = REWRITTEN
         record.programs = [m.program]
@@ -189,7 +201,8 @@ def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) ->
         matches = attention.find(graph)
     except Exception as e:  # a checker bug must cost a rewrite, never the compile
         records.append(MatchRecord(attention.NAME, "", REJECTED, reason=(
-            f"internal error while deciding ({type(e).__name__}: {e}); left as is")))
+            f"internal error while deciding ({type(e).__name__}: {e}); left as is"),
+            kind=RejectionKind.INTERNAL_ERROR))
         return
     for m in matches:
         notes = [("grouped-query heads", m.gqa)]
@@ -198,10 +211,11 @@ def _attention(graph: fx.Graph, options: Options, records: list[MatchRecord]) ->
         record = MatchRecord(m.pattern, m.path, REJECTED, notes=notes)
         records.append(record)
         if not m.changes:
-            record.reason = "; ".join(d.condition for _, d in notes if not d.accepted)
+            record.reject(RejectionKind.CONDITION,
+                          "; ".join(d.condition for _, d in notes if not d.accepted))
             continue
         if not enabled:
-            record.reason = "pattern disabled by options.patterns"
+            record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns")
             continue
         attention.apply(graph, m)
         rewrite.erase_if_dead(graph, [m.k, m.v] + ([m.mask] if m.mask is not None else []))

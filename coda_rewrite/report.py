@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from .algebra.decision import Decision
+from .algebra.decision import Decision, RejectionKind
 from .codegen.program import EpilogueProgram
 from .kernels.ops import runtime_summary
 
@@ -39,6 +39,11 @@ class MatchRecord:
     program_checks: list[Decision] = dataclasses.field(default_factory=list)
     notes: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
     weights: str = ""                    # how the fused GEMM's weights are re-laid out
+    kind: RejectionKind | None = None    # why it was left as is, as a type (None: rewritten
+                                         # or not matched)
+
+    def reject(self, kind: RejectionKind, reason: str) -> None:
+        self.status, self.kind, self.reason = REJECTED, kind, reason
 
     def render(self, i: int) -> str:
         head = f"[{i}] {self.pattern} at {self.path or '<top level>'}: {self.status.upper()}"
@@ -100,7 +105,7 @@ class GraphReport:
 
     def render(self, with_code: bool = True) -> str:
         out = [self.summary()]
-        if not any(r.pattern == "residual_rmsnorm_gemm" for r in self.records):
+        if not any(r.pattern in ("residual_rmsnorm_gemm", "graph") for r in self.records):
             out.append("    nothing matched: no RMSNorm (mean of squares over the last dim, "
                        "rsqrt, scale) with a GEMM reading its output was found in this graph")
         out += [r.render(i) for i, r in enumerate(self.records)]

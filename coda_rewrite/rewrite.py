@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .algebra.row_scale import mutated_value, replay_chain
-from .canonical import meta
+from .canonical import meta, under_autocast
 from .capture import describe
 from .kernels import ops, relayout
 from .patterns import residual_rmsnorm
@@ -29,8 +29,12 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> None:
 
 
 def _cast_for_gemm(graph: fx.Graph, linear: fx.Node, *tensors):
-    """Where eager's GEMM ran in another dtype than its inputs (autocast), cast the
-    operands as autocast would have: the fused op computes in its operands' dtype."""
+    """Where eager's GEMM ran under autocast in another dtype than its inputs, cast the
+    operands as autocast would have: the fused op computes in its operands' dtype.
+    Without autocast nothing is cast (a graph whose GEMM would mix dtypes raises in
+    eager, and the pipeline leaves it as captured: canonical.gemm_eager_rejects)."""
+    if not under_autocast(linear):
+        return list(tensors)
     target = meta(linear).dtype
     out = []
     for t in tensors:

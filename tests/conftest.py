@@ -34,6 +34,34 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "provokes_pass_bug: the test provokes a witness "
+                            "disagreement or checker error on purpose (the guard below lets "
+                            "it through)")
+
+
+@pytest.fixture(autouse=True)
+def _no_pass_bugs(request, monkeypatch):
+    """Every graph any test rewrites: a witness disagreement or an internal error in the
+    checker is a bug of the pass, never an outcome to show users, so the test fails on it
+    (wherever it occurs, whatever the test itself asserts)."""
+    import coda_rewrite.backend as backend
+
+    found = []
+    real = backend.rewrite_graph
+
+    def spy(gm, options, index=0):
+        report = real(gm, options, index)
+        found.extend(r for r in report.records if r.kind is not None and r.kind.is_bug)
+        return report
+
+    monkeypatch.setattr(backend, "rewrite_graph", spy)
+    yield found
+    if not request.node.get_closest_marker("provokes_pass_bug"):
+        assert not found, "the pass reported its own bug:\n" + "\n".join(
+            f"{r.pattern} at {r.path}: {r.kind.name}: {r.reason}" for r in found)
+
+
 # ---- models ---------------------------------------------------------------------------
 
 HF_FAMILIES = ("llama", "qwen2", "mistral")

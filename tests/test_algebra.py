@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import coda_rewrite
 from coda_rewrite.algebra import statements as S
-from coda_rewrite.algebra.decision import Proof
+from coda_rewrite.algebra.decision import Proof, RejectionKind
 from coda_rewrite.numerics import rel_err
 
 D = 32
@@ -203,7 +203,8 @@ def test_program_checks_state_locality_and_the_padding_condition():
     assert biased.accepted and "reference path" in biased.render()
 
 
-def test_a_witness_disagreement_rejects_the_rewrite_as_a_checker_bug(monkeypatch):
+@pytest.mark.provokes_pass_bug
+def test_a_witness_disagreement_rejects_the_rewrite_as_a_checker_bug(monkeypatch, _no_pass_bugs):
     """Break the pattern's program on purpose (a wrong eps): the float64 replay of the
     matched nodes disagrees, the rewrite is not applied and the report says why."""
     from coda_rewrite.patterns import residual_rmsnorm as pattern
@@ -217,3 +218,4 @@ def test_a_witness_disagreement_rejects_the_rewrite_as_a_checker_bug(monkeypatch
     monkeypatch.setattr(pattern, "norm_program", wrong_eps)
     text = check(lambda s, x, r: s.w1(rms(s.w0(x) + r, s.g)), rewritten=0, grads=False)
     assert "checker bug" in text and "witness disagrees" in text
+    assert [r.kind for r in _no_pass_bugs] == [RejectionKind.WITNESS_DISAGREES]

@@ -299,7 +299,8 @@ def test_gemm_output_read_twice_keeps_the_producer_unfused():
     assert rec.status == "rewritten" and "also read elsewhere" in rec.producer
 
 
-def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch):
+@pytest.mark.provokes_pass_bug
+def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch, _no_pass_bugs):
     from coda_rewrite import algebra
 
     def boom(*_):
@@ -309,3 +310,4 @@ def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch):
     report, got, want = run(lambda s, x, r: s.w1(rms(s.w0(x) + r, s.g)))
     same(got, want)
     assert report.count() == 0 and "internal error while deciding" in str(report)
+    assert [r.kind.name for r in _no_pass_bugs] == ["INTERNAL_ERROR"]

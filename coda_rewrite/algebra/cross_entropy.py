@@ -57,12 +57,12 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     return held, None
 
 
-def decide(m, witness: bool = True) -> Decision:
+def decide(m) -> Decision:
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
     merge = statements.prove_lse_merge()
-    seen = guarded(_replay, m) if witness else ""
+    seen = guarded(_replay, m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(

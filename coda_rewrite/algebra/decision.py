@@ -6,6 +6,22 @@ Both print as readable math and are what explain() shows next to each match.
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class RejectionKind(enum.Enum):
+    """Why a match was left as is. Two of these are bugs in the pass, never a property
+    of the user's model: the test suite fails on them wherever they occur."""
+    CONDITION = "a side condition does not hold"
+    WITNESS_UNAVAILABLE = "the float64 witness could not run (fail closed)"
+    WITNESS_DISAGREES = "the float64 witness disagrees with the replacement (a bug)"
+    INTERNAL_ERROR = "the checker raised (a bug)"
+    NOT_PLACEABLE = "no place in the graph for the fused call"
+    DISABLED = "the pattern is disabled by options.patterns"
+
+    @property
+    def is_bug(self) -> bool:
+        return self in (RejectionKind.WITNESS_DISAGREES, RejectionKind.INTERNAL_ERROR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +46,7 @@ class Proof:
 class Rejection:
     condition: str   # the side condition that does not hold
     where: str       # node and model path
+    kind: RejectionKind = RejectionKind.CONDITION
 
     accepted = False
 

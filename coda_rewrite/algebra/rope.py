@@ -285,14 +285,14 @@ def _tiling(cols, n):
     return cols if at == n else None
 
 
-def decide(m, witness: bool = True) -> Decision:
+def decide(m) -> Decision:
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
     if m.form == "pairs":  # already adjacent pairs: nothing is permuted
         m.region = Region(set(), [], [])
         rotation, facts = statements.prove_complex_rotation(), statements.prove_rotation_facts()
-        seen = guarded(_replay, m) if witness else ""
+        seen = guarded(_replay, m)
         if isinstance(seen, Rejection):
             return seen
         return Proof(f"{rotation.statement};  {facts.statement}",
@@ -314,7 +314,7 @@ def decide(m, witness: bool = True) -> Decision:
         held.append("v joins the GEMM " + ("with frequency 0" if m.angle_source == "angles"
                                           else "under a 0 rotate flag") + ": " + ", ".join(
             describe(s.column_node) for s in m.passthrough))
-    seen = guarded(_replay, m) if witness else ""
+    seen = guarded(_replay, m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(
@@ -452,7 +452,7 @@ def _eval_rotation(node, env, rot, cos, sin):
         if isinstance(a, fx.Node):
             if a in env:
                 return env[a]
-            if a.target in ("unsqueeze", torch.unsqueeze):
+            if _broadcast_of_angle(a, rot):
                 return cos if _is_cos_side(a, rot) else sin
             raise ValueError(f"{a.name} outside the rotation")
         return a
@@ -470,3 +470,16 @@ def _is_cast_node(node) -> bool:
 
 def _is_cos_side(unsq: fx.Node, rot) -> bool:
     return unsq.args[0] is rot.angle.cos
+
+
+def _broadcast_of_angle(node: fx.Node, rot) -> bool:
+    """``node`` is cos or sin with a new axis inserted (``unsqueeze(d)``, ``[:, None]``):
+    the replay puts its own cos/sin there, broadcast the same way."""
+    if rot.angle is None or not node.args or node.args[0] not in (rot.angle.cos, rot.angle.sin):
+        return False
+    if node.target in ("unsqueeze", torch.unsqueeze):
+        return True
+    if node.target is operator.getitem:
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+    return False

@@ -14,7 +14,9 @@ apply to a matched graph are the side conditions, each checked on the graph:
       the scale: equal in exact arithmetic, a rounding-level change in floating point);
   (b') the GEMM contracts over that last dim (nn.Linear / x @ Wᵀ: it does);
   (c) no value of the region, nor an alias of one, is updated in place: the fused
-      producer reads the residual when the add happens, eager's norm when it runs.
+      producer reads the residual when the add happens, eager's norm when it runs;
+  (d) no cast in the region rounds to a dtype coarser than the GEMM computes in (r
+      would move across that rounding: exact in real arithmetic, not in an fp32 model).
 
 The factor that must *not* move: one that varies along the contracted dim (a per-feature
 γ, or r when the GEMM contracts over rows). Here γ stays in the producer's epilogue and
@@ -105,6 +107,17 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
                       "r·f(h) = f(r·h) is not established for it")
 
 
+def chain_kinds(consumer, norm) -> list[tuple[str, str]]:
+    """chain_op for each node between the norm's output and ``consumer``'s GEMM."""
+    srcs = (norm.output, *consumer.chain[:-1])
+    return [chain_op(n, src, norm.dim) for n, src in zip(consumer.chain, srcs)]
+
+
+def has_shift(consumer, norm) -> bool:
+    """A shift between the norm and the GEMM: distributed as a bias of the GEMM."""
+    return any(kind == "shift" for kind, _ in chain_kinds(consumer, norm))
+
+
 def replay_chain(chain, head: fx.Node, d: int, h2, r, like, call):
     """Apply the ops between the norm output ``head`` and a GEMM to the rewrite's values.
 
@@ -164,6 +177,26 @@ def index_keeps_last_dim(index, ndim: int) -> bool:
         return True
     last = consumed[ndim - 1] if len(consumed) >= ndim else full
     return isinstance(last, slice) and last == full
+
+
+# ---- side condition (d): no rounding the row scale would move across -----------------
+
+def narrowing_cast(consumer, norm) -> fx.Node | None:
+    """A cast in the norm or between the norm and ``consumer``'s GEMM to a dtype coarser
+    than the GEMM computes in. Eager rounds r·h there; the rewrite would round h and
+    apply r after the GEMM, a change of the rounding's size, which the GEMM dtype's
+    numerics policy does not cover (an fp32 model must stay within 1e-5 of eager). A
+    cast to the GEMM's own dtype (a bf16 model's norm ending in .to(bfloat16)) is the
+    rounding the bf16 policy measures, and is allowed."""
+    target = meta(consumer.linear)
+    if target is None or not target.dtype.is_floating_point:
+        return None
+    for node in (*norm.nodes, *consumer.chain):
+        out = meta(node)
+        if _name(node) == "cast" and out is not None and out.dtype.is_floating_point and \
+                torch.finfo(out.dtype).eps > torch.finfo(target.dtype).eps:
+            return node
+    return None
 
 
 # ---- side condition (c): in-place updates ---------------------------------------------
@@ -228,14 +261,19 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
 
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
-        srcs = (norm.output, *c.chain[:-1])
-        kinds = [chain_op(n, src, norm.dim) for n, src in zip(c.chain, srcs)]
+        kinds = chain_kinds(c, norm)
         bad = next((why for kind, why in kinds if kind == "reject"), None)
         mx = meta(c.chain[-1] if c.chain else norm.output)
         if bad is None and (mx is None or mx.shape[-1] != norm.dim):
             bad = f"{describe(c.linear)} does not contract over the {norm.dim} normalised features"
+        rounding = narrowing_cast(c, norm) if bad is None else None
+        if rounding is not None:
+            bad = (f"(d) {describe(rounding)} rounds to {meta(rounding).dtype} inside the "
+                   f"region of a {meta(c.linear).dtype} GEMM: the row scale would move "
+                   "across that rounding (not within the numerics policy)")
         if bad is not None:
-            per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear))
+            per_consumer[c.linear] = Rejection(bad if bad.startswith("(d)") else f"(b) {bad}",
+                                               describe(c.linear))
             continue
         via = ", ".join(f"{n.name}: {k}" for n, (k, _) in zip(c.chain, kinds))
         used = {k for k, _ in kinds}

@@ -5,7 +5,12 @@ the eps, γ's offset, the chain replayed onto r, each program's outputs). It rep
 *original graph nodes* of the match on random float64 inputs of small shapes and runs the
 rewrite's programs through the reference interpreter on the same inputs. A disagreement
 means the checker or a pattern is wrong: the rewrite is rejected and reported as a
-checker bug, never applied.
+checker bug (RejectionKind.WITNESS_DISAGREES), never applied.
+
+The witness fails closed: a replay that cannot run (a graph input it cannot invent, an
+op that raises on the replay's inputs, as eager's F.linear does on mixed dtypes) refuses
+the rewrite (RejectionKind.WITNESS_UNAVAILABLE), with the reason. Nothing is applied on
+the strength of the proof alone.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from ..kernels import ops as ops_mod
 from ..kernels import reference
 from ..numerics import rel_err
 from ..patterns import residual_rmsnorm
-from .decision import Rejection
+from .decision import Rejection, RejectionKind
 from .row_scale import replay_chain
 
 _MAX_ELEMS = 1 << 16
@@ -102,21 +107,30 @@ def eval_nodes(nodes, env: dict) -> None:
             env[node] = _eval(node, env)
 
 
+def unavailable(why: str, path: str) -> Rejection:
+    """The witness could not run: the rewrite is refused (fail closed)."""
+    return Rejection(f"the float64 witness could not run ({why}); not applied without it",
+                     path, RejectionKind.WITNESS_UNAVAILABLE)
+
+
 def guarded(replay, match) -> str | Rejection:
-    """Run ``replay(match)``; a graph the witness cannot replay is reported as skipped."""
+    """Run ``replay(match)``; a graph the witness cannot replay refuses the rewrite."""
     try:
         return replay(match)
     except _Unreplayable as e:
-        return f"skipped: {e}"
-    except (RuntimeError, IndexError, ValueError) as e:  # shape-bound ops in the match
-        return f"skipped: the matched nodes do not replay at small shapes ({e})"
+        return unavailable(str(e), match.path)
+    except (RuntimeError, IndexError, ValueError, TypeError) as e:  # an op that raises
+        return unavailable(f"the matched nodes raise on the replay's inputs: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                           match.path)
 
 
 def verdict(err: float, what: str, path: str, tol: float = 1e-6) -> str | Rejection:
     """The witness line, or a checker-bug rejection when the replay disagrees."""
     if not err <= tol:  # NaN fails too
         return Rejection(f"checker bug: the float64 witness disagrees ({err:.1e}; tol "
-                         f"{tol:g}); the rewrite is not applied", path)
+                         f"{tol:g}); the rewrite is not applied", path,
+                         RejectionKind.WITNESS_DISAGREES)
     return f"replay in float64 on {what}: rel. error {err:.1e} (tol {tol:g})"
 
 
@@ -133,10 +147,11 @@ def witness(match, consumers) -> str | Rejection:
         try:
             return _witness(match, consumers, lead, native)
         except _Unreplayable as e:
-            return f"skipped: {e}"
-        except (RuntimeError, IndexError, ValueError) as e:  # shape-bound op in a chain
-            last_err = str(e).splitlines()[0]
-    return f"skipped: the matched nodes do not replay at small shapes ({last_err})"
+            return unavailable(str(e), match.path)
+        except (RuntimeError, IndexError, ValueError, TypeError) as e:  # an op that raises
+            last_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return unavailable(f"the matched nodes raise on the replay's inputs: {last_err}",
+                       match.path)
 
 
 def _prod(xs):
@@ -162,7 +177,11 @@ def _witness(match, consumers, lead, native: bool) -> str | Rejection:
     if norm.weight is not None:
         env[norm.weight] = rand(norm.weight, d, base=1.0) * 0.5
     if prod is not None:
-        k = min(_size(meta(prod.x).shape[-1]), 16)
+        # the GEMM's contracted dim is shrunk for speed, except where a node plays two
+        # roles (x + W·x: x is the residual; a consumer that reuses W): one node, one shape
+        k = _size(meta(prod.x).shape[-1])
+        if prod.x is not prod.residual and all(c.weight is not prod.weight for c in consumers):
+            k = min(k, 16)
         env[prod.x] = rand(prod.x, *lead, k)
         env[prod.weight] = rand(prod.weight, d, k)
         if prod.bias is not None:
@@ -198,8 +217,10 @@ def _witness(match, consumers, lead, native: bool) -> str | Rejection:
 
     for c in consumers:
         n_out = min(_size(meta(c.weight).shape[0]), 8)
-        env[c.weight] = rand(c.weight, n_out, d)
-        if c.bias is not None:
+        if c.weight not in env:  # a weight two GEMMs share keeps its first value
+            env[c.weight] = rand(c.weight, n_out, d)
+        n_out = env[c.weight].shape[0]
+        if c.bias is not None and c.bias not in env:
             env[c.bias] = rand(c.bias, n_out)
         for node in c.chain:
             env[node] = _eval(node, env)
@@ -231,6 +252,7 @@ def _witness(match, consumers, lead, native: bool) -> str | Rejection:
     shown = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs))
     if not all(e <= tol for e in errs):  # NaN fails too
         return Rejection(f"checker bug: the float64 witness disagrees ({shown}; tol {tol:g}); "
-                         "the rewrite is not applied", match.path)
+                         "the rewrite is not applied", match.path,
+                         RejectionKind.WITNESS_DISAGREES)
     how = "in the graph's dtypes" if native else "in float64"
     return f"replay {how} on rows {lead}: rel. error {shown} (tol {tol:g})"

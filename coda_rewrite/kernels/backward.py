@@ -48,14 +48,25 @@ def _up(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
+class OtherShape(Exception):
+    """A program is not of the shape a specialised rule's parser reads."""
+
+
+def _expect(condition: bool) -> None:
+    """A shape parser's check: a plain ``if``, never an ``assert`` (``python -O`` strips
+    those, and a rule would then be taken for a program it does not fit)."""
+    if not condition:
+        raise OtherShape
+
+
 def _shaped(parts):
-    """A predicate from a program-shape parser: ``parts(prog)`` raises on another shape
-    (each rule parses its program once, and the parse is its test)."""
+    """A predicate from a program-shape parser: ``parts(prog)`` raises OtherShape on
+    another shape (each rule parses its program once, and the parse is its test)."""
     def matches(prog: EpilogueProgram) -> bool:
         try:
             parts(prog)
             return True
-        except (AssertionError, ValueError, KeyError, IndexError):
+        except (OtherShape, ValueError, KeyError, IndexError):  # unpacking a short body
             return False
     return matches
 
@@ -93,13 +104,13 @@ def _residual_rmsnorm_parts(prog):
     i = 0
     if prog.gemm:
         if body[i].args == (ACC, "bias"):
-            assert body[i].op == "add" and kinds["bias"] == Kind.PER_FEATURE
+            _expect(body[i].op == "add" and kinds["bias"] == Kind.PER_FEATURE)
             i += 1
-        assert body[i].op == "add" and body[i].args[1] == "residual"
+        _expect(body[i].op == "add" and body[i].args[1] == "residual")
         z = body[i].out
         i += 1
     else:
-        assert names[0] == "x" and kinds["x"] == Kind.TILE
+        _expect(names[0] == "x" and kinds["x"] == Kind.TILE)
         z = "x"
     offset = 0.0
     h2 = z
@@ -107,18 +118,18 @@ def _residual_rmsnorm_parts(prog):
         if body[i].op == "add" and body[i].args[0] == "gamma":
             offset = float(body[i].args[1])
             i += 1
-        assert body[i].op == "mul" and body[i].args[0] == z
+        _expect(body[i].op == "mul" and body[i].args[0] == z)
         h2 = body[i].out
         i += 1
     sq, ss, mean, den, r = body[i:i + 5]
-    assert (sq.op, sq.args) == ("square", (z,))
-    assert (ss.op, ss.args) == ("row_sum", (sq.out,))
-    assert mean.op == "div" and mean.args[0] == ss.out and not isinstance(mean.args[1], str)
-    assert den.op == "add" and den.args[0] == mean.out
-    assert (r.op, r.args) == ("rsqrt", (den.out,))
-    assert len(body) == i + 5
+    _expect((sq.op, sq.args) == ("square", (z,)))
+    _expect((ss.op, ss.args) == ("row_sum", (sq.out,)))
+    _expect(mean.op == "div" and mean.args[0] == ss.out and not isinstance(mean.args[1], str))
+    _expect(den.op == "add" and den.args[0] == mean.out)
+    _expect((r.op, r.args) == ("rsqrt", (den.out,)))
+    _expect(len(body) == i + 5)
     outs = [o.value for o in prog.outputs]
-    assert outs == ([z] if prog.gemm else []) + [h2, r.out]
+    _expect(outs == ([z] if prog.gemm else []) + [h2, r.out])
     return dict(z=z, offset=offset, d=float(mean.args[1]), has_gamma="gamma" in kinds)
 
 
@@ -174,10 +185,10 @@ def _gated_parts(prog: EpilogueProgram):
     from ..codegen.program import PAIRWISE
     v, i = scaled_acc_prefix(prog)
     body = prog.body
-    assert len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args == (v,)
-    assert {o.name for o in prog.operands} <= {"r", "bias"} and prog.gemm
+    _expect(len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args == (v,))
+    _expect({o.name for o in prog.operands} <= {"r", "bias"} and prog.gemm)
     outs = [(o.value, o.kind) for o in prog.outputs]
-    assert outs == [(body[i].out, Kind.PAIR), (v, Kind.TILE)]
+    _expect(outs == [(body[i].out, Kind.PAIR), (v, Kind.TILE)])
     return PAIRWISE[body[i].op]
 
 
@@ -219,15 +230,15 @@ def _rope_parts(prog: EpilogueProgram) -> tuple[str | None, tuple[str, ...]]:
     rope_table(y, cs [, on]) -> out: (the column scale's name, the angle's operands)."""
     v, i = scaled_acc_prefix(prog)
     body = prog.body
-    assert prog.gemm and body[-1].op in ("rope", "rope_table")
+    _expect(prog.gemm and body[-1].op in ("rope", "rope_table"))
     scale = None
     if len(body) == i + 2:  # the rope type's attention scaling per column
-        assert body[i].op == "mul" and body[i].args == (v, "colscale")
+        _expect(body[i].op == "mul" and body[i].args == (v, "colscale"))
         v, scale = body[i].out, "colscale"
-    assert len(body) in (i + 1, i + 2) and body[-1].args[0] == v
+    _expect(len(body) in (i + 1, i + 2) and body[-1].args[0] == v)
     angle = body[-1].args[1:]
-    assert {o.name for o in prog.operands} <= {"r", "bias", "colscale", *angle}
-    assert [(o.value, o.kind) for o in prog.outputs] == [(body[-1].out, Kind.TILE)]
+    _expect({o.name for o in prog.operands} <= {"r", "bias", "colscale", *angle})
+    _expect([(o.value, o.kind) for o in prog.outputs] == [(body[-1].out, Kind.TILE)])
     return scale, angle
 
 
@@ -265,12 +276,12 @@ def _lse_parts(prog: EpilogueProgram) -> bool:
     """Whether the cross-entropy program also stores the logits."""
     y, i = scaled_acc_prefix(prog)
     lse, tl, loss = prog.body[i:]
-    assert (lse.op, lse.args) == ("row_logsumexp", (y,))
-    assert (tl.op, tl.args) == ("select_column", (y, "target"))
-    assert (loss.op, loss.args) == ("sub", (lse.out, tl.out))
+    _expect((lse.op, lse.args) == ("row_logsumexp", (y,)))
+    _expect((tl.op, tl.args) == ("select_column", (y, "target")))
+    _expect((loss.op, loss.args) == ("sub", (lse.out, tl.out)))
     outs = [(o.value, o.kind) for o in prog.outputs]
     tail = [(loss.out, Kind.PER_ROW), (lse.out, Kind.PER_ROW)]
-    assert outs in (tail, [(y, Kind.TILE), *tail]) and prog.gemm
+    _expect(outs in (tail, [(y, Kind.TILE), *tail]) and prog.gemm)
     return len(outs) == 3
 
 

@@ -207,10 +207,13 @@ def norm_program(norm: RmsNorm, producer: Producer | None) -> EpilogueProgram:
     return p.build()
 
 
-def rowscale_program(consumer: Consumer) -> EpilogueProgram:
-    """out = r[i] · acc[i, j] (+ b[j])."""
+def rowscale_program(consumer: Consumer, shifted: bool) -> EpilogueProgram:
+    """out = r[i] · acc[i, j] (+ b[j]). ``shifted``: a shift s between the norm and the
+    GEMM, distributed as the bias s·Wᵀ (+ the GEMM's own bias), so the program has a bias
+    operand even where the GEMM had none."""
     p = ProgramBuilder("rowscale", gemm=True)
-    p.output(p.scaled_acc(True, consumer.bias is not None), Kind.TILE, _dt(consumer.linear))
+    has_bias = consumer.bias is not None or shifted
+    p.output(p.scaled_acc(True, has_bias), Kind.TILE, _dt(consumer.linear))
     return p.build()
 
 
@@ -220,6 +223,9 @@ def norm_operands(norm: RmsNorm) -> list[fx.Node]:
         ([norm.eps] if isinstance(norm.eps, fx.Node) else [])
 
 
-def build_programs(match: Match) -> None:
+def build_programs(match: Match, shifted) -> None:
+    """The producer's (or row-wise) program and one per consumer; ``shifted(consumer)``
+    says whether a shift between the norm and that GEMM becomes its bias."""
     match.norm_program = norm_program(match.norm, match.producer)
-    match.consumer_programs = {c.linear: rowscale_program(c) for c in match.consumers}
+    match.consumer_programs = {c.linear: rowscale_program(c, shifted(c))
+                               for c in match.consumers}
