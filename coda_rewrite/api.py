@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import copy
+import functools
+import itertools
+import types
+import warnings
 from typing import Any
 
 import torch
@@ -12,23 +18,90 @@ from .options import Options
 from .report import Report
 
 
+_ENTRIES = itertools.count()
+
+
+def _entry_point() -> types.FunctionType:
+    """``entry(model, *args, **kwargs) = model(*args, **kwargs)`` with a code object of its
+    own. Dynamo keeps compiled graphs per code object and stops compiling one after a few
+    entries (its recompile limit), without an error: Hugging Face wraps every model's
+    forward in one shared decorator, so compiling models themselves, after about nine of
+    them in a process, returned models that silently ran unrewritten. Starting each
+    optimize() at a fresh code object gives every model its own budget, and leaves
+    dynamo's settings, which the user's other compiles share, as they are. (The model is
+    an argument, not a closure: the graph's parameter names stay ``L['self']...``.)"""
+    def entry(self, *args, **kwargs):
+        return self(*args, **kwargs)
+    code = entry.__code__.replace(co_name=f"coda_optimized_{next(_ENTRIES)}")
+    return types.FunctionType(code, entry.__globals__, code.co_name)
+
+
 class CodaModule(nn.Module):
     """What optimize() returns: the user's module, called through the rewritten graphs.
 
     The original module is this module's ``module`` child, so parameters, buffers,
     train()/eval() and optimizer updates are shared; every call reads the live
-    parameters (they are graph inputs). Attributes it does not have (``config``,
-    ``generate``) are looked up on the original.
+    parameters (they are graph inputs). Attributes it does not have (``config``) are
+    looked up on the original; ``generate()`` runs the original's generation loop over
+    the rewritten forward.
+
+    A call that ran no rewritten graph at all (dynamo skipped or gave up on the frame)
+    warns once and is recorded in the report: an optimized model never runs as eager
+    without saying so.
     """
 
-    def __init__(self, model: nn.Module, compiled, report: Report):
+    def __init__(self, model: nn.Module, compiled, backend: CodaBackend):
         super().__init__()
         self.module = model
         object.__setattr__(self, "_compiled", compiled)  # not a child: no second copy
-        object.__setattr__(self, "report", report)
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "report", backend.report)
+        object.__setattr__(self, "_warned", False)
+        object.__setattr__(self, "_generator", None)
 
     def forward(self, *args, **kwargs):
-        return self._compiled(*args, **kwargs)
+        before = self._backend.runs
+        out = self._compiled(self._modules["module"], *args, **kwargs)
+        if self._backend.runs == before:
+            self._ran_uncompiled()
+        return out
+
+    def _ran_uncompiled(self) -> None:
+        self.report.uncaptured_calls += 1
+        if not self._warned:
+            object.__setattr__(self, "_warned", True)
+            warnings.warn(
+                "coda_rewrite.optimize(): a call ran without any rewritten graph: dynamo "
+                "did not compile it (a recompile limit reached, a skipped frame, or "
+                "compilation disabled), so the model ran as eager. The report counts "
+                "such calls.", RuntimeWarning, stacklevel=3)
+
+    def generate(self, *args, **kwargs):
+        """The original model's ``generate()``, its every forward through the rewritten
+        graphs (prefill and decode steps alike)."""
+        return self._generation_view().generate(*args, **kwargs)
+
+    def _generation_view(self) -> nn.Module:
+        """A shallow copy of the original whose ``forward`` is this module's: generation
+        code reads the model's class, config and methods, and calls ``self(...)``. The
+        copy shares parameters, buffers and submodules; its own hooks are empty (the
+        compiled call runs the original's, once)."""
+        if self._generator is None:
+            model = self._modules["module"]
+            view = copy.copy(model)
+            view.__dict__.update(_forward_hooks=collections.OrderedDict(),
+                                 _forward_pre_hooks=collections.OrderedDict(),
+                                 _forward_hooks_with_kwargs=collections.OrderedDict(),
+                                 _forward_pre_hooks_with_kwargs=collections.OrderedDict(),
+                                 _forward_hooks_always_called=collections.OrderedDict())
+            rewritten = self.forward
+
+            @functools.wraps(model.forward)  # generation reads the signature's arguments
+            def forward(*args, **kwargs):
+                return rewritten(*args, **kwargs)
+            view.forward = forward
+            object.__setattr__(self, "_generator", view)
+        return self._generator
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -56,8 +129,9 @@ def optimize(model: nn.Module, example_inputs=None, *, dynamic: bool | None = No
     """
     opts = Options.make(options, inductor=options.get("inductor", False))
     backend = CodaBackend(opts)
-    compiled = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-    wrapped = CodaModule(model, compiled, backend.report)
+    compiled = torch.compile(_entry_point(), backend=backend, dynamic=dynamic,
+                             fullgraph=fullgraph)
+    wrapped = CodaModule(model, compiled, backend)
     if example_inputs is not None:
         _call(wrapped, example_inputs)
     return wrapped

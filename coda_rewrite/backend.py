@@ -30,14 +30,23 @@ class CodaBackend:
     def __init__(self, options: Options | None = None, report: Report | None = None):
         self.options = options or Options()
         self.report = report if report is not None else Report()
+        self.runs = 0  # executions of this backend's graphs: optimize() checks a call ran one
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
         g = rewrite_graph(gm, self.options, index=len(self.report.graphs))
         self.report.add(g, self.options.dump_dir)
         if self.options.inductor:
             from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs)
-        return gm.forward
+            return self._counted(compile_fx(gm, example_inputs))
+        return self._counted(gm.forward)
+
+    def _counted(self, fn):
+        def run(*args):
+            self.runs += 1
+            return fn(*args)
+        # Inductor's compiled callables carry attributes dynamo reads (boxed calling)
+        run.__dict__.update(getattr(fn, "__dict__", {}))
+        return run
 
 
 def coda_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):

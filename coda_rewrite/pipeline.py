@@ -35,16 +35,53 @@ from .report import NOT_MATCHED, REJECTED, REWRITTEN, GraphReport, MatchRecord
 
 def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> GraphReport:
     t0 = time.perf_counter()
+    records: list[MatchRecord] = []
+    texts = _rewrite_one(gm, options, records)
+    for name, region in _checkpointed_regions(gm, records):
+        sub = _rewrite_one(region, options, records)
+        texts = (texts[0] + f"\n# checkpointed region {name}\n" + sub[0],
+                 texts[1] + f"\n# checkpointed region {name} (recomputed in the backward)\n"
+                 + sub[1])
+    return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0)
+
+
+# Dynamo captures activation checkpointing (torch.utils.checkpoint, Hugging Face's
+# gradient_checkpointing_enable()) as this higher-order op over a subgraph module; the
+# subgraph runs in the forward and again, recomputed, in the backward. Rewriting inside it
+# rewrites both. Other higher-order ops' subgraphs are reported, not entered.
+_CHECKPOINT_OP = "tag_activation_checkpoint"
+
+
+def _checkpointed_regions(gm: fx.GraphModule, records: list[MatchRecord]):
+    """(name, subgraph module) of every checkpointed region ``gm`` calls."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args or \
+                not isinstance(node.args[0], fx.Node) or node.args[0].op != "get_attr":
+            continue
+        sub = getattr(gm, node.args[0].target, None)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        op = getattr(node.target, "__name__", str(node.target))
+        if op == _CHECKPOINT_OP:
+            yield node.args[0].target, sub
+        else:
+            records.append(MatchRecord(
+                "graph", model_path(node), NOT_MATCHED, reason=(
+                    f"the subgraph {node.args[0].target} of the higher-order op {op} is "
+                    "not entered: left as captured")))
+
+
+def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord]):
+    """Rewrite one graph in place; returns (canonical text, rewritten code)."""
     graph = gm.graph
     canonical_text = canonical.render(graph)
-    records: list[MatchRecord] = []
     raising = canonical.gemm_eager_rejects(graph)
     if raising is not None:  # eager raises here: leave the graph as captured, so it does
         records.append(MatchRecord(
             "graph", model_path(raising), REJECTED, kind=RejectionKind.CONDITION, reason=(
                 f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
                 "force: eager raises there, so the graph is left exactly as captured")))
-        return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+        return canonical_text, gm.code
     _attention(graph, options, records)
     _norms(graph, options, records)
     _gated(graph, options, records)
@@ -52,7 +89,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
     _cross_entropy(graph, options, records)
     graph.lint()
     gm.recompile()
-    return GraphReport(index, records, canonical_text, gm.code, time.perf_counter() - t0)
+    return canonical_text, gm.code
 
 
 def _dtypes(linear: fx.Node) -> str:

@@ -156,6 +156,7 @@ class Report:
 
     def __init__(self):
         self.graphs: list[GraphReport] = []
+        self.uncaptured_calls = 0  # optimize() calls that ran no rewritten graph (warned)
 
     def add(self, g: GraphReport, dump_dir: str | None) -> None:
         self.graphs.append(g)
@@ -173,12 +174,15 @@ class Report:
                    if r.status == status and (pattern is None or r.pattern == pattern))
 
     def __str__(self) -> str:
+        uncaptured = (f"\n{self.uncaptured_calls} call(s) ran without any rewritten graph "
+                      "(dynamo did not compile them: the model ran as eager)"
+                      if self.uncaptured_calls else "")
         if not self.graphs:
-            return "coda_rewrite: no graph was captured"
+            return "coda_rewrite: no graph was captured" + uncaptured
         done = self.count(pattern=None)
         head = (f"coda_rewrite report: {len(self.graphs)} graph(s), "
                 f"{done} rewrite(s) applied, "
-                f"{len(self.records) - done} candidate(s) left as is")
+                f"{len(self.records) - done} candidate(s) left as is") + uncaptured
         body = "\n\n".join(g.render() for g in self.graphs)
         runtime = runtime_summary()
         tail = ("\nruntime (coda::gemm_epilogue calls so far):\n  " + "\n  ".join(runtime)

@@ -251,6 +251,10 @@ def apply_rope(graph: fx.Graph, m) -> fx.Node:
     reads = [p.x, p.r, *(s.proj.weight for s in m.segments), *(s.proj.bias for s in m.segments),
              *((m.table,) if m.form == "pairs" else (m.angle.cos, m.angle.sin)
                if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
+    # the head split (view, transpose) is rebuilt on the fused GEMM's output: its other
+    # arguments (sizes, symbolic under dynamic shapes) must be defined before it too
+    reads += [a for r in m.rotated for node in r.split for a in node.all_input_nodes
+              if a is not node.args[0]]
     reads = [n for n in reads if isinstance(n, fx.Node)]
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]

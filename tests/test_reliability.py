@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import os
 import pathlib
 import subprocess
@@ -32,7 +33,7 @@ import coda_rewrite
 from coda_rewrite.algebra.decision import RejectionKind
 from coda_rewrite.numerics import rel_err
 
-from conftest import hf_model
+from conftest import hf_model, tokens
 
 D, N_OUT = 32, 16
 
@@ -223,3 +224,116 @@ def test_backward_rules_refuse_programs_of_another_shape():
     p = ProgramBuilder("odd", gemm=True)
     p.output(p.exp(p.scaled_acc(True, False)), Kind.TILE, "float32")
     assert backward._rule(p.build()) is None  # the general rule, no specialised one
+
+
+# ---- dynamic shapes: decoding with a cache -----------------------------------------------
+
+def test_dynamic_decode_with_past_key_values():
+    """optimize(dynamic=True) on prefill then decode steps with past_key_values: the decode
+    graph crashed the compile (the rebuilt head split read a symbolic size defined after
+    the fused GEMM: 'used before it has been defined')."""
+    model = hf_model("llama").eval()
+    ids = tokens(seq=8)
+    fast = coda_rewrite.optimize(copy.deepcopy(model), dynamic=True)
+    with torch.no_grad():
+        got, want = fast(ids, use_cache=True), model(ids, use_cache=True)
+        for _ in range(3):
+            nxt = want.logits[:, -1:].argmax(-1)
+            got = fast(nxt, past_key_values=got.past_key_values, use_cache=True)
+            want = model(nxt, past_key_values=want.past_key_values, use_cache=True)
+            assert rel_err(got.logits, want.logits) <= 1e-5
+    assert len(fast.report.graphs) >= 2
+    assert all(len([r for r in g.records if r.pattern == "rope" and r.status == "rewritten"])
+               == 2 for g in fast.report.graphs), str(fast.report)
+
+
+# ---- silent no-ops ---------------------------------------------------------------------------
+
+def test_many_models_in_one_process_are_all_optimized():
+    """Hugging Face wraps every model's forward in one shared decorator: dynamo's
+    per-code-object recompile limit made the ninth and later optimize() calls return
+    models that ran unrewritten, silently."""
+    limit = torch._dynamo.config.recompile_limit
+    for seed in range(limit + 3):
+        fast = coda_rewrite.optimize(hf_model("llama", layers=1, seed=seed).eval())
+        with torch.no_grad():
+            fast(tokens(seq=8))
+        assert fast.report.count() > 0 and fast.report.uncaptured_calls == 0, seed
+    assert torch._dynamo.config.recompile_limit == limit  # the user's settings untouched
+
+
+def test_a_call_that_runs_no_rewritten_graph_warns_once_and_is_reported():
+    fast = coda_rewrite.optimize(hf_model("llama", layers=1).eval())
+    with torch.no_grad():
+        fast(tokens(seq=8))
+        with torch.compiler.set_stance("force_eager"):
+            with pytest.warns(RuntimeWarning, match="without any rewritten graph"):
+                fast(tokens(seq=8))
+            fast(tokens(seq=8))
+    assert fast.report.uncaptured_calls == 2
+    assert "2 call(s) ran without any rewritten graph" in str(fast.report)
+
+
+def test_generate_through_optimize_runs_the_rewritten_forward():
+    """optimize(model).generate() ran the original module: nothing was captured."""
+    model = hf_model("llama").eval()
+    ids = tokens(seq=8)
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        fast = coda_rewrite.optimize(model)
+        got = fast.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel_err(a, b) for a, b in zip(got.logits, want.logits)) <= 1e-5
+    assert len(fast.report.graphs) >= 2 and fast.report.count() > 0, str(fast.report)
+    assert fast.report.uncaptured_calls == 0
+
+
+@pytest.mark.parametrize("how", ["hf", "per_block"])
+def test_rewrites_inside_checkpointed_layers(how):
+    """gradient_checkpointing_enable() (or torch.utils.checkpoint per block): dynamo gives
+    each checkpointed layer as a subgraph of a higher-order op; nothing inside was
+    rewritten and the report did not mention them. Now the forward and its recomputation
+    run the rewritten subgraph, with eager's loss and gradients."""
+    from conftest import build, grads_match, loss_of
+
+    family = "llama" if how == "hf" else "plain"
+    model = build(family).train()
+    if how == "hf":
+        model.gradient_checkpointing_enable()
+    else:
+        from torch.utils.checkpoint import checkpoint
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    loss, ref_loss = loss_of(fast, family, ids), loss_of(ref, family, ids)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    loss.backward()
+    ref_loss.backward()
+    grads_match(model, ref)
+    inside = [r for r in fast.report.records if ".layers." in f".{r.path}."]
+    assert sum(r.status == "rewritten" for r in inside) >= 2 * 4, str(fast.report)
+    assert "checkpointed region" in fast.report.graphs[0].rewritten_code
+
+
+@pytest.mark.inductor
+def test_checkpointed_layers_through_inductor():
+    """The same through backend="coda" and Inductor: AOTAutograd traces the rewritten
+    checkpoint subgraph (the coda:: ops inside it) for the forward and the recomputation."""
+    from conftest import grads_match
+
+    model = hf_model("llama").train()
+    model.gradient_checkpointing_enable()
+    ref = copy.deepcopy(model)
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options())
+    ids = tokens()
+    loss = torch.compile(model, backend=backend)(ids, labels=ids).loss
+    ref_loss = ref(ids, labels=ids).loss
+    assert rel_err(loss, ref_loss) <= 1e-5
+    loss.backward()
+    ref_loss.backward()
+    grads_match(model, ref)
+    assert backend.report.count(pattern=None) >= 8, str(backend.report)
