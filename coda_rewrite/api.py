@@ -36,6 +36,12 @@ def _entry_point() -> types.FunctionType:
     return types.FunctionType(code, entry.__globals__, code.co_name)
 
 
+def _graph_breaks() -> collections.Counter:
+    """Dynamo's graph-break reasons so far in this process (a copy)."""
+    from torch._dynamo.utils import counters
+    return collections.Counter(counters["graph_break"])
+
+
 class CodaModule(nn.Module):
     """What optimize() returns: the user's module, called through the rewritten graphs.
 
@@ -60,11 +66,25 @@ class CodaModule(nn.Module):
         object.__setattr__(self, "_generator", None)
 
     def forward(self, *args, **kwargs):
-        before = self._backend.runs
+        before, graphs = self._backend.runs, len(self.report.graphs)
+        breaks = _graph_breaks()
         out = self._compiled(self._modules["module"], *args, **kwargs)
         if self._backend.runs == before:
             self._ran_uncompiled()
+        if len(self.report.graphs) != graphs:  # compiled on this call: any graph breaks?
+            self._record_graph_breaks(breaks)
         return out
+
+    def _record_graph_breaks(self, before: collections.Counter) -> None:
+        new = [reason.splitlines()[0] for reason, n in _graph_breaks().items()
+               if n > before.get(reason, 0)]
+        if not new:
+            return
+        self.report.graph_breaks += new
+        warnings.warn(
+            f"coda_rewrite.optimize(): dynamo broke the graph ({len(new)} break(s): "
+            f"{new[0]}); the code between graphs runs as eager, unrewritten (the report "
+            "lists the reasons)", RuntimeWarning, stacklevel=5)  # the caller of the model
 
     def _ran_uncompiled(self) -> None:
         self.report.uncaptured_calls += 1
@@ -74,7 +94,7 @@ class CodaModule(nn.Module):
                 "coda_rewrite.optimize(): a call ran without any rewritten graph: dynamo "
                 "did not compile it (a recompile limit reached, a skipped frame, or "
                 "compilation disabled), so the model ran as eager. The report counts "
-                "such calls.", RuntimeWarning, stacklevel=3)
+                "such calls.", RuntimeWarning, stacklevel=5)  # the caller of the model
 
     def generate(self, *args, **kwargs):
         """The original model's ``generate()``, its every forward through the rewritten

@@ -157,6 +157,7 @@ class Report:
     def __init__(self):
         self.graphs: list[GraphReport] = []
         self.uncaptured_calls = 0  # optimize() calls that ran no rewritten graph (warned)
+        self.graph_breaks: list[str] = []  # dynamo's reasons, where optimize() saw a break
 
     def add(self, g: GraphReport, dump_dir: str | None) -> None:
         self.graphs.append(g)
@@ -177,6 +178,8 @@ class Report:
         uncaptured = (f"\n{self.uncaptured_calls} call(s) ran without any rewritten graph "
                       "(dynamo did not compile them: the model ran as eager)"
                       if self.uncaptured_calls else "")
+        uncaptured += "".join(f"\ngraph break (the code around it runs as eager): {b}"
+                              for b in self.graph_breaks)
         if not self.graphs:
             return "coda_rewrite: no graph was captured" + uncaptured
         done = self.count(pattern=None)

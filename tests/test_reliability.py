@@ -274,15 +274,17 @@ def test_a_call_that_runs_no_rewritten_graph_warns_once_and_is_reported():
     assert "2 call(s) ran without any rewritten graph" in str(fast.report)
 
 
-def test_generate_through_optimize_runs_the_rewritten_forward():
-    """optimize(model).generate() ran the original module: nothing was captured."""
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_generate_through_optimize_runs_the_rewritten_forward(dynamic):
+    """optimize(model).generate() ran the original module: nothing was captured (and
+    with dynamic=True its decode graphs crashed the compile)."""
     model = hf_model("llama").eval()
     ids = tokens(seq=8)
     kw = dict(max_new_tokens=5, do_sample=False, output_logits=True,
               return_dict_in_generate=True)
     with torch.no_grad():
         want = model.generate(ids, **kw)
-        fast = coda_rewrite.optimize(model)
+        fast = coda_rewrite.optimize(model, dynamic=dynamic)
         got = fast.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert max(rel_err(a, b) for a, b in zip(got.logits, want.logits)) <= 1e-5
@@ -337,3 +339,25 @@ def test_checkpointed_layers_through_inductor():
     ref_loss.backward()
     grads_match(model, ref)
     assert backend.report.count(pattern=None) >= 8, str(backend.report)
+
+
+def test_a_graph_break_is_warned_and_reported():
+    """Code dynamo cannot trace splits the capture: what runs between the graphs is
+    eager's, unrewritten, and optimize() says so."""
+    class Chatty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.n = nn.Linear(D, D), nn.Linear(D, N_OUT), Norm()
+
+        def forward(self, x):
+            h = self.n(x + self.a(x))
+            print("", end="")  # a graph break
+            return self.b(h)
+
+    model = Chatty()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    x = torch.randn(2, 3, D)
+    with pytest.warns(RuntimeWarning, match="dynamo broke the graph"):
+        got = fast(x)
+    assert torch.allclose(got, model(x), rtol=1e-5, atol=1e-6)
+    assert fast.report.graph_breaks and "graph break" in str(fast.report)
