@@ -3,6 +3,7 @@ downloads), the plain-PyTorch Llama, and a clean dynamo state per test."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -44,15 +45,24 @@ def pytest_configure(config):
 def _no_pass_bugs(request, monkeypatch):
     """Every graph any test rewrites: a witness disagreement or an internal error in the
     checker is a bug of the pass, never an outcome to show users, so the test fails on it
-    (wherever it occurs, whatever the test itself asserts)."""
+    (wherever it occurs, whatever the test itself asserts). With CODA_SNAPSHOT=PATH, the
+    match records go to PATH.<pid> (a refactoring's "no behaviour change" check)."""
     import coda_rewrite.backend as backend
 
     found = []
     real = backend.rewrite_graph
 
+    snapshot = os.environ.get("CODA_SNAPSHOT")
+
     def spy(gm, options, index=0):
         report = real(gm, options, index)
         found.extend(r for r in report.records if r.kind is not None and r.kind.is_bug)
+        if snapshot:  # the match records of every graph the suite rewrites, one per line
+            with open(f"{snapshot}.{os.getpid()}", "a") as f:
+                for r in report.records:
+                    f.write(json.dumps([request.node.nodeid, index, r.pattern, r.path,
+                                        r.status, r.kind.name if r.kind else None,
+                                        [p.key for p in r.programs]]) + "\n")
         return report
 
     monkeypatch.setattr(backend, "rewrite_graph", spy)
