@@ -301,12 +301,12 @@ def test_gemm_output_read_twice_keeps_the_producer_unfused():
 
 @pytest.mark.provokes_pass_bug
 def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch, _no_pass_bugs):
-    from coda_rewrite import algebra
+    from coda_rewrite.algebra import row_scale
 
     def boom(*_):
         raise RuntimeError("planted")
 
-    monkeypatch.setattr(algebra, "decide_row_scale", boom)
+    monkeypatch.setattr(row_scale, "decide", boom)
     report, got, want = run(lambda s, x, r: s.w1(rms(s.w0(x) + r, s.g)))
     same(got, want)
     assert report.count() == 0 and "internal error while deciding" in str(report)

@@ -466,7 +466,7 @@ def test_late_pure_inputs_move_up_and_others_refuse():
     import torch.fx as fx
     import torch.nn as nn
 
-    from coda_rewrite.rewrite import NotPlaceable, hoist_before
+    from coda_rewrite.graph_utils import NotPlaceable, hoist_before
 
     class M(nn.Module):
         def __init__(self):

@@ -24,11 +24,11 @@ from ..kernels import ops
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection
-from .row_scale import mutated_value
+from ..graph_utils import mutated_value
 from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
-def side_conditions(m) -> tuple[list[str], str | None]:
+def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
     held = []
     nodes = [m.proj.out, *m.chain]
     for node, nxt in zip(nodes, [*m.chain, m.ce]):
@@ -51,18 +51,19 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         held.append(f"rows outside the slice {start}:{stop} of dim {dim} get ignore_index "
                     f"({m.ignore_index}): they contribute 0 and are not counted")
     held.append("logits " + ("written as eager writes them (read by " + ", ".join(
-        describe(r) for r in m.logits_readers) + ")" if m.materialise else
+        describe(r) for r in m.logits_readers) + ")" if materialise else
         "never written" + (" (materialize_logits=False: readers get an empty tensor)"
                            if m.logits_readers else " (nothing reads them)")))
     return held, None
 
 
-def decide(m) -> Decision:
-    held, failed = side_conditions(m)
+def decide(m, program, materialise: bool) -> Decision:
+    """Legality of the fused logits GEMM + loss running ``program``. Pure."""
+    held, failed = side_conditions(m, materialise)
     if failed:
         return Rejection(failed, m.path)
     merge = statements.prove_lse_merge()
-    seen = guarded(_replay, m)
+    seen = guarded(lambda m: _replay(m, program), m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(
@@ -77,7 +78,7 @@ def decide(m) -> Decision:
         seen)
 
 
-def _replay(m) -> str | Rejection:
+def _replay(m, program) -> str | Rejection:
     """The matched nodes (GEMM, chain, loss) on random float64 inputs with every third
     target ignored, against the rewrite's program and reduction on the same inputs."""
     gen = torch.Generator().manual_seed(97)
@@ -109,7 +110,7 @@ def _replay(m) -> str | Rejection:
     targets = ops.row_targets(t, x, vocab, dim, start, stop, m.ignore_index)
     operands = ([env[p.r]] if p.r is not None else []) + \
         ([env[p.bias]] if p.bias is not None else []) + [targets]
-    outs = ops.fused_linear_reference(exact(m.program.to_text()), x, env[p.weight], *operands)
+    outs = ops.fused_linear_reference(exact(program.to_text()), x, env[p.weight], *operands)
     ours = ops.cross_entropy_from_rows(outs[-2], targets, m.ignore_index, m.reduction, x,
                                        dim, start, stop, torch.float64)
     eager = env[m.ce]

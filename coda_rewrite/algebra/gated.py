@@ -23,7 +23,7 @@ from ..canonical import canon, meta
 from ..capture import describe
 from ..kernels import ops
 from ..numerics import rel_err
-from ..patterns.gated_mlp import same_value
+from ..graph_utils import same_value
 from . import statements
 from .decision import Decision, Proof, Rejection
 from .witness import _size, eval_nodes, exact, guarded, verdict
@@ -97,18 +97,19 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     return held, None
 
 
-def decide(m) -> Decision:
+def decide(m, program) -> Decision:
+    """Legality of replacing match ``m`` by one GEMM running ``program``. Pure."""
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_gated_interleave()
-    seen = guarded(_replay, m)
+    seen = guarded(lambda m: _replay(m, program), m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 
-def _replay(m) -> str | Rejection:
+def _replay(m, program) -> str | Rejection:
     """The matched nodes on random float64 inputs (small shapes) against the fused
     program, through the reference, on the same inputs."""
     gen = torch.Generator().manual_seed(4321)
@@ -143,7 +144,7 @@ def _replay(m) -> str | Rejection:
     eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
                 m.act, m.mul], env)
     operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
-    fused = ops.fused_linear_reference(exact(m.program.to_text()), env[g.x], w_int,
+    fused = ops.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
                                        *operands)[0]
     return verdict(rel_err(fused, env[m.mul]), f"rows {lead}", m.path)
 

@@ -25,6 +25,7 @@ contraction reads the permuted order: the rewrite is exact wherever it is applie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import torch
@@ -37,7 +38,7 @@ from ..numerics import rel_err
 from ..patterns import rope as rope_pattern
 from . import statements
 from .decision import Decision, Proof, Rejection
-from .row_scale import mutated_value
+from ..graph_utils import MATMUL, mutated_value
 from .witness import _size, exact, guarded, verdict
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention,
@@ -115,9 +116,6 @@ def _invariant_attention(u: fx.Node, region: set) -> bool:
     return q in region and k in region and not any(a in region for a in nodes_in_rest)
 
 
-_MATMUL = {torch.matmul, operator.matmul, "matmul"}
-
-
 def _swaps_last_two(node: fx.Node) -> bool:
     m = meta(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
     if m is None or m.dim() < 2:
@@ -131,7 +129,7 @@ def _swaps_last_two(node: fx.Node) -> bool:
 def _invariant_matmul(u: fx.Node, region: set) -> bool:
     """``q @ kᵀ`` with q and k from the region: a sum over the head dim (eager
     attention's scores). ``u`` is the matmul or the transpose feeding it."""
-    if u.target not in _MATMUL:
+    if u.target not in MATMUL:
         users = list(u.users)
         return _swaps_last_two(u) and u.args[0] in region and bool(users) and \
             all(_invariant_matmul(m, region) for m in users)
@@ -166,7 +164,7 @@ def permuted_region(starts: list[fx.Node]) -> Region:
             if u in region:
                 continue
             if _invariant_attention(u, region) or _invariant_matmul(u, region):
-                if (u.target in _SDPA or u.target in _MATMUL) and u not in invariant:
+                if (u.target in _SDPA or u.target in MATMUL) and u not in invariant:
                     invariant.append(u)
                 continue
             unpermute.append((u, n))
@@ -186,28 +184,36 @@ def _private(m) -> list[fx.Node]:
     return nodes
 
 
-def side_conditions(m) -> tuple[list[str], str | None]:
-    held = []
+def side_conditions(m) -> tuple[list[str], str | None, list, list]:
+    """(conditions that hold, the first that fails or None, the pass-through segments that
+    can join the fused GEMM, the packed slices left over: their own GEMM). Pure."""
+    held: list[str] = []
+    passthrough, remainders = list(m.passthrough), []
+    result = _side_conditions(m, held, passthrough, remainders)
+    return held, result, passthrough, remainders
+
+
+def _side_conditions(m, held, passthrough, remainders) -> str | None:
     shapes = {(r.head_dim, r.rotary_dim) for r in m.rotated}
     if len(shapes) != 1:
-        return held, "q and k differ in head_dim or rotary_dim (one permutation for both)"
+        return "q and k differ in head_dim or rotary_dim (one permutation for both)"
     head_dim, rotary_dim = shapes.pop()
     if rotary_dim % 2 or rotary_dim > head_dim:
-        return held, f"rotary_dim {rotary_dim} is odd or exceeds head_dim {head_dim}"
+        return f"rotary_dim {rotary_dim} is odd or exceeds head_dim {head_dim}"
     x = meta(m.proj.x)
     if m.form == "pairs":
         mt = meta(m.table)
         if mt.requires_grad:
-            return held, f"the table {describe(m.table)} requires grad"
+            return f"the table {describe(m.table)} requires grad"
         if x is None or x.dim() != 3 or mt.shape[-2] != x.shape[1] or \
                 (mt.dim() == 3 and mt.shape[0] not in (1, x.shape[0])):
-            return held, "the GEMM input is not [batch, seq, hidden] matching the table"
+            return "the GEMM input is not [batch, seq, hidden] matching the table"
         held.append(f"q and k rotate adjacent pairs by the complex table {describe(m.table)}")
     elif m.angle_source == "table":
         mc = meta(m.angle.cos)
         if x is None or x.dim() != 3 or mc.shape[1] != x.shape[1] or \
                 mc.shape[0] not in (1, x.shape[0]):
-            return held, "the GEMM input is not [batch, seq, hidden] matching the cos/sin tables"
+            return "the GEMM input is not [batch, seq, hidden] matching the cos/sin tables"
         held.append(f"cos/sin read as tables ({describe(m.angle.cos)}, "
                     f"{describe(m.angle.sin)}): {m.angle.why_table}")
         held.append("their halves agree (cat(θ, θ), as Hugging Face builds them): not visible "
@@ -217,10 +223,10 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         angle = m.angle
         n_freq = meta(angle.inv_freq).shape[1]
         if 2 * n_freq != rotary_dim:
-            return held, (f"{n_freq} frequencies for a rotary_dim of {rotary_dim}")
+            return (f"{n_freq} frequencies for a rotary_dim of {rotary_dim}")
         for node in (angle.inv_freq, angle.pos):
             if meta(node).requires_grad:
-                return held, (f"{describe(node)} requires grad (positions and frequencies "
+                return (f"{describe(node)} requires grad (positions and frequencies "
                               "are data)")
         held.append(f"the angle is pos ⊗ inv_freq ({describe(angle.pos)}, "
                     f"{describe(angle.inv_freq)}), cos/sin of cat(θ, θ)"
@@ -230,28 +236,28 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         mp = meta(angle.pos)
         if x is None or x.dim() != 3 or mp.shape[-1] != x.shape[1] or \
                 mp.shape[0] not in (1, x.shape[0]):
-            return held, "the GEMM input is not [batch, seq, hidden] matching the positions"
+            return "the GEMM input is not [batch, seq, hidden] matching the positions"
     private = set(_private(m))
     for r in m.rotated:
         if r.columns[1] - r.columns[0] != r.n_heads * r.head_dim:
-            return held, f"{describe(r.column_node)} is not the {r.n_heads} heads it splits"
+            return f"{describe(r.column_node)} is not the {r.n_heads} heads it splits"
     inside = private | {r.out for r in m.rotated}
     for n in private:
         outside = [u for u in n.users if u not in inside]
         if outside:
-            return held, (f"{describe(n)} is also read by {describe(outside[0])}: the fused "
+            return (f"{describe(n)} is also read by {describe(outside[0])}: the fused "
                           "GEMM writes only the rotated values")
     dtypes = {meta(r.out).dtype for r in m.rotated}
     if len(dtypes) != 1:
-        return held, "q and k are rotated into different dtypes"
+        return "q and k are rotated into different dtypes"
     dtype = dtypes.pop()
-    m.passthrough = [s for s in m.passthrough if meta(s.column_node).dtype == dtype]
-    seg_nodes = {s.column_node for s in m.segments}
-    m.remainders = []
-    for proj in {s.proj.out: s.proj for s in m.segments}.values():
+    passthrough[:] = [s for s in passthrough if meta(s.column_node).dtype == dtype]
+    segments = [*m.rotated, *passthrough]
+    seg_nodes = {s.column_node for s in segments}
+    for proj in {s.proj.out: s.proj for s in segments}.values():
         for call in (n for n in proj.nodes if n.target is ops.fused_linear):
             if set(call.users) != {proj.out}:
-                return held, f"{describe(call)} has readers outside the fused GEMM"
+                return f"{describe(call)} has readers outside the fused GEMM"
         if proj.out in seg_nodes:
             continue
         # a packed projection: read only through column slices; those the fused GEMM
@@ -261,18 +267,18 @@ def side_conditions(m) -> tuple[list[str], str | None]:
                 continue
             sl = rope_pattern.columns_of(u)
             if sl is None or sl[0].out is not proj.out:
-                return held, (f"the packed projection {describe(proj.out)} is read beyond its "
+                return (f"the packed projection {describe(proj.out)} is read beyond its "
                               "column slices")
-            m.remainders.append(rope_pattern.Passthrough(sl[0], sl[1], u))
-        covered = sorted([s.columns for s in m.segments if s.proj.out is proj.out] +
-                         [s.columns for s in m.remainders if s.proj.out is proj.out])
+            remainders.append(rope_pattern.Passthrough(sl[0], sl[1], u))
+        covered = sorted([s.columns for s in segments if s.proj.out is proj.out] +
+                         [s.columns for s in remainders if s.proj.out is proj.out])
         if _tiling(covered, meta(proj.out).shape[-1]) is None:
-            return held, f"the slices of {describe(proj.out)} do not cover it exactly once"
+            return f"the slices of {describe(proj.out)} do not cover it exactly once"
     held.append("the unrotated q and k are read only by their rotation")
-    if m.remainders:
+    if remainders:
         held.append("the rest of the packed projection (" + ", ".join(
-            describe(s.column_node) for s in m.remainders) + ") gets a GEMM of its own")
-    return held, None
+            describe(s.column_node) for s in remainders) + ") gets a GEMM of its own")
+    return None
 
 
 def _tiling(cols, n):
@@ -285,14 +291,16 @@ def _tiling(cols, n):
     return cols if at == n else None
 
 
-def decide(m) -> Decision:
-    held, failed = side_conditions(m)
+def decide(m, program) -> Decision:
+    """Legality of replacing match ``m`` (its segments final: see side_conditions) by one
+    GEMM running ``program``. Pure."""
+    held, failed, _, _ = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
+    replay = functools.partial(_replay, program=program)
     if m.form == "pairs":  # already adjacent pairs: nothing is permuted
-        m.region = Region(set(), [], [])
         rotation, facts = statements.prove_complex_rotation(), statements.prove_rotation_facts()
-        seen = guarded(_replay, m)
+        seen = guarded(replay, m)
         if isinstance(seen, Rejection):
             return seen
         return Proof(f"{rotation.statement};  {facts.statement}",
@@ -305,7 +313,6 @@ def decide(m) -> Decision:
             if mutated_value(u) is n:
                 return Rejection(f"{describe(n)} is updated in place by {describe(u)} (a "
                                  "permuted value must only be read)", m.path)
-    m.region = region
     interleave = statements.prove_rope_interleave()
     invariance = statements.prove_permutation_invariance()
     facts = statements.prove_rotation_facts()
@@ -314,7 +321,7 @@ def decide(m) -> Decision:
         held.append("v joins the GEMM " + ("with frequency 0" if m.angle_source == "angles"
                                           else "under a 0 rotate flag") + ": " + ", ".join(
             describe(s.column_node) for s in m.passthrough))
-    seen = guarded(_replay, m)
+    seen = guarded(replay, m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(
@@ -346,7 +353,7 @@ def rotated_spans(m) -> tuple:
                  for s in m.segments)
 
 
-def _replay(m) -> str | Rejection:
+def _replay(m, program) -> str | Rejection:
     """The matched rotations on random float64 inputs (one short sequence, the model's
     heads), eager's nodes against the fused program + un-permutation."""
     gen = torch.Generator().manual_seed(2718)
@@ -422,7 +429,7 @@ def _replay(m) -> str | Rejection:
             operands.append(ops.rope_column_scale(scale, lay, x))
         operands += [ops.rope_positions(pos[None, None, :], x),
                      ops.rope_frequencies(inv.float(), lay)]
-    fused = ops.fused_linear_reference(exact(m.program.to_text()), x, w, *operands)[0]
+    fused = ops.fused_linear_reference(exact(program.to_text()), x, w, *operands)[0]
     err, at = 0.0, 0
     for rot, ref in zip(m.rotated, want):
         got = fused[..., at:at + rot.n_heads * rot.head_dim].unflatten(

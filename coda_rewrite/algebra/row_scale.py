@@ -32,8 +32,14 @@ import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
+from ..graph_utils import aliases, mutated_value
+from ..kernels import ops as ops_mod
+from ..kernels import reference
+from ..numerics import rel_err
 from . import statements
-from .decision import Decision, Proof, Rejection
+from . import witness as witness_mod
+from .decision import Decision, Proof, Rejection, RejectionKind
+from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailable
 
 
 # ---- side condition (b): ops between the norm and its GEMM ----------------------------
@@ -136,7 +142,7 @@ def replay_chain(chain, head: fx.Node, d: int, h2, r, like, call):
             h2, r = like(node, src, h2), like(node, src, r)
         elif kind == "reshape":
             h2 = like(node, src, h2)
-            r = call(_ops().rows_like, r, h2)
+            r = call(ops_mod.rows_like, r, h2)
         elif kind in ("cast", "identity"):
             h2 = like(node, src, h2)
         else:
@@ -152,9 +158,6 @@ def replay_chain(chain, head: fx.Node, d: int, h2, r, like, call):
     return h2, r, scale, shift
 
 
-def _ops():
-    from ..kernels import ops
-    return ops
 
 
 def index_keeps_last_dim(index, ndim: int) -> bool:
@@ -200,48 +203,6 @@ def narrowing_cast(consumer, norm) -> fx.Node | None:
 
 
 # ---- side condition (c): in-place updates ---------------------------------------------
-
-_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ipow}
-_ALIASING_METHODS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze",
-                     "squeeze", "t", "narrow", "select", "as_strided", "flatten",
-                     "unflatten", "split", "chunk", "contiguous", "to", "detach",
-                     "view_as", "expand_as", "type_as", "float", "half", "bfloat16"}
-
-
-def mutated_value(node: fx.Node) -> fx.Node | None:
-    """The value ``node`` updates in place, if it does."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    if node.op == "call_method" and node.target.endswith("_") \
-            and not node.target.endswith("__") and node.target != "requires_grad_":
-        return node.args[0]
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCTIONS:
-            return node.args[0]
-        name = getattr(node.target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
-            return node.args[0]
-        if "out" in node.kwargs and isinstance(node.kwargs["out"], fx.Node):
-            return node.kwargs["out"]
-    return None
-
-
-def aliases(values: set[fx.Node]) -> set[fx.Node]:
-    """``values`` and every view that may share memory with them."""
-    seen, todo = set(values), list(values)
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            viewlike = (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
-                u.op == "call_function" and (u.target is operator.getitem or
-                                             getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
-                or (u.op == "call_function" and u.target is getattr)
-            if viewlike and u.args and u.args[0] is n and u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
-
 
 def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     """The overall decision for a match and one per consumer GEMM."""
@@ -307,3 +268,139 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     return Proof(statement, assumptions, deferral.steps + (
         "rstd's sum of squares is merged from per-tile partials: " + decomposition.statement,
     ), deferral.witness), per_consumer
+
+
+# ---- the decision ------------------------------------------------------------------------
+
+def decide(match, programs, graph: fx.Graph):
+    """(decision, per-consumer decisions, accepted consumers) for a residual → RMSNorm →
+    GEMM match and the programs that would replace it (``programs.norm``,
+    ``programs.consumers[linear]``, ``programs.norm_operands``). Pure: nothing is changed."""
+    decision, per_consumer = check(match, graph)
+    if not decision.accepted:
+        return decision, per_consumer, []
+    accepted = [c for c in match.consumers if per_consumer[c.linear].accepted]
+    seen = witness(match, programs, accepted)
+    if isinstance(seen, Rejection):
+        return seen, per_consumer, []
+    decision = Proof(decision.statement, decision.assumptions, decision.steps, seen)
+    return decision, per_consumer, accepted
+
+
+# ---- witness: the matched nodes against the programs, in float64 -----------------------
+
+def witness(match, programs, consumers) -> str | Rejection:
+    lead_full = [_size(s) for s in meta(match.norm.input).shape[:-1]]
+    leads = [[min(s, 3) for s in lead_full]]
+    if lead_full != leads[0] and witness_mod._prod(lead_full) * match.norm.dim <= _MAX_ELEMS:
+        leads.append(lead_full)
+    # float64 where the graph has float32; the graph's own dtypes when it casts
+    # explicitly (a float64 operand would then meet a bfloat16 one)
+    attempts = [(lead, native) for lead in leads for native in (False, True)]
+    last_err = ""
+    for lead, native in attempts:
+        try:
+            return _witness(match, programs, consumers, lead, native)
+        except _Unreplayable as e:
+            return unavailable(str(e), match.path)
+        except (RuntimeError, IndexError, ValueError, TypeError) as e:  # an op that raises
+            last_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return unavailable(f"the matched nodes raise on the replay's inputs: {last_err}",
+                       match.path)
+
+
+def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
+    norm, prod = match.norm, match.producer
+    d = norm.dim
+    g = torch.Generator().manual_seed(1234)
+
+    def rand(node, *shape, base=0.0):
+        dtype = meta(node).dtype
+        if not native and dtype == torch.float32:
+            dtype = torch.float64
+        return (base + torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    env: dict = {"__gen__": g}
+    ops_in, reference_outs, rewritten_outs, names = [], [], [], []
+    if norm.weight is not None:
+        env[norm.weight] = rand(norm.weight, d, base=1.0) * 0.5
+    if prod is not None:
+        # the GEMM's contracted dim is shrunk for speed, except where a node plays two
+        # roles (x + W·x: x is the residual; a consumer that reuses W): one node, one shape
+        k = _size(meta(prod.x).shape[-1])
+        if prod.x is not prod.residual and all(c.weight is not prod.weight for c in consumers):
+            k = min(k, 16)
+        env[prod.x] = rand(prod.x, *lead, k)
+        env[prod.weight] = rand(prod.weight, d, k)
+        if prod.bias is not None:
+            env[prod.bias] = rand(prod.bias, d)
+        env[prod.residual] = rand(prod.residual, *lead, d)
+        env[prod.linear] = _eval(prod.linear, env)
+        env[prod.add] = _eval(prod.add, env)
+        ops_in = [env[prod.x].reshape(-1, k), env[prod.weight],
+                  [*([env[prod.bias]] if prod.bias is not None else []),
+                   env[prod.residual].reshape(-1, d)]]
+    else:
+        env[norm.input] = rand(norm.input, *lead, d)
+        ops_in = [None, None, [env[norm.input].reshape(-1, d)]]
+    if isinstance(norm.eps, fx.Node):
+        env[norm.eps] = torch.tensor(1e-5, dtype=torch.float64)
+        for u in norm.eps.users:  # the idiom may read it through .item()
+            if u.op == "call_method" and u.target == "item":
+                env[u] = 1e-5
+    ops_in[2] += [env[n] for n in programs.norm_operands]
+    for n in norm.nodes:
+        env[n] = _eval(n, env)
+
+    outs = reference.run_program(programs.norm, *ops_in)
+    if prod is not None:
+        z, h2, r = outs
+        reference_outs.append(env[prod.add])
+        rewritten_outs.append(z.reshape(env[prod.add].shape))
+        names.append(prod.add.name)
+    else:
+        h2, r = outs
+    h2 = h2.reshape(*lead, d)
+    r = r.reshape(*lead, 1)
+
+    for c in consumers:
+        n_out = min(_size(meta(c.weight).shape[0]), 8)
+        if c.weight not in env:  # a weight two GEMMs share keeps its first value
+            env[c.weight] = rand(c.weight, n_out, d)
+        n_out = env[c.weight].shape[0]
+        if c.bias is not None and c.bias not in env:
+            env[c.bias] = rand(c.bias, n_out)
+        for node in c.chain:
+            env[node] = _eval(node, env)
+        ref = _eval(c.linear, env)
+        def like(node, src, x):
+            return _eval(node, env, replace=(src, x))
+
+        def call(fn, *args):
+            return fn(*(_value(a, env) for a in args))
+
+        hc, rc, scale, shift = replay_chain(c.chain, norm.output, d, h2, r, like, call)
+        weight, bias = env[c.weight], env.get(c.bias)
+        if scale is not None:
+            weight = ops_mod.fold_scale(env[c.weight], _value(scale, env))
+        if shift is not None:
+            bias = ops_mod.distribute_bias(_value(shift, env), env[c.weight], bias)
+        ops = [rc.reshape(-1), *([bias] if bias is not None else [])]
+        (out,) = reference.run_program(programs.consumers[c.linear],
+                                       hc.reshape(-1, d), weight, ops)
+        reference_outs.append(ref)
+        rewritten_outs.append(out.reshape(ref.shape))
+        names.append(c.linear.name)
+
+    low_precision = any(m is not None and m.dtype in (torch.float16, torch.bfloat16)
+                        for m in map(meta, [norm.input, norm.output, *norm.nodes,
+                                            *(c.linear for c in consumers)]))
+    tol = 3e-2 if low_precision else 1e-5 if native else 1e-6
+    errs = [rel_err(a, b) for a, b in zip(rewritten_outs, reference_outs)]
+    shown = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs))
+    if not all(e <= tol for e in errs):  # NaN fails too
+        return Rejection(f"checker bug: the float64 witness disagrees ({shown}; tol {tol:g}); "
+                         "the rewrite is not applied", match.path,
+                         RejectionKind.WITNESS_DISAGREES)
+    how = "in the graph's dtypes" if native else "in float64"
+    return f"replay {how} on rows {lead}: rel. error {shown} (tol {tol:g})"

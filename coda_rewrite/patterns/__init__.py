@@ -1,24 +1,8 @@
-"""Pattern families: each module finds its matches (or near misses, with the reason) and
-builds their epilogue programs; legality is the algebra's call, graph changes rewrite.py's."""
+"""Rewrite families, one module each: find (matches and near misses), describe, decide
+(asks algebra/ for legality; a frozen plan or a typed rejection), apply (graph surgery
+from the plan), and the family's graph-side runtime helpers. family.py states the
+protocol; registry.py lists the families in the order the pipeline runs them."""
 
-from __future__ import annotations
+from .family import Context, Decided, Family, NoMatch
 
-import dataclasses
-from typing import ClassVar
-
-import torch.fx as fx
-
-from ..capture import model_path
-
-
-@dataclasses.dataclass
-class NoMatch:
-    """A candidate a pattern could not use, and why (for the report). Each pattern
-    module subclasses it to set ``pattern``."""
-    node: fx.Node
-    reason: str
-    pattern: ClassVar[str] = ""
-
-    @property
-    def path(self) -> str:
-        return model_path(self.node)
+__all__ = ["Context", "Decided", "Family", "NoMatch"]

@@ -27,6 +27,8 @@ from ..algebra import mask as mask_prover
 from ..algebra.decision import Decision, Proof, Rejection
 from ..canonical import meta
 from ..capture import describe, model_path
+from ..graph_utils import erase_if_dead
+from .family import Context, Decided
 
 NAME = "attention_inputs"
 _SDPA = {torch._C._nn.scaled_dot_product_attention,
@@ -149,9 +151,34 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
     return out
 
 
-def apply(graph: fx.Graph, m: AttentionMatch) -> fx.Node:
-    """Replace the SDPA call; returns the new node. Dead repeat/mask nodes are removed
-    by the caller's cleanup."""
+# ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+def describe_match(m: AttentionMatch) -> dict:
+    notes = [("grouped-query heads", m.gqa)]
+    if m.causal is not None:
+        notes.append(("mask", m.causal))
+    return {"notes": notes}
+
+
+def decide(m: AttentionMatch, context: Context) -> Decided:
+    """The proofs were made while finding (the mask prover, the repeat_kv layout): a
+    match is applied when one of them holds; what does not hold is kept and said."""
+    notes = describe_match(m)["notes"]
+    if not m.changes:
+        why = "; ".join(d.condition for _, d in notes if not d.accepted)
+        return Decided(None, None, Rejection(why, m.path))
+    kept = "; ".join(f"{label} kept: {d.condition}" for label, d in notes if not d.accepted)
+    return Decided(None, m, None, {"reason": kept})
+
+
+def apply(graph: fx.Graph, m: AttentionMatch, context: Context) -> dict:
+    """Replace the SDPA call; the repeat and mask nodes go once dead."""
+    _replace_sdpa(graph, m)
+    erase_if_dead(graph, [m.k, m.v] + ([m.mask] if m.mask is not None else []))
+    return {}
+
+
+def _replace_sdpa(graph: fx.Graph, m: AttentionMatch) -> fx.Node:
     a = _sdpa_args(m.sdpa)
     use_gqa = m.gqa.accepted
     causal = m.causal is not None and m.causal.accepted

@@ -35,10 +35,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import patterns
+from ..algebra import cross_entropy as ce_algebra
 from ..canonical import canon, meta
-from ..capture import model_path
+from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
+from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, results
+from ..kernels import ops
 from ..kernels.reference import dtype_name
+from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
 
 NAME = "lm_head_cross_entropy"
@@ -49,7 +53,7 @@ _CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "redu
               "reduction", "label_smoothing")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Match:
     ce: fx.Node
     proj: Projection               # the logits GEMM
@@ -59,8 +63,6 @@ class Match:
     ignore_index: int
     reduction: str
     logits_readers: list[fx.Node]  # readers of the GEMM output outside the chain
-    program: EpilogueProgram | None = None
-    materialise: bool = True
 
     pattern = NAME
 
@@ -195,9 +197,61 @@ def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
     return p.build()
 
 
-def build_program(m: Match, options) -> None:
-    m.materialise = bool(m.logits_readers) and options.materialize_logits
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    match: Match
+    program: EpilogueProgram
+    materialise: bool              # write the logits (something besides the loss reads them)
+
+
+def plan_for(m: Match, options) -> Plan:
+    materialise = bool(m.logits_readers) and options.materialize_logits
     dtype = meta(m.proj.out).dtype
-    m.program = ce_program(m.proj.r is not None, m.proj.bias is not None,
-                           dtype if m.materialise else None,
-                           "float64" if dtype == torch.float64 else "float32")
+    program = ce_program(m.proj.r is not None, m.proj.bias is not None,
+                         dtype if materialise else None,
+                         "float64" if dtype == torch.float64 else "float32")
+    return Plan(m, program, materialise)
+
+
+# ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+def describe_match(m: Match) -> dict:
+    return {"producer": describe(m.proj.out)}
+
+
+def decide(m: Match, context: Context) -> Decided:
+    plan = plan_for(m, context.options)
+    decision = ce_algebra.decide(m, plan.program, plan.materialise)
+    if not decision.accepted:
+        return Decided.refuse(decision)
+    return Decided(decision, plan)
+
+
+def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
+    """Replace logits GEMM → cross_entropy by the fused GEMM's per-row losses and the
+    reduction."""
+    m, program = plan.match, plan.program
+    p = m.proj
+    vocab = int(meta(p.out).shape[-1])
+    dim, start, stop = m.row_slice if m.row_slice is not None else (None, None, None)
+    with graph.inserting_before(m.ce):
+        x, w, *b = cast_for_gemm(graph, p.out, p.x, p.weight,
+                                 *([p.bias] if p.bias is not None else []))
+        t = graph.call_function(ops.row_targets, (m.target, x, vocab, dim, start, stop,
+                                                  m.ignore_index))
+        r = [p.r] if p.r is not None else []
+        call = graph.call_function(ops.fused_linear, (program.to_text(), x, w, *r, *b, t))
+        copy_meta(call, m.ce)
+        outs = results(graph, call, len(program.outputs), m.ce)
+        loss = graph.call_function(ops.cross_entropy_from_rows, (
+            outs[-2], t, m.ignore_index, m.reduction, x, dim, start, stop, meta(m.ce).dtype))
+        copy_meta(loss, m.ce)
+        if not plan.materialise and m.logits_readers:
+            empty = graph.call_function(ops.unmaterialised_logits, (x,))
+    loss.meta.update({k: v for k, v in m.ce.meta.items() if k not in loss.meta})
+    m.ce.replace_all_uses_with(loss)
+    for reader in m.logits_readers:
+        reader.replace_input_with(p.out, outs[0] if plan.materialise else empty)
+    erase_if_dead(graph, [m.ce, *m.chain, *p.nodes])
+    return {"programs": [program],
+            "materialised": [describe(p.out)] if plan.materialise else []}

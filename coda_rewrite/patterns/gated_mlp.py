@@ -21,9 +21,9 @@ is then applied before the activation, as the math requires (it is not linear), 
 needs gate and up to carry the same r. Activations: silu (swiglu), gelu with the tanh
 approximation (geglu: Gemma's gelu_pytorch_tanh) and exact gelu (geglu_erf).
 
-This module finds matches and builds their programs; algebra/gated.py decides legality;
-rewrite.apply_gated changes the graph. The weight re-layout is a graph op on every call
-(kernels/ops.interleave_rows), computed from the live parameters.
+Legality: algebra/gated.py. The weight re-layout is a graph op on every call
+(kernels/ops.interleave_rows), computed from the live parameters, or kept inside the GEMM
+op with cache_relayouts (patterns/relaid_gemm.py).
 """
 
 from __future__ import annotations
@@ -36,17 +36,20 @@ import torch.nn.functional as F
 import torch.fx as fx
 
 from .. import patterns
+from ..algebra import gated as gated_algebra
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
+from ..graph_utils import chunk_half, copy_meta, erase_if_dead, results, through_casts
 from ..kernels import ops
 from ..kernels.reference import dtype_name
+from .family import Context, Decided
+from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "gated_mlp"
 
 _SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
 _GELU = {F.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default, "gelu"}
-_CHUNK = {torch.chunk, "chunk"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ class Projection:
     nodes: tuple[fx.Node, ...]     # what computes ``out`` (erased once dead)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Match:
     mul: fx.Node
     act: fx.Node
@@ -70,8 +73,6 @@ class Match:
     packed: bool
     gate_value: fx.Node | None = None   # packed: chunk(...)[0] / [1]
     up_value: fx.Node | None = None
-    program: EpilogueProgram | None = None
-    cache_relayouts: bool = False  # Options.cache_relayouts
 
     pattern = NAME
 
@@ -138,47 +139,6 @@ def projection_of(node: fx.Node) -> Projection | None:
         return None
     _, x, w, r, *b = call.args
     return Projection(node, x, w, b[0] if b else None, r, (node, call))
-
-
-def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """(chunk node, index) for ``t.chunk(2, dim=-1)[index]``."""
-    if node.op != "call_function" or node.target is not operator.getitem:
-        return None
-    ch, idx = node.args
-    if not isinstance(ch, fx.Node) or ch.target not in _CHUNK or not isinstance(idx, int):
-        return None
-    chunks = ch.args[1] if len(ch.args) > 1 else ch.kwargs.get("chunks")
-    dim = ch.args[2] if len(ch.args) > 2 else ch.kwargs.get("dim", 0)
-    src = meta(ch.args[0])
-    if chunks != 2 or src is None or dim not in (-1, src.dim() - 1):
-        return None
-    return ch, idx
-
-
-def same_value(a, b, depth: int = 4) -> bool:
-    """Two graph values known to be equal: the same node, or the same pure call on
-    arguments that are (the norm rewrite casts each consumer's input separately under
-    autocast; the plain Llama rebuilds view_as_complex(table) for q and for k)."""
-    if a is b:
-        return True
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
-    if depth == 0 or a.op != b.op or a.op not in ("call_function", "call_method") \
-            or a.target != b.target or a.is_impure() or len(a.args) != len(b.args) \
-            or a.kwargs != b.kwargs:
-        return False
-    return all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
-
-
-def through_casts(node):
-    """(the value under any casts, whether one of them changed the dtype)."""
-    changed = False
-    while isinstance(node, fx.Node) and canon(node) is not None and canon(node).name == "cast":
-        src = node.args[0]
-        if meta(src) is None or meta(src).dtype != meta(node).dtype:
-            changed = True
-        node = src
-    return node, changed
 
 
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
@@ -258,9 +218,57 @@ def trains(m: Match) -> bool:
     return bool(meta(m.mul).requires_grad)
 
 
-def build_program(m: Match, options) -> None:
-    m.cache_relayouts = options.cache_relayouts and not trains(m)
+def build_program(m: Match) -> EpilogueProgram:
     has_bias = m.gate.bias is not None or m.up.bias is not None
     mm = meta(m.mul)
-    m.program = gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,
-                              keep_preact=bool(mm.requires_grad))
+    return gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,
+                         keep_preact=bool(mm.requires_grad))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    match: Match
+    program: EpilogueProgram
+    cache_relayouts: bool          # keep the interleaved weights inside the op (inference)
+
+
+# ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+def describe_match(m: Match) -> dict:
+    return {"consumers": [describe(m.gate.out)] if m.packed else
+            [describe(m.gate.out), describe(m.up.out)]}
+
+
+def decide(m: Match, context: Context) -> Decided:
+    program = build_program(m)
+    decision = gated_algebra.decide(m, program)
+    if not decision.accepted:
+        return Decided.refuse(decision)
+    cache = context.options.cache_relayouts and not trains(m)
+    return Decided(decision, Plan(m, program, cache))
+
+
+def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
+    """Replace act(gate)·up by one GEMM over the interleaved weights."""
+    m = plan.match
+    g, u = m.gate, m.up
+    with graph.inserting_before(m.mul):
+        if m.packed:
+            kind, weights, biases = "interleave_halves", (g.weight,), (g.bias,)
+        else:
+            kind, weights, biases = "interleave_rows", (g.weight, u.weight), (g.bias, u.bias)
+        b = [relayout_node(graph, kind, (), *biases)] if any(t is not None for t in biases) \
+            else []
+        r = [g.r] if g.r is not None else []
+        call = relaid_gemm(graph, plan.cache_relayouts, plan.program.to_text(), g.out, g.x,
+                           kind, (), weights, r, b, [])
+        copy_meta(call, m.mul)
+        out = results(graph, call, 1, m.mul)[0]
+    out.meta.update({k: v for k, v in m.mul.meta.items() if k not in out.meta})
+    m.mul.replace_all_uses_with(out)
+    erase_if_dead(graph, [m.mul, m.act, *m.intermediates, *g.nodes, *u.nodes])
+    shown = {"programs": [plan.program],
+             "weights": weights_line(plan.cache_relayouts, context.options)}
+    if g.r is not None:
+        shown["producer"] = f"rows scaled by the deferred rstd {describe(g.r)}"
+    return shown

@@ -17,8 +17,15 @@ commutes with a row scale: (diag(r)·H)·W = diag(r)·(H·W) (algebra/row_scale.
 and checks the side conditions on the matched graph). A norm with no producing GEMM gets
 the same deferral from a row-wise program.
 
-This module only finds matches and builds their programs. Whether a match is legal is
-the algebra's call; how the graph changes is rewrite.py's.
+The graph keeps every value it had before: the residual stream comes out of the fused
+producer and replaces the residual add; each accepted consumer GEMM is replaced by a
+row-scaled GEMM; the original norm nodes are left where they were and removed only if
+nothing reads them any more. So a normalised tensor that is also returned, or read by
+something that is not a GEMM, is still computed exactly as eager computes it
+(materialised), and every other reader of the region is untouched.
+
+Legality: algebra/row_scale.py. The family's runtime helpers (a per-feature factor folded
+into the live weights, a shift distributed as a bias) are below, with the graph surgery.
 """
 
 from __future__ import annotations
@@ -29,10 +36,15 @@ import torch
 import torch.fx as fx
 
 from .. import patterns
+from ..algebra import row_scale
 from ..canonical import NearMiss, RmsNorm, canon, find_rms_norms, meta
 from ..capture import describe, model_path
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
+from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
+                           same_meta)
+from ..kernels import ops
 from ..kernels.reference import dtype_name
+from .family import Context, Decided
 
 NAME = "residual_rmsnorm_gemm"
 _CHAIN_DEPTH = 4
@@ -56,15 +68,13 @@ class Consumer:
     bias: fx.Node | None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Match:
     norm: RmsNorm
     producer: Producer | None
     producer_note: str                    # why there is no producing GEMM, if none
     consumers: list[Consumer]
     other_readers: list[fx.Node]          # readers of the normalised value that are not GEMMs
-    norm_program: EpilogueProgram | None = None
-    consumer_programs: dict[fx.Node, EpilogueProgram] = dataclasses.field(default_factory=dict)
 
     pattern = NAME
 
@@ -223,9 +233,116 @@ def norm_operands(norm: RmsNorm) -> list[fx.Node]:
         ([norm.eps] if isinstance(norm.eps, fx.Node) else [])
 
 
-def build_programs(match: Match, shifted) -> None:
-    """The producer's (or row-wise) program and one per consumer; ``shifted(consumer)``
-    says whether a shift between the norm and that GEMM becomes its bias."""
-    match.norm_program = norm_program(match.norm, match.producer)
-    match.consumer_programs = {c.linear: rowscale_program(c, shifted(c))
-                               for c in match.consumers}
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The programs that would replace a match: the producer's (or row-wise) one, one per
+    consumer, and the graph values the norm program reads after the GEMM's operands."""
+    norm: EpilogueProgram
+    consumers: dict[fx.Node, EpilogueProgram]
+    norm_operands: tuple[fx.Node, ...]
+
+
+def build_programs(match: Match) -> Programs:
+    """A shift between the norm and a consumer's GEMM becomes that consumer's bias."""
+    return Programs(
+        norm_program(match.norm, match.producer),
+        {c.linear: rowscale_program(c, row_scale.has_shift(c, match.norm))
+         for c in match.consumers},
+        tuple(norm_operands(match.norm)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    match: Match
+    programs: Programs
+    accepted: tuple[Consumer, ...]
+
+
+# ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+def describe_match(m: Match) -> dict:
+    return {"producer": describe(m.producer.linear) if m.producer else m.producer_note,
+            "consumers": [describe(c.linear) for c in m.consumers]}
+
+
+def refresh(m: Match, context: Context) -> Match:
+    """Bring a match found before earlier rewrites up to date: the residual add one norm's
+    producer fuses is the residual input of the next norm. A producing GEMM that an
+    earlier rewrite already turned into a fused op is not fused a second time (the norm
+    then gets the row-wise program, and the report says why)."""
+    cur = context.current
+    norm = dataclasses.replace(m.norm, input=cur(m.norm.input))
+    producer, note = m.producer, m.producer_note
+    if producer is not None and (producer.linear in context.replaced
+                                 or producer.add in context.replaced):
+        producer, note = None, (f"the producing GEMM {producer.linear.name} already carries "
+                                "another rewrite's epilogue")
+    if producer is not None:
+        producer = dataclasses.replace(producer, residual=cur(producer.residual),
+                                       x=cur(producer.x))
+    return dataclasses.replace(m, norm=norm, producer=producer, producer_note=note)
+
+
+def decide(m: Match, context: Context) -> Decided:
+    m = refresh(m, context)
+    programs = build_programs(m)
+    decision, per_consumer, accepted = row_scale.decide(m, programs, m.norm.output.graph)
+    report = {"consumer_decisions": [(describe(n), d) for n, d in per_consumer.items()],
+              **describe_match(m)}
+    if not decision.accepted:  # (check() refuses a match no consumer can take)
+        return Decided(decision, None, decision, report)
+    return Decided(decision, Plan(m, programs, tuple(accepted)), None, report)
+
+
+def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
+    """Rewrite one match in place (see the module docstring)."""
+    match, programs = plan.match, plan.programs
+    norm, prod = match.norm, match.producer
+    text = programs.norm.to_text()
+    gamma = list(programs.norm_operands)
+    if prod is not None:
+        with graph.inserting_before(prod.add):
+            x, w, *b = cast_for_gemm(graph, prod.linear, prod.x, prod.weight,
+                                     *([prod.bias] if prod.bias is not None else []))
+            call = graph.call_function(ops.fused_linear, (text, x, w, *b, prod.residual, *gamma))
+            copy_meta(call, prod.linear)
+            z, h2, r = results(graph, call, 3, norm.output)
+            same_meta(h2, norm.output)
+        prod.add.replace_all_uses_with(z)
+        context.replaced[prod.add] = z
+        z.meta.update({k: v for k, v in prod.add.meta.items() if k not in z.meta})
+    else:
+        with graph.inserting_before(norm.output.next):
+            call = graph.call_function(ops.fused_rowwise, (text, norm.input, *gamma))
+            copy_meta(call, norm.output)
+            h2, r = results(graph, call, 2, norm.output)
+            same_meta(h2, norm.output)
+
+    for c in plan.accepted:
+        program = programs.consumers[c.linear].to_text()
+        with graph.inserting_before(c.linear):
+            h2c, rc, scale, shift = row_scale.replay_chain(c.chain, norm.output, norm.dim, h2,
+                                                           r, *graph_replay(graph))
+            weight, bias = c.weight, c.bias
+            if scale is not None:  # a per-feature factor, folded into the live weights
+                weight = graph.call_function(ops.fold_scale, (c.weight, scale))
+            if shift is not None:  # a shift after the norm, distributed: shift·Wᵀ (+ b)
+                bias = graph.call_function(ops.distribute_bias, (shift, c.weight, c.bias))
+            x, w, *b = cast_for_gemm(graph, c.linear, h2c, weight,
+                                     *([bias] if bias is not None else []))
+            call = graph.call_function(ops.fused_linear, (program, x, w, rc, *b))
+            copy_meta(call, c.linear)
+            (out,) = results(graph, call, 1, c.linear)
+        out.meta.update({k: v for k, v in c.linear.meta.items() if k not in out.meta})
+        c.linear.replace_all_uses_with(out)
+        context.replaced[c.linear] = out
+        graph.erase_node(c.linear)
+        erase_if_dead(graph, c.chain)
+
+    dead_candidates = [*norm.nodes]
+    if prod is not None:
+        dead_candidates += [prod.add, prod.linear]
+    erase_if_dead(graph, dead_candidates)
+    alive = set(graph.nodes)
+    return {"materialised": [describe(n) for n in norm.nodes if n in alive],
+            "programs": [programs.norm, *(programs.consumers[c.linear] for c in plan.accepted)]}

@@ -58,16 +58,22 @@ import torch
 import torch.fx as fx
 
 from .. import patterns
+from ..algebra import rope as rope_algebra
+from ..algebra.decision import Rejection
 from ..canonical import canon, meta, runtime_scalar
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
+from ..graph_utils import (MATMUL, chunk_half, copy_meta, erase_if_dead, hoist_before,
+                           results, same_meta, same_value, shared_call, through_casts)
+from ..kernels import ops
 from ..kernels.reference import dtype_name
-from .gated_mlp import Projection, chunk_half, projection_of, same_value, through_casts
+from .family import Context, Decided
+from .gated_mlp import Projection, projection_of
+from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "rope"
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
-_MATMUL = {torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm"}
 _COS = {torch.cos, "cos"}
 _SIN = {torch.sin, "sin"}
 _SPLIT = {"view", "reshape", torch.reshape}
@@ -122,15 +128,12 @@ class Passthrough:
     column_node: fx.Node
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Match:
     rotated: list[Rotated]         # q and k, in graph order
     passthrough: list[Passthrough]  # v, when it reads the same input (frequency 0)
-    program: EpilogueProgram | None = None
-    region: object = None          # algebra/rope.Region, once decided
     remainders: list = dataclasses.field(default_factory=list)  # packed slices left over:
                                    # their own GEMM (algebra/rope.side_conditions)
-    cache_relayouts: bool = False  # Options.cache_relayouts
 
     pattern = NAME
 
@@ -263,7 +266,7 @@ def _outer(theta) -> tuple[fx.Node, fx.Node] | None:
     if not _is(theta, _TRANSPOSE):
         return None
     x, d0, d1 = _args(theta, "input", "dim0", "dim1")
-    if sorted((d0 % 3, d1 % 3)) != [1, 2] or not _is(x, _MATMUL):
+    if sorted((d0 % 3, d1 % 3)) != [1, 2] or not _is(x, MATMUL):
         return None
     a, p = x.args[:2]
     ma, mp = meta(a), meta(p)
@@ -676,17 +679,170 @@ def trains(m: Match) -> bool:
     return any(bool(meta(r.out).requires_grad) for r in m.rotated)
 
 
-def build_program(m: Match, options) -> None:
-    m.cache_relayouts = options.cache_relayouts and not trains(m)
+def build_program(m: Match) -> EpilogueProgram:
     if m.angle_source == "table":
-        m.program = rope_table_program(m.proj.r is not None, has_bias(m),
-                                       meta(m.rotated[0].out).dtype, bool(m.passthrough))
-        return
-    m.program = rope_program(m.proj.r is not None, has_bias(m), scaled(m),
-                             meta(m.rotated[0].out).dtype)
+        return rope_table_program(m.proj.r is not None, has_bias(m),
+                                  meta(m.rotated[0].out).dtype, bool(m.passthrough))
+    return rope_program(m.proj.r is not None, has_bias(m), scaled(m),
+                        meta(m.rotated[0].out).dtype)
 
 
 def scaled(m: Match) -> bool:
     """Whether the rotation carries an attention scaling other than a constant 1."""
     return m.angle_source == "angles" and not (isinstance(m.angle.scale, float)
                                                and m.angle.scale == 1.0)
+
+
+# ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    match: Match                   # its segments final: v that can join, remainders
+    program: EpilogueProgram
+    cache_relayouts: bool          # keep the permuted weights inside the op (inference)
+
+
+def describe_match(m: Match) -> dict:
+    shown = {"consumers": [describe(r.out) for r in m.rotated] + [
+        f"{describe(s.column_node)} (" + ("frequency 0" if m.angle_source == "angles"
+                                          else "not rotated") + ")" for s in m.passthrough]}
+    if m.proj.r is not None:
+        shown["producer"] = f"rows scaled by the deferred rstd {describe(m.proj.r)}"
+    return shown
+
+
+def decide(m: Match, context: Context) -> Decided:
+    held, failed, passthrough, remainders = rope_algebra.side_conditions(m)
+    if failed:
+        return Decided.refuse(Rejection(failed, m.path))
+    m = dataclasses.replace(m, passthrough=passthrough, remainders=remainders)
+    program = build_program(m)
+    decision = rope_algebra.decide(m, program)
+    if not decision.accepted:
+        return Decided.refuse(decision, **describe_match(m))
+    cache = context.options.cache_relayouts and not trains(m)
+    return Decided(decision, Plan(m, program, cache), None, describe_match(m))
+
+
+def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
+    """Replace q/k projections + rotation (and v's projection) by one GEMM with a
+    rotating epilogue; eager's feature order is put back on the edges the escape
+    analysis names (algebra/rope.py)."""
+    m = plan.match
+
+    lay = rope_algebra.layout(m)
+    # the fused GEMM goes right after the last value it reads, which must precede every
+    # reader of what it replaces: values computed later (TorchTitan's table, made complex
+    # inside the rotation of q, after v's reshape) are moved up if they are pure
+    p = m.proj
+    reads = [p.x, p.r, *(s.proj.weight for s in m.segments), *(s.proj.bias for s in m.segments),
+             *((m.table,) if m.form == "pairs" else (m.angle.cos, m.angle.sin)
+               if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
+    # the head split (view, transpose) is rebuilt on the fused GEMM's output: its other
+    # arguments (sizes, symbolic under dynamic shapes) must be defined before it too
+    reads += [a for r in m.rotated for node in r.split for a in node.all_input_nodes
+              if a is not node.args[0]]
+    reads = [n for n in reads if isinstance(n, fx.Node)]
+    readers = [u for r in m.rotated for u in r.out.users] + \
+        [u for s in m.passthrough for u in s.column_node.users]
+    if readers:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        hoist_before(min(readers, key=order.__getitem__), reads)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max(reads, key=order.__getitem__).next
+    if m.angle_source == "angles":
+        freq = shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
+    with graph.inserting_before(anchor):
+        b = [relayout_node(graph, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
+            if has_bias(m) else []
+        x = p.x  # read for its leading shape only
+        if m.angle_source == "angles":
+            angle = [shared_call(graph, ops.rope_positions, (m.angle.pos, x), anchor,
+                                  same_rows(m.angle.pos, x)), freq]
+            if scaled(m):  # a per-column float32 scale before the rotation
+                angle.insert(0, graph.call_function(ops.rope_column_scale,
+                                                    (m.angle.scale, lay, x)))
+        else:
+            if m.form == "half":
+                rot = m.rotated[0]
+                angle = [graph.call_function(ops.rope_half_table_rows, (
+                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
+            else:
+                angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
+            if m.passthrough:
+                spans = rope_algebra.rotated_spans(m)
+                angle.append(shared_call(graph, ops.rope_rotated_columns, (spans, x), anchor,
+                                          lambda n: n.args[0] == spans))
+        r = [p.r] if p.r is not None else []
+        weights = tuple(s.proj.weight for s in m.segments)
+        call = relaid_gemm(graph, plan.cache_relayouts, plan.program.to_text(), p.out, p.x,
+                           "rope_segments", lay, weights, r, b, angle)
+        copy_meta(call, m.rotated[0].out)
+        y = results(graph, call, 1, m.rotated[0].out)[0]
+        at, new_outs = 0, []
+        for s in m.segments:
+            n = s.columns[1] - s.columns[0]
+            piece = graph.call_function(operator.getitem, (y, (Ellipsis, slice(at, at + n))))
+            same_meta(piece, s.column_node)
+            at += n
+            if isinstance(s, Rotated):
+                v = piece
+                for node in reversed(s.split):  # view, then transpose, onto the piece
+                    src = node.args[0]
+                    v = graph.node_copy(node, lambda a, src=src, v=v: v if a is src else a)
+                    same_meta(v, node)
+                new_outs.append(v)
+                s.out.replace_all_uses_with(v)
+            else:
+                s.column_node.replace_all_uses_with(piece)
+    for s in m.remainders:  # what else a packed projection held: its own GEMM
+        with graph.inserting_before(s.column_node):
+            s.column_node.replace_all_uses_with(column_gemm(graph, s))
+    region = rope_algebra.permuted_region(new_outs) if m.form == "half" else \
+        rope_algebra.Region(set(), [], [])
+    rot = m.rotated[0]
+    for consumer, value in region.unpermute:
+        with graph.inserting_before(consumer):
+            back = graph.call_function(ops.rope_unpermute, (value, rot.head_dim, rot.rotary_dim))
+        same_meta(back, value)
+        consumer.replace_input_with(value, back)
+    erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
+                  + [n for s in (*m.segments, *m.remainders)
+                     for n in (s.column_node, *s.proj.nodes)])
+    shown = {"programs": [plan.program],
+             "weights": weights_line(plan.cache_relayouts, context.options)}
+    if region.unpermute:
+        shown["materialised"] = [
+            f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"
+            for c, v in region.unpermute]
+    return shown
+
+
+def same_rows(pos: fx.Node, x: fx.Node):
+    """A rope_positions call on the same positions for GEMM rows of the same shape (x is
+    read for its leading shape only)."""
+    def same(n):
+        mx, other = meta(x), meta(n.args[1])
+        return n.args[0] is pos and mx is not None and other is not None \
+            and mx.shape[:-1] == other.shape[:-1]
+    return same
+
+
+def column_gemm(graph: fx.Graph, s) -> fx.Node:
+    """Columns [lo, hi) of a projection as a GEMM of their own: the weight's (and bias's)
+    rows sliced from the live parameters; a rewritten norm consumer keeps its program."""
+    lo, hi = s.columns
+    p = s.proj
+    w = graph.call_function(operator.getitem, (p.weight, slice(lo, hi)))
+    b = [graph.call_function(operator.getitem, (p.bias, slice(lo, hi)))] \
+        if p.bias is not None else []
+    call = next((n for n in p.nodes if n.target is ops.fused_linear), None)
+    if call is None:
+        out = graph.call_function(torch._C._nn.linear, (p.x, w, *(b or [None])))
+    else:
+        x, _, r, *_ = call.args[1:]
+        new = graph.call_function(ops.fused_linear, (call.args[0], x, w, r, *b))
+        copy_meta(new, call)
+        out = graph.call_function(operator.getitem, (new, 0))
+    same_meta(out, s.column_node)
+    return out

@@ -1,0 +1,208 @@
+"""Graph utilities every rewrite family shares: what a node reads and updates, values
+known equal, moving and erasing nodes, building the fused calls' results. Nothing here
+knows a family; each family's graph code sits in its own patterns/ module."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .canonical import canon, meta, under_autocast
+from .capture import describe
+
+# A matrix product however spelled (``@``, torch.matmul, a batched bmm).
+MATMUL = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
+CHUNK = {torch.chunk, "chunk"}
+
+
+class NotPlaceable(ValueError):
+    """No place in the graph for a fused call; raised before the graph changes, so the
+    pipeline leaves the match as it is and reports why."""
+
+
+# ---- what a node reads and updates ------------------------------------------------------
+
+_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ipow}
+_ALIASING_METHODS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze",
+                     "squeeze", "t", "narrow", "select", "as_strided", "flatten",
+                     "unflatten", "split", "chunk", "contiguous", "to", "detach",
+                     "view_as", "expand_as", "type_as", "float", "half", "bfloat16"}
+
+
+def mutated_value(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` updates in place, if it does."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_method" and node.target.endswith("_") \
+            and not node.target.endswith("__") and node.target != "requires_grad_":
+        return node.args[0]
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCTIONS:
+            return node.args[0]
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
+            return node.args[0]
+        if "out" in node.kwargs and isinstance(node.kwargs["out"], fx.Node):
+            return node.kwargs["out"]
+    return None
+
+
+def aliases(values: set[fx.Node]) -> set[fx.Node]:
+    """``values`` and every view that may share memory with them."""
+    seen, todo = set(values), list(values)
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            viewlike = (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
+                u.op == "call_function" and (u.target is operator.getitem or
+                                             getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
+                or (u.op == "call_function" and u.target is getattr)
+            if viewlike and u.args and u.args[0] is n and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def same_value(a, b, depth: int = 4) -> bool:
+    """Two graph values known to be equal: the same node, or the same pure call on
+    arguments that are (the norm rewrite casts each consumer's input separately under
+    autocast; the plain Llama rebuilds view_as_complex(table) for q and for k)."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
+    if depth == 0 or a.op != b.op or a.op not in ("call_function", "call_method") \
+            or a.target != b.target or a.is_impure() or len(a.args) != len(b.args) \
+            or a.kwargs != b.kwargs:
+        return False
+    return all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
+
+
+def through_casts(node):
+    """(the value under any casts, whether one of them changed the dtype)."""
+    changed = False
+    while isinstance(node, fx.Node) and canon(node) is not None and canon(node).name == "cast":
+        src = node.args[0]
+        if meta(src) is None or meta(src).dtype != meta(node).dtype:
+            changed = True
+        node = src
+    return node, changed
+
+
+def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(chunk node, index) for ``t.chunk(2, dim=-1)[index]``."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    ch, idx = node.args
+    if not isinstance(ch, fx.Node) or ch.target not in CHUNK or not isinstance(idx, int):
+        return None
+    chunks = ch.args[1] if len(ch.args) > 1 else ch.kwargs.get("chunks")
+    dim = ch.args[2] if len(ch.args) > 2 else ch.kwargs.get("dim", 0)
+    src = meta(ch.args[0])
+    if chunks != 2 or src is None or dim not in (-1, src.dim() - 1):
+        return None
+    return ch, idx
+
+
+# ---- building and placing nodes --------------------------------------------------------
+
+def copy_meta(new: fx.Node, old: fx.Node) -> None:
+    for key in ("nn_module_stack", "source_fn_stack", "stack_trace"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+
+
+def cast_for_gemm(graph: fx.Graph, linear: fx.Node, *tensors):
+    """Where eager's GEMM ran under autocast in another dtype than its inputs, cast the
+    operands as autocast would have: the fused op computes in its operands' dtype.
+    Without autocast nothing is cast (a graph whose GEMM would mix dtypes raises in
+    eager, and the pipeline leaves it as captured: canonical.gemm_eager_rejects)."""
+    if not under_autocast(linear):
+        return list(tensors)
+    target = meta(linear).dtype
+    out = []
+    for t in tensors:
+        m = meta(t)
+        if isinstance(t, fx.Node) and (m is None or m.dtype != target):
+            t = graph.call_method("to", (t, target))  # a no-op where it already is
+        out.append(t)
+    return out
+
+
+def results(graph: fx.Graph, call: fx.Node, n: int, like: fx.Node) -> list[fx.Node]:
+    outs = []
+    for i in range(n):
+        g = graph.call_function(operator.getitem, (call, i))
+        copy_meta(g, like)
+        outs.append(g)
+    return outs
+
+
+def same_meta(new: fx.Node, like: fx.Node) -> None:
+    """``new`` holds a tensor of ``like``'s shape and dtype (h2 = z·γ has the normalised
+    value's): later matchers read shapes and dtypes from the meta."""
+    if meta(like) is not None:
+        new.meta["example_value"] = meta(like)
+
+
+def graph_replay(graph: fx.Graph):
+    """``like`` / ``call`` for replay_chain that build graph nodes."""
+    def like(node, src, x):
+        return graph.node_copy(node, lambda n: x if n is src else n)
+
+    def call(fn, *args):
+        return graph.call_function(fn, args)
+
+    return like, call
+
+
+def shared_call(graph: fx.Graph, fn, args, anchor: fx.Node, same=None) -> fx.Node:
+    """``fn(*args)``, reusing an equivalent call earlier in the graph (``same(node)``;
+    default: the same arguments): the per-column frequencies and each row's position are
+    the same for every layer of one graph."""
+    same = same or (lambda n: n.args == tuple(args))
+    for n in graph.nodes:
+        if n is anchor:
+            break
+        if n.op == "call_function" and n.target is fn and same(n):
+            return n
+    with graph.inserting_before(anchor):
+        return graph.call_function(fn, tuple(args))
+
+
+def erase_if_dead(graph: fx.Graph, nodes) -> None:
+    """Erase the given nodes once nothing reads them, then whatever only they read
+    (the transpose under ``x @ w.T``, the upcast before a norm), never a graph input,
+    an impure node or one that updates a value in place."""
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output", "get_attr") \
+                or n.is_impure() or mutated_value(n) is not None:
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        todo.extend(inputs)
+
+
+def hoist_before(first: fx.Node, needed: list[fx.Node]) -> None:
+    """Move the ``needed`` values that are computed at or after ``first``, with what they
+    are computed from, to just before it (graph order kept among them). Only pure nodes
+    move; anything else raises NotPlaceable before the graph is touched."""
+    order = {n: i for i, n in enumerate(first.graph.nodes)}
+    late, stack = set(), [n for n in needed if order[n] >= order[first]]
+    while stack:
+        n = stack.pop()
+        if n in late:
+            continue
+        if n is first or n.op not in ("call_function", "call_method", "get_attr") or \
+                n.is_impure() or mutated_value(n) is not None:
+            raise NotPlaceable(f"the fused GEMM reads {describe(n)}, which is computed after "
+                             f"{describe(first)} reads its outputs and cannot move up")
+        late.add(n)
+        stack += [a for a in n.all_input_nodes if order[a] >= order[first]]
+    for n in sorted(late, key=order.__getitem__):
+        first.prepend(n)

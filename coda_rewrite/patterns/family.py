@@ -1,0 +1,87 @@
+"""The protocol every rewrite family implements, and what it hands the pipeline.
+
+A family is one module of patterns/ (attention, residual_rmsnorm, gated_mlp, rope,
+cross_entropy), listed in patterns/registry.py in the order the pipeline runs them. Per
+captured graph the pipeline calls, for each family:
+
+    find(graph)             → candidate matches, and near misses (NoMatch) with the reason
+    describe_match(match)   → what the report says of the candidate before any decision
+    decide(match, context)  → Decided: a frozen plan and the proof, or a typed rejection.
+                              Legality is the algebra's (algebra/<family>.py): pure, it
+                              reads the match and changes nothing
+    apply(graph, plan, context) → graph surgery from the plan alone; returns what the
+                              report says of the rewrite. Raises NotPlaceable, before the
+                              graph changes, where the fused call has no place
+
+The pipeline owns the rest: the match records, options.patterns, a checker that raises
+(INTERNAL_ERROR, never a failed compile), and the nodes earlier rewrites replaced
+(Context.current), so a match found before them is decided on the graph as it is now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
+
+import torch.fx as fx
+
+from ..algebra.decision import Decision, Rejection
+from ..capture import model_path
+
+if TYPE_CHECKING:
+    from ..options import Options
+
+
+@dataclasses.dataclass
+class NoMatch:
+    """A candidate a pattern could not use, and why (for the report). Each pattern
+    module subclasses it to set ``pattern``."""
+    node: fx.Node
+    reason: str
+    pattern: ClassVar[str] = ""
+
+    @property
+    def path(self) -> str:
+        return model_path(self.node)
+
+
+@dataclasses.dataclass
+class Context:
+    """What decide and apply may read besides the match: the options, and the nodes the
+    rewrites so far in this graph replaced (a value a match names may have moved)."""
+    options: "Options"
+    replaced: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+
+    def current(self, node):
+        """``node``, or what replaced it (followed to the end)."""
+        while node in self.replaced:
+            node = self.replaced[node]
+        return node
+
+
+@dataclasses.dataclass(frozen=True)
+class Decided:
+    """A family's decision on one match. ``plan`` is None when the match is left as is;
+    ``rejection`` then says why, as a type and a line. ``report`` holds the MatchRecord
+    fields the report shows either way (per-consumer decisions, notes)."""
+    decision: Decision | None
+    plan: Any = None
+    rejection: Rejection | None = None
+    report: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def refuse(cls, rejection: Rejection, **report) -> "Decided":
+        return cls(rejection, None, rejection, report)
+
+
+class Family(Protocol):
+    """A patterns/ module (modules satisfy it: each defines these names)."""
+    NAME: str
+
+    def find(self, graph: fx.Graph) -> Iterable[Any]: ...
+
+    def describe_match(self, match) -> dict: ...
+
+    def decide(self, match, context: Context) -> Decided: ...
+
+    def apply(self, graph: fx.Graph, plan, context: Context) -> dict: ...

@@ -1,0 +1,21 @@
+"""The rewrite families, in the order the pipeline runs them on each captured graph.
+
+    attention          SDPA's inputs as eager passes them (is_causal, enable_gqa): first,
+                       since RoPE's escape analysis reads the SDPA calls it leaves
+    residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
+    gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
+                       of a rewritten norm merges into one GEMM that applies the deferred
+                       rstd before the activation
+    rope               after the norms too (q/k/v as rowscale consumers merge into one
+                       rotating GEMM)
+    cross_entropy      last: the logits GEMM may be the final norm's rowscale consumer
+
+A family is a module implementing patterns/family.Family; adding one is its modules
+(patterns/<family>.py, algebra/<family>.py) and a line here.
+"""
+
+from __future__ import annotations
+
+from . import attention, cross_entropy, gated_mlp, residual_rmsnorm, rope
+
+FAMILIES = (attention, residual_rmsnorm, gated_mlp, rope, cross_entropy)
