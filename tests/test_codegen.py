@@ -85,7 +85,7 @@ def activations_and_two_tiles():
 
 def ce_softmax_grad():
     """The cross-entropy backward's recomputing GEMM: exp(r·acc − lse)·dsm·r."""
-    from coda_rewrite.kernels.backward import softmax_grad_program
+    from coda_rewrite.kernels.backward.cross_entropy import softmax_grad_program
     return softmax_grad_program(True, False, "bfloat16")
 
 

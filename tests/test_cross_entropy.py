@@ -206,7 +206,7 @@ def test_target_out_of_range_fails_as_in_pytorch():
 def test_lse_backward_rule_matches_autograd(monkeypatch, has_r, has_bias, logits):
     """Chunked over rows (three chunks here), from stored logits or recomputed ones,
     against autograd through the reference, in float64."""
-    monkeypatch.setattr(backward, "_CE_CHUNK_BYTES", 4 * 11 * 3)
+    monkeypatch.setattr(backward.cross_entropy, "_CE_CHUNK_BYTES", 4 * 11 * 3)
     prog = ce_program(has_r, has_bias, torch.float64 if logits else None, "float64")
     assert backward._rule(prog) is not None
     g = torch.Generator().manual_seed(0)

@@ -217,13 +217,24 @@ def test_a_training_step_under_python_O():
     assert int(rewrites) > 0 and float(loss_err) <= 1e-5 and float(grad_err) <= 1e-4
 
 
-def test_backward_rules_refuse_programs_of_another_shape():
-    from coda_rewrite.codegen.program import Kind, ProgramBuilder
+def test_the_backward_rule_is_chosen_by_the_family_tag():
+    """Rules were chosen by trying shape parsers (with asserts: -O took a wrong one). Now
+    the program's family tag picks the rule; a tagged program of another shape is an
+    error, an untagged one takes the general rule."""
+    from coda_rewrite.codegen.program import Kind, ProgramBuilder, ProgramError
     from coda_rewrite.kernels import backward
 
-    p = ProgramBuilder("odd", gemm=True)
-    p.output(p.exp(p.scaled_acc(True, False)), Kind.TILE, "float32")
-    assert backward._rule(p.build()) is None  # the general rule, no specialised one
+    def odd(family):
+        p = ProgramBuilder("odd", gemm=True, family=family)
+        p.output(p.exp(p.scaled_acc(True, False)), Kind.TILE, "float32")
+        return p.build()
+
+    assert backward._rule(odd("")) is None  # the general rule
+    for family in backward.RULES:
+        with pytest.raises(ProgramError, match="not of the shape"):
+            backward._rule(odd(family))
+    with pytest.raises(ProgramError, match="no backward rule"):
+        backward._rule(odd("no such family"))
 
 
 # ---- dynamic shapes: decoding with a cache -----------------------------------------------

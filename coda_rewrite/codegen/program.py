@@ -144,6 +144,10 @@ class EpilogueProgram:
     operands: tuple[Operand, ...]
     body: tuple[Instr, ...]
     outputs: tuple[Output, ...]
+    # The rewrite family that built the program ("rowscale", "residual_rmsnorm", "gated",
+    # "rope", "cross_entropy"): the backward dispatches on it (kernels/backward/). Empty
+    # for a program no family built (the general backward rule).
+    family: str = ""
 
     def __post_init__(self):
         self.value_kinds()  # validates
@@ -261,7 +265,10 @@ class EpilogueProgram:
     # allows; equality and hashing still use the fields only.)
     @functools.cached_property
     def _text(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        d = dataclasses.asdict(self)
+        if not d["family"]:  # untagged programs keep the text (and key) they always had
+            del d["family"]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def to_text(self) -> str:
         return self._text
@@ -343,19 +350,20 @@ def parse(text: str) -> EpilogueProgram:
         operands=tuple(Operand(o["name"], Kind(o["kind"])) for o in d["operands"]),
         body=tuple(Instr(i["out"], i["op"], tuple(i["args"]), i["dtype"]) for i in d["body"]),
         outputs=tuple(Output(o["value"], Kind(o["kind"]), o["dtype"]) for o in d["outputs"]),
+        family=d.get("family", ""),
     )
 
 
 class ProgramBuilder:
     """Small helper to write programs as straight-line math::
 
-        p = ProgramBuilder("rowscale", gemm=True)
+        p = ProgramBuilder("rowscale", gemm=True, family="rowscale")
         r = p.operand("r", Kind.PER_ROW)
         p.output(p.mul(ACC, r), Kind.TILE, "bfloat16")
     """
 
-    def __init__(self, name: str, gemm: bool):
-        self.name, self.gemm = name, gemm
+    def __init__(self, name: str, gemm: bool, family: str = ""):
+        self.name, self.gemm, self.family = name, gemm, family
         self._operands: list[Operand] = []
         self._body: list[Instr] = []
         self._outputs: list[Output] = []
@@ -395,4 +403,4 @@ class ProgramBuilder:
 
     def build(self) -> EpilogueProgram:
         return EpilogueProgram(self.name, self.gemm, tuple(self._operands),
-                               tuple(self._body), tuple(self._outputs))
+                               tuple(self._body), tuple(self._outputs), self.family)

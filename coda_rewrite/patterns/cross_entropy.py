@@ -184,7 +184,8 @@ def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
                stat_dtype: str = "float32") -> EpilogueProgram:
     """y = acc (· r) (+ b); lse, target logit, loss = lse − tl; [y if materialised].
     The per-row values are stored in ``stat_dtype`` (float64 for a float64 model)."""
-    p = ProgramBuilder("rowscale_lse_target" if has_r else "lse_target", gemm=True)
+    p = ProgramBuilder("rowscale_lse_target" if has_r else "lse_target", gemm=True,
+                       family="cross_entropy")
     y = p.scaled_acc(has_r, has_bias)
     target = p.operand("target", Kind.PER_ROW)
     lse = p.row_logsumexp(y, name="lse")

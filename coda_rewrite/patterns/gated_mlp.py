@@ -122,7 +122,7 @@ def _rowscale_call(node: fx.Node) -> fx.Node | None:
     if call.op != "call_function" or call.target is not ops.fused_linear \
             or len(call.users) != 1 or not isinstance(call.args[0], str):
         return None
-    return call if parse(call.args[0]).name == "rowscale" else None
+    return call if parse(call.args[0]).family == "rowscale" else None
 
 
 def projection_of(node: fx.Node) -> Projection | None:
@@ -205,7 +205,7 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
 def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
                   keep_preact: bool) -> EpilogueProgram:
     """y = acc (· r) (+ b_int); act = pairop(y) -> act (pair) [, y (tile) when training]."""
-    p = ProgramBuilder(f"rowscale_{op}" if has_r else op, gemm=True)
+    p = ProgramBuilder(f"rowscale_{op}" if has_r else op, gemm=True, family="gated")
     v = p.scaled_acc(has_r, has_bias)
     p.output(p.emit(op, v, name="act"), Kind.PAIR, dtype_name(dtype))
     if keep_preact:

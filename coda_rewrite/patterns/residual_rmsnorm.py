@@ -193,7 +193,7 @@ def stat_dtype(norm: RmsNorm) -> str:
 def norm_program(norm: RmsNorm, producer: Producer | None) -> EpilogueProgram:
     """The producer's epilogue (or, with no producer, a row-wise program)."""
     p = ProgramBuilder("residual_rmsnorm" if producer else "rmsnorm_rowscale",
-                       gemm=producer is not None)
+                       gemm=producer is not None, family="residual_rmsnorm")
     if producer is not None:
         v = ACC
         if producer.bias is not None:
@@ -221,7 +221,7 @@ def rowscale_program(consumer: Consumer, shifted: bool) -> EpilogueProgram:
     """out = r[i] · acc[i, j] (+ b[j]). ``shifted``: a shift s between the norm and the
     GEMM, distributed as the bias s·Wᵀ (+ the GEMM's own bias), so the program has a bias
     operand even where the GEMM had none."""
-    p = ProgramBuilder("rowscale", gemm=True)
+    p = ProgramBuilder("rowscale", gemm=True, family="rowscale")
     has_bias = consumer.bias is not None or shifted
     p.output(p.scaled_acc(True, has_bias), Kind.TILE, _dt(consumer.linear))
     return p.build()

@@ -646,7 +646,7 @@ def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype
     """y = acc (· r) (+ b) (· s_j); out = rope(y, pos, freq) -> out (tile). s_j: the
     attention scaling on rotated columns, 1 on pass-through ones (a per-feature operand:
     v stays in the GEMM, and a scale known only at run time needs no recompile)."""
-    p = ProgramBuilder("rowscale_rope" if has_r else "rope", gemm=True)
+    p = ProgramBuilder("rowscale_rope" if has_r else "rope", gemm=True, family="rope")
     v = p.scaled_acc(has_r, has_bias)
     if scaled:
         v = p.mul(v, p.operand("colscale", Kind.PER_FEATURE), name="y_s")
@@ -661,7 +661,8 @@ def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype,
     """y = acc (· r) (+ b); out = rope_table(y, cs [, on]) -> out (tile). A table repeats
     every head_dim columns and cannot tell v's heads from q's: with pass-through columns
     a per-feature flag ``on`` (1 rotate, 0 pass through) keeps v in the GEMM."""
-    p = ProgramBuilder("rowscale_rope_table" if has_r else "rope_table", gemm=True)
+    p = ProgramBuilder("rowscale_rope_table" if has_r else "rope_table", gemm=True,
+                       family="rope")
     v = p.scaled_acc(has_r, has_bias)
     angle = [p.operand("cs", Kind.COS_SIN)]
     if passthrough:

@@ -1,0 +1,79 @@
+"""What the family rules share: the compute dtype, the two GEMMs around an epilogue's
+VJP, the rowscale rule every consumer program starts with, and shape checks that
+``python -O`` keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ...codegen.program import EpilogueProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A family's backward: ``fits(prog)`` (the program shape it is written for),
+    ``vjp(prog, a, b, operands, outputs, grads) -> (grad_a, grad_b, [grad per operand])``
+    and ``saves(prog) -> (output indices the backward reads, operand names it needs only
+    the dtype of)``."""
+    fits: Callable[[EpilogueProgram], bool]
+    vjp: Callable
+    saves: Callable[[EpilogueProgram], tuple[list[int], set[str]]] = \
+        lambda prog: ([], set())
+
+
+def up(t: torch.Tensor) -> torch.Tensor:
+    """The compute dtype of the forward: float32, or float64 for a float64 model."""
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+class OtherShape(Exception):
+    """A program is not of the shape a specialised rule's parser reads."""
+
+
+def expect(condition: bool) -> None:
+    """A shape parser's check: a plain ``if``, never an ``assert`` (``python -O`` strips
+    those, and a rule would then be taken for a program it does not fit)."""
+    if not condition:
+        raise OtherShape
+
+
+def shaped(parts):
+    """A predicate from a program-shape parser: ``parts(prog)`` raises OtherShape on
+    another shape (each rule parses its program once, and the parse is its test)."""
+    def matches(prog: EpilogueProgram) -> bool:
+        try:
+            parts(prog)
+            return True
+        except (OtherShape, ValueError, KeyError, IndexError):  # unpacking a short body
+            return False
+    return matches
+
+
+def gemm_grads(d_acc: torch.Tensor, a, b):
+    """grad_a = d_acc·b, grad_b = d_accᵀ·a, in the operands' dtype."""
+    d = d_acc.to(a.dtype)
+    return d @ b, d.t() @ a
+
+
+def through_scaled_acc(prog, a, b, operands, dy):
+    """Gradients of y = r ⊙ acc (+ bias) given dy (float32/64): the rowscale rule
+    (no acc needed: dr is a row dot with the GEMM dy·b the backward computes anyway).
+    Operands other than r and bias get no gradient."""
+    by_name = dict(zip((o.name for o in prog.operands), operands))
+    grads_by_name = {}
+    if "bias" in by_name:
+        grads_by_name["bias"] = dy.sum(0).to(by_name["bias"].dtype)
+    if "r" in by_name:
+        r = up(by_name["r"])[:, None]
+        g = up(dy.to(b.dtype) @ b)                        # G = dy·b
+        grad_a = (g * r).to(a.dtype)
+        grad_b = (dy * r).to(a.dtype).t() @ a
+        grads_by_name["r"] = (g * up(a)).sum(-1).to(by_name["r"].dtype)
+    else:
+        grad_a, grad_b = gemm_grads(dy, a, b)
+    return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
+
+

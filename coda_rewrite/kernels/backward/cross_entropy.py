@@ -1,0 +1,116 @@
+"""The log-sum-exp and target-logit family (cross-entropy): dy = softmax(y)·(dloss + dlse)
+− onehot(t)·dloss (+ dlogits). When the forward did not write the logits, one GEMM
+recomputes them and its epilogue forms r·softmax(y)·dsm (softmax_grad_program); from
+stored logits it is formed by chunks of rows. Either way it lands once, in the GEMM
+dtype, the one-hot term is an index update of M elements, and no float32 [rows, vocab]
+tensor exists; then the two GEMMs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
+from .. import reference
+from .common import Rule, expect, shaped, up
+
+_CE_CHUNK_BYTES = 1 << 29
+
+
+def _lse_parts(prog: EpilogueProgram) -> bool:
+    """Whether the cross-entropy program also stores the logits."""
+    y, i = scaled_acc_prefix(prog)
+    lse, tl, loss = prog.body[i:]
+    expect((lse.op, lse.args) == ("row_logsumexp", (y,)))
+    expect((tl.op, tl.args) == ("select_column", (y, "target")))
+    expect((loss.op, loss.args) == ("sub", (lse.out, tl.out)))
+    outs = [(o.value, o.kind) for o in prog.outputs]
+    tail = [(loss.out, Kind.PER_ROW), (lse.out, Kind.PER_ROW)]
+    expect(outs in (tail, [(y, Kind.TILE), *tail]) and prog.gemm)
+    return len(outs) == 3
+
+
+@functools.lru_cache(maxsize=64)
+def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str) -> EpilogueProgram:
+    """The softmax part of the cross-entropy gradient, formed in the epilogue of the GEMM
+    that recomputes the logits: d_acc = exp(y − lse)·dsm (·r), y = acc (·r) (+ b). It is
+    stored once, in the GEMM dtype; no float32 [rows, vocab] tensor exists. (Cached: the
+    backward asks on every call.)"""
+    from ...codegen.program import ProgramBuilder
+    p = ProgramBuilder("ce_softmax_grad", gemm=True)
+    y = p.scaled_acc(has_r, has_bias)
+    lse, dsm = p.operand("lse", Kind.PER_ROW), p.operand("dsm", Kind.PER_ROW)
+    d = p.mul(p.exp(p.sub(y, lse)), dsm, name="d")
+    if has_r:
+        d = p.mul(d, "r", name="d_r")
+    p.output(d, Kind.TILE, dtype)
+    return p.build()
+
+
+def _lse_target_vjp(prog, a, b, operands, outputs, grads):
+    from .. import ops
+    with_logits = _lse_parts(prog)
+    d_logits = grads[0] if with_logits else None
+    d_loss, d_lse = grads[-2], grads[-1]
+    by_name = dict(zip((o.name for o in prog.operands), operands))
+    m, n = a.shape[0], b.shape[0]
+    if d_loss is None and d_lse is None and d_logits is None:
+        return None, None, [None] * len(operands)
+    lse = up(outputs[-1]).reshape(m)
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    d_loss = up(d_loss).reshape(m) if d_loss is not None else zero.expand(m)
+    dsm = d_loss + (up(d_lse).reshape(m) if d_lse is not None else zero)
+    target = by_name["target"].reshape(m).long()
+    valid = (target >= 0) & (target < n)
+    r = up(by_name["r"]).reshape(m) if "r" in by_name else None
+    bias = by_name.get("bias")
+    # d_acc = (softmax(y)·dsm − onehot(t)·dloss + dlogits) (·r), in the GEMM dtype
+    if with_logits:  # the forward wrote y: no GEMM recompute, the softmax chunk by chunk
+        d_acc = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+        for s in range(0, m, rows):
+            e = min(m, s + rows)
+            d = torch.exp(up(outputs[0][s:e]) - lse[s:e, None]).mul_(dsm[s:e, None])
+            if d_logits is not None:
+                d += up(d_logits[s:e])
+            if r is not None:
+                d *= r[s:e, None]
+            d_acc[s:e] = d
+    else:  # recompute the logits in a GEMM whose epilogue forms the softmax gradient
+        bwd = softmax_grad_program(r is not None, bias is not None,
+                                   reference.dtype_name(a.dtype))
+        ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
+            ([bias] if bias is not None else []) + [lse, dsm]
+        (d_acc,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
+    # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0)
+    onehot = torch.where(valid, d_loss * (r if r is not None else 1.0), zero)
+    rows_idx = torch.arange(m, device=a.device)
+    d_acc.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(d_acc.dtype),
+                     accumulate=True)
+    grad_a = d_acc @ b                                   # G = d_acc·b
+    grad_b = d_acc.t() @ a
+    grads_by_name = {}
+    if r is not None:  # dy/dr = acc: Σ_j dy·acc = Σ_k a·(dy·b) = Σ_k a·G / r
+        grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / r).to(
+            by_name["r"].dtype).reshape(by_name["r"].shape)
+    if bias is not None:  # Σ_i dy = Σ_i d_acc / r, by chunks of rows
+        gb = torch.zeros(n, dtype=lse.dtype, device=a.device)
+        rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+        for s in range(0, m, rows):
+            e = min(m, s + rows)
+            d = up(d_acc[s:e])
+            gb += (d / r[s:e, None] if r is not None else d).sum(0)
+        grads_by_name["bias"] = gb.to(bias.dtype)
+    return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
+
+
+def _lse_target_saves(prog):
+    """The logits (when written) and lse."""
+    return ([0, 2] if _lse_parts(prog) else [1]), set()
+
+
+# (applies to, rule, what the forward must keep: (output indices, operands not needed))
+
+
+RULE = Rule(shaped(_lse_parts), _lse_target_vjp, _lse_target_saves)

@@ -1,0 +1,37 @@
+"""The gated family (p = r ⊙ acc + bias; y = act(p[:, 0::2]) ⊙ p[:, 1::2]): the forward
+stores p (what eager keeps as the gate and up outputs); dp comes from the activation's
+derivative on p, then the rowscale rule with dy := dp."""
+
+from __future__ import annotations
+
+import torch
+
+from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
+from .. import reference
+from .common import Rule, expect, shaped, through_scaled_acc, up
+
+def _gated_parts(prog: EpilogueProgram):
+    """[y = acc * r] [y_b = y + bias] act = pairop(y) -> outputs act (pair), y (tile)."""
+    from ...codegen.program import PAIRWISE
+    v, i = scaled_acc_prefix(prog)
+    body = prog.body
+    expect(len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args == (v,))
+    expect({o.name for o in prog.operands} <= {"r", "bias"} and prog.gemm)
+    outs = [(o.value, o.kind) for o in prog.outputs]
+    expect(outs == [(body[i].out, Kind.PAIR), (v, Kind.TILE)])
+    return PAIRWISE[body[i].op]
+
+
+def _gated_vjp(prog, a, b, operands, outputs, grads):
+    dy = grads[0]
+    if dy is None:
+        return None, None, [None] * len(operands)
+    act = reference.unary(_gated_parts(prog))
+    with torch.enable_grad():
+        p = up(outputs[1]).detach().requires_grad_(True)
+        y = act(p[:, 0::2]) * p[:, 1::2]
+        (dp,) = torch.autograd.grad(y, p, up(dy))
+    return through_scaled_acc(prog, a, b, operands, dp)
+
+
+RULE = Rule(shaped(_gated_parts), _gated_vjp, lambda prog: ([1], set()))
