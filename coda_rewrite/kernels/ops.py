@@ -7,8 +7,8 @@ generated from the program (kernels/quack_path.py); everywhere else it runs the 
 interpreter (kernels/reference.py). ``RUNTIME`` counts which implementation ran and why,
 and the report shows it: a fallback is never silent.
 
-Autograd: kernels/backward/ (a rule per family). The backward runs its GEMMs on the 16-bit operands and
-recomputes no GEMM for the programs the patterns produce.
+Autograd: kernels/backward/ (a rule per family). The backward runs its GEMMs on the
+16-bit operands and recomputes no GEMM for the programs the patterns produce.
 
 The graph does not call the op directly but ``fused_linear`` / ``fused_rowwise`` below:
 they flatten leading dims to the op's 2-D contract and give per-row results back a
