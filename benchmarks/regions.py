@@ -16,6 +16,7 @@ from common import bench, bench_rounds, env_line
 
 import coda_rewrite
 from coda_rewrite.kernels import ops
+from coda_rewrite.codegen import layouts
 
 M, H, FFN, Q, KV, V, HEAD = 8192, 4096, 14336, 4096, 1024, 128256, 128
 bf = torch.bfloat16
@@ -195,11 +196,11 @@ def main():
             t["spread"] = max(s for _, s in timed.values())
             gemms = per_gemm(fused, x, res)  # the re-layout as a graph op: the spy sees b
             if kind == "gated":  # the per-call weight re-layout inside "fused", alone
-                t["interleave"] = bench(lambda: ops.interleave_rows(*ws))
+                t["interleave"] = bench(lambda: layouts.interleave_rows(*ws))
             if kind == "rope":
                 lay = ((0, Q, Q // HEAD, HEAD, HEAD), (0, KV, KV // HEAD, HEAD, HEAD),
                        (0, KV, 0, 0, 0))
-                t["interleave"] = bench(lambda: ops.rope_segments(lay, *ws))
+                t["interleave"] = bench(lambda: layouts.rope_segments(lay, *ws))
         rows.append((name, t, max(errs), gemms))
         print(name, t, "max rel diff vs eager", max(errs), flush=True)
         torch.cuda.empty_cache()

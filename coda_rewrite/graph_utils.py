@@ -17,6 +17,17 @@ MATMUL = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
 CHUNK = {torch.chunk, "chunk"}
 
 
+# kernels/ops.fused_linear carries this attribute: analysis code recognises the fused
+# GEMMs earlier rewrites made without importing the runtime.
+FUSED_LINEAR_MARK = "_coda_fused_linear"
+
+
+def fused_linear_call(node) -> bool:
+    """``node`` calls kernels/ops.fused_linear (program, x, weight, *operands)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and \
+        getattr(node.target, FUSED_LINEAR_MARK, False)
+
+
 class NotPlaceable(ValueError):
     """No place in the graph for a fused call; raised before the graph changes, so the
     pipeline leaves the match as it is and reports why."""

@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import coda_rewrite
-from coda_rewrite.kernels import backward, reference
+from coda_rewrite.codegen import reference
+from coda_rewrite.kernels import backward
 from coda_rewrite.numerics import rel_err
 from coda_rewrite.patterns.cross_entropy import ce_program
 

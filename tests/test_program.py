@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from coda_rewrite.codegen.program import (ACC, EpilogueProgram, Kind, ProgramBuilder,
                                           ProgramError, parse)
 from coda_rewrite.kernels import ops
-from coda_rewrite.kernels.reference import run_program
+from coda_rewrite.codegen.reference import run_program
 
 
 def gen(*shape, seed=0, dtype=torch.float64):

@@ -14,6 +14,7 @@ import torch
 import coda_rewrite
 from coda_rewrite.kernels import ops, relayout
 from coda_rewrite.numerics import rel_err
+from coda_rewrite.codegen import layouts
 
 from conftest import build, grads_match, hf_model, loss_of, tokens
 
@@ -85,7 +86,7 @@ def test_inference_hits_until_a_weight_changes(via):
     code = report.graphs[0].rewritten_code
     assert code.count("relayout_fused_linear_relaid(") == 4, code
     # no weight re-laid in the graph: only q/k/v's biases (small), one per layer
-    assert "ops_interleave_rows(" not in code and code.count("ops_rope_segments(") == 2, code
+    assert "layouts_interleave_rows(" not in code and code.count("layouts_rope_segments(") == 2, code
 
 
 def test_no_stale_hit_from_a_new_model_of_the_same_shapes():
@@ -131,7 +132,7 @@ def test_the_op_is_the_gemm_on_the_kept_weights():
     spec = relayout.spec_of(lay)
     relayout.STATS.clear()
     got = torch.ops.coda.gemm_relaid(prog.to_text(), a, "rope_segments", spec, ws, [pos, freq])
-    want = ops.gemm_epilogue(prog.to_text(), a, ops.rope_segments(lay, *ws).bfloat16(),
+    want = ops.gemm_epilogue(prog.to_text(), a, layouts.rope_segments(lay, *ws).bfloat16(),
                              [pos, freq])
     assert torch.equal(got[0], want[0])
     torch.ops.coda.gemm_relaid(prog.to_text(), a, "rope_segments", spec, ws, [pos, freq])

@@ -13,9 +13,11 @@ import torch
 
 import coda_rewrite
 from coda_rewrite.codegen.program import Kind
-from coda_rewrite.kernels import backward, ops, reference
+from coda_rewrite.codegen import reference
+from coda_rewrite.kernels import backward, ops
 from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
+from coda_rewrite.codegen import layouts
 
 from conftest import build, hf_model, loss_of, step_matches_eager, tokens
 
@@ -504,9 +506,9 @@ def _interleaved_rows(n_heads, head_dim, rotary_dim):
 @pytest.mark.parametrize("head_dim,rotary_dim", [(8, 8), (8, 4), (6, 6)])
 def test_interleave_and_unpermute_are_inverse(head_dim, rotary_dim):
     w = torch.randn(3 * head_dim, 5)
-    inter = ops.rope_segments(((0, 3 * head_dim, 3, head_dim, rotary_dim),), w)
+    inter = layouts.rope_segments(((0, 3 * head_dim, 3, head_dim, rotary_dim),), w)
     assert torch.equal(inter, w[_interleaved_rows(3, head_dim, rotary_dim)])
-    back = ops.rope_unpermute(inter.T.unflatten(-1, (3, head_dim)), head_dim, rotary_dim)
+    back = layouts.rope_unpermute(inter.T.unflatten(-1, (3, head_dim)), head_dim, rotary_dim)
     assert torch.equal(back.flatten(-2).T, w)
 
 
@@ -515,14 +517,14 @@ def test_segments_are_written_in_place_with_their_gradient():
     pass): the rows of each source in the spelled-out order, and the gradient back."""
     lay = ((0, 48, 3, 16, 8), (0, 32, 2, 16, 16), (0, 32, 0, 0, 0))
     ws = [torch.randn(n, 5, requires_grad=True) for n in (48, 32, 32)]
-    got = ops.rope_segments(lay, *ws)
+    got = layouts.rope_segments(lay, *ws)
     want = torch.cat((ws[0][_interleaved_rows(3, 16, 8)], ws[1][_interleaved_rows(2, 16, 16)],
                       ws[2]))
     assert torch.equal(got, want)
     g = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, ws, g), torch.autograd.grad(want, ws, g)):
         assert torch.equal(a, b)
-    bias = ops.rope_segments(lay, torch.ones(48), None, torch.ones(32))  # k has no bias
+    bias = layouts.rope_segments(lay, torch.ones(48), None, torch.ones(32))  # k has no bias
     assert not bias[48:80].any() and bias[:48].all() and bias[80:].all()
 
 
@@ -536,11 +538,11 @@ def test_segments_without_autograd_move_rows_as_words():
         want = torch.cat((ws[0][_interleaved_rows(3, 16, 8)], ws[1][_interleaved_rows(2, 16, 16)],
                           ws[2]))
         with torch.no_grad():
-            assert torch.equal(ops.rope_segments(lay, *ws), want)
-            out, _ = ops._as_row_words(torch.empty(4, k, dtype=dtype), ws)
+            assert torch.equal(layouts.rope_segments(lay, *ws), want)
+            out, _ = layouts._as_row_words(torch.empty(4, k, dtype=dtype), ws)
         assert (out.dtype == torch.int64) == (k * dtype.itemsize % 8 == 0)
     w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
-    out, _ = ops._as_row_words(torch.empty(4, 8, dtype=torch.bfloat16), [w])
+    out, _ = layouts._as_row_words(torch.empty(4, 8, dtype=torch.bfloat16), [w])
     assert out.dtype == torch.bfloat16  # autograd sees the element copy
 
 
@@ -548,8 +550,8 @@ def test_frequencies_kept_until_the_buffer_changes(monkeypatch):
     """Run eagerly, the per-column frequencies are computed once per inv_freq buffer (not a
     dozen launches per call) and again when the buffer changes in place."""
     computed = []
-    inner = ops._rope_frequencies
-    monkeypatch.setattr(ops, "_rope_frequencies",
+    inner = layouts.rope_frequencies
+    monkeypatch.setattr(layouts, "rope_frequencies",
                         lambda *a: computed.append(1) or inner(*a))
     model = build("llama", layers=2).eval()
     fast = coda_rewrite.optimize(model)
@@ -606,7 +608,7 @@ def test_rope_backward_rule_matches_autograd(form, has_r, has_bias, scale):
         ([torch.randn(16, dtype=torch.float64)] if has_bias else [])
     if form == "angles":
         lay = ((0, 8, 1, 8, 8), (8, 16, 0, 0, 0))
-        colscale = [ops.rope_column_scale(scale, lay, a).double()] if scale != 1.0 else []
+        colscale = [layouts.rope_column_scale(scale, lay, a).double()] if scale != 1.0 else []
         angle = colscale + [torch.arange(6).float() * 3,
                  ops.rope_frequencies(torch.rand(4) + 0.1, lay)]
     else:
@@ -627,7 +629,7 @@ def test_table_rotation_matches_complex_product():
     th = torch.randn(2, 5, 4, dtype=torch.float64)          # [B, S, hd/2]
     table = torch.polar(torch.ones_like(th[0]), th[0])       # the model's [S, hd/2]
     x = torch.randn(2, 5, 3 * 8, dtype=torch.float64)        # 3 heads of 8
-    rows = ops.rope_table_rows(table, x)
+    rows = layouts.rope_table_rows(table, x)
     assert rows.shape == (10, 8) and rows.dtype == torch.float32
     got = reference.rotate_pairs_by_table(x.reshape(10, 24), rows.double())
     xc = torch.view_as_complex(x.reshape(2, 5, 3, 4, 2))

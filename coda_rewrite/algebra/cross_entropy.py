@@ -20,12 +20,12 @@ import torch
 
 from ..canonical import meta
 from ..capture import describe
-from ..kernels import ops
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection
 from ..graph_utils import mutated_value
 from .witness import _size, eval_nodes, exact, guarded, verdict
+from ..codegen import layouts
 
 
 def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
@@ -107,11 +107,11 @@ def _replay(m, program) -> str | Rejection:
 
     x = env[p.x]
     dim, start, stop = m.row_slice if m.row_slice is not None else (None, None, None)
-    targets = ops.row_targets(t, x, vocab, dim, start, stop, m.ignore_index)
+    targets = layouts.row_targets(t, x, vocab, dim, start, stop, m.ignore_index)
     operands = ([env[p.r]] if p.r is not None else []) + \
         ([env[p.bias]] if p.bias is not None else []) + [targets]
-    outs = ops.fused_linear_reference(exact(program.to_text()), x, env[p.weight], *operands)
-    ours = ops.cross_entropy_from_rows(outs[-2], targets, m.ignore_index, m.reduction, x,
+    outs = layouts.fused_linear_reference(exact(program.to_text()), x, env[p.weight], *operands)
+    ours = layouts.cross_entropy_from_rows(outs[-2], targets, m.ignore_index, m.reduction, x,
                                        dim, start, stop, torch.float64)
     eager = env[m.ce]
     return verdict(rel_err(ours.reshape(eager.shape), eager.double()),

@@ -21,12 +21,12 @@ import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
-from ..kernels import ops
 from ..numerics import rel_err
 from ..graph_utils import same_value
 from . import statements
 from .decision import Decision, Proof, Rejection
 from .witness import _size, eval_nodes, exact, guarded, verdict
+from ..codegen import layouts
 
 
 def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
@@ -131,20 +131,20 @@ def _replay(m, program) -> str | Rejection:
         env[g.weight] = rand(2 * n, k)
         if g.bias is not None:
             env[g.bias] = rand(2 * n)
-        w_int = ops.interleave_halves(env[g.weight])
-        b_int = ops.interleave_halves(env[g.bias]) if g.bias is not None else None
+        w_int = layouts.interleave_halves(env[g.weight])
+        b_int = layouts.interleave_halves(env[g.bias]) if g.bias is not None else None
     else:
         for p in (g, u):
             env[p.weight] = rand(n, k)
             if p.bias is not None:
                 env[p.bias] = rand(n)
-        w_int = ops.interleave_rows(env[g.weight], env[u.weight])
+        w_int = layouts.interleave_rows(env[g.weight], env[u.weight])
         b_int = None if g.bias is None and u.bias is None else \
-            ops.interleave_rows(env.get(g.bias), env.get(u.bias))
+            layouts.interleave_rows(env.get(g.bias), env.get(u.bias))
     eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
                 m.act, m.mul], env)
     operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
-    fused = ops.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
+    fused = layouts.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
                                        *operands)[0]
     return verdict(rel_err(fused, env[m.mul]), f"rows {lead}", m.path)
 

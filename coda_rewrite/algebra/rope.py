@@ -16,7 +16,7 @@ in the region); where a region value meets anything else, the permutation would 
   dim: invariant, the permutation stays (the point of the rewrite);
 * every other edge (a returned KV cache, a concatenation with cached keys in eager
   order, an attention that gets only one of q and k permuted, an unknown op) gets the
-  eager order back on that edge (kernels/ops.rope_unpermute, a copy of that value only).
+  eager order back on that edge (codegen/layouts.rope_unpermute, a copy of that value only).
 
 So every value outside the region is eager's, and inside it only an invariant
 contraction reads the permuted order: the rewrite is exact wherever it is applied.
@@ -33,13 +33,12 @@ import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
-from ..kernels import ops
 from ..numerics import rel_err
-from ..patterns import rope as rope_pattern
 from . import statements
 from .decision import Decision, Proof, Rejection
 from ..graph_utils import MATMUL, mutated_value
 from .witness import _size, exact, guarded, verdict
+from ..codegen import layouts
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention,
          torch.nn.functional.scaled_dot_product_attention}
@@ -184,16 +183,15 @@ def _private(m) -> list[fx.Node]:
     return nodes
 
 
-def side_conditions(m) -> tuple[list[str], str | None, list, list]:
-    """(conditions that hold, the first that fails or None, the pass-through segments that
-    can join the fused GEMM, the packed slices left over: their own GEMM). Pure."""
+def side_conditions(m) -> tuple[list[str], str | None]:
+    """(conditions that hold, the first that fails or None) for a match whose segments
+    the pattern has planned (patterns/rope.plan_segments: the v that can join, the packed
+    slices left over). Pure."""
     held: list[str] = []
-    passthrough, remainders = list(m.passthrough), []
-    result = _side_conditions(m, held, passthrough, remainders)
-    return held, result, passthrough, remainders
+    return held, _side_conditions(m, held)
 
 
-def _side_conditions(m, held, passthrough, remainders) -> str | None:
+def _side_conditions(m, held) -> str | None:
     shapes = {(r.head_dim, r.rotary_dim) for r in m.rotated}
     if len(shapes) != 1:
         return "q and k differ in head_dim or rotary_dim (one permutation for both)"
@@ -230,7 +228,7 @@ def _side_conditions(m, held, passthrough, remainders) -> str | None:
                               "are data)")
         held.append(f"the angle is pos ⊗ inv_freq ({describe(angle.pos)}, "
                     f"{describe(angle.inv_freq)}), cos/sin of cat(θ, θ)"
-                    + ("" if not rope_pattern.scaled(m) else ", scaled by " + (
+                    + ("" if not m.scaled else ", scaled by " + (
                         f"{angle.scale:g}" if isinstance(angle.scale, float)
                         else f"the run-time scalar {describe(angle.scale)}")))
         mp = meta(angle.pos)
@@ -250,34 +248,15 @@ def _side_conditions(m, held, passthrough, remainders) -> str | None:
     dtypes = {meta(r.out).dtype for r in m.rotated}
     if len(dtypes) != 1:
         return "q and k are rotated into different dtypes"
-    dtype = dtypes.pop()
-    passthrough[:] = [s for s in passthrough if meta(s.column_node).dtype == dtype]
-    segments = [*m.rotated, *passthrough]
-    seg_nodes = {s.column_node for s in segments}
-    for proj in {s.proj.out: s.proj for s in segments}.values():
-        for call in (n for n in proj.nodes if n.target is ops.fused_linear):
-            if set(call.users) != {proj.out}:
-                return f"{describe(call)} has readers outside the fused GEMM"
-        if proj.out in seg_nodes:
-            continue
-        # a packed projection: read only through column slices; those the fused GEMM
-        # does not produce (v, when it cannot join) get a GEMM of their own
-        for u in proj.out.users:
-            if u in seg_nodes:
-                continue
-            sl = rope_pattern.columns_of(u)
-            if sl is None or sl[0].out is not proj.out:
-                return (f"the packed projection {describe(proj.out)} is read beyond its "
-                              "column slices")
-            remainders.append(rope_pattern.Passthrough(sl[0], sl[1], u))
-        covered = sorted([s.columns for s in segments if s.proj.out is proj.out] +
-                         [s.columns for s in remainders if s.proj.out is proj.out])
+    held.append("the unrotated q and k are read only by their rotation")
+    for proj in {s.proj.out: s.proj for s in m.segments}.values():
+        covered = sorted([s.columns for s in m.segments if s.proj.out is proj.out] +
+                         [s.columns for s in m.remainders if s.proj.out is proj.out])
         if _tiling(covered, meta(proj.out).shape[-1]) is None:
             return f"the slices of {describe(proj.out)} do not cover it exactly once"
-    held.append("the unrotated q and k are read only by their rotation")
-    if remainders:
+    if m.remainders:
         held.append("the rest of the packed projection (" + ", ".join(
-            describe(s.column_node) for s in remainders) + ") gets a GEMM of its own")
+            describe(s.column_node) for s in m.remainders) + ") gets a GEMM of its own")
     return None
 
 
@@ -294,7 +273,7 @@ def _tiling(cols, n):
 def decide(m, program) -> Decision:
     """Legality of replacing match ``m`` (its segments final: see side_conditions) by one
     GEMM running ``program``. Pure."""
-    held, failed, _, _ = side_conditions(m)
+    held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
     replay = functools.partial(_replay, program=program)
@@ -340,7 +319,7 @@ def layout(m) -> tuple:
     out = []
     for s in m.segments:
         lo, hi = s.columns
-        if isinstance(s, rope_pattern.Rotated) and s.form == "half":
+        if s.rotates and s.form == "half":
             out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim))
         else:
             out.append((lo, hi, 0, 0, 0))
@@ -349,7 +328,7 @@ def layout(m) -> tuple:
 
 def rotated_spans(m) -> tuple:
     """(width, rotated) per segment of the fused GEMM, for a table rotation's flags."""
-    return tuple((s.columns[1] - s.columns[0], isinstance(s, rope_pattern.Rotated))
+    return tuple((s.columns[1] - s.columns[0], s.rotates)
                  for s in m.segments)
 
 
@@ -384,7 +363,7 @@ def _replay(m, program) -> str | Rejection:
         return y[..., s.columns[0]:s.columns[1]]
 
     theta = pos[None, :, None] * inv[None, None, :]          # [1, S, h]
-    scale = 1.0 if not rope_pattern.scaled(m) else \
+    scale = 1.0 if not m.scaled else \
         m.angle.scale if isinstance(m.angle.scale, float) else 1.25  # a run-time one: any
     emb = torch.cat((theta, theta), -1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
@@ -412,30 +391,30 @@ def _replay(m, program) -> str | Rejection:
         want.append(out.transpose(1, 2) if unsq == 1 else out)
 
     lay = layout(m)
-    w = ops.rope_segments(lay, *(weights[s.proj.out] for s in m.segments))
-    b = ops.rope_segments(lay, *(biases[s.proj.out] for s in m.segments)) \
-        if rope_pattern.has_bias(m) else None
+    w = layouts.rope_segments(lay, *(weights[s.proj.out] for s in m.segments))
+    b = layouts.rope_segments(lay, *(biases[s.proj.out] for s in m.segments)) \
+        if m.has_bias else None
     operands = ([r] if m.proj.r is not None else []) + ([b] if b is not None else [])
     if m.form == "pairs":
-        operands.append(ops.rope_table_rows(table, x))
+        operands.append(layouts.rope_table_rows(table, x))
     elif m.angle_source == "table":
         rot = m.rotated[0]
-        operands.append(ops.rope_half_table_rows(cos, sin, x, rot.head_dim,
+        operands.append(layouts.rope_half_table_rows(cos, sin, x, rot.head_dim,
                                                  rot.rotary_dim).double())
     if m.angle_source == "table" and m.passthrough:
-        operands.append(ops.rope_rotated_columns(rotated_spans(m), x))
+        operands.append(layouts.rope_rotated_columns(rotated_spans(m), x))
     else:
-        if rope_pattern.scaled(m):
-            operands.append(ops.rope_column_scale(scale, lay, x))
-        operands += [ops.rope_positions(pos[None, None, :], x),
-                     ops.rope_frequencies(inv.float(), lay)]
-    fused = ops.fused_linear_reference(exact(program.to_text()), x, w, *operands)[0]
+        if m.scaled:
+            operands.append(layouts.rope_column_scale(scale, lay, x))
+        operands += [layouts.rope_positions(pos[None, None, :], x),
+                     layouts.rope_frequencies(inv.float(), lay)]
+    fused = layouts.fused_linear_reference(exact(program.to_text()), x, w, *operands)[0]
     err, at = 0.0, 0
     for rot, ref in zip(m.rotated, want):
         got = fused[..., at:at + rot.n_heads * rot.head_dim].unflatten(
             -1, (rot.n_heads, rot.head_dim))
         if rot.form == "half":
-            got = ops.rope_unpermute(got, rot.head_dim, rot.rotary_dim)
+            got = layouts.rope_unpermute(got, rot.head_dim, rot.rotary_dim)
         err = max(err, rel_err(got, ref))
         at += rot.n_heads * rot.head_dim
     for s in m.passthrough:

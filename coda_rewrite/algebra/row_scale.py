@@ -33,13 +33,13 @@ import torch.fx as fx
 from ..canonical import canon, meta
 from ..capture import describe
 from ..graph_utils import aliases, mutated_value
-from ..kernels import ops as ops_mod
-from ..kernels import reference
+from ..codegen import reference
 from ..numerics import rel_err
 from . import statements
 from . import witness as witness_mod
 from .decision import Decision, Proof, Rejection, RejectionKind
 from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailable
+from ..codegen import layouts
 
 
 # ---- side condition (b): ops between the norm and its GEMM ----------------------------
@@ -142,7 +142,7 @@ def replay_chain(chain, head: fx.Node, d: int, h2, r, like, call):
             h2, r = like(node, src, h2), like(node, src, r)
         elif kind == "reshape":
             h2 = like(node, src, h2)
-            r = call(ops_mod.rows_like, r, h2)
+            r = call(layouts.rows_like, r, h2)
         elif kind in ("cast", "identity"):
             h2 = like(node, src, h2)
         else:
@@ -382,9 +382,9 @@ def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
         hc, rc, scale, shift = replay_chain(c.chain, norm.output, d, h2, r, like, call)
         weight, bias = env[c.weight], env.get(c.bias)
         if scale is not None:
-            weight = ops_mod.fold_scale(env[c.weight], _value(scale, env))
+            weight = layouts.fold_scale(env[c.weight], _value(scale, env))
         if shift is not None:
-            bias = ops_mod.distribute_bias(_value(shift, env), env[c.weight], bias)
+            bias = layouts.distribute_bias(_value(shift, env), env[c.weight], bias)
         ops = [rc.reshape(-1), *([bias] if bias is not None else [])]
         (out,) = reference.run_program(programs.consumers[c.linear],
                                        hc.reshape(-1, d), weight, ops)

@@ -22,8 +22,9 @@ import torch.fx as fx
 
 from ..canonical import meta
 from ..codegen.program import parse
-from ..kernels import ops as ops_mod
+from ..graph_utils import fused_linear_call
 from .decision import Rejection, RejectionKind
+from ..codegen import layouts
 
 _MAX_ELEMS = 1 << 16
 
@@ -96,8 +97,8 @@ def eval_nodes(nodes, env: dict) -> None:
         return
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     for node in sorted(set(nodes), key=order.__getitem__):
-        if node.target is ops_mod.fused_linear:
-            env[node] = ops_mod.fused_linear_reference(
+        if fused_linear_call(node):
+            env[node] = layouts.fused_linear_reference(
                 exact(node.args[0]), *(_value(a, env) for a in node.args[1:]))
         else:
             env[node] = _eval(node, env)

@@ -51,7 +51,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
 
     from ..codegen.program import Kind, parse
     from .quack_path import config_for, load
-    from .reference import dtype_from_name
+    from ..codegen.reference import dtype_from_name
 
     ks, module = load(text)
     prog = parse(text)

@@ -19,14 +19,14 @@ Face's ``logits_to_keep`` slice) apply to them unchanged.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from ..codegen.program import Kind, parse
-from . import backward, quack_path, reference, versioned
+from ..codegen import layouts, reference
+from ..graph_utils import FUSED_LINEAR_MARK
+from . import backward, quack_path, versioned
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
 RUNTIME: collections.Counter = collections.Counter()
@@ -129,23 +129,6 @@ gemm_epilogue.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- what the rewritten graph calls ---------------------------------------------------
 
-def _flatten_operands(prog, operands):
-    flat = []
-    for spec, t in zip(prog.operands, operands):
-        if spec.kind == Kind.TILE:
-            t = t.reshape(-1, t.shape[-1])
-        elif spec.kind == Kind.PER_ROW:
-            t = t.reshape(-1)
-        flat.append(t)
-    return flat
-
-
-def _unflatten(prog, outs, lead):
-    return tuple(o.reshape(*lead, o.shape[-1]) if spec.kind in (Kind.TILE, Kind.PAIR)
-                 else o.reshape(*lead, 1)
-                 for spec, o in zip(prog.outputs, outs))
-
-
 def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                  *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``program`` over ``x @ weight.T`` (nn.Linear layout), x of any leading shape.
@@ -153,18 +136,14 @@ def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
     return _linear(gemm_epilogue, program, x, weight, operands)
 
 
-def fused_linear_reference(program: str, x: torch.Tensor, weight: torch.Tensor,
-                           *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fused_linear through the reference interpreter, bypassing the op (and its
-    runtime counters): for the legality witnesses."""
-    return _linear(lambda text, a, b, ops: reference.run_program(parse(text), a, b, ops),
-                   program, x, weight, operands)
+setattr(fused_linear, FUSED_LINEAR_MARK, True)
 
 
 def _linear(run, program, x, weight, operands):
     prog = parse(program)
-    outs = run(program, x.reshape(-1, x.shape[-1]), weight, _flatten_operands(prog, operands))
-    return _unflatten(prog, outs, x.shape[:-1])
+    outs = run(program, x.reshape(-1, x.shape[-1]), weight,
+               layouts.flatten_operands(prog, operands))
+    return layouts.unflatten_outputs(prog, outs, x.shape[:-1])
 
 
 def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -176,124 +155,15 @@ def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, 
     prog = parse(program)
     tile = next(t for s, t in zip(prog.operands, operands) if s.kind == Kind.TILE)
     lead = tile.shape[:-1]
-    outs = reference.run_program(prog, None, None, _flatten_operands(prog, operands))
-    return _unflatten(prog, outs, lead)
-
-
-def rows_like(r: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Reshape a per-row value [..., 1] to follow ``h``'s reshape of its leading dims
-    (the last dim of ``h`` unchanged, so rows keep their C order)."""
-    return r.reshape(*h.shape[:-1], 1)
-
-
-def fold_scale(weight: torch.Tensor, scale) -> torch.Tensor:
-    """W' = W·diag(s): a per-feature factor between the norm and the GEMM, folded into
-    the weights (recomputed from the live parameters on every call)."""
-    if isinstance(scale, torch.Tensor):
-        scale = scale.reshape(1, -1).to(weight.dtype)
-    return weight * scale
-
-
-def distribute_bias(shift, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The epilogue bias of (r·h + shift)·Wᵀ + b: shift·Wᵀ + b, one value per output
-    feature (recomputed from the live parameters on every call)."""
-    if not isinstance(shift, torch.Tensor):
-        shift = torch.full((weight.shape[1],), float(shift), dtype=weight.dtype,
-                           device=weight.device)
-    return F.linear(shift.reshape(-1).to(weight.dtype), weight, bias)
-
-
-def interleave_rows(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor:
-    """[g0, u0, g1, u1, ...]: the rows (or, for biases, the entries) of a gate and an
-    up projection interleaved, so that one GEMM's adjacent output columns are a
-    (gate, up) pair. A missing bias side (None) is zeros. Recomputed from the live
-    parameters on every call: a re-layout done once would go stale after an optimizer
-    step (autograd de-interleaves the gradient)."""
-    if gate is None:
-        gate = torch.zeros_like(up)
-    if up is None:
-        up = torch.zeros_like(gate)
-    return torch.stack((gate, up), dim=1).flatten(0, 1)
-
-
-def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
-    """interleave_rows for a packed [gate; up] weight or bias (Phi-3's gate_up_proj,
-    read as ``chunk(2, dim=-1)``): rows [0, n) are the gate, [n, 2n) the up."""
-    half = packed.shape[0] // 2
-    return packed.unflatten(0, (2, half)).transpose(0, 1).flatten(0, 1)
-
-
-# ---- RoPE: layouts, positions and frequencies of the fused q/k/v GEMM -------------------
-#
-# A segment layout is (lo, hi, n_heads, head_dim, rotary_dim): rows [lo, hi) of a
-# projection, per-head interleaved for the rotation (n_heads > 0), or kept as they are
-# (n_heads == 0: v, frequency 0).
-
-def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The inverse of rope_segments' per-head permutation on an activation's last dim
-    (one head): eager's feature order, for a rotated q or k that flows where the order
-    shows."""
-    rot = t[..., :rotary_dim].unflatten(-1, (rotary_dim // 2, 2)).transpose(-1, -2).flatten(-2)
-    if rotary_dim < head_dim:
-        rot = torch.cat((rot, t[..., rotary_dim:]), -1)
-    return rot.contiguous()
-
-
-def _as_row_words(out: torch.Tensor, tensors) -> tuple:
-    """``out`` and ``tensors`` with each row read as 8-byte words, where that is a view
-    and no gradient is wanted: the re-layouts move whole rows, and PyTorch's strided copy
-    moves one element per thread step, so 2-byte elements copy at a quarter of the
-    speed (measured on the H200: 0.113 ms for Llama-3-8B's q/k/v weights, a plain
-    concatenation of them 0.030). Under autograd or tracing, the tensors as they are."""
-    present = [t for t in tensors if t is not None]
-    same_dtype = all(t.dtype == out.dtype for t in present)  # a bit copy casts nothing
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in present)
-    if out.dim() < 2 or not same_dtype or grad or not versioned.real([out, *present]):
-        return out, tensors
-    try:
-        return out.view(torch.int64), [None if t is None else t.view(torch.int64)
-                                       for t in tensors]
-    except RuntimeError:  # rows not a whole number of aligned words
-        return out, tensors
-
-
-def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
-    """The fused GEMM's weight (or bias) from each segment's projection weight (or bias;
-    None: zeros), recomputed from the live parameters on every call. A rotated segment's
-    rows are reordered per head to [x0, x_h, x1, x_h+1, ..., x_{h-1}, x_{2h-1}, pass-
-    through rows], h = rotary_dim / 2: Hugging Face's rotation pair (f, f + h) becomes
-    the adjacent pair (2f, 2f + 1). Each segment is
-    written once, in place into the result (one pass over the weights, where permuting
-    and then concatenating would make two; autograd scatters the gradient back)."""
-    like = next(t for t in tensors if t is not None)
-    out = like.new_empty(sum(hi - lo for lo, hi, *_ in layout), *like.shape[1:])
-    dst_all, tensors = _as_row_words(out, tensors)
-    at = 0
-    for (lo, hi, n_heads, head_dim, rotary_dim), t in zip(layout, tensors):
-        dst = dst_all[at:at + hi - lo]
-        at += hi - lo
-        if t is None:
-            dst.zero_()
-        elif not n_heads:
-            dst.copy_(t[lo:hi])
-        else:
-            src = t[lo:hi].unflatten(0, (n_heads, head_dim))
-            heads = dst.unflatten(0, (n_heads, head_dim))
-            h = rotary_dim // 2
-            heads[:, :rotary_dim].unflatten(1, (h, 2)).copy_(
-                src[:, :rotary_dim].unflatten(1, (2, h)).transpose(1, 2))
-            if rotary_dim < head_dim:
-                heads[:, rotary_dim:].copy_(src[:, rotary_dim:])
-    return out
+    outs = reference.run_program(prog, None, None, layouts.flatten_operands(prog, operands))
+    return layouts.unflatten_outputs(prog, outs, lead)
 
 
 _FREQUENCIES = "_coda_rope_frequencies"  # attribute of an inv_freq tensor: its memo
 
 
 def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """The epilogue's per-column frequencies [N] (float32): each rotation pair (2f, 2f+1)
-    holds f's inverse frequency in turns per position as a float-float split (hi, lo),
-    so the kernel forms the angle to ~2^-48 relative; pass-through columns hold 0.
+    """codegen/layouts.rope_frequencies, kept between calls where that is safe.
 
     Run eagerly (optimize() without Inductor) this is a dozen tiny launches per call for
     a result that changes only with the model's inv_freq buffer (measured on the H200:
@@ -301,139 +171,11 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     version counter and storage (kernels/versioned.py, as the opt-in weight re-layouts
     are). Under tracing Inductor fuses these ops into one kernel instead."""
     if inv_freq.requires_grad:  # a kept value would cut the graph
-        return _rope_frequencies(inv_freq, layout)
+        return layouts.rope_frequencies(inv_freq, layout)
     # the graph reads the buffer through a fresh view each call (inv_freq[None, :, None]):
     # the value lives on the view's base, which lives as long as the model's buffer
     holder = inv_freq if inv_freq._base is None else inv_freq._base
     return versioned.kept(holder, _FREQUENCIES, [inv_freq], layout,
-                          lambda: _rope_frequencies(inv_freq, layout))[0]
+                          lambda: layouts.rope_frequencies(inv_freq, layout))[0]
 
 
-def _rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
-    t = inv_freq.reshape(-1).double() / (2 * math.pi)
-    hi = t.float()
-    lo = (t - hi.double()).float()
-    pair = torch.stack((hi, lo), -1).flatten()
-    parts = []
-    for lo_, hi_, n_heads, head_dim, rotary_dim in layout:
-        if n_heads:
-            head = F.pad(pair, (0, head_dim - pair.numel()))
-            parts.append(head.repeat(n_heads))
-        else:
-            parts.append(pair.new_zeros(hi_ - lo_))
-    return torch.cat(parts)
-
-
-def rope_column_scale(scale, layout: tuple, like: torch.Tensor) -> torch.Tensor:
-    """The attention scaling per output column (float32 [N]): ``scale`` (a number or a
-    0-d tensor) on rotated columns, 1 on pass-through ones."""
-    parts = []
-    for lo, hi, n_heads, _, _ in layout:
-        ones = torch.ones(hi - lo, dtype=torch.float32, device=like.device)
-        parts.append(ones * scale if n_heads else ones)
-    return torch.cat(parts)
-
-
-def rope_rotated_columns(spans: tuple, like: torch.Tensor) -> torch.Tensor:
-    """A table rotation's per-column flag (float32 [N]) from the segments' (width,
-    rotated) spans: 1 on rotated columns, 0 on pass-through ones (v)."""
-    return torch.cat([torch.full((width,), float(rotated), device=like.device)
-                      for width, rotated in spans])
-
-
-def rope_positions(pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Each GEMM row's position (float32 [B·S]) from the graph's positions [Bp, 1, S]
-    (Bp = 1 or B) and the GEMM input x [B, S, K]."""
-    b, s = x.shape[0], x.shape[1]
-    return pos.reshape(pos.shape[0], pos.shape[-1]).float().expand(b, s).reshape(-1) \
-        .contiguous()
-
-
-def rope_table_rows(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Each GEMM row's (cos, sin) row [B·S, head_dim] (float32, cos at 2p and sin at
-    2p+1) from a model's complex table [S, hd/2] or [Bt, S, hd/2] (TorchTitan's
-    freqs_cis, or view_as_complex of a real [.., hd/2, 2] one; Bt = 1 or B) and the
-    GEMM input x [B, S, K]."""
-    b, s = x.shape[0], x.shape[1]
-    real = torch.view_as_real(table) if table.is_complex() else table
-    rows = real.reshape(-1, s, real.shape[-2] * 2).float()
-    return rows.expand(b, -1, -1).reshape(b * s, -1).contiguous()
-
-
-def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
-                         head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The (cos, sin) rows [B·S, head_dim] (float32) of Hugging Face-style tables
-    cos/sin [Bp, S, rotary_dim] for the permuted heads: pair f of each head gets
-    (cos[f], sin[f]); pass-through features of a partial rotary get (1, 0), an identity.
-    The half-split rotation is a rotation only when both halves of the tables agree
-    (HF builds them as cat(θ, θ)); that is checked on the device, every call: a table
-    that breaks it fails loudly (asynchronously on the GPU), never a wrong result."""
-    h = rotary_dim // 2
-    ok = (cos[..., :h] == cos[..., h:]).all() & (sin[..., :h] == sin[..., h:]).all()
-    torch._assert_async(ok, "rope: cos/sin halves differ; the table is not cat(θ, θ)")
-    pairs = torch.stack((cos[..., :h].float(), sin[..., :h].float()), -1).flatten(-2)
-    if rotary_dim < head_dim:
-        ident = pairs.new_tensor([1.0, 0.0]).repeat((head_dim - rotary_dim) // 2)
-        pairs = torch.cat((pairs, ident.expand(*pairs.shape[:-1], -1)), -1)
-    b, s = x.shape[0], x.shape[1]
-    return pairs.reshape(-1, s, head_dim).expand(b, -1, -1).reshape(b * s, head_dim) \
-        .contiguous()
-
-
-# ---- cross-entropy from per-row losses -------------------------------------------------
-
-def _lead_slice(n, start, stop):
-    """[a, b) of a Python slice start:stop over n rows (step 1), in plain arithmetic so
-    that symbolic sizes trace."""
-    a = 0 if start is None else (start + n if start < 0 else start)
-    b = n if stop is None else (stop + n if stop < 0 else stop)
-    return a, b
-
-
-def row_targets(target: torch.Tensor, x: torch.Tensor, vocab: int, dim, start, stop,
-                ignore_index: int) -> torch.Tensor:
-    """Each GEMM row's class index, flattened: the loss's targets where the loss reads the
-    row, ``ignore_index`` for rows a slice of the logits skipped (the causal shift
-    ``logits[..., :-1, :]``). A target outside [0, vocab) that is not ignore_index fails
-    as it does in PyTorch (asynchronously on the GPU), never a silent wrong loss."""
-    lead = list(x.shape[:-1])
-    if dim is None:
-        t = target.reshape(-1)
-    else:
-        d = len(lead) + 1 + dim
-        a, b = _lead_slice(lead[d], start, stop)
-        shape = lead[:d] + [b - a] + lead[d + 1:]
-        pads = [0, 0] * (len(lead) - 1 - d) + [a, lead[d] - b]
-        t = F.pad(target.reshape(shape), pads, value=ignore_index).reshape(-1)
-    ok = (t == ignore_index) | ((t >= 0) & (t < vocab))
-    torch._assert_async(ok.all(), "cross_entropy: target out of range")
-    return t
-
-
-def cross_entropy_from_rows(loss_rows: torch.Tensor, targets: torch.Tensor,
-                            ignore_index: int, reduction: str, x: torch.Tensor, dim, start,
-                            stop, dtype: torch.dtype) -> torch.Tensor:
-    """F.cross_entropy's result from the epilogue's per-row lse − target logit: ignored
-    rows contribute 0; mean divides by the number of rows not ignored (NaN when there is
-    none, as PyTorch); none returns the loss's own rows."""
-    rows = loss_rows.reshape(-1)
-    valid = targets != ignore_index
-    rows = torch.where(valid, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-    if reduction == "sum":
-        out = rows.sum()
-    elif reduction == "mean":
-        out = rows.sum() / valid.sum()
-    else:
-        if dim is not None:
-            lead = list(x.shape[:-1])
-            d = len(lead) + 1 + dim
-            a, b = _lead_slice(lead[d], start, stop)
-            rows = rows.reshape(lead).narrow(d, a, b - a)
-        out = rows.reshape(-1)
-    return out.to(dtype)
-
-
-def unmaterialised_logits(like: torch.Tensor) -> torch.Tensor:
-    """What a reader of logits that were never written gets (materialize_logits=False):
-    an empty tensor of their dtype and device."""
-    return like.new_empty(0)

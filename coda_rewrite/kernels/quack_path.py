@@ -31,7 +31,7 @@ import torch
 
 from ..codegen.program import EpilogueProgram, Kind
 from ..codegen.quack_source import GENERATOR_VERSION, KernelSource, Unlowerable, generate
-from . import reference
+from ..codegen import reference
 
 log = logging.getLogger("coda_rewrite.kernels")
 

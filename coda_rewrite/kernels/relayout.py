@@ -33,12 +33,13 @@ import collections
 import torch
 
 from . import ops, versioned
+from ..codegen import layouts
 
 # kind -> the re-layout function (the spec's decoded layout, then the sources)
 _KINDS = {
-    "interleave_rows": lambda layout, *src: ops.interleave_rows(*src),
-    "interleave_halves": lambda layout, *src: ops.interleave_halves(*src),
-    "rope_segments": ops.rope_segments,
+    "interleave_rows": lambda layout, *src: layouts.interleave_rows(*src),
+    "interleave_halves": lambda layout, *src: layouts.interleave_halves(*src),
+    "rope_segments": layouts.rope_segments,
 }
 STATS = collections.Counter()  # "hit" / "miss" / "not kept": what the cache did
 _ATTR = "_coda_relayout_cache"

@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import torch
 
-
-def real(tensors) -> bool:
-    """Plain tensors of an eager run: not fake or functional ones under tracing."""
-    return not torch.compiler.is_compiling() and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+from ..codegen.layouts import real
 
 
 def _keyable(tensors) -> bool:

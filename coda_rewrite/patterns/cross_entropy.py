@@ -41,9 +41,10 @@ from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, results
 from ..kernels import ops
-from ..kernels.reference import dtype_name
+from ..codegen.reference import dtype_name
 from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
+from ..codegen import layouts
 
 NAME = "lm_head_cross_entropy"
 
@@ -238,17 +239,17 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     with graph.inserting_before(m.ce):
         x, w, *b = cast_for_gemm(graph, p.out, p.x, p.weight,
                                  *([p.bias] if p.bias is not None else []))
-        t = graph.call_function(ops.row_targets, (m.target, x, vocab, dim, start, stop,
+        t = graph.call_function(layouts.row_targets, (m.target, x, vocab, dim, start, stop,
                                                   m.ignore_index))
         r = [p.r] if p.r is not None else []
         call = graph.call_function(ops.fused_linear, (program.to_text(), x, w, *r, *b, t))
         copy_meta(call, m.ce)
         outs = results(graph, call, len(program.outputs), m.ce)
-        loss = graph.call_function(ops.cross_entropy_from_rows, (
+        loss = graph.call_function(layouts.cross_entropy_from_rows, (
             outs[-2], t, m.ignore_index, m.reduction, x, dim, start, stop, meta(m.ce).dtype))
         copy_meta(loss, m.ce)
         if not plan.materialise and m.logits_readers:
-            empty = graph.call_function(ops.unmaterialised_logits, (x,))
+            empty = graph.call_function(layouts.unmaterialised_logits, (x,))
     loss.meta.update({k: v for k, v in m.ce.meta.items() if k not in loss.meta})
     m.ce.replace_all_uses_with(loss)
     for reader in m.logits_readers:

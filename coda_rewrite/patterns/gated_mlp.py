@@ -22,7 +22,7 @@ needs gate and up to carry the same r. Activations: silu (swiglu), gelu with the
 approximation (geglu: Gemma's gelu_pytorch_tanh) and exact gelu (geglu_erf).
 
 Legality: algebra/gated.py. The weight re-layout is a graph op on every call
-(kernels/ops.interleave_rows), computed from the live parameters, or kept inside the GEMM
+(codegen/layouts.interleave_rows), computed from the live parameters, or kept inside the GEMM
 op with cache_relayouts (patterns/relaid_gemm.py).
 """
 
@@ -40,9 +40,9 @@ from ..algebra import gated as gated_algebra
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
-from ..graph_utils import chunk_half, copy_meta, erase_if_dead, results, through_casts
-from ..kernels import ops
-from ..kernels.reference import dtype_name
+from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, fused_linear_call, results,
+                           through_casts)
+from ..codegen.reference import dtype_name
 from .family import Context, Decided
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
@@ -119,7 +119,7 @@ def _rowscale_call(node: fx.Node) -> fx.Node | None:
             or node.args[1] != 0 or not isinstance(node.args[0], fx.Node):
         return None
     call = node.args[0]
-    if call.op != "call_function" or call.target is not ops.fused_linear \
+    if not fused_linear_call(call) \
             or len(call.users) != 1 or not isinstance(call.args[0], str):
         return None
     return call if parse(call.args[0]).family == "rowscale" else None

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..codegen import layouts
 from ..graph_utils import cast_for_gemm
 from ..kernels import ops, relayout
 
 
 def relayout_node(graph: fx.Graph, kind: str, layout: tuple, *sources) -> fx.Node:
-    """A re-layout (kernels/ops.py: interleave_rows, interleave_halves, rope_segments) as
-    a graph op, recomputed on every call."""
-    fn = getattr(ops, kind)
+    """A re-layout (codegen/layouts.py: interleave_rows, interleave_halves, rope_segments)
+    as a graph op, recomputed on every call."""
+    fn = getattr(layouts, kind)
     return graph.call_function(fn, (layout, *sources) if kind == "rope_segments" else sources)
 
 

@@ -43,8 +43,9 @@ from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
                            same_meta)
 from ..kernels import ops
-from ..kernels.reference import dtype_name
+from ..codegen.reference import dtype_name
 from .family import Context, Decided
+from ..codegen import layouts
 
 NAME = "residual_rmsnorm_gemm"
 _CHAIN_DEPTH = 4
@@ -325,9 +326,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                                                            r, *graph_replay(graph))
             weight, bias = c.weight, c.bias
             if scale is not None:  # a per-feature factor, folded into the live weights
-                weight = graph.call_function(ops.fold_scale, (c.weight, scale))
+                weight = graph.call_function(layouts.fold_scale, (c.weight, scale))
             if shift is not None:  # a shift after the norm, distributed: shift·Wᵀ (+ b)
-                bias = graph.call_function(ops.distribute_bias, (shift, c.weight, c.bias))
+                bias = graph.call_function(layouts.distribute_bias, (shift, c.weight, c.bias))
             x, w, *b = cast_for_gemm(graph, c.linear, h2c, weight,
                                      *([bias] if bias is not None else []))
             call = graph.call_function(ops.fused_linear, (program, x, w, rc, *b))

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import ClassVar
 
 import torch
 import torch.fx as fx
@@ -63,13 +64,15 @@ from ..algebra.decision import Rejection
 from ..canonical import canon, meta, runtime_scalar
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
-from ..graph_utils import (MATMUL, chunk_half, copy_meta, erase_if_dead, hoist_before,
-                           results, same_meta, same_value, shared_call, through_casts)
+from ..graph_utils import (MATMUL, chunk_half, copy_meta, erase_if_dead, fused_linear_call,
+                           hoist_before, results, same_meta, same_value, shared_call,
+                           through_casts)
 from ..kernels import ops
-from ..kernels.reference import dtype_name
+from ..codegen.reference import dtype_name
 from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
+from ..codegen import layouts
 
 NAME = "rope"
 
@@ -104,6 +107,7 @@ class Angle:
 @dataclasses.dataclass(frozen=True)
 class Rotated:
     """One rotated projection (q or k): out = rope(split(GEMM columns [lo, hi)))."""
+    rotates: ClassVar[bool] = True
     out: fx.Node             # the rotated heads eager writes (q_embed)
     heads: fx.Node           # the head-split projection it rotates (query_states)
     split: tuple[fx.Node, ...]   # view (/transpose) from the projection's columns to heads
@@ -123,6 +127,7 @@ class Rotated:
 @dataclasses.dataclass(frozen=True)
 class Passthrough:
     """A projection (or packed slice) that joins the GEMM unrotated: v."""
+    rotates: ClassVar[bool] = False
     proj: Projection
     columns: tuple[int, int]
     column_node: fx.Node
@@ -166,6 +171,16 @@ class Match:
     def segments(self) -> list[Rotated | Passthrough]:
         """The fused GEMM's output columns, in order: rotated q, k, then v."""
         return [*self.rotated, *self.passthrough]
+
+    @property
+    def has_bias(self) -> bool:
+        return any(s.proj.bias is not None for s in self.segments)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the rotation carries an attention scaling other than a constant 1."""
+        return self.angle_source == "angles" and not (
+            isinstance(self.angle.scale, float) and self.angle.scale == 1.0)
 
 
 class NoMatch(patterns.NoMatch):
@@ -671,10 +686,6 @@ def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype,
     return p.build()
 
 
-def has_bias(m: Match) -> bool:
-    return any(s.proj.bias is not None for s in m.segments)
-
-
 def trains(m: Match) -> bool:
     """Whether the graph computes a gradient through these projections."""
     return any(bool(meta(r.out).requires_grad) for r in m.rotated)
@@ -682,16 +693,10 @@ def trains(m: Match) -> bool:
 
 def build_program(m: Match) -> EpilogueProgram:
     if m.angle_source == "table":
-        return rope_table_program(m.proj.r is not None, has_bias(m),
+        return rope_table_program(m.proj.r is not None, m.has_bias,
                                   meta(m.rotated[0].out).dtype, bool(m.passthrough))
-    return rope_program(m.proj.r is not None, has_bias(m), scaled(m),
+    return rope_program(m.proj.r is not None, m.has_bias, m.scaled,
                         meta(m.rotated[0].out).dtype)
-
-
-def scaled(m: Match) -> bool:
-    """Whether the rotation carries an attention scaling other than a constant 1."""
-    return m.angle_source == "angles" and not (isinstance(m.angle.scale, float)
-                                               and m.angle.scale == 1.0)
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -712,11 +717,37 @@ def describe_match(m: Match) -> dict:
     return shown
 
 
+def plan_segments(m: Match) -> Match | str:
+    """The match with its segments final, or why it cannot have them: v joins the fused
+    GEMM where it has q's dtype; a packed projection's slices that the fused GEMM does not
+    produce (v, when it cannot join) get a GEMM of their own."""
+    dtype = meta(m.rotated[0].out).dtype
+    passthrough = [s for s in m.passthrough if meta(s.column_node).dtype == dtype]
+    segments = [*m.rotated, *passthrough]
+    seg_nodes = {s.column_node for s in segments}
+    remainders = []
+    for proj in {s.proj.out: s.proj for s in segments}.values():
+        for call in filter(fused_linear_call, proj.nodes):
+            if set(call.users) != {proj.out}:
+                return f"{describe(call)} has readers outside the fused GEMM"
+        if proj.out in seg_nodes:
+            continue
+        for u in proj.out.users:  # a packed projection: read only through column slices
+            if u in seg_nodes:
+                continue
+            sl = columns_of(u)
+            if sl is None or sl[0].out is not proj.out:
+                return (f"the packed projection {describe(proj.out)} is read beyond its "
+                        "column slices")
+            remainders.append(Passthrough(sl[0], sl[1], u))
+    return dataclasses.replace(m, passthrough=passthrough, remainders=remainders)
+
+
 def decide(m: Match, context: Context) -> Decided:
-    held, failed, passthrough, remainders = rope_algebra.side_conditions(m)
-    if failed:
-        return Decided.refuse(Rejection(failed, m.path))
-    m = dataclasses.replace(m, passthrough=passthrough, remainders=remainders)
+    planned = plan_segments(m)
+    if isinstance(planned, str):
+        return Decided.refuse(Rejection(planned, m.path))
+    m = planned
     program = build_program(m)
     decision = rope_algebra.decide(m, program)
     if not decision.accepted:
@@ -755,24 +786,24 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         freq = shared_call(graph, ops.rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
         b = [relayout_node(graph, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
-            if has_bias(m) else []
+            if m.has_bias else []
         x = p.x  # read for its leading shape only
         if m.angle_source == "angles":
-            angle = [shared_call(graph, ops.rope_positions, (m.angle.pos, x), anchor,
+            angle = [shared_call(graph, layouts.rope_positions, (m.angle.pos, x), anchor,
                                   same_rows(m.angle.pos, x)), freq]
-            if scaled(m):  # a per-column float32 scale before the rotation
-                angle.insert(0, graph.call_function(ops.rope_column_scale,
+            if m.scaled:  # a per-column float32 scale before the rotation
+                angle.insert(0, graph.call_function(layouts.rope_column_scale,
                                                     (m.angle.scale, lay, x)))
         else:
             if m.form == "half":
                 rot = m.rotated[0]
-                angle = [graph.call_function(ops.rope_half_table_rows, (
+                angle = [graph.call_function(layouts.rope_half_table_rows, (
                     m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
             else:
-                angle = [graph.call_function(ops.rope_table_rows, (m.table, x))]
+                angle = [graph.call_function(layouts.rope_table_rows, (m.table, x))]
             if m.passthrough:
                 spans = rope_algebra.rotated_spans(m)
-                angle.append(shared_call(graph, ops.rope_rotated_columns, (spans, x), anchor,
+                angle.append(shared_call(graph, layouts.rope_rotated_columns, (spans, x), anchor,
                                           lambda n: n.args[0] == spans))
         r = [p.r] if p.r is not None else []
         weights = tuple(s.proj.weight for s in m.segments)
@@ -804,7 +835,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     rot = m.rotated[0]
     for consumer, value in region.unpermute:
         with graph.inserting_before(consumer):
-            back = graph.call_function(ops.rope_unpermute, (value, rot.head_dim, rot.rotary_dim))
+            back = graph.call_function(layouts.rope_unpermute, (value, rot.head_dim, rot.rotary_dim))
         same_meta(back, value)
         consumer.replace_input_with(value, back)
     erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
@@ -837,7 +868,7 @@ def column_gemm(graph: fx.Graph, s) -> fx.Node:
     w = graph.call_function(operator.getitem, (p.weight, slice(lo, hi)))
     b = [graph.call_function(operator.getitem, (p.bias, slice(lo, hi)))] \
         if p.bias is not None else []
-    call = next((n for n in p.nodes if n.target is ops.fused_linear), None)
+    call = next(filter(fused_linear_call, p.nodes), None)
     if call is None:
         out = graph.call_function(torch._C._nn.linear, (p.x, w, *(b or [None])))
     else:

@@ -18,8 +18,10 @@ import torch
 
 import coda_rewrite
 from coda_rewrite.codegen.program import Kind
-from coda_rewrite.kernels import ops, reference
+from coda_rewrite.codegen import reference
+from coda_rewrite.kernels import ops
 from coda_rewrite.numerics import low_precision_errors, rel_err
+from coda_rewrite.codegen import layouts
 
 from conftest import hf_model
 from test_codegen import NEW_PROGRAMS, PAIR_AND_STATEFUL, residual_rmsnorm, rowscale_bias
@@ -48,7 +50,7 @@ def _rotation_operands(prog, m, n) -> dict:
         out = {tables[0]: torch.stack((th.cos(), th.sin()), -1).flatten(1).contiguous()}
         flags = [a for i in prog.body if i.op == "rope_table" for a in i.args[2:]]
         if flags:
-            out[flags[0]] = ops.rope_rotated_columns(((n - 64, True), (64, False)), th)
+            out[flags[0]] = layouts.rope_rotated_columns(((n - 64, True), (64, False)), th)
         return out
     angles = [a for i in prog.body if i.op == "rope" for a in i.args[1:]]
     if not angles:

@@ -43,7 +43,7 @@ import functools
 import torch
 
 from ...codegen.program import EpilogueProgram, ProgramError
-from .. import reference
+from ...codegen import reference
 from . import cross_entropy, gated, residual_rmsnorm, rope, rowscale
 from .common import Rule, gemm_grads
 

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
-from .. import reference
+from ...codegen import reference
 from .common import Rule, expect, shaped, up
 
 _CE_CHUNK_BYTES = 1 << 29

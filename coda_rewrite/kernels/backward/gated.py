@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
-from .. import reference
+from ...codegen import reference
 from .common import Rule, expect, shaped, through_scaled_acc, up
 
 def _gated_parts(prog: EpilogueProgram):

@@ -4,7 +4,7 @@ an elementwise rotation back, then the rowscale rule."""
 from __future__ import annotations
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
-from .. import reference
+from ...codegen import reference
 from .common import Rule, expect, shaped, through_scaled_acc, up
 
 def _rope_parts(prog: EpilogueProgram) -> tuple[str | None, tuple[str, ...]]:

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..codegen.program import ACC, PAIRWISE, ROTARY, EpilogueProgram, Kind
+from .program import ACC, PAIRWISE, ROTARY, EpilogueProgram, Kind
 
 _DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16,
