@@ -72,44 +72,24 @@ cache key of the generated kernel.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import json
 from typing import Union
 
+from .op_table import (ACC, ELEMENTWISE_CLASS, PAIRWISE_CLASS, REDUCTION_CLASS, ROTARY_CLASS,
+                       STATEFUL_CLASS, Kind, ProgramError, kind_of, of_class)
+
 Arg = Union[str, float]  # a value name, or a literal constant
 
 
-class Kind(str, enum.Enum):
-    TILE = "tile"
-    PER_ROW = "per_row"
-    PER_FEATURE = "per_feature"
-    SCALAR = "scalar"
-    PAIR = "pair"
-    COS_SIN = "cos_sin"
-
-
-# name -> arity. Every op computes in the program's compute dtype (float32, or float64
-# when an input is float64); ``cast`` rounds through a storage dtype and back.
-ELEMENTWISE = {
-    "add": 2, "sub": 2, "mul": 2, "div": 2,
-    "neg": 1, "square": 1, "rsqrt": 1, "sqrt": 1, "exp": 1,
-    "silu": 1, "sigmoid": 1, "gelu_tanh": 1, "gelu_erf": 1, "cast": 1,
-}
-# Gated pairs over interleaved columns: op -> the activation applied to the gate lane.
-PAIRWISE = {"swiglu": "silu", "geglu": "gelu_tanh", "geglu_erf": "gelu_erf"}
-# Rotations of adjacent column pairs: op -> arities (rope: x, per-row positions,
-# per-feature float-float frequencies in turns; rope_table: x, a cos/sin table, and
-# optionally a per-feature 0/1 "rotate this column").
-ROTARY = {"rope": (3,), "rope_table": (2, 3)}
-# Stateful row reductions: op -> arity (select_column's second argument is a per-row
-# integer operand, an index into the row).
-STATEFUL = {"row_logsumexp": 1, "select_column": 2}
-# Row reductions over the feature dim; the merge of per-tile partials is the same op.
-REDUCTIONS = {"row_sum": "sum", "row_max": "max"}
-
-ACC = "acc"  # the accumulator's reserved value name
+# The op vocabulary, by class (codegen/op_table.py is the one table; these views of it
+# are what the builder and the lowering iterate over).
+ELEMENTWISE = {n: op.arity[0] for n, op in of_class(ELEMENTWISE_CLASS).items()}
+PAIRWISE = {n: op.gate_activation for n, op in of_class(PAIRWISE_CLASS).items()}
+ROTARY = {n: op.arity for n, op in of_class(ROTARY_CLASS).items()}
+STATEFUL = {n: op.arity[0] for n, op in of_class(STATEFUL_CLASS).items()}
+REDUCTIONS = {n: op.combine for n, op in of_class(REDUCTION_CLASS).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +111,6 @@ class Output:
     value: str
     kind: Kind  # TILE or PER_ROW
     dtype: str  # storage dtype, e.g. "bfloat16"
-
-
-class ProgramError(ValueError):
-    """A program that breaks the IR's rules (unknown value, non-local read, ...)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +146,7 @@ class EpilogueProgram:
         if not self.gemm and not any(o.kind == Kind.TILE for o in self.operands):
             raise ProgramError(f"{self.name}: a program without a GEMM needs a tile operand")
 
-        def kind_of(a: Arg) -> tuple[Kind, bool]:
+        def kind_of_arg(a: Arg) -> tuple[Kind, bool]:
             if isinstance(a, str):
                 if a not in env:
                     raise ProgramError(f"{self.name}: {a!r} is read before it is defined")
@@ -180,62 +156,14 @@ class EpilogueProgram:
         for ins in self.body:
             if ins.out in env:
                 raise ProgramError(f"{self.name}: value {ins.out!r} assigned twice")
-            kinds = [kind_of(a) for a in ins.args]
-            if any(k == Kind.COS_SIN for k, _ in kinds) and ins.op != "rope_table":
-                raise ProgramError(f"{self.name}: a cos_sin table is read by rope_table only")
-            if ins.op in ELEMENTWISE:
-                if len(ins.args) != ELEMENTWISE[ins.op]:
-                    raise ProgramError(f"{self.name}: {ins.op} takes {ELEMENTWISE[ins.op]} args")
-                if ins.op == "cast" and not ins.dtype:
-                    raise ProgramError(f"{self.name}: cast needs a dtype")
-                env[ins.out] = (_join([k for k, _ in kinds]), any(f for _, f in kinds))
-            elif ins.op in PAIRWISE:
-                (k, final), = kinds
-                if k != Kind.TILE or final:
-                    raise ProgramError(f"{self.name}: {ins.op} pairs up the columns of a tile")
-                env[ins.out] = (Kind.PAIR, False)
-            elif ins.op in ROTARY:
-                if len(ins.args) not in ROTARY[ins.op]:
-                    raise ProgramError(f"{self.name}: {ins.op} takes "
-                                       f"{' or '.join(map(str, ROTARY[ins.op]))} args")
-                k, final = kinds[0]
-                if k != Kind.TILE or final:
-                    raise ProgramError(f"{self.name}: {ins.op} rotates column pairs of a tile")
-                kinds_of = {o.name: o.kind for o in self.operands}
-                if ins.op == "rope_table" and (kinds_of.get(ins.args[1]) != Kind.COS_SIN or any(
-                        kinds_of.get(a) != Kind.PER_FEATURE for a in ins.args[2:])):
-                    raise ProgramError(f"{self.name}: rope_table reads a cos_sin operand (and "
-                                       "a per-feature rotate-or-not operand)")
-                if ins.op == "rope" and (kinds_of.get(ins.args[1]) != Kind.PER_ROW or
-                                         kinds_of.get(ins.args[2]) != Kind.PER_FEATURE):
-                    raise ProgramError(f"{self.name}: {ins.op} reads its positions from a "
-                                       "per-row operand and its frequencies from a "
-                                       "per-feature operand")
-                env[ins.out] = (Kind.TILE, False)
-            elif ins.op in STATEFUL:
-                if len(ins.args) != STATEFUL[ins.op]:
-                    raise ProgramError(f"{self.name}: {ins.op} takes {STATEFUL[ins.op]} args")
-                k, final = kinds[0]
-                if k != Kind.TILE or final:
-                    raise ProgramError(f"{self.name}: {ins.op} reduces a tile value")
-                if ins.op == "select_column" and ins.args[1] not in self.index_operands:
-                    raise ProgramError(f"{self.name}: select_column's index must be a "
-                                       "per-row operand")
-                env[ins.out] = (Kind.PER_ROW, True)
-            elif ins.op in REDUCTIONS:
-                (k, final), = kinds
-                if k != Kind.TILE or final:
-                    raise ProgramError(f"{self.name}: {ins.op} reduces a tile value")
-                env[ins.out] = (Kind.PER_ROW, True)
-            else:
-                raise ProgramError(f"{self.name}: unknown op {ins.op!r}")
+            env[ins.out] = kind_of(self, ins, [kind_of_arg(a) for a in ins.args])
             k, final = env[ins.out]
             if final and k in (Kind.TILE, Kind.PER_FEATURE):
                 raise ProgramError(
                     f"{self.name}: {ins.out!r} mixes a whole-row reduction into a tile value "
                     "(not tile-local: the row is complete only after every tile is done)")
         for o in self.outputs:
-            k, final = kind_of(o.value)
+            k, final = kind_of_arg(o.value)
             if o.kind == Kind.TILE and final:
                 raise ProgramError(f"{self.name}: tile output {o.value!r} is not tile-local")
             if o.kind == Kind.PER_ROW and k not in (Kind.PER_ROW, Kind.SCALAR):
@@ -312,20 +240,6 @@ class EpilogueProgram:
 
 def _fmt_arg(a: Arg) -> str:
     return a if isinstance(a, str) else repr(float(a))
-
-
-def _join(kinds: list[Kind]) -> Kind:
-    s = set(kinds) - {Kind.SCALAR}
-    if not s:
-        return Kind.SCALAR
-    if Kind.PAIR in s:
-        if s - {Kind.PAIR, Kind.PER_ROW}:
-            raise ProgramError("a pair value (half width) meets a full-width tile or "
-                               "per-feature value")
-        return Kind.PAIR
-    if Kind.TILE in s or s == {Kind.PER_ROW, Kind.PER_FEATURE}:
-        return Kind.TILE
-    return s.pop()
 
 
 def scaled_acc_prefix(program: EpilogueProgram) -> tuple[str, int]:

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import re
 
+from .op_table import ELEMENTWISE_CLASS, OPS
 from .program import ACC, PAIRWISE, REDUCTIONS, ROTARY, STATEFUL, EpilogueProgram, Instr, Kind
 
 GENERATOR_VERSION = "3"
@@ -101,22 +102,10 @@ class KernelSource:
     row_stage: tuple[Instr, ...]   # the finaliser, run after the kernel
 
 
-_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_CALLS = {
-    "rsqrt": "cute.math.rsqrt({})",
-    "sqrt": "cute.math.sqrt({})",
-    "exp": "pexp({})",
-    "silu": "silu({})",
-    "sigmoid": "sigmoid({})",
-    "gelu_tanh": "gelu_tanh_approx({})",
-    "gelu_erf": "gelu_erf({})",
-    "neg": "(-{})",
-    "square": "({0} * {0})",
-}
-
-
-# f(0) == 0 for these: zero in, zero out
-_ZERO_PRESERVING = {"neg", "square", "sqrt", "silu", "gelu_tanh", "gelu_erf"}
+# elementwise lowerings (QuACK expressions) and f(0) = 0, from the op table
+_LOWER = {name: op.lower for name, op in OPS.items() if op.lower is not None}
+_ZERO_PRESERVING = {name for name, op in OPS.items()
+                    if op.zero_preserving and op.klass == ELEMENTWISE_CLASS} - {"mul", "div"}
 
 
 def zero_on_padding(program: EpilogueProgram) -> dict[str, bool]:
@@ -261,7 +250,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         if i.op in PAIRWISE:  # the accumulator arrives as (gate, up) pairs
             g, u = f"{_arg(i.out)}_gate", f"{_arg(i.out)}_up"
             lines.append(f"{g}, {u} = unpack({args[0]})")
-            rhs = f"{_CALLS[PAIRWISE[i.op]].format(g)} * {u}"
+            rhs = f"{_LOWER[PAIRWISE[i.op]].format(g)} * {u}"
         elif i.op in ROTARY:  # (x1, x2) pairs rotated by θ = pos·f turns, or by a table
             o = _arg(i.out)
             lines.append(f"{o}_x1, {o}_x2 = unpack({args[0]})")
@@ -276,10 +265,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
                              f"{args[2]}))")
             rhs = (f"pack({o}_x1 * {o}_cos - {o}_x2 * {o}_sin, "
                    f"{o}_x1 * {o}_sin + {o}_x2 * {o}_cos)")
-        elif i.op in _BINARY:
-            rhs = f"{args[0]} {_BINARY[i.op]} {args[1]}"
-        elif i.op in _CALLS:
-            rhs = _CALLS[i.op].format(*args)
+        elif i.op in _LOWER:
+            rhs = _LOWER[i.op].format(*args)
         else:
             raise Unlowerable(f"{i.op} has no kernel lowering yet")
         lines.append(f"{_arg(i.out)} = {rhs}")

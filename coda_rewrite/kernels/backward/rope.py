@@ -4,7 +4,7 @@ an elementwise rotation back, then the rowscale rule."""
 from __future__ import annotations
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
-from ...codegen import reference
+from ...codegen import op_table
 from .common import Rule, expect, shaped, through_scaled_acc, up
 
 def _rope_parts(prog: EpilogueProgram) -> tuple[str | None, tuple[str, ...]]:
@@ -38,10 +38,10 @@ def _rope_vjp(prog, a, b, operands, outputs, grads):
         cs = up(by_name[angle[0]]).clone()
         cs[:, 1::2] = -cs[:, 1::2]
         flags = [by_name[name] for name in angle[1:]]  # rope_table's rotate-or-not column flag
-        dy = reference.rotate_pairs_by_table(up(dout), cs, *flags)
+        dy = op_table.rotate_pairs_by_table(up(dout), cs, *flags)
     else:
         pos, freq = angle
-        dy = reference.rotate_pairs(up(dout), by_name[pos].reshape(-1, 1),
+        dy = op_table.rotate_pairs(up(dout), by_name[pos].reshape(-1, 1),
                                     -by_name[freq].reshape(1, -1))
     if scale is not None:
         dy = dy * up(by_name[scale]).reshape(1, -1)

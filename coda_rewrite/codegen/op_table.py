@@ -1,0 +1,224 @@
+"""The epilogue IR's op table: everything the pass knows about an op, in one place.
+
+Per op: its class (what it does to the tile: elementwise, a pair of adjacent columns, a
+rotation of column pairs, a stateful row reduction, a row reduction), its arity, its
+reference semantics in torch (what codegen/reference.py runs and the witnesses replay),
+its QuACK lowering where it is a plain expression (pairs, rotations and reductions are
+lowered by class in codegen/quack_source.py), whether f(0) = 0 (the padding analysis of
+a ragged tile), and its derivative. The derivative of every op is autograd's through the
+reference (the general backward rule); the families' hand-derived rules
+(kernels/backward/) only combine these, and are checked against it in the tests.
+
+The kind rule of each class (which value kinds an op reads and what it makes) is
+``kind_of`` below; EpilogueProgram.value_kinds runs it over a program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class Kind(str, enum.Enum):
+    TILE = "tile"
+    PER_ROW = "per_row"
+    PER_FEATURE = "per_feature"
+    SCALAR = "scalar"
+    PAIR = "pair"
+    COS_SIN = "cos_sin"
+
+
+ACC = "acc"  # the accumulator's reserved value name
+
+ELEMENTWISE_CLASS, PAIRWISE_CLASS, ROTARY_CLASS, STATEFUL_CLASS, REDUCTION_CLASS = (
+    "elementwise", "pairwise", "rotary", "stateful", "reduction")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    klass: str
+    arity: tuple[int, ...]
+    # reference(args, ins, compute dtype) -> tensor; args are tensors or numbers
+    reference: Callable
+    lower: str | None = None       # QuACK expression, "{}" per argument (elementwise ops)
+    zero_preserving: bool = False  # f(0, ...) = 0 for a zero first argument
+    gate_activation: str | None = None   # pairwise: the activation of the gate lane
+    combine: str | None = None     # reduction: how per-tile partials merge
+
+
+# ---- reference semantics of the rotations ----------------------------------------------
+
+def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """``rope``: rotate each adjacent column pair (2j, 2j+1) of x [M, N] by
+    θ = pos[i]·f_j turns, f_j = freq[2j] + freq[2j+1] (pos [M, 1], freq [1, N]). The
+    angle is formed and reduced mod 1 in float64 (as exact as the kernel's float-float
+    angle, at any position below 2^24); cos and sin of the reduced angle are taken in
+    x's dtype (float32: the kernel's MUFU accuracy; float64 for float64 models).
+    Differentiable in x (the backward of a rotation is the rotation by −θ: pass −freq)."""
+    f = freq[..., 0::2].double() + freq[..., 1::2].double()
+    theta = (torch.remainder(pos.double() * f, 1.0) * (2 * math.pi)).to(x.dtype)
+    c, s = torch.cos(theta), torch.sin(theta)
+    x1, x2 = x[:, 0::2], x[:, 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def rotate_pairs_by_table(x: torch.Tensor, cs: torch.Tensor,
+                          rot: torch.Tensor | None = None) -> torch.Tensor:
+    """``rope_table``: rotate each adjacent column pair of x [M, N] by the angle whose
+    (cos, sin) row i of the table [M, head_dim] holds at (2p, 2p+1), p = (j mod
+    head_dim) / 2: the table repeats every head_dim columns. With ``rot`` ([1, N], 0 or
+    1 per column) only where it is 1: (cos, sin) = (1, 0) elsewhere, exactly."""
+    reps = x.shape[1] // cs.shape[1]
+    c, s = cs[:, 0::2].to(x.dtype).repeat(1, reps), cs[:, 1::2].to(x.dtype).repeat(1, reps)
+    if rot is not None:
+        on = rot.reshape(1, -1)[:, 0::2].to(x.dtype)
+        c, s = on * c + (1 - on), on * s
+    x1, x2 = x[:, 0::2], x[:, 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def _select_column(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[i, idx[i]], 0 where the index is outside the row (an ignored target)."""
+    idx = idx.long()
+    ok = (idx >= 0) & (idx < x.shape[1])
+    return torch.where(ok, x.gather(1, idx.clamp(0, x.shape[1] - 1)),
+                       torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+STORAGE_DTYPES = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float64": torch.float64,
+}
+
+
+def _unary(fn, lower, zero=False):
+    return dict(klass=ELEMENTWISE_CLASS, arity=(1,),
+                reference=lambda a, ins, cd: fn(a[0]), lower=lower, zero_preserving=zero)
+
+
+def _binary(fn, symbol, zero=False):
+    return dict(klass=ELEMENTWISE_CLASS, arity=(2,),
+                reference=lambda a, ins, cd: fn(*a), lower="{} " + symbol + " {}",
+                zero_preserving=zero)
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_SPECS = {
+    # elementwise, in the compute dtype (float32; float64 when an input is float64)
+    "add": _binary(torch.add, "+"),
+    "sub": _binary(torch.sub, "-"),
+    "mul": _binary(torch.mul, "*", zero=True),
+    "div": _binary(torch.div, "/", zero=True),
+    "neg": _unary(torch.neg, "(-{})", zero=True),
+    "square": _unary(torch.square, "({0} * {0})", zero=True),
+    "rsqrt": _unary(torch.rsqrt, "cute.math.rsqrt({})"),
+    "sqrt": _unary(torch.sqrt, "cute.math.sqrt({})", zero=True),
+    "exp": _unary(torch.exp, "pexp({})"),
+    "silu": _unary(F.silu, "silu({})", zero=True),
+    "sigmoid": _unary(torch.sigmoid, "sigmoid({})"),
+    "gelu_tanh": _unary(_gelu_tanh, "gelu_tanh_approx({})", zero=True),
+    "gelu_erf": _unary(F.gelu, "gelu_erf({})", zero=True),
+    # rounds through a storage dtype and back (no kernel lowering yet)
+    "cast": dict(klass=ELEMENTWISE_CLASS, arity=(1,), zero_preserving=True,
+                 reference=lambda a, ins, cd: a[0].to(STORAGE_DTYPES[ins.dtype]).to(cd)),
+    # gated pairs over interleaved columns: act(gate at 2j) · up at 2j + 1, half width
+    "swiglu": dict(klass=PAIRWISE_CLASS, arity=(1,), gate_activation="silu",
+                   reference=lambda a, ins, cd: F.silu(a[0][:, 0::2]) * a[0][:, 1::2]),
+    "geglu": dict(klass=PAIRWISE_CLASS, arity=(1,), gate_activation="gelu_tanh",
+                  reference=lambda a, ins, cd: _gelu_tanh(a[0][:, 0::2]) * a[0][:, 1::2]),
+    "geglu_erf": dict(klass=PAIRWISE_CLASS, arity=(1,), gate_activation="gelu_erf",
+                      reference=lambda a, ins, cd: F.gelu(a[0][:, 0::2]) * a[0][:, 1::2]),
+    # rotations of adjacent column pairs: rope(x, per-row positions, per-feature
+    # float-float frequencies in turns); rope_table(x, cos/sin table [, per-feature 0/1
+    # rotate flag])
+    "rope": dict(klass=ROTARY_CLASS, arity=(3,),
+                 reference=lambda a, ins, cd: rotate_pairs(*a)),
+    "rope_table": dict(klass=ROTARY_CLASS, arity=(2, 3),
+                       reference=lambda a, ins, cd: rotate_pairs_by_table(*a)),
+    # stateful row reductions (online across tiles)
+    "row_logsumexp": dict(klass=STATEFUL_CLASS, arity=(1,),
+                          reference=lambda a, ins, cd: torch.logsumexp(a[0], 1, keepdim=True)),
+    "select_column": dict(klass=STATEFUL_CLASS, arity=(2,),
+                          reference=lambda a, ins, cd: _select_column(*a)),
+    # row reductions over the feature dim; per-tile partials merge with the same op
+    "row_sum": dict(klass=REDUCTION_CLASS, arity=(1,), combine="sum",
+                    reference=lambda a, ins, cd: a[0].sum(dim=1, keepdim=True)),
+    "row_max": dict(klass=REDUCTION_CLASS, arity=(1,), combine="max",
+                    reference=lambda a, ins, cd: a[0].amax(dim=1, keepdim=True)),
+}
+
+OPS: dict[str, Op] = {name: Op(name, **spec) for name, spec in _SPECS.items()}
+
+
+def of_class(klass: str) -> dict[str, Op]:
+    return {name: op for name, op in OPS.items() if op.klass == klass}
+
+
+# ---- kind rules ----------------------------------------------------------------------------
+
+class ProgramError(ValueError):
+    """A program that breaks the IR's rules (unknown value, non-local read, ...)."""
+
+
+def _join(kinds: list[Kind]) -> Kind:
+    """The kind of an elementwise result: what its arguments vary along, together."""
+    s = set(kinds) - {Kind.SCALAR}
+    if not s:
+        return Kind.SCALAR
+    if Kind.PAIR in s:
+        if s - {Kind.PAIR, Kind.PER_ROW}:
+            raise ProgramError("a pair value (half width) meets a full-width tile or "
+                               "per-feature value")
+        return Kind.PAIR
+    if Kind.TILE in s or s == {Kind.PER_ROW, Kind.PER_FEATURE}:
+        return Kind.TILE
+    return s.pop()
+
+
+def kind_of(program, ins, kinds: list[tuple[Kind, bool]]) -> tuple[Kind, bool]:
+    """(kind, final) of ``ins``'s result from its arguments' (kind, final), or a
+    ProgramError naming what the op cannot read. final: depends on a whole-row reduction."""
+    name = program.name
+    op = OPS.get(ins.op)
+    if op is None:
+        raise ProgramError(f"{name}: unknown op {ins.op!r}")
+    if len(ins.args) not in op.arity:
+        raise ProgramError(f"{name}: {ins.op} takes {' or '.join(map(str, op.arity))} args")
+    if any(k == Kind.COS_SIN for k, _ in kinds) and ins.op != "rope_table":
+        raise ProgramError(f"{name}: a cos_sin table is read by rope_table only")
+    operand_kind = {o.name: o.kind for o in program.operands}
+    if op.klass == ELEMENTWISE_CLASS:
+        if ins.op == "cast" and not ins.dtype:
+            raise ProgramError(f"{name}: cast needs a dtype")
+        return _join([k for k, _ in kinds]), any(f for _, f in kinds)
+    k, final = kinds[0]
+    if op.klass == PAIRWISE_CLASS:
+        if k != Kind.TILE or final:
+            raise ProgramError(f"{name}: {ins.op} pairs up the columns of a tile")
+        return Kind.PAIR, False
+    if op.klass == ROTARY_CLASS:
+        if k != Kind.TILE or final:
+            raise ProgramError(f"{name}: {ins.op} rotates column pairs of a tile")
+        if ins.op == "rope_table" and (operand_kind.get(ins.args[1]) != Kind.COS_SIN or any(
+                operand_kind.get(a) != Kind.PER_FEATURE for a in ins.args[2:])):
+            raise ProgramError(f"{name}: rope_table reads a cos_sin operand (and a "
+                               "per-feature rotate-or-not operand)")
+        if ins.op == "rope" and (operand_kind.get(ins.args[1]) != Kind.PER_ROW or
+                                 operand_kind.get(ins.args[2]) != Kind.PER_FEATURE):
+            raise ProgramError(f"{name}: {ins.op} reads its positions from a per-row "
+                               "operand and its frequencies from a per-feature operand")
+        return Kind.TILE, False
+    if k != Kind.TILE or final:  # stateful and plain row reductions
+        raise ProgramError(f"{name}: {ins.op} reduces a tile value")
+    if ins.op == "select_column" and operand_kind.get(ins.args[1]) != Kind.PER_ROW:
+        raise ProgramError(f"{name}: select_column's index must be a per-row operand")
+    return Kind.PER_ROW, True
