@@ -14,8 +14,8 @@ Dynamo graphs keep the user's spelling: ``torch._C._nn.linear`` for nn.Linear, `
 
 The view is read-only: canonicalisation never edits the graph, so whatever is not
 rewritten later stays exactly the user's code, bit for bit. Composite idioms (the
-decomposed RMSNorm of Hugging Face models) are recognised on top of this view by
-``find_rms_norms``.
+decomposed RMSNorm of Hugging Face models: rmsnorm_idiom.py) are recognised on top of
+this view.
 """
 
 from __future__ import annotations
@@ -169,29 +169,7 @@ def canon_name(node: Any) -> str | None:
     return c.name if c else None
 
 
-# ---- the RMSNorm idiom ----------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RmsNorm:
-    """y = (x / sqrt(mean(x², last dim) + eps)) ⊙ scale(w), however it was spelled."""
-    input: fx.Node            # x, before any upcast
-    output: fx.Node           # y, the last node of the idiom
-    weight: fx.Node | None    # the 1-D tensor the scale is computed from
-    weight_offset: float      # scale = weight + offset (Gemma: 1.0; Llama: 0.0)
-    eps: float | fx.Node      # a constant, or a 0-d tensor read at run time
-    dim: int                  # the normalised (last) dim's size
-    nodes: tuple[fx.Node, ...]  # every node of the idiom, input excluded
-    spelling: str             # "decomposed" | "rms_norm"
-
-
-@dataclasses.dataclass(frozen=True)
-class NearMiss:
-    """An RMS-like computation that is not the idiom, and why (for the report)."""
-    node: fx.Node
-    reason: str
-
-
-def _const(x) -> float | None:
+def constant(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -208,167 +186,6 @@ def runtime_scalar(node: Any) -> fx.Node | None:
         return runtime_scalar(node.args[0])
     return None
 
-
-def _eps(eps: Any) -> float | fx.Node | None:
-    c = _const(eps)
-    return c if c is not None else runtime_scalar(eps)
-
-
-def _strip_casts(node: Any) -> Any:
-    while isinstance(node, fx.Node) and canon_name(node) == "cast":
-        node = node.args[0]
-    return node
-
-
-def _is_last_dim(dims: tuple[int, ...], ndim: int) -> bool:
-    return len(dims) == 1 and dims[0] % ndim == ndim - 1
-
-
-def _scale_vector(node: Any, dim: int, path: list[fx.Node]) -> tuple[fx.Node, float] | None:
-    """(w, offset) if ``node`` is a per-feature vector w + offset (casts allowed); the
-    nodes between ``node`` and w are appended to ``path``, outermost last."""
-    seen: list[fx.Node] = []
-    while isinstance(node, fx.Node) and canon_name(node) == "cast":
-        seen.append(node)
-        node = node.args[0]
-    c = canon(node) if isinstance(node, fx.Node) else None
-    if c is not None and c.name == "add":
-        a, b = c.args
-        if _const(a) is not None:
-            a, b = b, a
-        if _const(b) is not None:
-            inner = _scale_vector(a, dim, path)
-            if inner is not None:
-                path.extend([node, *reversed(seen)])
-                return inner[0], inner[1] + _const(b)
-        return None
-    m = meta(node)
-    if m is not None and m.dim() == 1 and m.shape[0] == dim and m.is_floating_point():
-        path.extend(reversed(seen))
-        return node, 0.0
-    return None
-
-
-def _single_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
-def _extend_forward(y: fx.Node, dim: int, nodes: list[fx.Node]):
-    """Walk the casts and the one per-feature scale after the normalised value."""
-    weight, offset = None, 0.0
-    while True:
-        nxt = _single_user(y)
-        c = canon(nxt) if nxt is not None else None
-        if c is None:
-            return y, weight, offset
-        if c.name == "cast":
-            y = nxt
-        elif c.name == "mul" and weight is None:
-            other = c.args[1] if c.args[0] is y else c.args[0]
-            path: list[fx.Node] = []
-            sv = _scale_vector(other, dim, path)
-            if sv is None:
-                return y, weight, offset
-            weight, offset = sv
-            nodes.extend(path)  # the scale's own casts / offset, evaluated before use
-            y = nxt
-        else:
-            return y, weight, offset
-        nodes.append(y)
-
-
-def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
-    """Anchored at an rsqrt (or a sqrt used as a divisor)."""
-    c = canon(rs)
-    den = c.args[0]
-    cd = canon(den) if isinstance(den, fx.Node) else None
-    if cd is None or cd.name != "add":
-        return None
-    ms, eps = cd.args
-    if _const(ms) is not None or (isinstance(eps, fx.Node) and canon_name(eps) == "mean"):
-        ms, eps = eps, ms
-    cm = canon(ms) if isinstance(ms, fx.Node) else None
-    if cm is None or cm.name != "mean":
-        return None
-    sq, dims, keepdim = cm.args
-    csq = canon(sq) if isinstance(sq, fx.Node) else None
-    if csq is None or csq.name != "square":
-        return None
-    xf = csq.args[0]
-    x = _strip_casts(xf)
-    mx = meta(x)
-    if mx is None or mx.dim() == 0:
-        return None
-    if not _is_last_dim(dims, mx.dim()):
-        return NearMiss(rs, f"mean of squares over dims {list(dims)}, not the last "
-                            f"(feature) dim of a {mx.dim()}-d tensor: not a row norm")
-    if not keepdim:
-        return NearMiss(rs, "mean of squares without keepdim: not the RMSNorm broadcast")
-    if _eps(eps) is None:
-        return NearMiss(rs, f"eps is {getattr(eps, 'name', eps)!r}, neither a constant nor "
-                            "a 0-d tensor: the deferred rstd needs one eps for every row")
-    dim = mx.shape[-1]
-    if not isinstance(dim, int):
-        return NearMiss(rs, "feature dim is symbolic")
-    # the normalised value: xf * rsqrt(...) or xf / sqrt(...)
-    y = None
-    for u in rs.users:
-        cu = canon(u)
-        if cu is None:
-            continue
-        if c.name == "rsqrt" and cu.name == "mul" and set(cu.args) == {xf, rs}:
-            y = u
-        if c.name == "sqrt" and cu.name == "div" and cu.args == (xf, rs):
-            y = u
-    if y is None:
-        return NearMiss(rs, "rsqrt(mean(x²) + eps) is not multiplied back onto x")
-    nodes = [n for n in (xf,) if n is not x] + [sq, ms, den, rs, y]
-    out, weight, offset = _extend_forward(y, dim, nodes)
-    return RmsNorm(x, out, weight, offset, _eps(eps), dim, tuple(nodes), "decomposed")
-
-
-def _recognise_fused(node: fx.Node) -> RmsNorm | NearMiss | None:
-    x, shape, w, eps = canon(node).args
-    mx = meta(x)
-    if mx is None:
-        return None
-    if len(shape) != 1:
-        return NearMiss(node, f"rms_norm over the trailing {len(shape)} dims, not one "
-                              "feature dim")
-    if w is not None and not isinstance(w, fx.Node):
-        return NearMiss(node, "weight is not a tensor of the graph")
-    if eps is None:
-        eps = torch.finfo(mx.dtype).eps
-    if _eps(eps) is None:
-        return NearMiss(node, f"eps is {getattr(eps, 'name', eps)!r}, neither a constant "
-                              "nor a 0-d tensor")
-    nodes = [node]
-    out, weight2, offset = _extend_forward(node, shape[0], nodes)
-    if w is not None and weight2 is not None:
-        # rms_norm(x, w) * v: two scales. Rare; keep it simple and correct.
-        out, nodes = node, [node]
-        weight2, offset = None, 0.0
-    return RmsNorm(x, out, w if w is not None else weight2,
-                   offset if w is None else 0.0, _eps(eps), shape[0], tuple(nodes),
-                   "rms_norm")
-
-
-def find_rms_norms(graph: fx.Graph) -> list[RmsNorm | NearMiss]:
-    """Every RMSNorm in the graph, in graph order, plus RMS-like near misses."""
-    found: list[RmsNorm | NearMiss] = []
-    for node in graph.nodes:
-        name = canon_name(node)
-        if name == "rsqrt" or (name == "sqrt" and any(canon_name(u) == "div"
-                                                      for u in node.users)):
-            r = _recognise_decomposed(node)
-        elif name == "rms_norm":
-            r = _recognise_fused(node)
-        else:
-            continue
-        if r is not None:
-            found.append(r)
-    return found
 
 
 def render(graph: fx.Graph) -> str:

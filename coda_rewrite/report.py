@@ -33,7 +33,9 @@ class MatchRecord:
     decision: Decision | None = None
     producer: str = ""                   # the producing GEMM, or why there is none
     consumers: list[str] = dataclasses.field(default_factory=list)
-    consumer_decisions: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
+    # (consumer, its decision, whether it reads the norm through ops in between)
+    consumer_decisions: list[tuple[str, Decision, bool]] = dataclasses.field(
+        default_factory=list)
     materialised: list[str] = dataclasses.field(default_factory=list)
     programs: list[EpilogueProgram] = dataclasses.field(default_factory=list)
     program_checks: list[Decision] = dataclasses.field(default_factory=list)
@@ -54,11 +56,11 @@ class MatchRecord:
             lines.append(f"    producer: {self.producer}")
         if self.consumers:
             lines.append("    consumers: " + ", ".join(self.consumers))
-        for name, d in self.consumer_decisions:
+        for name, d, through_ops in self.consumer_decisions:
             if not d.accepted:
                 lines.append(f"    consumer {name} left as is:")
                 lines.append(d.render("      "))
-            elif "direct" not in d.assumptions[0]:
+            elif through_ops:  # reads the norm through ops: say which, and their steps
                 lines.append(f"    consumer {name}: {d.assumptions[0]}")
                 lines += [f"      step {s}" for s in d.steps]
         if self.weights:

@@ -227,14 +227,15 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         mx = meta(c.chain[-1] if c.chain else norm.output)
         if bad is None and (mx is None or mx.shape[-1] != norm.dim):
             bad = f"{describe(c.linear)} does not contract over the {norm.dim} normalised features"
-        rounding = narrowing_cast(c, norm) if bad is None else None
-        if rounding is not None:
-            bad = (f"(d) {describe(rounding)} rounds to {meta(rounding).dtype} inside the "
-                   f"region of a {meta(c.linear).dtype} GEMM: the row scale would move "
-                   "across that rounding (not within the numerics policy)")
         if bad is not None:
-            per_consumer[c.linear] = Rejection(bad if bad.startswith("(d)") else f"(b) {bad}",
-                                               describe(c.linear))
+            per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear))
+            continue
+        rounding = narrowing_cast(c, norm)
+        if rounding is not None:
+            per_consumer[c.linear] = Rejection(
+                f"(d) {describe(rounding)} rounds to {meta(rounding).dtype} inside the "
+                f"region of a {meta(c.linear).dtype} GEMM: the row scale would move across "
+                "that rounding (not within the numerics policy)", describe(c.linear))
             continue
         via = ", ".join(f"{n.name}: {k}" for n, (k, _) in zip(c.chain, kinds))
         used = {k for k, _ in kinds}

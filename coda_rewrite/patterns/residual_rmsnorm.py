@@ -37,7 +37,8 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import row_scale
-from ..canonical import NearMiss, RmsNorm, canon, find_rms_norms, meta
+from ..canonical import canon, meta
+from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from ..capture import describe, model_path
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
@@ -288,7 +289,9 @@ def decide(m: Match, context: Context) -> Decided:
     m = refresh(m, context)
     programs = build_programs(m)
     decision, per_consumer, accepted = row_scale.decide(m, programs, m.norm.output.graph)
-    report = {"consumer_decisions": [(describe(n), d) for n, d in per_consumer.items()],
+    chains = {c.linear: bool(c.chain) for c in m.consumers}
+    report = {"consumer_decisions": [(describe(n), d, chains[n])
+                                     for n, d in per_consumer.items()],
               **describe_match(m)}
     if not decision.accepted:  # (check() refuses a match no consumer can take)
         return Decided(decision, None, decision, report)

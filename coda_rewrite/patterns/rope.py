@@ -298,26 +298,35 @@ def _outer(theta) -> tuple[fx.Node, fx.Node] | None:
     return a, p
 
 
-def angle_of(cos_t, sin_t) -> Angle | str:
+@dataclasses.dataclass(frozen=True)
+class NoAngle:
+    """Why cos/sin are not computed from an angle in this graph; ``as_table``: they may
+    still be read as a table (a precomputed one), rather than being no rotation at all."""
+    why: str
+    as_table: bool
+
+
+def angle_of(cos_t, sin_t) -> Angle | NoAngle:
     c, s = _table(cos_t), _table(sin_t)
     for t in (c, s):
         if isinstance(t, str):
-            return t
+            return NoAngle(t, True)
     (emb_c, cnode, sc_c), (emb_s, snode, sc_s) = c, s
     if not (_is(cnode, _COS) and _is(snode, _SIN)):
-        return "the cos and sin tables are swapped or not cos/sin"
+        return NoAngle("the cos and sin tables are swapped or not cos/sin", False)
     if emb_c is not emb_s:
-        return "cos and sin are taken of different angle tables"
+        return NoAngle("cos and sin are taken of different angle tables", False)
     if not same_value(sc_c, sc_s):
-        return "cos and sin carry different scales"
+        return NoAngle("cos and sin carry different scales", False)
     halves = _cat_last(emb_c)
     if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
-        return (f"the angle table {describe(emb_c)} is not cat(θ, θ) (the pairing of feature "
-                "i with i + rotary_dim/2 needs both halves to share one angle)")
+        return NoAngle(f"the angle table {describe(emb_c)} is not cat(θ, θ) (the pairing of "
+                       "feature i with i + rotary_dim/2 needs both halves to share one "
+                       "angle)", True)
     outer = _outer(halves[0])
     if outer is None:
-        return (f"the angles {describe(halves[0])} are not an outer product of positions and "
-                "frequencies in this graph (a precomputed table)")
+        return NoAngle(f"the angles {describe(halves[0])} are not an outer product of "
+                       "positions and frequencies in this graph (a precomputed table)", True)
     return Angle(emb_c, outer[0], outer[1], sc_c, cos_t, sin_t)
 
 
@@ -495,10 +504,10 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                             "or k, say)")
     proj, columns = cols
     angle = angle_of(cos_t, sin_t)
-    if isinstance(angle, str):
-        if "swapped" in angle or "different" in angle:
-            return NoMatch(add, angle)
-        angle = table_angle(cos_t, sin_t, angle)
+    if isinstance(angle, NoAngle):
+        if not angle.as_table:
+            return NoMatch(add, angle.why)
+        angle = table_angle(cos_t, sin_t, angle.why)
         if isinstance(angle, str):
             return NoMatch(add, angle)
     mc = meta(angle.cos)
