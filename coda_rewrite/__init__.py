@@ -5,9 +5,10 @@ epilogues, after proving each rewrite legal.
     model = torch.compile(model, backend="coda")         # rewritten graphs, then Inductor
     print(coda_rewrite.explain(model, input_ids))        # what was rewritten, and why
 
-The pipeline, one module per stage: capture.py → canonical.py → patterns/ → algebra/ →
-rewrite.py → codegen/ (programs) → kernels/ (coda:: ops); pipeline.py drives it and
-report.py records it.
+The pipeline: capture.py → canonical.py → for each family of patterns/registry.py, its
+patterns/ module (find, apply) asking its algebra/ module (legality) → codegen/ (programs,
+the op table, kernel sources) → kernels/ (the coda:: ops, the runtime); pipeline.py
+drives it and report.py records it.
 """
 
 from .api import CodaModule, explain, optimize

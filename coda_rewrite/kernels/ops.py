@@ -4,7 +4,7 @@ One op runs every program: ``coda::gemm_epilogue(program, a, b, operands)``. The
 text (codegen/program.py) says what the epilogue does, so a new pattern needs no new op.
 On Hopper, with tensors that meet the layout contract, the op launches the kernel
 generated from the program (kernels/quack_path.py); everywhere else it runs the reference
-interpreter (kernels/reference.py). ``RUNTIME`` counts which implementation ran and why,
+interpreter (codegen/reference.py). ``RUNTIME`` counts which implementation ran and why,
 and the report shows it: a fallback is never silent.
 
 Autograd: kernels/backward/ (a rule per family). The backward runs its GEMMs on the
