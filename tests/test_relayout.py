@@ -128,7 +128,7 @@ def test_the_op_is_the_gemm_on_the_kept_weights():
     ws = [torch.randn(n, 12) for n in (16, 8, 8)]
     a = torch.randn(5, 12, dtype=torch.bfloat16)
     prog = rope_program(False, False, False, torch.bfloat16)
-    pos, freq = torch.arange(5.0), ops.rope_frequencies(torch.rand(4), lay)
+    pos, freq = torch.arange(5.0), layouts.rope_frequencies(torch.rand(4), lay)
     spec = relayout.spec_of(lay)
     relayout.STATS.clear()
     got = torch.ops.coda.gemm_relaid(prog.to_text(), a, "rope_segments", spec, ws, [pos, freq])

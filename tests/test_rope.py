@@ -14,7 +14,7 @@ import torch
 import coda_rewrite
 from coda_rewrite.codegen.program import Kind
 from coda_rewrite.codegen import op_table, reference
-from coda_rewrite.kernels import backward, ops
+from coda_rewrite.kernels import backward
 from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 from coda_rewrite.codegen import layouts
@@ -569,7 +569,7 @@ def test_frequencies_kept_until_the_buffer_changes(monkeypatch):
 
 def test_frequencies_are_float_float_turns():
     inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
-    f = ops.rope_frequencies(inv, ((0, 256, 2, 128, 128), (256, 384, 0, 0, 0)))
+    f = layouts.rope_frequencies(inv, ((0, 256, 2, 128, 128), (256, 384, 0, 0, 0)))
     assert f.dtype == torch.float32 and f.shape == (384,)
     turns = f[0:128:2].double() + f[1:128:2].double()
     assert torch.allclose(turns, inv.double() / (2 * math.pi), rtol=1e-14, atol=0)
@@ -582,7 +582,7 @@ def test_reference_rotation_at_large_positions():
     x = torch.randn(4, 8, dtype=torch.float64)
     inv = torch.tensor([1.0, 0.5, 0.1, 0.01])
     pos = torch.tensor([0.0, 1.0, 2.0 ** 20, 2.0 ** 24 - 1]).reshape(-1, 1)
-    freq = ops.rope_frequencies(inv, ((0, 8, 1, 8, 8),)).reshape(1, -1)
+    freq = layouts.rope_frequencies(inv, ((0, 8, 1, 8, 8),)).reshape(1, -1)
     got = op_table.rotate_pairs(x, pos, freq)
 
     def rotate(th):
@@ -610,7 +610,7 @@ def test_rope_backward_rule_matches_autograd(form, has_r, has_bias, scale):
         lay = ((0, 8, 1, 8, 8), (8, 16, 0, 0, 0))
         colscale = [layouts.rope_column_scale(scale, lay, a).double()] if scale != 1.0 else []
         angle = colscale + [torch.arange(6).float() * 3,
-                 ops.rope_frequencies(torch.rand(4) + 0.1, lay)]
+                 layouts.rope_frequencies(torch.rand(4) + 0.1, lay)]
     else:
         th = torch.randn(6, 4, dtype=torch.float64)
         angle = [torch.stack((th.cos(), th.sin()), -1).flatten(1)]  # [M, head_dim 8]

@@ -26,7 +26,7 @@ import torch
 from ..codegen.program import Kind, parse
 from ..codegen import layouts, reference
 from ..graph_utils import FUSED_LINEAR_MARK
-from . import backward, quack_path, versioned
+from . import backward, quack_path
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
 RUNTIME: collections.Counter = collections.Counter()
@@ -157,25 +157,3 @@ def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, 
     lead = tile.shape[:-1]
     outs = reference.run_program(prog, None, None, layouts.flatten_operands(prog, operands))
     return layouts.unflatten_outputs(prog, outs, lead)
-
-
-_FREQUENCIES = "_coda_rope_frequencies"  # attribute of an inv_freq tensor: its memo
-
-
-def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """codegen/layouts.rope_frequencies, kept between calls where that is safe.
-
-    Run eagerly (optimize() without Inductor) this is a dozen tiny launches per call for
-    a result that changes only with the model's inv_freq buffer (measured on the H200:
-    0.26 ms of host time per graph call): the result is kept on the buffer, keyed by its
-    version counter and storage (kernels/versioned.py, as the opt-in weight re-layouts
-    are). Under tracing Inductor fuses these ops into one kernel instead."""
-    if inv_freq.requires_grad:  # a kept value would cut the graph
-        return layouts.rope_frequencies(inv_freq, layout)
-    # the graph reads the buffer through a fresh view each call (inv_freq[None, :, None]):
-    # the value lives on the view's base, which lives as long as the model's buffer
-    holder = inv_freq if inv_freq._base is None else inv_freq._base
-    return versioned.kept(holder, _FREQUENCIES, [inv_freq], layout,
-                          lambda: layouts.rope_frequencies(inv_freq, layout))[0]
-
-

@@ -2,7 +2,7 @@
 of those tensors changed.
 
 Two things are worth keeping this way: the fused GEMMs' re-laid-out weights
-(relayout.py, opt-in) and RoPE's per-column frequencies (ops.rope_frequencies, run
+(relayout.py, opt-in) and RoPE's per-column frequencies (patterns/rope.rope_frequencies, run
 eagerly). The key is what PyTorch itself tracks: each tensor's version counter (moved
 by every in-place update autograd sees, shared by aliases), storage, shape, strides and
 dtype. The kept value lives on the holder tensor object, so it dies with it: no stale

@@ -56,7 +56,8 @@ def _rotation_operands(prog, m, n) -> dict:
     if not angles:
         return {}
     inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, device=DEV).float() / 16))
-    freq = ops.rope_frequencies(inv, ((0, n - 16, (n - 16) // 16, 16, 16), (n - 16, n, 0, 0, 0)))
+    freq = layouts.rope_frequencies(inv, ((0, n - 16, (n - 16) // 16, 16, 16),
+                                          (n - 16, n, 0, 0, 0)))
     pos = (torch.arange(m, device=DEV) % max(m // 2, 1)).float() * 37
     return {angles[0]: pos, angles[1]: freq}
 
