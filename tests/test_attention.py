@@ -13,7 +13,7 @@ import coda_rewrite
 from coda_rewrite.numerics import rel_err
 from coda_rewrite.patterns import attention
 
-from conftest import hf_model, tokens
+from conftest import decode_matches_eager, hf_model, tokens
 
 CASES = [("llama", {}), ("qwen2", {}), ("mistral", {}), ("mistral", {"sliding_window": 8}),
          ("mistral", {"sliding_window": 64})]
@@ -80,14 +80,7 @@ def test_outputs_and_gradients_match_eager(family, kw, padding):
 def test_decode_steps_with_a_cache(family):
     model = hf_model(family).eval()
     fast = coda_rewrite.optimize(model)
-    ids = tokens()
-    with torch.no_grad():
-        a, b = model(ids, use_cache=True), fast(ids, use_cache=True)
-        for _ in range(3):
-            nxt = a.logits[:, -1:].argmax(-1)
-            a = model(nxt, past_key_values=a.past_key_values, use_cache=True)
-            b = fast(nxt, past_key_values=b.past_key_values, use_cache=True)
-            assert rel_err(b.logits, a.logits) <= 1e-5
+    decode_matches_eager(model, fast, tokens())
     reasons = " ".join(r.reason for r in _attention_records(fast.report))
     assert "decoding with a cache" in reasons
 
