@@ -57,7 +57,8 @@ def _checkpointed_regions(gm: fx.GraphModule, records: list[MatchRecord]):
             yield node.args[0].target, sub
         else:
             records.append(MatchRecord(
-                "graph", model_path(node), NOT_MATCHED, reason=(
+                "graph", model_path(node), NOT_MATCHED, code="graph.subgraph_not_entered",
+                reason=(
                     f"the subgraph {node.args[0].target} of the higher-order op {op} is "
                     "not entered: left as captured")))
 
@@ -69,7 +70,8 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
     raising = canonical.gemm_eager_rejects(graph)
     if raising is not None:  # eager raises here: leave the graph as captured, so it does
         records.append(MatchRecord(
-            "graph", model_path(raising), REJECTED, kind=RejectionKind.CONDITION, reason=(
+            "graph", model_path(raising), REJECTED, kind=RejectionKind.CONDITION,
+            code="graph.eager_raises", reason=(
                 f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
                 "force: eager raises there, so the graph is left exactly as captured")))
         return canonical_text, gm.code
@@ -99,31 +101,34 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
         found = list(family.find(graph))
     except Exception as e:  # a checker bug must cost a rewrite, never the compile
         records.append(MatchRecord(family.NAME, "", REJECTED, reason=_internal_error(e),
-                                   kind=RejectionKind.INTERNAL_ERROR))
+                                   kind=RejectionKind.INTERNAL_ERROR, code="internal_error"))
         return
     for m in found:
         if isinstance(m, NoMatch):
-            records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason))
+            records.append(MatchRecord(m.pattern, m.path, NOT_MATCHED, reason=m.reason,
+                                       code=m.code))
             continue
         record = MatchRecord(family.NAME, m.path, REJECTED, **family.describe_match(m))
         records.append(record)
         if not enabled:
-            record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns")
+            record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns",
+                          "disabled")
             continue
         try:
             decided = family.decide(m, context)
         except Exception as e:  # a checker bug must cost a rewrite, never the compile
-            record.reject(RejectionKind.INTERNAL_ERROR, _internal_error(e))
+            record.reject(RejectionKind.INTERNAL_ERROR, _internal_error(e), "internal_error")
             continue
         record.decision = decided.decision
         _show(record, decided.report)
         if decided.plan is None:
-            record.reject(decided.rejection.kind, decided.rejection.condition)
+            record.reject(decided.rejection.kind, decided.rejection.condition,
+                          decided.rejection.code)
             continue
         try:
             shown = family.apply(graph, decided.plan, context)
         except NotPlaceable as e:  # raised before the graph changes
-            record.reject(RejectionKind.NOT_PLACEABLE, f"not applied: {e}")
+            record.reject(RejectionKind.NOT_PLACEABLE, f"not applied: {e}", "not_placeable")
             continue
         record.status = REWRITTEN
         _show(record, shown)

@@ -43,9 +43,12 @@ class MatchRecord:
     weights: str = ""                    # how the fused GEMM's weights are re-laid out
     kind: RejectionKind | None = None    # why it was left as is, as a type (None: rewritten
                                          # or not matched)
+    code: str = ""                       # the failed condition's stable code (algebra/
+                                         # decision.Why), for rejected and not matched
 
-    def reject(self, kind: RejectionKind, reason: str) -> None:
+    def reject(self, kind: RejectionKind, reason: str, code: str = "") -> None:
         self.status, self.kind, self.reason = REJECTED, kind, reason
+        self.code = code or getattr(reason, "code", "")
 
     def render(self, i: int) -> str:
         head = f"[{i}] {self.pattern} at {self.path or '<top level>'}: {self.status.upper()}"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .algebra.decision import Why
 from .canonical import canon, canon_name, constant, meta, runtime_scalar
 
 
@@ -131,16 +132,19 @@ def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
     if mx is None or mx.dim() == 0:
         return None
     if not _is_last_dim(dims, mx.dim()):
-        return NearMiss(rs, f"mean of squares over dims {list(dims)}, not the last "
-                            f"(feature) dim of a {mx.dim()}-d tensor: not a row norm")
+        return NearMiss(rs, Why(f"mean of squares over dims {list(dims)}, not the last "
+                                f"(feature) dim of a {mx.dim()}-d tensor: not a row norm",
+                                "rmsnorm.not_last_dim"))
     if not keepdim:
-        return NearMiss(rs, "mean of squares without keepdim: not the RMSNorm broadcast")
+        return NearMiss(rs, Why("mean of squares without keepdim: not the RMSNorm broadcast",
+                                "rmsnorm.no_keepdim"))
     if _eps(eps) is None:
-        return NearMiss(rs, f"eps is {getattr(eps, 'name', eps)!r}, neither a constant nor "
-                            "a 0-d tensor: the deferred rstd needs one eps for every row")
+        return NearMiss(rs, Why(f"eps is {getattr(eps, 'name', eps)!r}, neither a constant nor "
+                                "a 0-d tensor: the deferred rstd needs one eps for every row",
+                                "rmsnorm.eps"))
     dim = mx.shape[-1]
     if not isinstance(dim, int):
-        return NearMiss(rs, "feature dim is symbolic")
+        return NearMiss(rs, Why("feature dim is symbolic", "rmsnorm.symbolic_dim"))
     # the normalised value: xf * rsqrt(...) or xf / sqrt(...)
     y = None
     for u in rs.users:
@@ -152,7 +156,8 @@ def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
         if c.name == "sqrt" and cu.name == "div" and cu.args == (xf, rs):
             y = u
     if y is None:
-        return NearMiss(rs, "rsqrt(mean(x²) + eps) is not multiplied back onto x")
+        return NearMiss(rs, Why("rsqrt(mean(x²) + eps) is not multiplied back onto x",
+                                "rmsnorm.not_multiplied_back"))
     nodes = [n for n in (xf,) if n is not x] + [sq, ms, den, rs, y]
     out, weight, offset = _extend_forward(y, dim, nodes)
     return RmsNorm(x, out, weight, offset, _eps(eps), dim, tuple(nodes), "decomposed")
@@ -164,15 +169,15 @@ def _recognise_fused(node: fx.Node) -> RmsNorm | NearMiss | None:
     if mx is None:
         return None
     if len(shape) != 1:
-        return NearMiss(node, f"rms_norm over the trailing {len(shape)} dims, not one "
-                              "feature dim")
+        return NearMiss(node, Why(f"rms_norm over the trailing {len(shape)} dims, not one "
+                                  "feature dim", "rmsnorm.not_last_dim"))
     if w is not None and not isinstance(w, fx.Node):
-        return NearMiss(node, "weight is not a tensor of the graph")
+        return NearMiss(node, Why("weight is not a tensor of the graph", "rmsnorm.weight"))
     if eps is None:
         eps = torch.finfo(mx.dtype).eps
     if _eps(eps) is None:
-        return NearMiss(node, f"eps is {getattr(eps, 'name', eps)!r}, neither a constant "
-                              "nor a 0-d tensor")
+        return NearMiss(node, Why(f"eps is {getattr(eps, 'name', eps)!r}, neither a constant "
+                                  "nor a 0-d tensor", "rmsnorm.eps"))
     nodes = [node]
     out, weight2, offset = _extend_forward(node, shape[0], nodes)
     if w is not None and weight2 is not None:

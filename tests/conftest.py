@@ -45,11 +45,12 @@ def pytest_configure(config):
 def _no_pass_bugs(request, monkeypatch):
     """Every graph any test rewrites: a witness disagreement or an internal error in the
     checker is a bug of the pass, never an outcome to show users, so the test fails on it
-    (wherever it occurs, whatever the test itself asserts). With CODA_SNAPSHOT=PATH, the
+    (wherever it occurs, whatever the test itself asserts); a match left as is without a
+    condition code fails it too. With CODA_SNAPSHOT=PATH, the
     match records go to PATH.<pid> (a refactoring's "no behaviour change" check)."""
     import coda_rewrite.backend as backend
 
-    found = []
+    found, uncoded = [], []
     real = backend.rewrite_graph
 
     snapshot = os.environ.get("CODA_SNAPSHOT")
@@ -57,6 +58,7 @@ def _no_pass_bugs(request, monkeypatch):
     def spy(gm, options, index=0):
         report = real(gm, options, index)
         found.extend(r for r in report.records if r.kind is not None and r.kind.is_bug)
+        uncoded.extend(r for r in report.records if r.status != "rewritten" and not r.code)
         if snapshot:  # the match records of every graph the suite rewrites, one per line
             with open(f"{snapshot}.{os.getpid()}", "a") as f:
                 for r in report.records:
@@ -70,6 +72,9 @@ def _no_pass_bugs(request, monkeypatch):
     if not request.node.get_closest_marker("provokes_pass_bug"):
         assert not found, "the pass reported its own bug:\n" + "\n".join(
             f"{r.pattern} at {r.path}: {r.kind.name}: {r.reason}" for r in found)
+    # every match left as is says why as a code too (what programs and tests read)
+    assert not uncoded, "left as is without a code:\n" + "\n".join(
+        f"{r.pattern} at {r.path}: {r.reason}" for r in uncoded)
 
 
 # ---- models ---------------------------------------------------------------------------
@@ -172,3 +177,11 @@ def decode_matches_eager(model, fast, ids, steps: int = 3, tol: float = 1e-5) ->
             want = model(nxt, past_key_values=want.past_key_values, use_cache=True)
             got = fast(nxt, past_key_values=got.past_key_values, use_cache=True)
             assert rel_err(got.logits, want.logits) <= tol
+
+
+def codes(report, pattern: str | None = None) -> set[str]:
+    """The condition codes (algebra/decision.Why) of the matches left as is, and of the
+    consumers a norm's match refused: what tests assert on, not the report's wording."""
+    recs = [r for r in report.records if pattern is None or r.pattern == pattern]
+    return {r.code for r in recs if r.status != "rewritten"} | {
+        d.code for r in recs for _, d, _ in r.consumer_decisions if not d.accepted}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import coda_rewrite
 from coda_rewrite.numerics import rel_err
 
-from conftest import hf_model, tokens
+from conftest import codes, hf_model, tokens
 
 D = 32
 
@@ -97,10 +97,9 @@ def test_norm_before_the_residual_stays_right(family):
     report = fast.report
     producers = [r for r in report.records if r.programs and r.programs[0].name == "residual_rmsnorm"]
     assert not producers, str(report)
-    text = str(report)
-    assert "no GEMM reads the normalised value" in text  # the post-block norms
+    assert "row_scale.no_consumer_gemm" in codes(report)  # the post-block norms
     if family == "gemma2":
-        assert "neither operand of the residual add" in text
+        assert "neither operand of the residual add" in str(report)  # the producer note
 
 
 def test_gemma_scale_offset_is_rewritten():
@@ -173,7 +172,7 @@ def test_eps_as_vector_is_left_alone():
     fast = coda_rewrite.optimize(model)
     same(fast(x, res), ref(x, res))
     assert fast.report.count() == 0
-    assert "neither a constant nor a 0-d tensor" in str(fast.report)
+    assert codes(fast.report) == {"rmsnorm.eps"}, str(fast.report)
 
 
 @pytest.mark.parametrize("dim", [1, 0])
@@ -181,7 +180,7 @@ def test_norm_over_a_dim_other_than_the_last(dim):
     report, got, want = run(lambda s, x, r: s.w1(rms(s.w0(x) + r, 1.0, dim=dim)))
     same(got, want)
     assert report.count() == 0
-    assert "not the last (feature) dim" in str(report)
+    assert codes(report) == {"rmsnorm.not_last_dim"}, str(report)
 
 
 def test_output_hidden_states_agree_with_eager():
@@ -224,7 +223,8 @@ def test_activation_between_norm_and_gemm():
     report, got, want = run(lambda s, x, r: s.w1(F.silu(rms(s.w0(x) + r, s.g))))
     same(got, want)
     assert report.count() == 0
-    assert "silu" in str(report) and "sits between the norm and the GEMM" in str(report)
+    assert codes(report) == {"row_scale.op_between"}, str(report)
+    assert "silu" in str(report)  # the report names the op
 
 
 def test_gemm_contracting_over_the_normalised_rows():
@@ -237,7 +237,7 @@ def test_gemm_contracting_over_the_normalised_rows():
     report, got, want = run(body, torch.randn(6, D, generator=g), torch.randn(6, D, generator=g))
     same(got, want)
     assert report.count() == 0
-    assert "no GEMM reads the normalised value" in str(report)
+    assert codes(report) == {"row_scale.no_consumer_gemm"}, str(report)
 
 
 def test_in_place_update_of_the_residual_after_the_norm():
@@ -250,7 +250,7 @@ def test_in_place_update_of_the_residual_after_the_norm():
     report, got, want = run(body)
     same(got, want)
     assert report.count() == 0
-    assert "in place" in str(report)
+    assert codes(report) == {"row_scale.in_place"}, str(report)
 
 
 def test_normalised_value_also_returned_is_materialised():
@@ -284,7 +284,7 @@ def test_feature_slice_before_the_gemm_is_rejected():
     report, got, want = run(body)
     same(got, want)
     assert report.count() == 0
-    assert "indexes the feature dim" in str(report)
+    assert codes(report) == {"row_scale.feature_index"}, str(report)
 
 
 def test_gemm_output_read_twice_keeps_the_producer_unfused():
@@ -309,5 +309,5 @@ def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch, _no_pass
     monkeypatch.setattr(row_scale, "decide", boom)
     report, got, want = run(lambda s, x, r: s.w1(rms(s.w0(x) + r, s.g)))
     same(got, want)
-    assert report.count() == 0 and "internal error while deciding" in str(report)
+    assert report.count() == 0 and codes(report) == {"internal_error"}
     assert [r.kind.name for r in _no_pass_bugs] == ["INTERNAL_ERROR"]

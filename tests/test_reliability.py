@@ -117,7 +117,7 @@ def test_a_shift_the_algebra_does_not_cover_is_refused():
     assert torch.equal(got, want)
     (rec,) = report.records
     assert rec.status == "rejected" and rec.kind is RejectionKind.CONDITION
-    assert "sits between the norm and the GEMM" in rec.reason
+    assert rec.code == "row_scale.op_between", str(report)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -127,7 +127,7 @@ def test_a_narrowing_round_trip_in_an_fp32_model_is_refused(dtype):
     report, got, want, *_ = _step(model, torch.randn(2, 5, D, requires_grad=True))
     assert torch.equal(got, want)  # left exactly as eager: 1.7e-3 off before the fix
     (rec,) = report.records
-    assert rec.kind is RejectionKind.CONDITION and "(d)" in rec.reason
+    assert rec.kind is RejectionKind.CONDITION and rec.code == "row_scale.narrowing_cast"
 
 
 def test_a_cast_to_the_gemm_dtype_in_a_bf16_model_is_still_rewritten():
@@ -157,7 +157,7 @@ def test_a_replay_that_cannot_run_refuses_the_rewrite():
     assert torch.equal(fast(x, rows), model(x, rows))
     (rec,) = fast.report.records
     assert rec.kind is RejectionKind.WITNESS_UNAVAILABLE, str(fast.report)
-    assert "not applied without it" in rec.reason
+    assert rec.code == "witness.unavailable"
 
 
 def test_inputs_eager_rejects_are_still_rejected():
@@ -172,7 +172,7 @@ def test_inputs_eager_rejects_are_still_rejected():
         fast(inputs_embeds=emb)
     assert str(ours.value).splitlines()[0] == str(eager.value).splitlines()[0]
     (rec,) = fast.report.records
-    assert rec.pattern == "graph" and "eager raises there" in rec.reason
+    assert rec.pattern == "graph" and rec.code == "graph.eager_raises"
     # the same model on bf16 inputs is rewritten as usual
     with torch.no_grad():
         fast(inputs_embeds=emb.to(torch.bfloat16))

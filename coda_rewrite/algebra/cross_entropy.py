@@ -20,12 +20,12 @@ import torch
 
 from ..canonical import meta
 from ..capture import describe
+from ..codegen import layouts
+from ..graph_utils import mutated_value
 from ..numerics import rel_err
 from . import statements
-from .decision import Decision, Proof, Rejection
-from ..graph_utils import mutated_value
+from .decision import Decision, Proof, Rejection, Why
 from .witness import _size, eval_nodes, exact, guarded, verdict
-from ..codegen import layouts
 
 
 def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
@@ -34,16 +34,19 @@ def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
     for node, nxt in zip(nodes, [*m.chain, m.ce]):
         others = [u for u in node.users if u is not nxt and node is not m.proj.out]
         if others:
-            return held, (f"{describe(node)} is also read by "
-                          f"{', '.join(describe(u) for u in others)}")
+            return held, Why(f"{describe(node)} is also read by "
+                             f"{', '.join(describe(u) for u in others)}",
+                             "cross_entropy.chain_read")
     for reader in m.logits_readers:
         if mutated_value(reader) is m.proj.out:
-            return held, f"{describe(reader)} updates the logits in place"
+            return held, Why(f"{describe(reader)} updates the logits in place",
+                             "cross_entropy.in_place")
     order = {n: i for i, n in enumerate(m.ce.graph.nodes)}
     early = [r for r in m.logits_readers if order[r] < order[m.ce]]
     if early:
-        return held, (f"the logits are read before the loss ({describe(early[0])}); the "
-                      "fused GEMM would run after that reader")
+        return held, Why(f"the logits are read before the loss ({describe(early[0])}); the "
+                         "fused GEMM would run after that reader",
+                         "cross_entropy.read_before_loss")
     held.append("between the GEMM and the loss: " + (", ".join(
         describe(n) for n in m.chain) or "nothing") + " (views, upcasts, a row slice)")
     if m.row_slice is not None:

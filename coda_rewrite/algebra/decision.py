@@ -42,11 +42,35 @@ class Proof:
         return "\n".join(out)
 
 
+class Why(str):
+    """A reason as text for the report, with a stable code for programs and tests:
+    ``"<family>.<condition>"`` (``"row_scale.feature_index"``, ``"rope.unrotated_read"``,
+    ``"mask.window"``), ``"witness.unavailable"`` / ``"witness.disagrees"``, and the
+    pipeline's own ``"disabled"``, ``"internal_error"``, ``"not_placeable"``,
+    ``"graph.eager_raises"``. Code reads the code, never the words."""
+    code: str
+
+    def __new__(cls, text: str, code: str) -> "Why":
+        why = super().__new__(cls, text)
+        why.code = code
+        return why
+
+
+def code_of(reason) -> str:
+    """The code of a reason (a Why), or "" for plain text."""
+    return getattr(reason, "code", "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rejection:
-    condition: str   # the side condition that does not hold
+    condition: str   # the side condition that does not hold (a Why carries its code)
     where: str       # node and model path
     kind: RejectionKind = RejectionKind.CONDITION
+    code: str = ""   # the condition's stable code; default: the condition's own
+
+    def __post_init__(self):
+        if not self.code:
+            object.__setattr__(self, "code", code_of(self.condition))
 
     accepted = False
 

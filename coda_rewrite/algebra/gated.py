@@ -21,12 +21,12 @@ import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
-from ..numerics import rel_err
-from ..graph_utils import same_value
-from . import statements
-from .decision import Decision, Proof, Rejection
-from .witness import _size, eval_nodes, exact, guarded, verdict
 from ..codegen import layouts
+from ..graph_utils import same_value
+from ..numerics import rel_err
+from . import statements
+from .decision import Decision, Proof, Rejection, Why
+from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
 def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
@@ -40,8 +40,9 @@ def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
             node = users[0]
             continue
         others = [u for u in users if u is not reader]
-        return (f"{describe(node)} is also read by {', '.join(describe(u) for u in others)}: "
-                "the fused GEMM never writes it")
+        return Why(
+                f"{describe(node)} is also read by {', '.join(describe(u) for u in others)}: "
+                "the fused GEMM never writes it", "gated.intermediate_read")
 
 
 def side_conditions(m) -> tuple[list[str], str | None]:
@@ -55,23 +56,26 @@ def side_conditions(m) -> tuple[list[str], str | None]:
             if why:
                 return held, why
         if set(chunk.users) != {m.gate_value, m.up_value}:
-            return held, f"{describe(chunk)} has readers besides its two halves"
+            return held, Why(f"{describe(chunk)} has readers besides its two halves",
+                             "gated.chunk_read")
         if meta(g.out).shape[-1] % 2:
-            return held, "the packed projection has an odd number of output features"
+            return held, Why("the packed projection has an odd number of output features",
+                             "gated.odd_packed")
         held.append("gate and up are the two halves of one projection: same input, same "
                     "row scale")
         gate_v, up_v = m.gate_value, m.up_value
     else:
         if g.out is u.out:
-            return held, "gate and up are the same GEMM output"
+            return held, Why("gate and up are the same GEMM output", "gated.same_output")
         if not same_value(g.x, u.x):
-            return held, (f"gate and up read different inputs ({describe(g.x)} vs "
-                          f"{describe(u.x)})")
+            return held, Why(f"gate and up read different inputs ({describe(g.x)} vs "
+                             f"{describe(u.x)})", "gated.different_inputs")
         if (g.r is None) != (u.r is None) or (g.r is not None and not same_value(g.r, u.r)):
-            return held, ("gate and up carry different deferred row scales (the scale "
-                          "precedes the activation: a pair needs one)")
+            return held, Why("gate and up carry different deferred row scales (the scale "
+                             "precedes the activation: a pair needs one)",
+                             "gated.different_row_scales")
         if tuple(meta(g.out).shape) != tuple(meta(u.out).shape):
-            return held, "gate and up outputs differ in shape"
+            return held, Why("gate and up outputs differ in shape", "gated.shapes")
         held.append(f"gate and up read the same input {describe(g.x)}"
                     + (f" and row scale {describe(g.r)}" if g.r is not None else ""))
         for v, reader in ((g.out, m.act), (u.out, m.mul)):
@@ -81,7 +85,7 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         for p in (g, u):  # the rowscale call behind a getitem: read by that getitem only
             for n in p.nodes[1:]:
                 if len(n.users) != 1:
-                    return held, f"{describe(n)} has other readers"
+                    return held, Why(f"{describe(n)} has other readers", "gated.call_read")
         gate_v, up_v = g.out, u.out
     why = _only_reader(m.act, m.mul)
     if why:
@@ -89,10 +93,10 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     held.append("gate, up and act(gate) are read only by the gated product")
     dtypes = {meta(n).dtype for n in (gate_v, up_v, m.act, m.mul)}
     if len(dtypes) != 1:
-        return held, (f"gate, up, act(gate) and the product differ in dtype "
-                      f"({sorted(map(str, dtypes))}): a cast between them")
+        return held, Why(f"gate, up, act(gate) and the product differ in dtype "
+                         f"({sorted(map(str, dtypes))}): a cast between them", "gated.dtypes")
     if tuple(meta(m.mul).shape) != tuple(meta(gate_v).shape):
-        return held, "the product broadcasts gate against up"
+        return held, Why("the product broadcasts gate against up", "gated.broadcast")
     held.append(f"one dtype throughout ({dtypes.pop()})")
     return held, None
 

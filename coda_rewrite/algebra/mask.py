@@ -179,29 +179,30 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
         m = interp.value(mask)
     except NotAMask as e:
         return Rejection(f"the attention mask is not a pure position comparison: {e}",
-                         describe(mask))
+                         describe(mask), code="mask.not_positional")
     except (TypeError, ValueError, AttributeError) as e:  # sympy refusing a construct
-        return Rejection(f"the mask prover could not model this mask ({e})", describe(mask))
+        return Rejection(f"the mask prover could not model this mask ({e})", describe(mask),
+                         code="mask.unmodelled")
     if len(m.dims) < 2 or m.dims[-1] is None or m.dims[-2] is None:
         return Rejection("the mask does not vary along both query and key positions",
-                         describe(mask))
+                         describe(mask), code="mask.not_2d")
     qs, ks = m.dims[-2], m.dims[-1]
     if any(d is not None for d in m.dims[:-2]):
         return Rejection("the mask depends on the batch or head (a padding mask): kept",
-                         describe(mask))
+                         describe(mask), code="mask.padding")
     if m.expr.atoms(sp.core.function.AppliedUndef):
         return Rejection("the mask reads a tensor whose values are not known at compile "
-                         "time (a padding mask): kept", describe(mask))
+                         "time (a padding mask): kept", describe(mask), code="mask.padding")
     if _size(q_len) != _size(kv_len) or interp.ranges[qs] != interp.ranges[ks]:
         return Rejection(f"q_len {q_len} ≠ kv_len {kv_len} (decoding with a cache): "
                          "is_causal would align the mask top-left, the cache needs "
-                         "bottom-right", describe(mask))
+                         "bottom-right", describe(mask), code="mask.cache_offset")
     n = interp.ranges[qs]
     terms = sp.And.make_args(m.expr)
     causal = [t for t in terms if _equivalent(t, sp.Le(ks, qs))]
     if not causal:
         return Rejection(f"the mask {sp.sstr(m.expr)} has no k ≤ q term: not causal",
-                         describe(mask))
+                         describe(mask), code="mask.not_causal")
     vertices = [{qs: 0, ks: 0}, {qs: n - 1, ks: 0}, {qs: n - 1, ks: n - 1}]
     steps = [f"mask[q, k] = {sp.sstr(m.expr)} with q, k ∈ [0, {n})"]
     for t in terms:
@@ -209,12 +210,12 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
             continue
         if not isinstance(t, sp.core.relational.Relational) or not _linear(t, qs, ks):
             return Rejection(f"mask term {sp.sstr(t)} is not a linear position comparison",
-                             describe(mask))
+                             describe(mask), code="mask.nonlinear_term")
         at = [sp.simplify(t.subs(v)) for v in vertices]
         if not all(x is sp.true for x in at):
             return Rejection(f"mask term {sp.sstr(t)} cuts into the causal triangle "
                              f"(at its vertices: {at}): a sliding window shorter than the "
-                             "sequence, kept", describe(mask))
+                             "sequence, kept", describe(mask), code="mask.window")
         steps.append(f"{sp.sstr(t)} holds at the causal triangle's vertices (0,0), "
                      f"({n}-1,0), ({n}-1,{n}-1), so on all of it (a linear inequality)")
     return Proof("mask[q, k] ⟺ k ≤ q on [0, n)², n = q_len = kv_len: SDPA's is_causal",

@@ -33,12 +33,12 @@ import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
+from ..codegen import layouts
+from ..graph_utils import MATMUL, mutated_value
 from ..numerics import rel_err
 from . import statements
-from .decision import Decision, Proof, Rejection
-from ..graph_utils import MATMUL, mutated_value
+from .decision import Decision, Proof, Rejection, Why
 from .witness import _size, exact, guarded, verdict
-from ..codegen import layouts
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention,
          torch.nn.functional.scaled_dot_product_attention}
@@ -194,24 +194,29 @@ def side_conditions(m) -> tuple[list[str], str | None]:
 def _side_conditions(m, held) -> str | None:
     shapes = {(r.head_dim, r.rotary_dim) for r in m.rotated}
     if len(shapes) != 1:
-        return "q and k differ in head_dim or rotary_dim (one permutation for both)"
+        return Why("q and k differ in head_dim or rotary_dim (one permutation for both)",
+                   "rope.head_shapes")
     head_dim, rotary_dim = shapes.pop()
     if rotary_dim % 2 or rotary_dim > head_dim:
-        return f"rotary_dim {rotary_dim} is odd or exceeds head_dim {head_dim}"
+        return Why(f"rotary_dim {rotary_dim} is odd or exceeds head_dim {head_dim}",
+                   "rope.rotary_dim")
     x = meta(m.proj.x)
     if m.form == "pairs":
         mt = meta(m.table)
         if mt.requires_grad:
-            return f"the table {describe(m.table)} requires grad"
+            return Why(f"the table {describe(m.table)} requires grad",
+                       "rope.angle_requires_grad")
         if x is None or x.dim() != 3 or mt.shape[-2] != x.shape[1] or \
                 (mt.dim() == 3 and mt.shape[0] not in (1, x.shape[0])):
-            return "the GEMM input is not [batch, seq, hidden] matching the table"
+            return Why("the GEMM input is not [batch, seq, hidden] matching the table",
+                       "rope.input_shape")
         held.append(f"q and k rotate adjacent pairs by the complex table {describe(m.table)}")
     elif m.angle_source == "table":
         mc = meta(m.angle.cos)
         if x is None or x.dim() != 3 or mc.shape[1] != x.shape[1] or \
                 mc.shape[0] not in (1, x.shape[0]):
-            return "the GEMM input is not [batch, seq, hidden] matching the cos/sin tables"
+            return Why("the GEMM input is not [batch, seq, hidden] matching the cos/sin tables",
+                       "rope.input_shape")
         held.append(f"cos/sin read as tables ({describe(m.angle.cos)}, "
                     f"{describe(m.angle.sin)}): {m.angle.why_table}")
         held.append("their halves agree (cat(θ, θ), as Hugging Face builds them): not visible "
@@ -221,11 +226,12 @@ def _side_conditions(m, held) -> str | None:
         angle = m.angle
         n_freq = meta(angle.inv_freq).shape[1]
         if 2 * n_freq != rotary_dim:
-            return (f"{n_freq} frequencies for a rotary_dim of {rotary_dim}")
+            return Why(f"{n_freq} frequencies for a rotary_dim of {rotary_dim}",
+                       "rope.frequency_count")
         for node in (angle.inv_freq, angle.pos):
             if meta(node).requires_grad:
-                return (f"{describe(node)} requires grad (positions and frequencies "
-                              "are data)")
+                return Why(f"{describe(node)} requires grad (positions and frequencies "
+                           "are data)", "rope.angle_requires_grad")
         held.append(f"the angle is pos ⊗ inv_freq ({describe(angle.pos)}, "
                     f"{describe(angle.inv_freq)}), cos/sin of cat(θ, θ)"
                     + ("" if not m.scaled else ", scaled by " + (
@@ -234,26 +240,29 @@ def _side_conditions(m, held) -> str | None:
         mp = meta(angle.pos)
         if x is None or x.dim() != 3 or mp.shape[-1] != x.shape[1] or \
                 mp.shape[0] not in (1, x.shape[0]):
-            return "the GEMM input is not [batch, seq, hidden] matching the positions"
+            return Why("the GEMM input is not [batch, seq, hidden] matching the positions",
+                       "rope.input_shape")
     private = set(_private(m))
     for r in m.rotated:
         if r.columns[1] - r.columns[0] != r.n_heads * r.head_dim:
-            return f"{describe(r.column_node)} is not the {r.n_heads} heads it splits"
+            return Why(f"{describe(r.column_node)} is not the {r.n_heads} heads it splits",
+                       "rope.head_split")
     inside = private | {r.out for r in m.rotated}
     for n in private:
         outside = [u for u in n.users if u not in inside]
         if outside:
-            return (f"{describe(n)} is also read by {describe(outside[0])}: the fused "
-                          "GEMM writes only the rotated values")
+            return Why(f"{describe(n)} is also read by {describe(outside[0])}: the fused "
+                       "GEMM writes only the rotated values", "rope.unrotated_read")
     dtypes = {meta(r.out).dtype for r in m.rotated}
     if len(dtypes) != 1:
-        return "q and k are rotated into different dtypes"
+        return Why("q and k are rotated into different dtypes", "rope.dtypes")
     held.append("the unrotated q and k are read only by their rotation")
     for proj in {s.proj.out: s.proj for s in m.segments}.values():
         covered = sorted([s.columns for s in m.segments if s.proj.out is proj.out] +
                          [s.columns for s in m.remainders if s.proj.out is proj.out])
         if _tiling(covered, meta(proj.out).shape[-1]) is None:
-            return f"the slices of {describe(proj.out)} do not cover it exactly once"
+            return Why(f"the slices of {describe(proj.out)} do not cover it exactly once",
+                       "rope.packed_cover")
     if m.remainders:
         held.append("the rest of the packed projection (" + ", ".join(
             describe(s.column_node) for s in m.remainders) + ") gets a GEMM of its own")
@@ -290,8 +299,9 @@ def decide(m, program) -> Decision:
     for n in region.nodes:  # an in-place update would land in the permuted order
         for u in n.users:
             if mutated_value(u) is n:
-                return Rejection(f"{describe(n)} is updated in place by {describe(u)} (a "
-                                 "permuted value must only be read)", m.path)
+                return Rejection(Why(f"{describe(n)} is updated in place by {describe(u)} "
+                                     "(a permuted value must only be read)",
+                                     "rope.permuted_in_place"), m.path)
     interleave = statements.prove_rope_interleave()
     invariance = statements.prove_permutation_invariance()
     facts = statements.prove_rotation_facts()

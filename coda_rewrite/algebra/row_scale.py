@@ -32,14 +32,13 @@ import torch.fx as fx
 
 from ..canonical import canon, meta
 from ..capture import describe
+from ..codegen import layouts, reference
 from ..graph_utils import aliases, mutated_value
-from ..codegen import reference
 from ..numerics import rel_err
 from . import statements
 from . import witness as witness_mod
-from .decision import Decision, Proof, Rejection, RejectionKind
+from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
 from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailable
-from ..codegen import layouts
 
 
 # ---- side condition (b): ops between the norm and its GEMM ----------------------------
@@ -83,7 +82,8 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
     name = _name(node)
     ms, out = meta(src), meta(node)
     if ms is None or out is None:
-        return "reject", f"{describe(node)} does not produce a tensor"
+        return "reject", Why(f"{describe(node)} does not produce a tensor",
+                             "row_scale.not_a_tensor")
     if name == "cast":
         return "cast", ""
     if name in _IDENTITY and len(node.args) == 1:
@@ -91,15 +91,17 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
     if name == "getitem":
         if index_keeps_last_dim(node.args[1], ms.dim()):
             return "index", ""
-        return "reject", (f"{describe(node)} indexes the feature dim: the GEMM would "
-                          "no longer contract over the normalised features")
+        return "reject", Why(f"{describe(node)} indexes the feature dim: the GEMM would "
+                             "no longer contract over the normalised features",
+                             "row_scale.feature_index")
     if name in _ROW_PERMUTES:
         dims = node.args[2] if name == "roll" and len(node.args) > 2 else \
             node.kwargs.get("dims") if name == "roll" else \
             node.args[1] if len(node.args) > 1 else node.kwargs.get("dims", node.kwargs.get("dim"))
         if dims is not None and _dims_avoid_last(dims, ms.dim()):
             return "permute", ""
-        return "reject", f"{describe(node)} ({name}) moves values across the feature dim"
+        return "reject", Why(f"{describe(node)} ({name}) moves values across the feature dim",
+                             "row_scale.feature_permute")
     if name in _VIEWLIKE and out.dim() >= 1 and out.shape[-1] == d and ms.shape[-1] == d:
         return "reshape", ""
     if name in ("mul", "add", "sub") and out.shape == ms.shape:
@@ -107,10 +109,11 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
         if _per_feature(other, d) and not (name == "sub" and node.args[1] is src):
             return ("scale" if name == "mul" else "shift"), ""
         if name == "mul" and (meta(other) is not None and meta(other).shape[-1] == 1):
-            return "reject", (f"{describe(node)} multiplies by a per-row value: it would "
-                              "have to be deferred too (not established)")
-    return "reject", (f"{describe(node)} ({name}) sits between the norm and the GEMM: "
-                      "r·f(h) = f(r·h) is not established for it")
+            return "reject", Why(f"{describe(node)} multiplies by a per-row value: it would "
+                                 "have to be deferred too (not established)",
+                                 "row_scale.per_row_factor")
+    return "reject", Why(f"{describe(node)} ({name}) sits between the norm and the GEMM: "
+                         "r·f(h) = f(r·h) is not established for it", "row_scale.op_between")
 
 
 def chain_kinds(consumer, norm) -> list[tuple[str, str]]:
@@ -216,9 +219,11 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     for node in graph.nodes:
         target = mutated_value(node)
         if target is not None and target in watched:
-            return Rejection(
-                f"(c) {describe(node)} updates {target.name} in place; the deferred rstd "
-                "would be computed from the value before that update", describe(node)), {}
+            return Rejection(Why(
+                    f"(c) {describe(node)} updates {target.name} in place; the deferred rstd "
+                    "would be computed from the value before that update",
+                    "row_scale.in_place"),
+                describe(node)), {}
 
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
@@ -226,16 +231,20 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         bad = next((why for kind, why in kinds if kind == "reject"), None)
         mx = meta(c.chain[-1] if c.chain else norm.output)
         if bad is None and (mx is None or mx.shape[-1] != norm.dim):
-            bad = f"{describe(c.linear)} does not contract over the {norm.dim} normalised features"
+            bad = Why(f"{describe(c.linear)} does not contract over the {norm.dim} "
+                      "normalised features", "row_scale.contraction")
         if bad is not None:
-            per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear))
+            per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear),
+                                               code=code_of(bad))
             continue
         rounding = narrowing_cast(c, norm)
         if rounding is not None:
-            per_consumer[c.linear] = Rejection(
-                f"(d) {describe(rounding)} rounds to {meta(rounding).dtype} inside the "
-                f"region of a {meta(c.linear).dtype} GEMM: the row scale would move across "
-                "that rounding (not within the numerics policy)", describe(c.linear))
+            per_consumer[c.linear] = Rejection(Why(
+                    f"(d) {describe(rounding)} rounds to {meta(rounding).dtype} inside the "
+                    f"region of a {meta(c.linear).dtype} GEMM: the row scale would move across "
+                    "that rounding (not within the numerics policy)",
+                    "row_scale.narrowing_cast"),
+                describe(c.linear))
             continue
         via = ", ".join(f"{n.name}: {k}" for n, (k, _) in zip(c.chain, kinds))
         used = {k for k, _ in kinds}
@@ -255,7 +264,7 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     if not accepted:
         first = next(iter(per_consumer.values()))
         return Rejection("no consumer GEMM can take the deferred row scale: "
-                         + first.condition, first.where), per_consumer
+                         + first.condition, first.where, code=first.code), per_consumer
     statement = "(diag(r)·H)·Wᵀ = diag(r)·(H·Wᵀ),  r[i] = rsqrt(mean_j z[i, j]² + eps)"
     assumptions = (
         f"(a) the mean of squares runs over the last dim ({norm.dim} features) with "
@@ -402,6 +411,6 @@ def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
     if not all(e <= tol for e in errs):  # NaN fails too
         return Rejection(f"checker bug: the float64 witness disagrees ({shown}; tol {tol:g}); "
                          "the rewrite is not applied", match.path,
-                         RejectionKind.WITNESS_DISAGREES)
+                         RejectionKind.WITNESS_DISAGREES, "witness.disagrees")
     how = "in the graph's dtypes" if native else "in float64"
     return f"replay {how} on rows {lead}: rel. error {shown} (tol {tol:g})"

@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from ..canonical import meta
+from ..codegen import layouts
 from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
 from .decision import Rejection, RejectionKind
-from ..codegen import layouts
 
 _MAX_ELEMS = 1 << 16
 
@@ -107,7 +107,7 @@ def eval_nodes(nodes, env: dict) -> None:
 def unavailable(why: str, path: str) -> Rejection:
     """The witness could not run: the rewrite is refused (fail closed)."""
     return Rejection(f"the float64 witness could not run ({why}); not applied without it",
-                     path, RejectionKind.WITNESS_UNAVAILABLE)
+                     path, RejectionKind.WITNESS_UNAVAILABLE, "witness.unavailable")
 
 
 def guarded(replay, match) -> str | Rejection:
@@ -127,7 +127,7 @@ def verdict(err: float, what: str, path: str, tol: float = 1e-6) -> str | Reject
     if not err <= tol:  # NaN fails too
         return Rejection(f"checker bug: the float64 witness disagrees ({err:.1e}; tol "
                          f"{tol:g}); the rewrite is not applied", path,
-                         RejectionKind.WITNESS_DISAGREES)
+                         RejectionKind.WITNESS_DISAGREES, "witness.disagrees")
     return f"replay in float64 on {what}: rel. error {err:.1e} (tol {tol:g})"
 
 

@@ -23,8 +23,8 @@ import threading
 
 import torch
 
-from ..codegen.program import Kind, parse
 from ..codegen import layouts, reference
+from ..codegen.program import Kind, parse
 from ..graph_utils import FUSED_LINEAR_MARK
 from . import backward, quack_path
 

@@ -32,8 +32,8 @@ import collections
 
 import torch
 
-from . import ops, versioned
 from ..codegen import layouts
+from . import ops, versioned
 
 # kind -> the re-layout function (the spec's decoded layout, then the sources)
 _KINDS = {

@@ -128,11 +128,14 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
         mask = a.get("attn_mask")
         kb, vb = repeat_kv_base(k), repeat_kv_base(v)
         if a.get("enable_gqa"):
-            gqa = Rejection("SDPA already uses enable_gqa", describe(n))
+            gqa = Rejection("SDPA already uses enable_gqa", describe(n),
+                            code="attention.gqa_already")
         elif kb is None or vb is None:
-            gqa = Rejection("key/value are not repeat_kv of fewer heads", describe(n))
+            gqa = Rejection("key/value are not repeat_kv of fewer heads", describe(n),
+                            code="attention.not_repeat_kv")
         elif _heads(kb) != _heads(vb) or meta(q).shape[1] % _heads(kb) != 0:
-            gqa = Rejection("key and value head counts disagree", describe(n))
+            gqa = Rejection("key and value head counts disagree", describe(n),
+                            code="attention.kv_heads")
         else:
             n_rep = meta(q).shape[1] // _heads(kb)
             gqa = Proof("SDPA(q, repeat_kv(k), repeat_kv(v)) = SDPA(q, k, v, enable_gqa=True)",
@@ -144,7 +147,8 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
         causal = None
         if isinstance(mask, fx.Node):
             if a.get("is_causal"):
-                causal = Rejection("SDPA got both a mask and is_causal", describe(n))
+                causal = Rejection("SDPA got both a mask and is_causal", describe(n),
+                                   code="attention.mask_and_causal")
             else:
                 causal = mask_prover.prove_causal(mask, meta(q).shape[-2], meta(k).shape[-2])
         out.append(AttentionMatch(n, q, k, v, kb, vb, mask, gqa, causal))
@@ -165,8 +169,9 @@ def decide(m: AttentionMatch, context: Context) -> Decided:
     match is applied when one of them holds; what does not hold is kept and said."""
     notes = describe_match(m)["notes"]
     if not m.changes:
-        why = "; ".join(d.condition for _, d in notes if not d.accepted)
-        return Decided(None, None, Rejection(why, m.path))
+        failed = [d for _, d in notes if not d.accepted]
+        why = "; ".join(d.condition for d in failed)
+        return Decided(None, None, Rejection(why, m.path, code=failed[0].code))
     kept = "; ".join(f"{label} kept: {d.condition}" for label, d in notes if not d.accepted)
     return Decided(None, m, None, {"reason": kept})
 

@@ -36,15 +36,16 @@ import torch.nn.functional as F
 
 from .. import patterns
 from ..algebra import cross_entropy as ce_algebra
+from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
+from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
+from ..codegen.reference import dtype_name
 from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, results
 from ..kernels import ops
-from ..codegen.reference import dtype_name
 from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
-from ..codegen import layouts
 
 NAME = "lm_head_cross_entropy"
 
@@ -94,20 +95,24 @@ def _match(ce: fx.Node) -> Match | NoMatch:
     a = _ce_args(ce)
     for name, default in (("weight", None), ("size_average", None), ("reduce", None)):
         if a.get(name, default) is not None:
-            return NoMatch(ce, f"cross_entropy with {name}= (class weights or legacy "
-                           "reduction flags) is not in the epilogue")
+            return NoMatch(ce, Why(f"cross_entropy with {name}= (class weights or legacy "
+                                   "reduction flags) is not in the epilogue",
+                                   "cross_entropy.class_weights"))
     if a.get("label_smoothing", 0.0) not in (0, 0.0):
-        return NoMatch(ce, "label smoothing is not in the epilogue")
+        return NoMatch(ce, Why("label smoothing is not in the epilogue",
+                               "cross_entropy.label_smoothing"))
     reduction = a.get("reduction", "mean")
     ignore_index = a.get("ignore_index", -100)
     x, target = a.get("input"), a.get("target")
     if not isinstance(x, fx.Node) or not isinstance(target, fx.Node) or \
             not isinstance(ignore_index, int) or reduction not in ("mean", "sum", "none"):
-        return NoMatch(ce, "cross_entropy arguments not understood")
+        return NoMatch(ce, Why("cross_entropy arguments not understood",
+                               "cross_entropy.arguments"))
     mx, mt = meta(x), meta(target)
     if mx is None or mt is None or mx.dim() != 2 or mt.dim() != 1 or mt.is_floating_point():
-        return NoMatch(ce, "cross_entropy on other than [N, V] logits and [N] class indices "
-                       "(probabilities as targets, or unflattened logits)")
+        return NoMatch(ce, Why(
+                "cross_entropy on other than [N, V] logits and [N] class indices "
+                "(probabilities as targets, or unflattened logits)", "cross_entropy.shapes"))
     chain, node, row_slice = [], x, None
     while True:
         proj = projection_of(node)
@@ -118,7 +123,8 @@ def _match(ce: fx.Node) -> Match | NoMatch:
             return NoMatch(ce, step)
         if step[1] is not None:
             if row_slice is not None:
-                return NoMatch(ce, "two row selections between the logits and the loss")
+                return NoMatch(ce, Why("two row selections between the logits and the loss",
+                                       "cross_entropy.two_row_selections"))
             row_slice = step[1]
         chain.append(node)
         node = step[0]
@@ -137,7 +143,8 @@ def _chain_step(node: fx.Node):
         src, dst = meta(node.args[0]), meta(node)
         if src is None or not dst.is_floating_point() or \
                 torch.finfo(dst.dtype).bits < torch.finfo(src.dtype).bits:
-            return f"a downcast of the logits ({describe_dtype(node)}) before the loss"
+            return Why(f"a downcast of the logits ({describe_dtype(node)}) before the loss",
+                       "cross_entropy.downcast")
         return node.args[0], None
     if c is not None and c.name == "contiguous":
         return node.args[0], None
@@ -146,15 +153,15 @@ def _chain_step(node: fx.Node):
         if meta(src) is not None and meta(node) is not None and \
                 meta(src).shape[-1] == meta(node).shape[-1]:
             return src, None
-        return "a reshape that mixes the class dim with the rows"
+        return Why("a reshape that mixes the class dim with the rows", "cross_entropy.reshape")
     if node.op == "call_function" and node.target is operator.getitem:
         rows = _row_slice(node)
         if rows is not None:
             return node.args[0], rows
-        return "an index of the logits other than a slice of rows"
+        return Why("an index of the logits other than a slice of rows", "cross_entropy.index")
     what = canon(node).name if canon(node) is not None else str(node.target)
-    return (f"{what} between the logits GEMM and the loss (e.g. logit soft-capping or a "
-            "temperature) is not in the epilogue")
+    return Why(f"{what} between the logits GEMM and the loss (e.g. logit soft-capping or a "
+               "temperature) is not in the epilogue", "cross_entropy.op_before_loss")
 
 
 def describe_dtype(node):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
 
 import torch.fx as fx
 
-from ..algebra.decision import Decision, Rejection
+from ..algebra.decision import Decision, Rejection, code_of
 from ..capture import model_path
 
 if TYPE_CHECKING:
@@ -37,12 +37,16 @@ class NoMatch:
     """A candidate a pattern could not use, and why (for the report). Each pattern
     module subclasses it to set ``pattern``."""
     node: fx.Node
-    reason: str
+    reason: str                    # a Why carries its code
     pattern: ClassVar[str] = ""
 
     @property
     def path(self) -> str:
         return model_path(self.node)
+
+    @property
+    def code(self) -> str:
+        return code_of(self.reason)
 
 
 @dataclasses.dataclass

@@ -37,12 +37,13 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import gated as gated_algebra
+from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
+from ..codegen.reference import dtype_name
 from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, fused_linear_call, results,
                            through_casts)
-from ..codegen.reference import dtype_name
 from .family import Context, Decided
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
@@ -109,7 +110,7 @@ def activation_of(node: fx.Node) -> tuple[str, fx.Node] | str | None:
             return "geglu", gate
         if approx == "none":
             return "geglu_erf", gate
-        return f"gelu(approximate={approx!r}) has no epilogue op"
+        return Why(f"gelu(approximate={approx!r}) has no epilogue op", "gated.activation")
     return None
 
 
@@ -161,9 +162,10 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
             gate, cast_before = through_casts(a[1])
             if cast_after or cast_before:
                 if projection_of(gate) is not None:
-                    found = found or NoMatch(node, (
-                        "a cast changes the dtype between the gate GEMM, its activation and "
-                        "the product: the fused epilogue would skip that rounding"))
+                    found = found or NoMatch(node, Why(
+                            "a cast changes the dtype between the gate GEMM, its activation and "
+                            "the product: the fused epilogue would skip that rounding",
+                            "gated.cast_between"))
                 continue
             up, cast_up = through_casts(up)
             if cast_up:
@@ -182,10 +184,12 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
     half_g, half_u = chunk_half(gate_v), chunk_half(up_v)
     if half_g is not None or half_u is not None:
         if half_g is None or half_u is None or half_g[0] is not half_u[0]:
-            return NoMatch(mul, "gate and up are not the two halves of one packed projection")
+            return NoMatch(mul, Why(
+                    "gate and up are not the two halves of one packed projection",
+                    "gated.not_halves"))
         if (half_g[1], half_u[1]) != (0, 1):
-            return NoMatch(mul, "packed projection with the up half first (the epilogue's "
-                           "interleave expects [gate; up])")
+            return NoMatch(mul, Why("packed projection with the up half first (the epilogue's "
+                                    "interleave expects [gate; up])", "gated.up_first"))
         chunk = half_g[0]
         proj = projection_of(chunk.args[0])
         if proj is None:
@@ -197,8 +201,9 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
         if g is None and u is None:
             return None
         which = "gate" if g is None else "up"
-        return NoMatch(mul, f"the {which} operand {describe(gate_v if g is None else up_v)} "
-                       "is not a GEMM output")
+        return NoMatch(mul, Why(
+                f"the {which} operand {describe(gate_v if g is None else up_v)} "
+                "is not a GEMM output", "gated.not_a_gemm"))
     return Match(mul, act, op, g, u, False)
 
 

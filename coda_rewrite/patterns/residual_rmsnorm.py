@@ -37,16 +37,17 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import row_scale
+from ..algebra.decision import Why
 from ..canonical import canon, meta
-from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from ..capture import describe, model_path
+from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
+from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
                            same_meta)
 from ..kernels import ops
-from ..codegen.reference import dtype_name
+from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from .family import Context, Decided
-from ..codegen import layouts
 
 NAME = "residual_rmsnorm_gemm"
 _CHAIN_DEPTH = 4
@@ -98,8 +99,10 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         consumers, others = _consumers(norm.output)
         if not consumers:
             what = ", ".join(describe(n) for n in others) or "nothing"
-            results.append(NoMatch(norm.output, "no GEMM reads the normalised value "
-                                   f"(read by {what}): nothing to defer the row scale into"))
+            results.append(NoMatch(norm.output, Why(
+                    "no GEMM reads the normalised value "
+                    f"(read by {what}): nothing to defer the row scale into",
+                    "row_scale.no_consumer_gemm")))
             continue
         producer, note = _producer(norm)
         results.append(Match(norm, producer, note, consumers, others))

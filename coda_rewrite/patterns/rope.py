@@ -60,19 +60,19 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import rope as rope_algebra
-from ..algebra.decision import Rejection
+from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta, runtime_scalar
 from ..capture import describe, model_path
+from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
+from ..codegen.reference import dtype_name
 from ..graph_utils import (MATMUL, chunk_half, copy_meta, erase_if_dead, fused_linear_call,
                            hoist_before, results, same_meta, same_value, shared_call,
                            through_casts)
 from ..kernels import ops, versioned
-from ..codegen.reference import dtype_name
 from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
-from ..codegen import layouts
 
 NAME = "rope"
 
@@ -313,11 +313,14 @@ def angle_of(cos_t, sin_t) -> Angle | NoAngle:
             return NoAngle(t, True)
     (emb_c, cnode, sc_c), (emb_s, snode, sc_s) = c, s
     if not (_is(cnode, _COS) and _is(snode, _SIN)):
-        return NoAngle("the cos and sin tables are swapped or not cos/sin", False)
+        return NoAngle(Why("the cos and sin tables are swapped or not cos/sin",
+                           "rope.cos_sin_swapped"), False)
     if emb_c is not emb_s:
-        return NoAngle("cos and sin are taken of different angle tables", False)
+        return NoAngle(Why("cos and sin are taken of different angle tables",
+                           "rope.different_angles"), False)
     if not same_value(sc_c, sc_s):
-        return NoAngle("cos and sin carry different scales", False)
+        return NoAngle(Why("cos and sin carry different scales",
+                           "rope.different_scales"), False)
     halves = _cat_last(emb_c)
     if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
         return NoAngle(f"the angle table {describe(emb_c)} is not cat(θ, θ) (the pairing of "
@@ -336,9 +339,10 @@ def table_angle(cos_t, sin_t, why: str) -> Angle | str:
     mc, ms = meta(cos_t), meta(sin_t)
     if mc is None or ms is None or mc.dim() != 3 or tuple(mc.shape) != tuple(ms.shape) \
             or not mc.is_floating_point():
-        return f"{why}; and they are not [batch, seq, rotary_dim] tables"
+        return Why(f"{why}; and they are not [batch, seq, rotary_dim] tables",
+                   "rope.table_shape")
     if mc.requires_grad or ms.requires_grad:
-        return f"{why}; and they require grad"
+        return Why(f"{why}; and they require grad", "rope.angle_requires_grad")
     return Angle(None, None, None, 1.0, cos_t, sin_t, why_table=why)
 
 
@@ -413,8 +417,8 @@ def _rope_core(add: fx.Node):
                     continue
                 cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
                 if cu is None or su is None or cu[1] != su[1]:
-                    return ("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
-                            "the heads")
+                    return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
+                               "the heads", "rope.table_broadcast")
                 return x, cu[0], su[0], cu[1], (m1, m2, *rot_nodes, add)
     return None
 
@@ -478,30 +482,32 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         users = [u for u in add.users]
         whole = int(meta(heads).shape[-1]) if meta(heads) is not None else None
         if whole is None or _norm_slice(sl[1], sl[2], whole) != (0, int(meta(x).shape[-1])):
-            return NoMatch(add, "the rotated features are not a prefix of the head")
+            return NoMatch(add, Why("the rotated features are not a prefix of the head",
+                                    "rope.partial_prefix"))
         if len(users) != 1 or _cat_last(users[0]) is None:
-            return NoMatch(add, "a partial rotary whose rotated part is not concatenated "
-                                "back with the rest of the head")
+            return NoMatch(add, Why("a partial rotary whose rotated part is not concatenated "
+                                    "back with the rest of the head", "rope.partial_concat"))
         parts = _cat_last(users[0])
         rest = parts[1] if len(parts) == 2 and parts[0] is add else None
         rs = _last_dim_slice(rest) if rest is not None else None
         if rs is None or rs[0] is not heads or \
                 _norm_slice(rs[1], rs[2], whole) != (int(meta(x).shape[-1]), whole):
-            return NoMatch(add, "a partial rotary that does not keep the rest of the head")
+            return NoMatch(add, Why("a partial rotary that does not keep the rest of the head",
+                                    "rope.partial_rest"))
         out = users[0]
         nodes = nodes + (x, rest, out)
     else:
         heads = x
     split = _head_split(heads, unsq)
     if split is None:
-        return NoMatch(add, f"the rotated value {describe(heads)} is not the head-split "
-                            "output of a projection")
+        return NoMatch(add, Why(f"the rotated value {describe(heads)} is not the head-split "
+                                "output of a projection", "rope.not_head_split"))
     col_value, split_nodes, n_heads, head_dim = split
     cols = columns_of(col_value)
     if cols is None:
-        return NoMatch(add, f"the rotated heads are not a GEMM's output columns "
-                            f"({describe(col_value)} is computed in between: a norm over q "
-                            "or k, say)")
+        return NoMatch(add, Why(f"the rotated heads are not a GEMM's output columns "
+                                f"({describe(col_value)} is computed in between: a norm over q "
+                                "or k, say)", "rope.not_gemm_columns"))
     proj, columns = cols
     angle = angle_of(cos_t, sin_t)
     if isinstance(angle, NoAngle):
@@ -513,7 +519,8 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
     mc = meta(angle.cos)
     rotary_dim = int(meta(rotary_part).shape[-1])
     if mc is None or mc.dim() != 3 or int(mc.shape[-1]) != rotary_dim:
-        return NoMatch(add, "cos/sin are not [batch, seq, rotary_dim] tables")
+        return NoMatch(add, Why("cos/sin are not [batch, seq, rotary_dim] tables",
+                                "rope.table_shape"))
     return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
                    rotary_dim, angle, nodes)
 
@@ -561,13 +568,15 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
         table = _unit_dims_of(rot)
         mt, mr = meta(table), meta(rot)
         if mt is None or not mt.is_complex() or mr.dim() != 4:
-            return NoMatch(vr, "the complex rotation's factor is not a table broadcast over "
-                               "the heads")
+            return NoMatch(vr, Why(
+                    "the complex rotation's factor is not a table broadcast over "
+                    "the heads", "rope.table_broadcast"))
         users = list(vr.users)
         flat = users[0] if len(users) == 1 else None
         if flat is None or not _is(flat, {"flatten", torch.flatten}) or \
                 tuple(meta(flat).shape) != tuple(mh.shape):
-            return NoMatch(vr, "the rotated pairs are not flattened back to the head dim")
+            return NoMatch(vr, Why("the rotated pairs are not flattened back to the head dim",
+                                   "rope.pairs_not_flattened"))
         out, after = flat, []
         while len(out.users) == 1 and _is_cast(next(iter(out.users))):
             out = next(iter(out.users))
@@ -578,14 +587,16 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
             if split is not None and mr.shape[axis] == 1:
                 break
         else:
-            return NoMatch(vr, f"the rotated value {describe(heads)} is not the head-split "
-                               "output of a projection")
+            return NoMatch(vr, Why(f"the rotated value {describe(heads)} is not the head-split "
+                                   "output of a projection", "rope.not_head_split"))
         col_value, split_nodes, n_heads, head_dim = split
         seq_axis = 1 if axis == 2 else 2
         if mr.shape[seq_axis] != mh.shape[seq_axis] or mr.shape[-1] != head_dim // 2 or \
                 mt.shape[-2] != mh.shape[seq_axis] or mt.dim() not in (2, 3) or \
                 (mt.dim() == 3 and mt.shape[0] not in (1, mh.shape[0])):
-            return NoMatch(vr, "the table's rows are not the sequence positions of the heads")
+            return NoMatch(vr, Why(
+                    "the table's rows are not the sequence positions of the heads",
+                    "rope.table_rows"))
         cols = columns_of(col_value)
         if cols is None:
             return None
@@ -738,7 +749,8 @@ def plan_segments(m: Match) -> Match | str:
     for proj in {s.proj.out: s.proj for s in segments}.values():
         for call in filter(fused_linear_call, proj.nodes):
             if set(call.users) != {proj.out}:
-                return f"{describe(call)} has readers outside the fused GEMM"
+                return Why(f"{describe(call)} has readers outside the fused GEMM",
+                           "rope.call_read")
         if proj.out in seg_nodes:
             continue
         for u in proj.out.users:  # a packed projection: read only through column slices
@@ -746,8 +758,8 @@ def plan_segments(m: Match) -> Match | str:
                 continue
             sl = columns_of(u)
             if sl is None or sl[0].out is not proj.out:
-                return (f"the packed projection {describe(proj.out)} is read beyond its "
-                        "column slices")
+                return Why(f"the packed projection {describe(proj.out)} is read beyond its "
+                           "column slices", "rope.packed_read")
             remainders.append(Passthrough(sl[0], sl[1], u))
     return dataclasses.replace(m, passthrough=passthrough, remainders=remainders)
 
@@ -844,7 +856,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     rot = m.rotated[0]
     for consumer, value in region.unpermute:
         with graph.inserting_before(consumer):
-            back = graph.call_function(layouts.rope_unpermute, (value, rot.head_dim, rot.rotary_dim))
+            back = graph.call_function(layouts.rope_unpermute,
+                                       (value, rot.head_dim, rot.rotary_dim))
         same_meta(back, value)
         consumer.replace_input_with(value, back)
     erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
