@@ -126,3 +126,144 @@ def test_torchtitan_style_repeat_then_transpose():
     recs = _attention_records(fast.report)
     assert len(recs) == 2 and all(r.status == "rewritten" for r in recs)
     assert all(r.notes[0][1].accepted and len(r.notes) == 1 for r in recs)
+
+
+# ---- additive float masks (the reference Llama's spelling) --------------------------------
+
+class RefAttention(torch.nn.Module):
+    """The original reference Llama's attention: k/v repeated on [b, s, h, d] before the
+    transpose, an additive float mask built by ``mask_kind``, SDPA with that mask."""
+
+    def __init__(self, mask_kind: str, dtype=torch.float32, repeat: str = "expand"):
+        super().__init__()
+        self.mask_kind, self.repeat = mask_kind, repeat
+        self.wq = torch.nn.Linear(32, 32, bias=False, dtype=dtype)
+        self.wk = torch.nn.Linear(32, 16, bias=False, dtype=dtype)
+        self.wv = torch.nn.Linear(32, 16, bias=False, dtype=dtype)
+
+    def mask(self, n, x):
+        kind = self.mask_kind
+        if kind == "triu, hstack":  # llama/model.py, start_pos 0
+            mask = torch.triu(torch.full((n, n), float("-inf"), device=x.device), diagonal=1)
+            return torch.hstack([torch.zeros((n, 0), device=x.device), mask]).type_as(x)
+        if kind == "masked_fill":
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            return torch.zeros(n, n, dtype=x.dtype).masked_fill(j > i, float("-inf"))
+        if kind == "finfo.min":  # as Hugging Face fills its float masks
+            return torch.full((n, n), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
+        if kind == "sum of two":
+            return torch.full((n, n), float("-inf")).triu(1) + torch.zeros(n, n)
+        # look-alikes that are not causal masks
+        if kind == "diagonal masked too":
+            return torch.full((n, n), float("-inf")).triu(0)
+        if kind == "-1e4":
+            return torch.full((n, n), -1e4).triu(1)
+        if kind == "float64":
+            return torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)
+        raise ValueError(kind)
+
+    def repeated(self, t, b, n):
+        """[b, n, 2, 8] -> [b, n, 4, 8]: kv head g for query heads 2g, 2g + 1 (GQA), or
+        tiled (``Tensor.repeat``: query head h reads kv head h % 2, not GQA)."""
+        if self.repeat == "expand":  # llama/model.py
+            return t[:, :, :, None, :].expand(b, n, 2, 2, 8).reshape(b, n, 4, 8)
+        if self.repeat == "unsqueeze":  # TorchTitan
+            return torch.unsqueeze(t, dim=3).expand(b, n, 2, 2, 8).reshape(b, n, 4, 8)
+        if self.repeat == "repeat_interleave":
+            return t.repeat_interleave(2, dim=2)
+        return t.repeat(1, 1, 2, 1)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.wq(x).view(b, n, 4, 8).transpose(1, 2)
+        k = self.wk(x).view(b, n, 2, 8)
+        v = self.wv(x).view(b, n, 2, 8)
+        k, v = (self.repeated(t, b, n).transpose(1, 2) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                               attn_mask=self.mask(n, x))
+        return out.transpose(1, 2).reshape(b, n, 32)
+
+
+@pytest.mark.parametrize("kind", ["triu, hstack", "masked_fill", "finfo.min", "sum of two"])
+def test_additive_causal_masks_become_is_causal(kind):
+    torch.manual_seed(0)
+    model = RefAttention(kind)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    fast = coda_rewrite.optimize(model)
+    out, want = fast(x), ref(xr)
+    assert rel_err(out, want) <= 1e-5
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert rel_err(x.grad, xr.grad) <= 1e-4
+    (rec,) = _attention_records(fast.report)
+    assert rec.status == "rewritten" and all(d.accepted for _, d in rec.notes), str(fast.report)
+    assert "additive mask" in str(fast.report)  # the proof says why the values are safe
+    code = fast.report.graphs[0].rewritten_code
+    assert "attn_mask = None" in code and "is_causal = True" in code and \
+        "enable_gqa = True" in code, code
+
+
+@pytest.mark.parametrize("kind,code", [
+    ("diagonal masked too", "mask.not_causal"),
+    ("-1e4", "mask.fill_value"),            # exp(-1e4 + s) is not 0 for every score
+])
+def test_additive_look_alikes_keep_their_mask(kind, code):
+    torch.manual_seed(0)
+    model = RefAttention(kind)
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert torch.equal(fast(x), model(x)) or rel_err(fast(x), model(x)) <= 1e-6
+    (rec,) = _attention_records(fast.report)
+    kept = {d.code for _, d in rec.notes if not d.accepted}
+    assert kept == {code}, str(fast.report)
+
+
+def test_a_mask_eager_sdpa_rejects_is_kept_so_it_still_raises():
+    model = RefAttention("float64")
+    x = torch.randn(2, 6, 32)
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        model(x)
+    fast = coda_rewrite.optimize(model)
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        fast(x)
+
+
+def test_a_mask_with_a_cache_offset_is_never_is_causal():
+    """Decoding with a cache, the reference Llama prepends zeros for the cached keys: the
+    mask is aligned bottom-right, is_causal top-left. Kept, with the reason."""
+    class Offset(RefAttention):
+        def forward(self, x):
+            b, n, _ = x.shape
+            q = self.wq(x).view(b, n, 4, 8).transpose(1, 2)
+            kv = torch.cat([torch.zeros(b, 4, 3, 8), q], 2)  # 3 cached positions
+            mask = torch.hstack([torch.zeros((n, 3)),
+                                 torch.full((n, n), float("-inf")).triu(1)])
+            return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+
+    model = Offset("triu, hstack")
+    x = torch.randn(2, 5, 32)
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) <= 1e-6
+    (rec,) = _attention_records(fast.report)
+    assert dict(rec.notes)["mask"].code == "mask.cache_offset", str(fast.report)
+
+
+@pytest.mark.parametrize("repeat", ["expand", "unsqueeze", "repeat_interleave", "tile"])
+def test_repeat_spellings_before_the_transpose(repeat):
+    """Every repeat that gives query head h kv head h // n_rep becomes enable_gqa=True;
+    Tensor.repeat tiles the heads (h % n_kv) and is left as it is."""
+    torch.manual_seed(0)
+    model = RefAttention("masked_fill", repeat=repeat)
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) <= 1e-5
+    (rec,) = _attention_records(fast.report)
+    gqa = dict(rec.notes)["grouped-query heads"]
+    assert gqa.accepted == (repeat != "tile"), str(fast.report)
+    if repeat == "tile":
+        assert gqa.code == "attention.not_repeat_kv"

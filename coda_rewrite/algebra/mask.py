@@ -32,15 +32,23 @@ from .decision import Proof, Rejection
 
 
 class NotAMask(Exception):
-    pass
+    """The mask is not one the prover models; ``code`` says which way."""
+
+    def __init__(self, message: str, code: str = "mask.not_positional"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclasses.dataclass(frozen=True)
 class Sym:
     """A tensor as a formula: ``expr`` in index symbols, ``dims[d]`` the symbol that
-    varies along dim d (None: constant along it, size 1 or broadcast)."""
+    varies along dim d (None: constant along it, size 1 or broadcast). ``additive``: a
+    float mask added to the scores, 0 where ``expr`` (the allowed positions) holds and
+    −inf or the dtype's finfo.min elsewhere (so ``expr`` means what a boolean mask's
+    True means: attend)."""
     expr: object
     dims: tuple
+    additive: bool = False
 
 
 _COMPARE = {operator.le: sp.Le, operator.lt: sp.Lt, operator.ge: sp.Ge, operator.gt: sp.Gt,
@@ -53,7 +61,8 @@ _LOGIC = {operator.and_: sp.And, operator.or_: sp.Or, torch.logical_and: sp.And,
           torch.logical_or: sp.Or, torch.bitwise_and: sp.And, torch.bitwise_or: sp.Or,
           "__and__": sp.And, "__or__": sp.Or, "logical_and": sp.And, "logical_or": sp.Or}
 _NOT = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_not"}
-_SHAPE_ONLY = {"to", "bool", "expand", "expand_as", "contiguous", "clone"}
+_SHAPE_ONLY = {"to", "bool", "expand", "expand_as", "contiguous", "clone", "type_as", "float",
+               "half", "bfloat16"}
 
 
 def _size(s):
@@ -108,8 +117,88 @@ class MaskInterpreter:
             return Sym(_size(a), ())
         raise NotAMask(f"constant {a!r}")
 
+    def _grid(self, n: fx.Node, allowed) -> Sym:
+        """A constant additive mask over ``n``'s shape (it varies along no dim yet)."""
+        m = meta(n)
+        if m is None or not m.is_floating_point():
+            raise NotAMask(f"{describe(n)} is not a float mask")
+        return Sym(allowed, (None,) * m.dim(), additive=True)
+
+    def _placed(self, src: fx.Node, a: Sym) -> Sym:
+        """``a`` with index symbols on its last two dims where it is constant along them
+        (triu/tril of a constant grid start to vary there)."""
+        m = meta(src)
+        if m is None or m.dim() < 2 or len(a.dims) < 2:
+            raise NotAMask(f"{describe(src)} is not a [q, k] grid")
+        dims = list(a.dims)
+        for d in (-2, -1):
+            if dims[d] is None:
+                dims[d] = self._index_symbol(_size(m.shape[d]))
+        return Sym(a.expr, tuple(dims), a.additive)
+
+    def _fill(self, n: fx.Node, value) -> bool:
+        """True for a masking fill (−inf, or ≤ the float dtype's finfo.min: exp of it
+        underflows to exactly 0), False for 0; anything else is not a mask value."""
+        if isinstance(value, bool):
+            return not value
+        if not isinstance(value, (int, float)):
+            raise NotAMask(f"{describe(n)} fills a value not known at compile time")
+        dtype = meta(n).dtype if meta(n) is not None and meta(n).is_floating_point() \
+            else torch.float32
+        if value == 0:
+            return False
+        if value == float("-inf") or value <= torch.finfo(dtype).min:
+            return True
+        raise NotAMask(f"{describe(n)} fills {value!r}: an additive mask holds only 0 and "
+                       "−inf (or the dtype's finfo.min)", "mask.fill_value")
+
+    def _additive(self, n: fx.Node) -> Sym | None:
+        """The float-mask constructors: full / zeros, triu / tril, masked_fill, a cat with
+        an empty block, and sums of masks (as the reference Llama builds its mask)."""
+        t, args, kw = n.target, n.args, n.kwargs
+        name = t if isinstance(t, str) else getattr(t, "__name__", "")
+        if n.op == "call_function" and t in (torch.full, torch.full_like):
+            return self._grid(n, sp.Not(self._fill(n, args[1] if len(args) > 1
+                                                   else kw.get("fill_value"))))
+        if n.op == "call_function" and t in (torch.zeros, torch.zeros_like) or \
+                n.op == "call_method" and t == "new_zeros" and kw.get("dtype") != torch.bool:
+            return self._grid(n, sp.true)
+        if name in ("triu", "tril"):
+            a = self._placed(args[0], self.value(args[0]))
+            d = args[1] if len(args) > 1 else kw.get("diagonal", 0)
+            q, k, d = a.dims[-2], a.dims[-1], self._int(d)
+            # triu keeps k ≥ q + d, tril k ≤ q + d (integer positions: the complement of
+            # one is written as the other, so k ≤ q reads as k ≤ q)
+            kept, zeroed = (sp.Ge(k, q + d), sp.Le(k, q + d - 1)) if name == "triu" else \
+                (sp.Le(k, q + d), sp.Ge(k, q + d + 1))
+            # what triu/tril zero: allowed in an additive mask, not attended in a bool one
+            expr = sp.Or(a.expr, zeroed) if a.additive else sp.And(a.expr, kept)
+            return Sym(expr, a.dims, a.additive)
+        if name == "masked_fill":
+            a, c = self.value(args[0]), self.value(args[1])
+            masking = self._fill(n, args[2] if len(args) > 2 else kw.get("value"))
+            expr = sp.And(a.expr, sp.Not(c.expr)) if masking else sp.Or(a.expr, c.expr)
+            return Sym(expr, _merge(a.dims, c.dims), a.additive)
+        if n.op == "call_function" and t in (torch.hstack, torch.cat, torch.concat):
+            parts = args[0]
+            dim = (args[1] if len(args) > 1 else kw.get("dim", 0)) if t is not torch.hstack \
+                else 1
+            m = meta(n)
+            last = m is not None and dim in (-1, m.dim() - 1)
+            empty = [p for p in parts if meta(p) is not None and meta(p).shape[-1] == 0]
+            if last and len(parts) - len(empty) == 1:
+                (rest,) = [p for p in parts if p not in empty]
+                return self.value(rest)  # a cache offset of 0: the mask itself
+            raise NotAMask(f"{describe(n)} joins mask blocks along the keys (a cache offset: "
+                           "the mask is aligned bottom-right)", "mask.cache_offset")
+        return None
+
     def _eval(self, n: fx.Node) -> Sym:
         t, args, kw = n.target, n.args, n.kwargs
+        if n.op in ("call_function", "call_method"):
+            found = self._additive(n)
+            if found is not None:
+                return found
         if n.op == "call_function" and t is torch.arange:
             ints = [a for a in args if not isinstance(a, torch.dtype)]
             start, end = (0, ints[0]) if len(ints) == 1 else (ints[0], ints[1])
@@ -128,6 +217,10 @@ class MaskInterpreter:
             return Sym(_COMPARE[key](a.expr, b.expr), _merge(a.dims, b.dims))
         if key in _ARITH and len(args) == 2 and not kw:
             a, b = self.value(args[0]), self.value(args[1])
+            if a.additive or b.additive:  # −inf + x = −inf: a sum allows where both do
+                if not (a.additive and b.additive) or _ARITH[key] is not operator.add:
+                    raise NotAMask(f"{describe(n)} mixes an additive mask with numbers")
+                return Sym(sp.And(a.expr, b.expr), _merge(a.dims, b.dims), True)
             return Sym(_ARITH[key](a.expr, b.expr), _merge(a.dims, b.dims))
         if key in _LOGIC and len(args) == 2:
             a, b = self.value(args[0]), self.value(args[1])
@@ -137,11 +230,16 @@ class MaskInterpreter:
             return Sym(sp.Not(a.expr), a.dims)
         if n.op == "call_method" and t in _SHAPE_ONLY or key in (torch.Tensor.to,):
             a = self.value(args[0])
-            if t == "to" and meta(n) is not None and meta(n).dtype != torch.bool \
+            out = meta(n)
+            if t in ("to", "type_as") and out is not None and out.dtype != torch.bool \
                     and meta(args[0]).dtype == torch.bool:
                 raise NotAMask("a boolean mask turned into numbers")
-            nd = meta(n).dim() if meta(n) is not None else len(a.dims)
-            return Sym(a.expr, (None,) * (nd - len(a.dims)) + a.dims)
+            if a.additive and out is not None and not out.is_floating_point():
+                raise NotAMask("an additive mask turned into integers")
+            # a float cast keeps 0 at 0 and −inf / finfo.min masking (it rounds to
+            # −inf or to the new dtype's finfo.min)
+            nd = out.dim() if out is not None else len(a.dims)
+            return Sym(a.expr, (None,) * (nd - len(a.dims)) + a.dims, a.additive)
         if key is operator.getitem:
             return self._getitem(n)
         raise NotAMask(f"{describe(n)} is not a position comparison")
@@ -160,7 +258,7 @@ class MaskInterpreter:
                     out.append(dims[pos])
                     pos += 1
             out += dims[pos:]
-            return Sym(a.expr, tuple(out))
+            return Sym(a.expr, tuple(out), a.additive)
         if all(isinstance(i, fx.Node) for i in idx) and isinstance(src, fx.Node):
             # a gather from a tensor whose values are not known at compile time
             vals = [self.value(i) for i in idx]
@@ -179,7 +277,7 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
         m = interp.value(mask)
     except NotAMask as e:
         return Rejection(f"the attention mask is not a pure position comparison: {e}",
-                         describe(mask), code="mask.not_positional")
+                         describe(mask), code=e.code)
     except (TypeError, ValueError, AttributeError) as e:  # sympy refusing a construct
         return Rejection(f"the mask prover could not model this mask ({e})", describe(mask),
                          code="mask.unmodelled")
@@ -218,11 +316,15 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
                              "sequence, kept", describe(mask), code="mask.window")
         steps.append(f"{sp.sstr(t)} holds at the causal triangle's vertices (0,0), "
                      f"({n}-1,0), ({n}-1,{n}-1), so on all of it (a linear inequality)")
+    given = ["the mask is built from position comparisons only (no padding input)",
+             "it is the same for every batch and head (broadcast)",
+             f"q_len = kv_len = {n} (no cache offset)"]
+    if m.additive:
+        given.append("an additive mask: 0 where attended, −inf or finfo.min elsewhere; "
+                     "exp of the latter is exactly 0 and no row is all masked (the "
+                     "diagonal is kept), so softmax(s + mask) = softmax over k ≤ q")
     return Proof("mask[q, k] ⟺ k ≤ q on [0, n)², n = q_len = kv_len: SDPA's is_causal",
-                 ("the mask is built from position comparisons only (no padding input)",
-                  "it is the same for every batch and head (broadcast)",
-                  f"q_len = kv_len = {n} (no cache offset)"),
-                 tuple(steps))
+                 tuple(given), tuple(steps))
 
 
 def _equivalent(a, b) -> bool:

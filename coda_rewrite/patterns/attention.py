@@ -75,39 +75,68 @@ def _repeat_interleave(node, dims) -> fx.Node | None:
     return node.args[0] if isinstance(reps, int) and dim in dims else None
 
 
-def repeat_kv_base(node) -> fx.Node | tuple | None:
-    """The unrepeated key/value if ``node`` is repeat_kv of it along the head dim of
-    [b, h, s, d]: a node, or ("transpose", x) when the repeat happened on x's [b, s, h, d]
-    layout before the transpose to [b, h, s, d] (TorchTitan-style code)."""
-    if not isinstance(node, fx.Node) or meta(node) is None or meta(node).dim() != 4:
+def _unsqueezed_at(node, axis: int) -> fx.Node | None:
+    """x if ``node`` is x with a new axis inserted at ``axis`` of the 5-d result:
+    ``x.unsqueeze(axis)``, ``torch.unsqueeze(x, axis)`` or ``x[:, .., None]``."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
         return None
-    base = _repeat_interleave(node, (1, -3))
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name == "unsqueeze":
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return node.args[0] if isinstance(dim, int) and dim % 5 == axis else None
+    if name == "getitem":
+        base, index = node.args
+        full = slice(None, None, None)
+        index = list(index) if isinstance(index, tuple) else [index]
+        while index and index[-1] == full:
+            index.pop()
+        return base if index == [full] * axis + [None] else None
+    return None
+
+
+def _repeat_on(node, h: int) -> fx.Node | None:
+    """x if ``node`` repeats each head of x n_rep times in place along dim ``h`` of a 4-d
+    tensor (kv head g becomes heads g·n_rep … g·n_rep + n_rep − 1: GQA's h // n_rep):
+    ``x.repeat_interleave(n_rep, dim=h)``, or x with an axis inserted after h, expanded
+    to n_rep along it and reshaped back to 4 dims (Hugging Face's and the reference
+    Llama's repeat_kv)."""
+    base = _repeat_interleave(node, (h, h - 4))
     if base is not None:
         return base
-    if node.op == "call_method" and node.target == "transpose" and \
-            sorted(a % 4 for a in node.args[1:3]) == [1, 2]:
-        inner = _repeat_interleave(node.args[0], (2, -2))
-        if inner is not None:
-            return ("transpose", inner)
-    if node.op != "call_method" or node.target not in ("reshape", "view"):
+    if not (isinstance(node, fx.Node) and node.op == "call_method"
+            and node.target in ("reshape", "view")):
         return None
     exp = node.args[0]
     if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
         return None
-    unsq = exp.args[0]
-    if not (isinstance(unsq, fx.Node) and unsq.op == "call_function"
-            and unsq.target.__name__ == "getitem"):
+    base = _unsqueezed_at(exp.args[0], h + 1)
+    if base is None or meta(base) is None or meta(base).dim() != 4 or meta(exp) is None:
         return None
-    base, index = unsq.args
-    full = slice(None, None, None)
-    if index != (full, full, None, full, full) or meta(base) is None or meta(base).dim() != 4:
-        return None
-    b, kvh, s, d = meta(base).shape
-    eb, ekvh, rep, es, ed = meta(exp).shape
-    ob, oh, os_, od = meta(node).shape
-    if (eb, ekvh, es, ed) != (b, kvh, s, d) or (ob, os_, od) != (b, s, d) or oh != kvh * rep:
+    shape, expanded, out = list(meta(base).shape), list(meta(exp).shape), list(meta(node).shape)
+    rep = expanded[h + 1]
+    if expanded[:h + 1] + expanded[h + 2:] != shape or \
+            out != shape[:h] + [shape[h] * rep] + shape[h + 1:]:
         return None
     return base
+
+
+def repeat_kv_base(node) -> fx.Node | tuple | None:
+    """The unrepeated key/value if ``node`` is repeat_kv of it along the head dim of
+    [b, h, s, d]: a node, or ("transpose", x) when the repeat happened on x's [b, s, h, d]
+    layout before the transpose to [b, h, s, d] (TorchTitan and the reference Llama).
+    ``Tensor.repeat`` along the heads tiles them (query head h reads kv head h % n_kv):
+    not GQA's layout, and not recognised."""
+    if not isinstance(node, fx.Node) or meta(node) is None or meta(node).dim() != 4:
+        return None
+    base = _repeat_on(node, 1)
+    if base is not None:
+        return base
+    if node.op == "call_method" and node.target == "transpose" and \
+            sorted(a % 4 for a in node.args[1:3]) == [1, 2]:
+        inner = _repeat_on(node.args[0], 2)
+        if inner is not None:
+            return ("transpose", inner)
+    return None
 
 
 def _heads(base) -> int:
@@ -146,9 +175,15 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
                          "head each query saw through repeat_kv",))
         causal = None
         if isinstance(mask, fx.Node):
+            mm, mq = meta(mask), meta(q)
             if a.get("is_causal"):
                 causal = Rejection("SDPA got both a mask and is_causal", describe(n),
                                    code="attention.mask_and_causal")
+            elif mm is not None and mq is not None and \
+                    mm.dtype not in (torch.bool, torch.float32, mq.dtype):
+                # SDPA rejects it, and must go on rejecting it: the mask stays
+                causal = Rejection(f"a {mm.dtype} mask with {mq.dtype} queries: eager's SDPA "
+                                   "raises on it", describe(n), code="attention.mask_dtype")
             else:
                 causal = mask_prover.prove_causal(mask, meta(q).shape[-2], meta(k).shape[-2])
         out.append(AttentionMatch(n, q, k, v, kb, vb, mask, gqa, causal))
