@@ -16,8 +16,9 @@ class Options:
     # (default: $CODA_DUMP_DIR, else nowhere).
     dump_dir: str | None = None
     # Patterns to apply; the others are still matched and reported as disabled.
-    patterns: tuple[str, ...] = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
-                                 "rope", "lm_head_cross_entropy")
+    patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs",
+                                 "residual_rmsnorm_gemm", "gated_mlp", "rope",
+                                 "lm_head_cross_entropy")
     # Logits that something besides the loss reads (a model output) are still written,
     # with eager's values; False: never written, and those readers get an empty tensor
     # (training loops that read only the loss save tokens x vocab x 2 bytes).

@@ -53,7 +53,9 @@ class Sym:
 
 _COMPARE = {operator.le: sp.Le, operator.lt: sp.Lt, operator.ge: sp.Ge, operator.gt: sp.Gt,
             torch.le: sp.Le, torch.lt: sp.Lt, torch.ge: sp.Ge, torch.gt: sp.Gt,
-            "le": sp.Le, "lt": sp.Lt, "ge": sp.Ge, "gt": sp.Gt}
+            "le": sp.Le, "lt": sp.Lt, "ge": sp.Ge, "gt": sp.Gt,
+            operator.eq: sp.Eq, operator.ne: sp.Ne, torch.eq: sp.Eq, torch.ne: sp.Ne,
+            "eq": sp.Eq, "ne": sp.Ne}
 _ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul,
           torch.add: operator.add, torch.sub: operator.sub, "add": operator.add,
           "sub": operator.sub}
@@ -152,6 +154,15 @@ class MaskInterpreter:
         raise NotAMask(f"{describe(n)} fills {value!r}: an additive mask holds only 0 and "
                        "−inf (or the dtype's finfo.min)", "mask.fill_value")
 
+    def _constant(self, x):
+        """A number: a Python one, or ``torch.tensor(number)`` built in the graph."""
+        if isinstance(x, fx.Node) and x.op == "call_function" and x.target is torch.tensor \
+                and x.args and isinstance(x.args[0], (int, float)):
+            return x.args[0]
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return x
+        raise NotAMask(f"{describe(x) if isinstance(x, fx.Node) else x!r} is not a constant")
+
     def _additive(self, n: fx.Node) -> Sym | None:
         """The float-mask constructors: full / zeros, triu / tril, masked_fill, a cat with
         an empty block, and sums of masks (as the reference Llama builds its mask)."""
@@ -174,6 +185,16 @@ class MaskInterpreter:
             # what triu/tril zero: allowed in an additive mask, not attended in a bool one
             expr = sp.Or(a.expr, zeroed) if a.additive else sp.And(a.expr, kept)
             return Sym(expr, a.dims, a.additive)
+        if n.op == "call_function" and t is torch.where and len(args) == 3:
+            # Hugging Face's float masks: where(attend, 0, finfo.min)
+            c = self.value(args[0])
+            a, b = (self._constant(x) for x in args[1:])
+            if a == 0 and self._fill(n, b):
+                return Sym(c.expr, c.dims, additive=True)
+            if b == 0 and self._fill(n, a):
+                return Sym(sp.Not(c.expr), c.dims, additive=True)
+            raise NotAMask(f"{describe(n)} selects between {a!r} and {b!r}, not 0 and a "
+                           "masking value", "mask.fill_value")
         if name == "masked_fill":
             a, c = self.value(args[0]), self.value(args[1])
             masking = self._fill(n, args[2] if len(args) > 2 else kw.get("value"))

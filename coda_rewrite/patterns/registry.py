@@ -1,7 +1,9 @@
 """The rewrite families, in the order the pipeline runs them on each captured graph.
 
-    attention          SDPA's inputs as eager passes them (is_causal, enable_gqa): first,
-                       since RoPE's escape analysis reads the SDPA calls it leaves
+    explicit_attention softmax((q·kᵀ)·s + mask)·v written out → one SDPA call: first, so
+                       that the next family sees the call it makes
+    attention          SDPA's inputs as eager passes them (is_causal, enable_gqa), before
+                       RoPE, whose escape analysis reads the SDPA calls it leaves
     residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
@@ -16,6 +18,6 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 
 from __future__ import annotations
 
-from . import attention, cross_entropy, gated_mlp, residual_rmsnorm, rope
+from . import attention, cross_entropy, explicit_attention, gated_mlp, residual_rmsnorm, rope
 
-FAMILIES = (attention, residual_rmsnorm, gated_mlp, rope, cross_entropy)
+FAMILIES = (explicit_attention, attention, residual_rmsnorm, gated_mlp, rope, cross_entropy)

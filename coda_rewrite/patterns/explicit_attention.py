@@ -1,0 +1,194 @@
+"""Explicit softmax attention → SDPA.
+
+Models written by hand (the reference Llama's non-flash path, Hugging Face's "eager"
+attention) compute attention as
+
+    scores = (q @ kᵀ) · s  [+ mask]         one [b, h, s_q, s_k] tensor per call
+    p = softmax(scores, dim=-1 [, dtype=float32]) [.type_as(q)]  [dropout, p = 0]
+    out = p @ v
+
+which writes and reads an s_q × s_k score tensor per head (in float32 when the softmax
+upcasts). ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s)`` is the
+same function by definition, and runs as a fused kernel. The match becomes that call;
+the attention-inputs family, which runs next, then turns a causal mask into
+``is_causal=True`` and a repeated key/value into ``enable_gqa=True``.
+
+Left as is, with the reason: the weights read elsewhere (returned as attentions), an
+active dropout, a scale that is a tensor (SDPA takes a number), a softmax over another
+dim, mixed dtypes. Legality and the float64 witness: algebra/explicit_attention.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import patterns
+from ..algebra import explicit_attention as algebra
+from ..algebra.decision import Why
+from ..canonical import canon, meta
+from ..capture import describe, model_path
+from ..graph_utils import MATMUL, copy_meta, erase_if_dead
+from .family import Context, Decided
+
+NAME = "explicit_attention"
+
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"}
+_DROPOUT = {F.dropout, torch.dropout, "dropout"}
+_TRANSPOSE = {"transpose", torch.transpose}
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    out: fx.Node                    # p @ v
+    q: fx.Node
+    k: fx.Node                      # [b, h, s_k, d]: the transpose's input
+    v: fx.Node
+    scale: float                    # scores = (q @ kᵀ) · scale
+    mask: fx.Node | None            # added to the scores
+    softmax: fx.Node
+    nodes: tuple[fx.Node, ...]      # scores → out, in graph order (erased once dead)
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.out)
+
+
+class NoMatch(patterns.NoMatch):
+    pattern = NAME
+
+
+def _is(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") \
+        and node.target in targets
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _kt(node) -> fx.Node | None:
+    """k when ``node`` is kᵀ over the last two dims of a 4-d k."""
+    if not _is(node, _TRANSPOSE) or meta(node) is None or meta(node).dim() != 4:
+        return None
+    dims = sorted(d % 4 for d in (_arg(node, 1, "dim0"), _arg(node, 2, "dim1")))
+    return node.args[0] if dims == [2, 3] else None
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    out = []
+    for node in graph.nodes:
+        if _is(node, MATMUL) and len(node.args) == 2 and meta(node) is not None \
+                and meta(node).dim() == 4:
+            found = _match(node)
+            if found is not None:
+                out.append(found)
+    return out
+
+
+def _match(out: fx.Node) -> Match | NoMatch | None:
+    p, v = out.args
+    nodes = [out]
+    # back from the weights: a cast back to q's dtype, an identity dropout
+    while isinstance(p, fx.Node) and (_is(p, _DROPOUT) or (canon(p) is not None
+                                                            and canon(p).name == "cast")):
+        if _is(p, _DROPOUT):
+            rate = _arg(p, 1, "p", 0.5)
+            active = _arg(p, 2, "training", True)
+            if rate != 0 and active is not False:
+                return NoMatch(out, Why(f"{describe(p)} is an active dropout on the "
+                                        "attention weights", "explicit_attention.dropout"))
+        nodes.append(p)
+        p = p.args[0]
+    if not _is(p, _SOFTMAX):
+        return None
+    softmax = p
+    nodes.append(softmax)
+    dim = _arg(softmax, 1, "dim")
+    if not isinstance(dim, int) or dim % 4 != 3:
+        return NoMatch(out, Why(f"{describe(softmax)} is not over the keys (the last dim)",
+                                "explicit_attention.softmax_dim"))
+    s = softmax.args[0]
+    while isinstance(s, fx.Node) and canon(s) is not None and canon(s).name == "cast":
+        nodes.append(s)  # an upcast for the softmax (the reference Llama's .float())
+        s = s.args[0]
+    mask = None
+    c = canon(s) if isinstance(s, fx.Node) else None
+    if c is not None and c.name == "add":
+        a, b = c.args
+        scores_side = [x for x in (a, b) if _scores(x) is not None]
+        if len(scores_side) != 1:
+            return None
+        mask = b if scores_side[0] is a else a
+        nodes.append(s)
+        s = scores_side[0]
+    found = _scores(s)
+    if found is None:
+        return None
+    q, k, scale, score_nodes = found
+    if isinstance(scale, str):
+        return NoMatch(out, Why(scale, "explicit_attention.scale_tensor"))
+    nodes += score_nodes
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return Match(out, q, k, v, scale, mask, softmax,
+                 tuple(sorted(set(nodes), key=order.__getitem__)))
+
+
+def _scores(s):
+    """(q, k, scale, nodes) for s = (q @ kᵀ) [· c | / c], None when s is not scores;
+    where the factor is not a number, (None, None, why, None)."""
+    scale, nodes = 1.0, []
+    c = canon(s) if isinstance(s, fx.Node) else None
+    if c is not None and c.name in ("mul", "div"):
+        a, b = c.args
+        mm = a if _is(a, MATMUL) else b if c.name == "mul" and _is(b, MATMUL) else None
+        if mm is None:
+            return None
+        factor = b if mm is a else a
+        f = _number(factor)
+        if f is None:
+            return None, None, (f"the scores' scale {describe(factor)} is a tensor (SDPA "
+                                "takes a number)"), None
+        scale = f if c.name == "mul" else 1.0 / f
+        nodes.append(s)
+        s = mm
+    if not _is(s, MATMUL) or len(s.args) != 2:
+        return None
+    q, kt = s.args
+    k = _kt(kt)
+    if k is None or meta(q) is None or meta(q).dim() != 4:
+        return None
+    return q, k, scale, nodes + [s, kt]
+
+
+def describe_match(m: Match) -> dict:
+    return {"consumers": [describe(m.out)]}
+
+
+def decide(m: Match, context: Context) -> Decided:
+    decision = algebra.decide(m)
+    if not decision.accepted:
+        return Decided.refuse(decision)
+    return Decided(decision, m)
+
+
+def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
+    """out = SDPA(q, k, v, attn_mask=mask, scale=s): the scores never exist."""
+    with graph.inserting_before(m.out):
+        sdpa = graph.call_function(F.scaled_dot_product_attention, (m.q, m.k, m.v), {
+            "attn_mask": m.mask, "dropout_p": 0.0, "is_causal": False, "scale": m.scale})
+    copy_meta(sdpa, m.out)
+    sdpa.meta.update({k: v for k, v in m.out.meta.items() if k not in sdpa.meta})
+    m.out.replace_all_uses_with(sdpa)
+    erase_if_dead(graph, list(reversed(m.nodes)))
+    return {}
+
