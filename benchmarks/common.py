@@ -30,6 +30,25 @@ def env_line() -> str:
             f" | transformers {v('transformers')} | quack {qv} | cutlass-dsl {v('nvidia-cutlass-dsl')}")
 
 
+def write_csv(figure: str, rows: list[tuple[str, str, float]]) -> str:
+    """Append (figure, variant, metric, value) rows, dated and with the GPU and versions,
+    to benchmarks/results/<date>.csv (or $CODA_BENCH_CSV): what plot.py draws."""
+    import csv
+
+    path = os.environ.get("CODA_BENCH_CSV") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"{datetime.date.today()}.csv")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["date", "environment", "figure", "variant", "metric", "value"])
+        for variant, metric, value in rows:
+            w.writerow([datetime.date.today(), env_line(), figure, variant, metric,
+                        f"{value:.4f}"])
+    return path
+
+
 def bench(fn, warmup=25, rep=200) -> float:
     """Median ms over repeats (triton's do_bench: CUDA events, L2 flushed)."""
     from triton.testing import do_bench

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common import bench, env_line, kernel_split, kernel_top
+from common import bench, env_line, kernel_split, kernel_top, write_csv
 
 import coda_rewrite
 from coda_rewrite.kernels import ops
@@ -148,6 +148,12 @@ def main():
         for name, ms, mem, loss, first, split in srows:
             print(f"  {name:16s} {ms:7.1f} ms  {8192 / ms * 1e3:8.0f} tok/s  peak {mem / 1024:5.1f} GiB"
                   f"  loss {loss:.4f}  | {split}")
+    if lrows:
+        write_csv("Llama-3-8B layer forward, 2 x 4096", [(r[0], "ms", r[1]) for r in lrows])
+    if srows:
+        write_csv("Llama-3.2-1B training step, 2 x 4096",
+                  [(r[0], "ms", r[1]) for r in srows] +
+                  [(r[0], "peak GiB", r[2] / 1024) for r in srows])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import bench, bench_rounds, env_line
+from common import bench, bench_rounds, env_line, write_csv
 
 import coda_rewrite
 from coda_rewrite.kernels import ops
@@ -235,6 +235,12 @@ def main():
     for r in ratios:
         g *= r
     print(f"geometric mean fused/cuBLAS: {g ** (1 / len(ratios)):.3f}x")
+    labels = {"fused": "optimize()", "bare": "cuBLAS", "compile": "torch.compile",
+              "eager": "eager", "cached": "optimize(), kept", "backend": 'backend="coda"',
+              "backend_kept": 'backend="coda", kept'}
+    for name, t, _, _ in rows:
+        print("csv:", write_csv(f"region: {name}", [(labels[k], "ms", t[k]) for k in labels
+                                                     if k in t]))
 
 
 if __name__ == "__main__":
