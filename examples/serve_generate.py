@@ -2,8 +2,9 @@
 
     python examples/serve_generate.py
 
-Every forward generate() makes (the prefill and each decode step) runs the rewritten
-graphs; the tokens are eager's. Tiny on CPU; a Llama-3.2-1B shape in bf16 on a GPU.
+Every forward generate() makes (the prefill and each decode step, over a static KV
+cache) runs the rewritten graphs; the tokens are eager's. Tiny on CPU; a Llama-3.2-1B
+shape in bf16 on a GPU. (CUDA graphs for the decode step are not an option yet.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(new_tokens: int = 8 if not GPU else 64) -> None:
     model = tf.LlamaForCausalLM(cfg).to(device=device,
                                         dtype=torch.bfloat16 if GPU else torch.float32).eval()
     prompt = torch.randint(0, cfg.vocab_size, (1, 32), device=device)
-    kw = dict(max_new_tokens=new_tokens, do_sample=False,
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
               attention_mask=torch.ones_like(prompt), pad_token_id=0)
 
     fast = coda_rewrite.optimize(model)
