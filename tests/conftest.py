@@ -185,3 +185,27 @@ def codes(report, pattern: str | None = None) -> set[str]:
     recs = [r for r in report.records if pattern is None or r.pattern == pattern]
     return {r.code for r in recs if r.status != "rewritten"} | {
         d.code for r in recs for _, d, _ in r.consumer_decisions if not d.accepted}
+
+
+def module_step_matches_eager(model, x, out_tol: float = 1e-5, grad_tol: float = 1e-4):
+    """optimize(model) against a copy of it, eager: the output, the input's gradient and
+    every parameter's (None where eager's is None) under a squared-sum loss. Returns the
+    report."""
+    import copy
+
+    import coda_rewrite
+    from coda_rewrite.numerics import rel_err
+    ref = copy.deepcopy(model)
+    x = x.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    fast = coda_rewrite.optimize(model)
+    out, want = fast(x), ref(xr)
+    assert rel_err(out, want) <= out_tol
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert rel_err(x.grad, xr.grad) <= grad_tol
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= grad_tol, name
+    return fast.report
