@@ -36,12 +36,6 @@ def _entry_point() -> types.FunctionType:
     return types.FunctionType(code, entry.__globals__, code.co_name)
 
 
-def _graph_breaks() -> collections.Counter:
-    """Dynamo's graph-break reasons so far in this process (a copy)."""
-    from torch._dynamo.utils import counters
-    return collections.Counter(counters["graph_break"])
-
-
 class CodaModule(nn.Module):
     """What optimize() returns: the user's module, called through the rewritten graphs.
 
@@ -63,28 +57,20 @@ class CodaModule(nn.Module):
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "report", backend.report)
         object.__setattr__(self, "_warned", False)
-        object.__setattr__(self, "_generator", None)
 
     def forward(self, *args, **kwargs):
-        before, graphs = self._backend.runs, len(self.report.graphs)
-        breaks = _graph_breaks()
+        # two integer reads around the call: the per-call cost of "never silently eager"
+        runs, breaks = self._backend.runs, len(self.report.graph_breaks)
         out = self._compiled(self._modules["module"], *args, **kwargs)
-        if self._backend.runs == before:
+        if self._backend.runs == runs:
             self._ran_uncompiled()
-        if len(self.report.graphs) != graphs:  # compiled on this call: any graph breaks?
-            self._record_graph_breaks(breaks)
+        if len(self.report.graph_breaks) != breaks:  # the backend saw a break compiling
+            new = self.report.graph_breaks[breaks:]
+            warnings.warn(
+                f"coda_rewrite.optimize(): dynamo broke the graph ({len(new)} break(s): "
+                f"{new[0]}); the code between graphs runs as eager, unrewritten (the report "
+                "lists the reasons)", RuntimeWarning, stacklevel=4)  # the model's caller
         return out
-
-    def _record_graph_breaks(self, before: collections.Counter) -> None:
-        new = [reason.splitlines()[0] for reason, n in _graph_breaks().items()
-               if n > before.get(reason, 0)]
-        if not new:
-            return
-        self.report.graph_breaks += new
-        warnings.warn(
-            f"coda_rewrite.optimize(): dynamo broke the graph ({len(new)} break(s): "
-            f"{new[0]}); the code between graphs runs as eager, unrewritten (the report "
-            "lists the reasons)", RuntimeWarning, stacklevel=5)  # the caller of the model
 
     def _ran_uncompiled(self) -> None:
         self.report.uncaptured_calls += 1
@@ -94,7 +80,7 @@ class CodaModule(nn.Module):
                 "coda_rewrite.optimize(): a call ran without any rewritten graph: dynamo "
                 "did not compile it (a recompile limit reached, a skipped frame, or "
                 "compilation disabled), so the model ran as eager. The report counts "
-                "such calls.", RuntimeWarning, stacklevel=5)  # the caller of the model
+                "such calls.", RuntimeWarning, stacklevel=5)  # the model's caller
 
     def generate(self, *args, **kwargs):
         """The original model's ``generate()``, its every forward through the rewritten
@@ -105,23 +91,22 @@ class CodaModule(nn.Module):
         """A shallow copy of the original whose ``forward`` is this module's: generation
         code reads the model's class, config and methods, and calls ``self(...)``. The
         copy shares parameters, buffers and submodules; its own hooks are empty (the
-        compiled call runs the original's, once)."""
-        if self._generator is None:
-            model = self._modules["module"]
-            view = copy.copy(model)
-            view.__dict__.update(_forward_hooks=collections.OrderedDict(),
-                                 _forward_pre_hooks=collections.OrderedDict(),
-                                 _forward_hooks_with_kwargs=collections.OrderedDict(),
-                                 _forward_pre_hooks_with_kwargs=collections.OrderedDict(),
-                                 _forward_hooks_always_called=collections.OrderedDict())
-            rewritten = self.forward
+        compiled call runs the original's, once). Made per generate() call, so that it
+        sees what the original holds now (a replaced generation_config, say)."""
+        model = self._modules["module"]
+        view = copy.copy(model)
+        view.__dict__.update(_forward_hooks=collections.OrderedDict(),
+                             _forward_pre_hooks=collections.OrderedDict(),
+                             _forward_hooks_with_kwargs=collections.OrderedDict(),
+                             _forward_pre_hooks_with_kwargs=collections.OrderedDict(),
+                             _forward_hooks_always_called=collections.OrderedDict())
+        rewritten = self.forward
 
-            @functools.wraps(model.forward)  # generation reads the signature's arguments
-            def forward(*args, **kwargs):
-                return rewritten(*args, **kwargs)
-            view.forward = forward
-            object.__setattr__(self, "_generator", view)
-        return self._generator
+        @functools.wraps(model.forward)  # generation reads the signature's arguments
+        def forward(*args, **kwargs):
+            return rewritten(*args, **kwargs)
+        view.forward = forward
+        return view
 
     def __getattr__(self, name: str) -> Any:
         try:

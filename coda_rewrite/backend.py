@@ -13,6 +13,8 @@ entry-point backends itself when the name is first looked up (which is why
 
 from __future__ import annotations
 
+import collections
+
 import torch.fx as fx
 
 from .options import Options
@@ -31,10 +33,18 @@ class CodaBackend:
         self.options = options or Options()
         self.report = report if report is not None else Report()
         self.runs = 0  # executions of this backend's graphs: optimize() checks a call ran one
+        self._breaks_seen = _graph_breaks()
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
         g = rewrite_graph(gm, self.options, index=len(self.report.graphs))
         self.report.add(g, self.options.dump_dir)
+        # dynamo counts a graph break before it compiles the graph in front of it: the
+        # reasons new since this backend last compiled go to the report (compile time,
+        # not per call)
+        now = _graph_breaks()
+        self.report.graph_breaks += [reason.splitlines()[0] for reason, n in now.items()
+                                     if n > self._breaks_seen.get(reason, 0)]
+        self._breaks_seen = now
         if self.options.inductor:
             from torch._inductor.compile_fx import compile_fx
             return self._counted(compile_fx(gm, example_inputs))
@@ -47,6 +57,12 @@ class CodaBackend:
         # Inductor's compiled callables carry attributes dynamo reads (boxed calling)
         run.__dict__.update(getattr(fn, "__dict__", {}))
         return run
+
+
+def _graph_breaks() -> collections.Counter:
+    """Dynamo's graph-break reasons so far in this process (a copy)."""
+    from torch._dynamo.utils import counters
+    return collections.Counter(counters["graph_break"])
 
 
 def coda_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):

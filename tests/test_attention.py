@@ -171,6 +171,8 @@ class RefAttention(torch.nn.Module):
             return torch.unsqueeze(t, dim=3).expand(b, n, 2, 2, 8).reshape(b, n, 4, 8)
         if self.repeat == "repeat_interleave":
             return t.repeat_interleave(2, dim=2)
+        if self.repeat == "expand before the heads":  # also tiles: h % 2
+            return t[:, :, None, :, :].expand(b, n, 2, 2, 8).reshape(b, n, 4, 8)
         return t.repeat(1, 1, 2, 1)
 
     def forward(self, x):
@@ -243,7 +245,8 @@ def test_a_mask_with_a_cache_offset_is_never_is_causal():
     assert dict(rec.notes)["mask"].code == "mask.cache_offset", str(fast.report)
 
 
-@pytest.mark.parametrize("repeat", ["expand", "unsqueeze", "repeat_interleave", "tile"])
+@pytest.mark.parametrize("repeat", ["expand", "unsqueeze", "repeat_interleave", "tile",
+                                    "expand before the heads"])
 def test_repeat_spellings_before_the_transpose(repeat):
     """Every repeat that gives query head h kv head h // n_rep becomes enable_gqa=True;
     Tensor.repeat tiles the heads (h % n_kv) and is left as it is."""
@@ -255,6 +258,7 @@ def test_repeat_spellings_before_the_transpose(repeat):
         assert rel_err(fast(x), model(x)) <= 1e-5
     (rec,) = _attention_records(fast.report)
     gqa = dict(rec.notes)["grouped-query heads"]
-    assert gqa.accepted == (repeat != "tile"), str(fast.report)
-    if repeat == "tile":
+    tiles = repeat in ("tile", "expand before the heads")
+    assert gqa.accepted == (not tiles), str(fast.report)
+    if tiles:
         assert gqa.code == "attention.not_repeat_kv"

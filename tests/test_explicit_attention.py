@@ -44,6 +44,8 @@ class Explicit(nn.Module):
             else scores / math.sqrt(8)
         p = F.softmax((scores + mask).float(), dim=2 if self.variant == "dim" else -1)
         p = p.type_as(q)
+        if self.variant == "bf16 weights":  # an fp32 model rounding its weights
+            p = p.to(torch.bfloat16).to(torch.float32)
         if self.variant == "dropout":
             p = F.dropout(p, p=0.1, training=True)
         out = torch.matmul(p, v).transpose(1, 2).reshape(b, n, 32)
@@ -65,6 +67,7 @@ def test_explicit_attention_becomes_causal_gqa_sdpa():
     ("dropout", "explicit_attention.dropout"),
     ("dim", "explicit_attention.softmax_dim"),
     ("tensor scale", "explicit_attention.scale_tensor"),
+    ("bf16 weights", "explicit_attention.narrowing_cast"),
 ])
 def test_look_alikes_stay_explicit(variant, code):
     torch.manual_seed(0)

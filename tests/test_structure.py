@@ -47,9 +47,11 @@ def _imports() -> nx.DiGraph:
 
 def test_no_import_cycles():
     g = _imports()
-    # a package's __init__ importing its own submodules is not a cycle of concern
-    h = nx.DiGraph((a, b) for a, b in g.edges if not b.startswith(a + ".")
-                   and not a.startswith(b + ".") or (a, b) == (b, a))
+    # leave out the edges between a package and its own submodules (an __init__
+    # re-exporting them; a submodule reaching for the package's names)
+    h = nx.DiGraph((a, b) for a, b in g.edges
+                   if not b.startswith(a + ".") and not a.startswith(b + "."))
+    assert h.number_of_edges() > 50  # the graph the check runs on is the package's
     cycles = list(nx.simple_cycles(h))
     assert not cycles, cycles
 

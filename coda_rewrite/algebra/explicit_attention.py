@@ -37,8 +37,18 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     if len(dtypes) != 1:
         return held, Why(f"q, k, v and the output differ in dtype ({sorted(map(str, dtypes))})",
                          "explicit_attention.dtypes")
-    held.append(f"q, k, v and the output in one dtype ({dtypes.pop()}); the weights and "
-                "scores are read only on the way to the output")
+    dtype = dtypes.pop()
+    for node in m.nodes:  # SDPA rounds nothing in between: nor may eager (the replay
+        c, out = canon(node), meta(node)  # keeps float64 through casts, so it is a condition)
+        if c is not None and c.name == "cast" and out is not None and \
+                out.dtype.is_floating_point and \
+                torch.finfo(out.dtype).eps > torch.finfo(dtype).eps:
+            return held, Why(f"{describe(node)} rounds the scores or weights to {out.dtype} "
+                             f"in a {dtype} attention: SDPA would skip that rounding",
+                             "explicit_attention.narrowing_cast")
+    held.append(f"q, k, v and the output in one dtype ({dtype}), no rounding coarser than "
+                "it in between; the weights and scores are read only on the way to the "
+                "output")
     if m.mask is not None:
         mm, mq = meta(m.mask), meta(m.q)
         if mm is None or not mm.is_floating_point() or \

@@ -188,6 +188,8 @@ class MaskInterpreter:
         if n.op == "call_function" and t is torch.where and len(args) == 3:
             # Hugging Face's float masks: where(attend, 0, finfo.min)
             c = self.value(args[0])
+            if c.additive:
+                raise NotAMask(f"{describe(n)} selects on a float mask, not a boolean one")
             a, b = (self._constant(x) for x in args[1:])
             if a == 0 and self._fill(n, b):
                 return Sym(c.expr, c.dims, additive=True)
