@@ -56,9 +56,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv, self.head_dim)
+        # -1 heads, as TorchTitan spells it: under tensor parallelism a rank holds
+        # n_heads / tp of them
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         rep = self.n_heads // self.n_kv
         k = k.repeat_interleave(rep, dim=2)

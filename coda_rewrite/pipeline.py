@@ -15,7 +15,7 @@ import time
 import torch.fx as fx
 
 from . import canonical
-from .algebra import locality
+from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
 from .graph_utils import NotPlaceable
@@ -33,7 +33,15 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         texts = (texts[0] + f"\n# checkpointed region {name}\n" + sub[0],
                  texts[1] + f"\n# checkpointed region {name} (recomputed in the backward)\n"
                  + sub[1])
-    return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0)
+    return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0,
+                       *_rank())
+
+
+def _rank() -> tuple[int | None, int | None]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None, None
 
 
 # Dynamo captures activation checkpointing (torch.utils.checkpoint, Hugging Face's
@@ -78,9 +86,31 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
     context = Context(options)
     for family in FAMILIES:
         _run(family, graph, context, records)
+    _sharded_gemms_left(graph, records)
     graph.lint()
     gm.recompile()
     return canonical_text, gm.code
+
+
+def _sharded_gemms_left(graph: fx.Graph, records: list[MatchRecord]) -> None:
+    """Tensor parallelism: a record for each GEMM on a DTensor weight that no rewrite
+    took, saying why (the families' own matchers stop at DTensor layout ops silently)."""
+    for node in graph.nodes:
+        c = canonical.canon(node)
+        if c is None or c.name != "linear" or not sharding.is_dtensor(c.args[1]):
+            continue
+        if any(p.is_partial() for p in sharding.placements(node) or ()):
+            code, why = "dtensor.row_parallel", (
+                "a row-parallel GEMM (split contraction): its output is a partial sum until "
+                "DTensor reduces it, so no epilogue runs in it; the norm after the reduce "
+                "is fused as a row-wise program")
+        else:
+            code, why = "dtensor.no_sharding_rule", (
+                "a GEMM on a sharded weight that no rewrite took: on DTensors only the "
+                "norm's row scale is fused so far (gated, RoPE and cross-entropy epilogues "
+                "on sharded weights are not implemented); left as DTensor computes it")
+        records.append(MatchRecord("tensor_parallel", model_path(node), NOT_MATCHED,
+                                   code=code, reason=f"{describe(node)}: {why}"))
 
 
 def _dtypes(linear: fx.Node) -> str:

@@ -8,6 +8,8 @@ writes it to disk, one folder per captured graph:
     graph_000/rewritten.py    the rewritten graph as Python
     graph_000/programs.txt    every epilogue program as math, and its JSON text
     graph_000/kernels.txt     each program's generated QuACK source and layout contract
+
+(under torch.distributed each rank writes its own: graph_000_rank1/...)
 """
 
 from __future__ import annotations
@@ -90,6 +92,14 @@ class GraphReport:
     canonical: str
     rewritten_code: str
     seconds: float
+    # under torch.distributed, the process that captured the graph: each rank rewrites
+    # its own graphs (their shapes and placements may differ), and reports them
+    rank: int | None = None
+    world_size: int | None = None
+
+    @property
+    def where(self) -> str:
+        return "" if self.rank is None else f" (rank {self.rank} of {self.world_size})"
 
     @property
     def rewritten(self) -> list[MatchRecord]:
@@ -106,7 +116,8 @@ class GraphReport:
             c[0] += r.status == REWRITTEN
             c[1] += 1
         parts = ", ".join(f"{p} {done}/{n} rewritten" for p, (done, n) in by_pattern.items())
-        return f"graph {self.index}: {parts or 'no candidates'} ({self.seconds * 1e3:.0f} ms)"
+        return (f"graph {self.index}{self.where}: {parts or 'no candidates'} "
+                f"({self.seconds * 1e3:.0f} ms)")
 
     def render(self, with_code: bool = True) -> str:
         out = [self.summary()]
@@ -167,7 +178,8 @@ class Report:
     def add(self, g: GraphReport, dump_dir: str | None) -> None:
         self.graphs.append(g)
         if dump_dir:
-            g.dump(Path(dump_dir) / f"graph_{g.index:03d}")
+            rank = "" if g.rank is None else f"_rank{g.rank}"  # ranks may share a folder
+            g.dump(Path(dump_dir) / f"graph_{g.index:03d}{rank}")
 
     @property
     def records(self) -> list[MatchRecord]:

@@ -16,7 +16,10 @@ apply to a matched graph are the side conditions, each checked on the graph:
   (c) no value of the region, nor an alias of one, is updated in place: the fused
       producer reads the residual when the add happens, eager's norm when it runs;
   (d) no cast in the region rounds to a dtype coarser than the GEMM computes in (r
-      would move across that rounding: exact in real arithmetic, not in an fp32 model).
+      would move across that rounding: exact in real arithmetic, not in an fp32 model);
+  (e) under tensor parallelism (DTensor), every value r moves through is a complete
+      sum on every rank, not split along the features, and the consumer GEMM has a
+      local layout (algebra/sharding.py).
 
 The factor that must *not* move: one that varies along the contracted dim (a per-feature
 γ, or r when the GEMM contracts over rows). Here γ stays in the producer's epilogue and
@@ -35,7 +38,7 @@ from ..capture import describe
 from ..codegen import layouts, reference
 from ..graph_utils import aliases, mutated_value
 from ..numerics import rel_err
-from . import statements
+from . import sharding, statements
 from . import witness as witness_mod
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
 from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailable
@@ -84,6 +87,9 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
     if ms is None or out is None:
         return "reject", Why(f"{describe(node)} does not produce a tensor",
                              "row_scale.not_a_tensor")
+    if sharding.boundary_op(node) is not None:  # DTensor layout ops: side condition (e)
+        why = sharding.boundary_keeps_rows(node, src)
+        return ("reject", why) if why is not None else ("index", "")
     if name == "cast":
         return "cast", ""
     if name in _IDENTITY and len(node.args) == 1:
@@ -120,6 +126,10 @@ def chain_kinds(consumer, norm) -> list[tuple[str, str]]:
     """chain_op for each node between the norm's output and ``consumer``'s GEMM."""
     srcs = (norm.output, *consumer.chain[:-1])
     return [chain_op(n, src, norm.dim) for n, src in zip(consumer.chain, srcs)]
+
+
+def norm_ndim(norm) -> int:
+    return meta(norm.output).dim()
 
 
 def has_shift(consumer, norm) -> bool:
@@ -233,6 +243,14 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         if bad is None and (mx is None or mx.shape[-1] != norm.dim):
             bad = Why(f"{describe(c.linear)} does not contract over the {norm.dim} "
                       "normalised features", "row_scale.contraction")
+        if bad is None:
+            bad = sharding.consumer_condition(c.linear, c.chain[-1] if c.chain else
+                                              norm.output, c.weight, c.bias)
+        if bad is None and sharding.is_dtensor(c.weight) and \
+                {"scale", "shift"} & {k for k, _ in kinds}:
+            bad = Why(f"{describe(c.linear)} has a DTensor weight and a per-feature factor "
+                      "or shift to fold into it (not done on sharded weights yet)",
+                      "dtensor.fold")
         if bad is not None:
             per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear),
                                                code=code_of(bad))
@@ -255,6 +273,12 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         if "shift" in used:
             steps.append("bias after the norm distributed: "
                          + statements.prove_bias_distribution().statement)
+        if sharding.is_dtensor(c.weight):
+            steps.append("(e) on local shards, layout "
+                         + "/".join(sharding.gemm_layout(
+                             sharding.placements(c.chain[-1] if c.chain else norm.output),
+                             sharding.placements(c.weight), norm_ndim(norm)))
+                         + ": " + statements.prove_sharded_gemm().statement)
         per_consumer[c.linear] = Proof(
             f"{c.linear.name} = r ⊙ (h2 · W'ᵀ)" + (" + b" if c.bias is not None else "")
             + (" + shift·Wᵀ" if "shift" in used else ""),

@@ -425,6 +425,51 @@ def prove_gated_interleave() -> Proof:
         _witness("gated interleave", num))
 
 
+@functools.cache
+def prove_sharded_gemm() -> Proof:
+    """The layouts algebra/sharding.py runs a row-scaled GEMM in, and the producer it
+    refuses (tensor parallelism)."""
+    j0, i0 = sp.symbols("j0 i0", integer=True, nonnegative=True)
+    y = lambda ii, jj: r[ii] * _gemm(H[ii, k] * W[jj, k])  # noqa: E731
+    # columns: rank p holds W's rows J_p = j0 + [0, n_p) and computes those columns
+    W_p = sp.Lambda((j, k), W[j0 + j, k])
+    _require(r[i] * _gemm(H[i, k] * W_p(j, k)) - y(i, j0 + j), "column-split GEMM")
+    # rows: rank p holds rows I_p = i0 + [0, m_p) of H and of r
+    _require(r[i0 + i] * _gemm(H[i0 + i, k] * W[j, k]) - y(i0 + i, j), "row-split GEMM")
+    # a partial-sum producer: the norm's statistic of z = z1 + z2 is not the sum of the
+    # ranks' statistics (the cross term)
+    z1, z2 = sp.IndexedBase("z1"), sp.IndexedBase("z2")
+    cross = sp.expand((z1[j] + z2[j]) ** 2 - z1[j] ** 2 - z2[j] ** 2)
+    _require(cross - 2 * z1[j] * z2[j], "the cross term of a partial sum's square")
+    _refute(Sum(cross, (j, 0, K - 1)), "the norm statistic of a partial sum")
+
+    def num(seed):
+        mm, kk, nn = _shape(seed, (2, 9), (1, 9), (1, 5))
+        g = _gen(seed)
+        rr, hh, ww = (torch.randn(mm, generator=g, dtype=torch.float64),
+                      torch.randn(mm, kk, generator=g, dtype=torch.float64),
+                      torch.randn(2 * nn, kk, generator=g, dtype=torch.float64))
+        full = rr[:, None] * (hh @ ww.T)
+        cols = torch.cat([rr[:, None] * (hh @ w.T) for w in ww.chunk(2)], dim=1)
+        rows = torch.cat([r_[:, None] * (h @ ww.T) for r_, h in zip(rr.chunk(2), hh.chunk(2))])
+        return max(rel_err(cols, full), rel_err(rows, full))
+
+    return Proof(
+        "(r ⊙ H·Wᵀ)[:, J_p] = r ⊙ (H·W[J_p]ᵀ),  (r ⊙ H·Wᵀ)[I_p] = r[I_p] ⊙ (H[I_p]·Wᵀ)",
+        ("(e) every value the row scale crosses is a complete sum on every rank "
+         "(no Partial placement) and is not split along the contracted features",
+         "columns: H and r replicated, W split by rows (ColwiseParallel); rows: H and r "
+         "split by rows, W replicated",
+         "a program with a per-row output needs whole rows: not run on column shards"),
+        ("each rank's block is the full product restricted to its indices (a "
+         "substitution j ↦ j0 + j, i ↦ i0 + i)",
+         "a replicated operand's gradient is the sum of the ranks' partial gradients "
+         "(the sum decomposition): reduced by DTensor where it is needed",
+         "refuted for a partial-sum producer: Σ_j (z1+z2)² − Σ z1² − Σ z2² = 2·Σ_j z1·z2 "
+         "≠ 0, so the norm is fused after the reduce"),
+        _witness("sharded GEMM", num))
+
+
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
@@ -437,6 +482,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("RoPE interleave", prove_rope_interleave()),
             ("rotation facts", prove_rotation_facts()),
             ("complex rotation", prove_complex_rotation()),
-            ("gated activation interleave", prove_gated_interleave())]
+            ("gated activation interleave", prove_gated_interleave()),
+            ("sharded GEMM (tensor parallelism)", prove_sharded_gemm())]
     return out
 

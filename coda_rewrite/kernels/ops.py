@@ -26,7 +26,7 @@ import torch
 from ..codegen import layouts, reference
 from ..codegen.program import Kind, parse
 from ..graph_utils import FUSED_LINEAR_MARK
-from . import backward, quack_path
+from . import backward, quack_path, sharding
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
 RUNTIME: collections.Counter = collections.Counter()
@@ -141,9 +141,13 @@ setattr(fused_linear, FUSED_LINEAR_MARK, True)
 
 def _linear(run, program, x, weight, operands):
     prog = parse(program)
-    outs = run(program, x.reshape(-1, x.shape[-1]), weight,
-               layouts.flatten_operands(prog, operands))
+    a, ops = x.reshape(-1, x.shape[-1]), layouts.flatten_operands(prog, operands)
+    if sharding.is_dtensor(weight):  # tensor parallelism: each rank runs on its shards
+        outs = sharding.run_sharded(run, program, prog, a, weight, ops)
+    else:
+        outs = run(program, a, weight, ops)
     return layouts.unflatten_outputs(prog, outs, x.shape[:-1])
+
 
 
 def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:

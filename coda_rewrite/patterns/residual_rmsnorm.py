@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from .. import patterns
-from ..algebra import row_scale
+from ..algebra import row_scale, sharding
 from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
@@ -75,7 +75,8 @@ class Consumer:
 class Match:
     norm: RmsNorm
     producer: Producer | None
-    producer_note: str                    # why there is no producing GEMM, if none
+    producer_note: str                    # why there is no producing GEMM, if none (a Why
+                                          # where the reason has a code)
     consumers: list[Consumer]
     other_readers: list[fx.Node]          # readers of the normalised value that are not GEMMs
 
@@ -97,6 +98,14 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
             results.append(NoMatch(norm.node, norm.reason))
             continue
         consumers, others = _consumers(norm.output)
+        if not consumers and any(n.op == "output" for n in others):
+            results.append(NoMatch(norm.output, Why(
+                "the normalised value leaves this graph (a graph output) and no GEMM in "
+                "it reads the value: its GEMMs are in the next graph. A graph break puts "
+                "them there, or DDP's bucket split (torch._dynamo.config.optimize_ddp = "
+                "'ddp_optimizer' cuts the graph at gradient-bucket boundaries; "
+                "'python_reducer' keeps one graph)", "row_scale.leaves_graph")))
+            continue
         if not consumers:
             what = ", ".join(describe(n) for n in others) or "nothing"
             results.append(NoMatch(norm.output, Why(
@@ -118,6 +127,9 @@ def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
         return None, f"the norm's input {describe(z)} is not a residual add"
     for lin, res in (c.args, c.args[::-1]):
         lin = _through_upcast(lin)
+        sharded = _sharded_gemm_behind(lin)
+        if sharded is not None:
+            return None, sharded
         cl = canon(lin) if isinstance(lin, fx.Node) else None
         if cl is None or cl.name != "linear" or not isinstance(res, fx.Node):
             continue
@@ -132,6 +144,35 @@ def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
             return None, f"{describe(lin)} has a weight or bias that is not a 2-D/1-D tensor"
         return Producer(lin, z, x, w, b, res), ""
     return None, f"neither operand of the residual add {describe(z)} is a GEMM"
+
+
+def _sharded_gemm_behind(node) -> Why | None:
+    """Why a GEMM reached from the residual add through DTensor layout ops (the
+    all-reduce or reduce-scatter after RowwiseParallel's o_proj / down projection)
+    cannot carry the norm, or None where there is none."""
+    seen, collectives = 0, []
+    while isinstance(node, fx.Node) and seen < 4 and (
+            sharding.boundary_op(node) or sharding.collective_op(node)):
+        if sharding.collective_op(node) not in (None, "wait_tensor"):
+            collectives.append(sharding.collective_op(node))
+        node, seen = node.args[0], seen + 1
+    cl = canon(node) if isinstance(node, fx.Node) else None
+    if cl is None or cl.name != "linear" or not (seen or sharding.is_dtensor(node)):
+        return None
+    if collectives:
+        return Why(f"(e) the GEMM {describe(node)} reaches the residual add through "
+                   f"{', '.join(collectives)}: its epilogue would run before the collective "
+                   "(on each rank's summand); the norm is fused after it instead (row-wise "
+                   "program)", "collective.between")
+    pl = sharding.placements(node) or ()
+    if any(p.is_partial() for p in pl):
+        return Why(f"(e) the GEMM {describe(node)} produces a partial sum (DTensor Partial "
+                   "placement: a split contraction, reduced after it): the norm's statistic "
+                   "needs the complete sum, ss(z₁ + z₂) ≠ ss(z₁) + ss(z₂); the norm is "
+                   "fused after the reduce instead (row-wise program)", "dtensor.partial_sum")
+    return Why(f"(e) the GEMM {describe(node)} reaches the residual add through DTensor "
+               "layout ops: its epilogue would see a different layout than the add",
+               "dtensor.producer_boundary")
 
 
 def _through_upcast(node):
@@ -325,11 +366,23 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             h2, r = results(graph, call, 2, norm.output)
             same_meta(h2, norm.output)
 
-    for c in plan.accepted:
+    like, call = graph_replay(graph)
+    replayed: dict = {}
+
+    def like_once(node, src, x):
+        # consumers that share a chain node share its replay: a collective between the
+        # norm and its GEMMs (sequence parallelism's all-gather) runs once, as in eager.
+        # Consumers go in graph order, so the replay sits before every GEMM that reads it.
+        if (node, x) not in replayed:
+            replayed[(node, x)] = like(node, src, x)
+        return replayed[(node, x)]
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for c in sorted(plan.accepted, key=lambda c: order[c.linear]):
         program = programs.consumers[c.linear].to_text()
         with graph.inserting_before(c.linear):
             h2c, rc, scale, shift = row_scale.replay_chain(c.chain, norm.output, norm.dim, h2,
-                                                           r, *graph_replay(graph))
+                                                           r, like_once, call)
             weight, bias = c.weight, c.bias
             if scale is not None:  # a per-feature factor, folded into the live weights
                 weight = graph.call_function(layouts.fold_scale, (c.weight, scale))
