@@ -14,6 +14,7 @@ entry-point backends itself when the name is first looked up (which is why
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch.fx as fx
 
@@ -35,9 +36,17 @@ class CodaBackend:
         self.runs = 0  # executions of this backend's graphs: optimize() checks a call ran one
         self._breaks_seen = _graph_breaks()
 
-    def __call__(self, gm: fx.GraphModule, example_inputs, **_):
-        g = rewrite_graph(gm, self.options, index=len(self.report.graphs))
-        self.report.add(g, self.options.dump_dir)
+    def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
+                 options: dict | None = None):
+        opts = self.options
+        if mode is not None or options:  # torch.compile(m, backend=this, mode=/options=)
+            opts = Options.make({**dataclasses.asdict(opts), **(options or {})},
+                                **({"mode": mode} if mode else {}))
+        return self._compile(gm, example_inputs, opts)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs, opts: Options):
+        g = rewrite_graph(gm, opts, index=len(self.report.graphs))
+        self.report.add(g, opts.dump_dir)
         # dynamo counts a graph break before it compiles the graph in front of it: the
         # reasons new since this backend last compiled go to the report (compile time,
         # not per call)
@@ -45,9 +54,14 @@ class CodaBackend:
         self.report.graph_breaks += [reason.splitlines()[0] for reason, n in now.items()
                                      if n > self._breaks_seen.get(reason, 0)]
         self._breaks_seen = now
-        if self.options.inductor:
+        if opts.inductor:
             from torch._inductor.compile_fx import compile_fx
-            return self._counted(compile_fx(gm, example_inputs))
+            # as torch.compile's own Inductor wrapper passes a mode's settings
+            return self._counted(compile_fx(gm, example_inputs,
+                                            config_patches=opts.inductor_config()))
+        if opts.cudagraphs:  # AOTAutograd, no Inductor, then cudagraph trees
+            from torch._dynamo.backends.cudagraphs import cudagraphs
+            return self._counted(cudagraphs(gm, example_inputs))
         return self._counted(gm.forward)
 
     def _counted(self, fn):
@@ -65,6 +79,9 @@ def _graph_breaks() -> collections.Counter:
     return collections.Counter(counters["graph_break"])
 
 
-def coda_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
-    """``torch.compile(model, backend="coda", options={...})``; options as in Options."""
-    return CodaBackend(Options.make(options), SESSION_REPORT)(gm, example_inputs)
+def coda_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None,
+                 mode: str | None = None):
+    """``torch.compile(model, backend="coda", options={...}, mode=...)``; options as in
+    Options (an unknown one raises); ``mode`` as torch.compile's, applied to Inductor."""
+    return CodaBackend(Options.make(options, **({"mode": mode} if mode else {})),
+                       SESSION_REPORT)(gm, example_inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .report import dump_dir_from_env
 
@@ -30,6 +31,25 @@ class Options:
     # write of those weights per call, costs one more copy of them in memory; writes
     # through ``param.data`` go unseen.
     cache_relayouts: bool = False
+    # Replay the rewritten graphs from CUDA graphs (Inductor's cudagraph trees: recorded
+    # per input shape after a warm-up call, re-recorded for a new shape; inputs copied
+    # into static buffers, outputs valid until the next replay of that graph). For
+    # serving and decode, where the host launching ~20 kernels per layer is the
+    # bottleneck. With inductor=False (optimize()'s default) the graph goes through
+    # AOTAutograd without Inductor, then the same cudagraph trees. CPU tensors: no-op.
+    cudagraphs: bool = False
+    # torch.compile's mode, for Inductor ("reduce-overhead" = cudagraphs; "max-autotune",
+    # "max-autotune-no-cudagraphs"): Inductor's own settings for that mode apply to the
+    # rewritten graph. torch.compile(m, backend="coda", mode=...) sets it.
+    mode: str | None = None
+    # CUDA GEMMs with fewer rows (tokens) than this are left to cuBLAS, their epilogue as
+    # graph ops (Inductor fuses them): at decode and short-prompt sizes QuACK's fused GEMM
+    # on its default config is slower than cuBLAS + a fused elementwise kernel (measured
+    # on the H200, BENCHMARKS.md "small M"). A dynamic row count is fused (its size is
+    # not known when the rewrite is decided); on CPU (the reference path: no speed to
+    # win or lose) every size is. 0: always fuse. Default: $CODA_MIN_FUSED_ROWS or 4096.
+    min_fused_rows: int = dataclasses.field(default_factory=lambda: int(
+        os.environ.get("CODA_MIN_FUSED_ROWS", "4096")))
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":
@@ -41,4 +61,20 @@ class Options:
         if "patterns" in merged:
             merged["patterns"] = tuple(merged["patterns"])
         opts = cls(**merged)
+        if opts.mode not in _MODES:
+            raise ValueError(f"unknown torch.compile mode {opts.mode!r} for the coda "
+                             f"backend; known: {sorted(m for m in _MODES if m)}")
+        if opts.mode in ("reduce-overhead", "max-autotune"):  # Inductor's own meaning
+            opts = dataclasses.replace(opts, cudagraphs=True)
         return dataclasses.replace(opts, dump_dir=dump_dir_from_env(opts.dump_dir))
+
+    def inductor_config(self) -> dict:
+        """Inductor settings for this compile: the mode's, and cudagraphs if asked."""
+        import torch._inductor
+        config = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
+        if self.cudagraphs:
+            config["triton.cudagraphs"] = True
+        return config
+
+
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the tests' models are small: every GEMM is fused on the GPU too (the size threshold,
+# options.min_fused_rows, is a speed decision, tested on its own)
+os.environ.setdefault("CODA_MIN_FUSED_ROWS", "0")
 if ROOT not in sys.path:  # the GPU image runs the tests from the source tree
     sys.path.insert(0, ROOT)
 

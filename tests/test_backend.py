@@ -199,3 +199,65 @@ def test_cli_explain_and_demo(tmp_path):
     assert "rewritten norms: 5" in out.stdout and "ratio" in out.stdout and "OK in" in out.stdout
     seconds = float(out.stdout.rsplit("OK in", 1)[1].split()[0])
     assert seconds < 60
+
+
+def test_modes_and_cudagraphs_options():
+    """torch.compile's mode reaches the backend (reduce-overhead = CUDA graphs), an
+    unknown mode or option raises, and cudagraphs=True with or without Inductor gives
+    eager's numbers (on CPU the cudagraph trees skip themselves: a no-op here; replays
+    are tested on the GPU)."""
+    import coda_rewrite
+    from coda_rewrite.options import Options
+    from conftest import hf_model, tokens
+
+    assert Options.make(mode="reduce-overhead").cudagraphs
+    assert Options.make(mode="reduce-overhead").inductor_config() == {"triton.cudagraphs": True}
+    assert not Options.make(mode="max-autotune-no-cudagraphs").cudagraphs
+    with pytest.raises(ValueError, match="unknown torch.compile mode"):
+        Options.make(mode="fastest")
+    model = hf_model("llama").eval()
+    ids = tokens()
+    with torch.no_grad():
+        want = model(ids).logits
+        with pytest.raises(Exception, match="unknown torch.compile mode"):
+            torch.compile(model, backend="coda", mode="fastest")(ids)
+        torch._dynamo.reset()
+        backend = coda_rewrite.CodaBackend(coda_rewrite.Options(inductor=False))
+        got = torch.compile(model, backend=backend, mode="reduce-overhead")(ids).logits
+        assert backend.report.count() > 0 and backend.runs == 1
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        fast = coda_rewrite.optimize(model, cudagraphs=True)
+        got = fast(ids).logits
+        assert fast.report.count() > 0
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_small_gemms_are_left_to_cublas_on_the_gpu():
+    """options.min_fused_rows: a match whose CUDA GEMMs all have fewer static rows is left
+    unfused, with the reason; on CPU (the reference path) or at 0 every size is fused,
+    and so is a symbolic row count (its size is unknown when the rewrite is decided)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from coda_rewrite.patterns import attention, gated_mlp
+    from coda_rewrite.pipeline import _too_few_rows
+
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    lin = graph.call_function(torch.nn.functional.linear, (x, w))
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        w.meta["example_value"] = torch.empty(64, 32, device="cuda")
+        for shape, device, min_rows, left in (((2, 64, 32), "cuda", 512, True),
+                                              ((2, 256, 32), "cuda", 512, False),
+                                              ((2, 64, 32), "cpu", 512, False),
+                                              ((2, 64, 32), "cuda", 0, False),
+                                              ((env.create_unbacked_symint(), 32), "cuda",
+                                               512, False)):
+            x.meta["example_value"] = torch.empty(shape, device=device)
+            why = _too_few_rows(gated_mlp, {"gemm": [lin]}, min_rows)
+            assert bool(why) == left, (shape, device, min_rows, why)
+            assert not _too_few_rows(attention, {"gemm": [lin]}, min_rows)  # no GEMM fused
+        x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
+        assert "128 rows, fewer than min_fused_rows = 512" in \
+            _too_few_rows(gated_mlp, [lin], 512)

@@ -53,7 +53,7 @@ def test_one_rotation_per_layer_with_v_in_the_same_gemm(family, dtype):
         assert len(r.consumers) == 3 and "frequency 0" in r.consumers[2], r.consumers
         text = r.decision.render()
         assert "PROVED" in text and "witness replay in float64" in text, text
-        assert "q·k invariant at scaled_dot_product_attention" in text, text
+        assert "q·k invariant at" in text, text
     assert unpermuted(report) == []  # no cache returned: the permutation never shows
 
 

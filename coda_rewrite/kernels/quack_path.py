@@ -11,9 +11,11 @@ put on ``sys.path``: QuACK's compile cache needs an importable home for an epilo
 function, and its disk cache then makes a warm start skip compilation. The folder name
 carries the generator's and QuACK's versions, so a new version never reads stale code.
 
-Configs are QuACK's per-arch defaults (``tuned=False``): a call makes no tuning
-decision, and the first call of a program and tensor-metadata class compiles (logged
-once, with its time); run one warm-up step before capturing a CUDA graph.
+Configs are QuACK's per-arch defaults (no autotuning): a call makes no tuning decision.
+The first call of a program on a tensor-metadata class prepares its launch (``Launch``:
+QuACK's ``EpiMod.plan``, which compiles on a cold cache; logged once per kernel, with
+its time); every later call of that class is ``EpiPlan.run``, no host decision. Run one
+warm-up step before capturing a CUDA graph.
 """
 
 from __future__ import annotations
@@ -208,61 +210,109 @@ def config_for(prog: EpilogueProgram):
     return None
 
 
-def run(ks: KernelSource, module, a, b, operands) -> list[torch.Tensor]:
-    """Launch the kernel, then the row-stage finaliser; outputs in program order."""
-    prog = ks.program
-    m, n = a.shape[0], b.shape[0]
-    by_name = dict(zip((o.name for o in prog.operands), operands))
-    kwargs, c = {}, None
-    for bnd in ks.contract.operands:
-        t = by_name[bnd.name]
-        if bnd.param == "c":
-            c = t
-        elif bnd.param in module.epilogue.fn.__code__.co_varnames or \
-                bnd.name in prog.index_operands:
-            # a scalar goes by device pointer: no host sync, safe in CUDA graphs
-            kwargs[bnd.param] = t.float().reshape(1).contiguous() \
-                if bnd.kind == Kind.SCALAR else t
-    out_dtype = {o.value: reference.dtype_from_name(o.dtype) for o in prog.outputs}
-    width = {o.value: n // 2 if o.kind == Kind.PAIR else n for o in prog.outputs}
-    out = {name: torch.empty(m, width[value], device=a.device, dtype=out_dtype[value])
-           for value, name in ks.contract.tile_outputs}
-    # QuACK compiles once per kernel and tensor-metadata class; dtypes stand in for that
-    # class here, for the one log line per compile (a shape class QuACK sees as new only
-    # shows as a slower first call, never as a wrong result)
-    key = (ks.module_name, a.dtype, tuple(t.dtype for t in operands))
-    first = key not in _seen
-    t0 = time.perf_counter()
-    config = config_for(prog)
-    result = module.epilogue(a, b.t(), c, out=out, store_d="D" in out, tuned=False,
-                             config=config, **kwargs)
-    if first:
-        if not torch.cuda.is_current_stream_capturing():  # timing only; never in a capture
-            torch.cuda.synchronize(a.device)
-        with _lock:
-            _seen.add(key)
-            COMPILES.append((ks.program.key, time.perf_counter() - t0))
-        log.info("coda_rewrite: kernel %s ready in %.1f s (first call: compile or disk-cache "
-                 "load)", ks.program.key, time.perf_counter() - t0)
+def prepare(ks: KernelSource, module, a, b, operands) -> "Launch":
+    """The launch of ``ks`` for the tensor-metadata class of these tensors (the caller
+    keeps it, keyed by ``metadata_key``)."""
+    return Launch(ks, module, a, b, operands)
 
-    env: dict[str, torch.Tensor] = {}
-    for value, name in ks.contract.tile_outputs:
-        env[value] = result[name] if name in result else out[name]
-    for r in ks.contract.reductions:
-        env[r.value] = result[r.sink].reshape(m, 1).float()
-        if r.combine == "select":  # rows whose index is out of range are never written
-            (instr,) = [i for i in prog.body if i.out == r.value]
-            idx = by_name[instr.args[1]].reshape(m, 1)
-            ok = (idx >= 0) & (idx < n)
-            env[r.value] = torch.where(ok, env[r.value], torch.zeros((), device=a.device))
-    if ks.row_stage:
-        for spec, t in zip(prog.operands, operands):
-            if spec.kind in (Kind.PER_ROW, Kind.SCALAR):
-                env[spec.name] = t.float().reshape(-1, 1) if spec.kind == Kind.PER_ROW \
-                    else t.float()
-        reference.eval_body(ks.row_stage, env, torch.float32)
-    outs = []
-    for o in prog.outputs:
-        v = env[o.value]
-        outs.append(v.reshape(m).to(out_dtype[o.value]) if o.kind == Kind.PER_ROW else v)
-    return outs
+
+def metadata_key(*tensors) -> tuple:
+    """What a prepared launch may assume of its tensors: shapes, strides, storage offsets,
+    dtypes, devices and each pointer's 16-byte alignment (a planned launch trusts its
+    caller: a key that misses one of these would be a wrong result, not a slow call)."""
+    key = []
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            key.append(metadata_key(*t))
+        elif t is None:
+            key.append(None)
+        else:
+            key.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
+                        t.data_ptr() % 16 == 0))
+    return tuple(key)
+
+
+class Launch:
+    """One program on one tensor-metadata class, prepared once: which operand binds
+    where, the output buffers' shapes and dtypes, and QuACK's EpiPlan (``EpiMod.plan``:
+    config and compiled kernel resolved; ``EpiPlan.run`` makes no host decision). A call
+    allocates the outputs, launches, and folds the reductions' per-tile partials.
+
+    The reductions' per-tile partial buffers are allocated by each call, like its
+    outputs, not kept with the plan: a buffer the plan kept would be shared by calls on
+    different streams, and one allocated while a CUDA graph tree warms up would live in
+    its memory pool untracked (which cudagraph trees refuse)."""
+
+    __slots__ = ("ks", "plan", "c_index", "kwargs", "outs", "sinks", "m", "n", "device",
+                 "out_dtypes", "scratch")
+
+    def __init__(self, ks: KernelSource, module, a, b, operands):
+        prog = ks.program
+        self.ks, self.m, self.n, self.device = ks, a.shape[0], b.shape[0], a.device
+        names = [o.name for o in prog.operands]
+        self.c_index, self.kwargs = None, []
+        for bnd in ks.contract.operands:
+            i = names.index(bnd.name)
+            if bnd.param == "c":
+                self.c_index = i
+            elif bnd.param in module.epilogue.fn.__code__.co_varnames or \
+                    bnd.name in prog.index_operands:
+                self.kwargs.append((bnd.param, i, bnd.kind == Kind.SCALAR))
+        self.out_dtypes = {o.value: reference.dtype_from_name(o.dtype) for o in prog.outputs}
+        width = {o.value: self.n // 2 if o.kind == Kind.PAIR else self.n for o in prog.outputs}
+        self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
+                     for value, name in ks.contract.tile_outputs]
+        t0 = time.perf_counter()
+        mod = module.epilogue
+        self.plan = mod.plan(a, b.t(), self._c(operands), out=self._alloc(),
+                             config=config_for(prog), **self._operands(operands))
+        self.sinks = [(r, mod.sinks[r.sink]) for r in ks.contract.reductions]
+        self.scratch = [(name, buf.shape, buf.dtype) for name, buf in self.plan.scratch.items()]
+        self.plan.scratch = {}
+        first = ks.module_name not in _seen
+        if first:
+            with _lock:
+                _seen.add(ks.module_name)
+                COMPILES.append((prog.key, time.perf_counter() - t0))
+            log.info("coda_rewrite: kernel %s ready in %.1f s (first plan: compile or "
+                     "disk-cache load)", prog.key, time.perf_counter() - t0)
+
+    def _c(self, operands):
+        return None if self.c_index is None else operands[self.c_index]
+
+    def _operands(self, operands) -> dict:
+        # a scalar goes by device pointer: no host sync, safe in CUDA graphs
+        return {param: operands[i].float().reshape(1) if scalar else operands[i]
+                for param, i, scalar in self.kwargs}
+
+    def _alloc(self) -> dict:
+        return {name: torch.empty(shape, device=self.device, dtype=dtype)
+                for name, shape, dtype in self.outs}
+
+    def __call__(self, a, b, operands) -> list[torch.Tensor]:
+        out = self._alloc()
+        scratch = {name: torch.empty(shape, device=self.device, dtype=dtype)
+                   for name, shape, dtype in self.scratch}
+        self.plan.run(a, b.t(), self._c(operands), out=out, scratch=scratch,
+                      **self._operands(operands))
+        ks, m = self.ks, self.m
+        env: dict[str, torch.Tensor] = {value: out[name] for value, name
+                                        in ks.contract.tile_outputs}
+        for r, op in self.sinks:
+            partials = scratch[r.sink]
+            folded = op.host_finalize(partials) if getattr(op, "host_finalize", None) \
+                else partials
+            env[r.value] = folded.reshape(m, 1).float()
+            if r.combine == "select":  # rows whose index is out of range are never written
+                (instr,) = [i for i in ks.program.body if i.out == r.value]
+                idx = operands[[o.name for o in ks.program.operands].index(instr.args[1])]
+                ok = (idx.reshape(m, 1) >= 0) & (idx.reshape(m, 1) < self.n)
+                env[r.value] = torch.where(ok, env[r.value], torch.zeros((), device=a.device))
+        if ks.row_stage:
+            for spec, t in zip(ks.program.operands, operands):
+                if spec.kind in (Kind.PER_ROW, Kind.SCALAR):
+                    env[spec.name] = t.float().reshape(-1, 1) if spec.kind == Kind.PER_ROW \
+                        else t.float()
+            reference.eval_body(ks.row_stage, env, torch.float32)
+        return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
+                if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]

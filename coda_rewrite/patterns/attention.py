@@ -186,8 +186,29 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
                                    "raises on it", describe(n), code="attention.mask_dtype")
             else:
                 causal = mask_prover.prove_causal(mask, meta(q).shape[-2], meta(k).shape[-2])
+        gqa = _fused_kernel_takes_gqa(gqa, mask, causal, q, n)
         out.append(AttentionMatch(n, q, k, v, kb, vb, mask, gqa, causal))
     return out
+
+
+def _fused_kernel_takes_gqa(gqa, mask, causal, q, sdpa):
+    """enable_gqa is a speed rewrite: it must leave SDPA a fused kernel. PyTorch's flash
+    and memory-efficient kernels take it only without a mask tensor and with head_dim ≤
+    256; otherwise SDPA falls back to its math kernel (the [s, s] scores materialised),
+    which is slower than repeating the key/value heads (measured: decode with a kept
+    cache mask ran at 0.71x torch.compile's tokens/s with it). So where the mask stays a
+    tensor the repeat stays too."""
+    if not gqa.accepted:
+        return gqa
+    if isinstance(mask, fx.Node) and not (causal is not None and causal.accepted):
+        return Rejection("a mask tensor stays (not proved causal), and SDPA's fused kernels "
+                         "take enable_gqa only without one (math-kernel fallback): the "
+                         "key/value repeat stays", describe(sdpa), code="attention.gqa_with_mask")
+    if meta(q).shape[-1] > 256:
+        return Rejection(f"head_dim {meta(q).shape[-1]} > 256: SDPA's fused kernels take "
+                         "enable_gqa only up to 256 (math-kernel fallback): the key/value "
+                         "repeat stays", describe(sdpa), code="attention.gqa_head_dim")
+    return gqa
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------

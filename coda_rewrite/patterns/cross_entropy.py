@@ -48,6 +48,8 @@ from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
 
 NAME = "lm_head_cross_entropy"
+# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+FUSES_GEMMS = True
 
 _CE = {F.cross_entropy, torch.nn.functional.cross_entropy}
 _VIEWS = {"view", "reshape", "flatten", torch.reshape, torch.flatten}

@@ -48,6 +48,8 @@ from .family import Context, Decided
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "gated_mlp"
+# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+FUSES_GEMMS = True
 
 _SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
 _GELU = {F.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default, "gelu"}

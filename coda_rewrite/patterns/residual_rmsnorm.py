@@ -50,6 +50,8 @@ from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from .family import Context, Decided
 
 NAME = "residual_rmsnorm_gemm"
+# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+FUSES_GEMMS = True
 _CHAIN_DEPTH = 4
 
 

@@ -75,6 +75,8 @@ from .gated_mlp import Projection, projection_of
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "rope"
+# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+FUSES_GEMMS = True
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _COS = {torch.cos, "cos"}

@@ -1,0 +1,145 @@
+"""Host time per fused call: what the CPU spends to launch each program family's fused
+GEMM (the GEMM, its finaliser, everything the rewrite inserts for the match), beside
+F.linear at the same shape, at M = 64 where the host, not the GPU, bounds a forward.
+
+    source .gpu/setup.sh && python benchmarks/host_overhead.py [profile]
+
+The GPU is kept busy ahead of the timed loop (torch.cuda._sleep), so a call never waits
+for the launch queue and the figure is the host's own work. Per program (captured from
+a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones):
+
+    direct          what a graph optimize() runs calls under no_grad: no op boundary
+    op              torch.ops.coda.gemm_epilogue: what an Inductor graph calls
+    op, grad        the op with inputs that require grad (autograd records the node)
+    F.linear        cuBLAS at the same (M, N, K)
+
+and per whole layer (1 x 64 tokens, no_grad): host µs per forward under eager,
+torch.compile, optimize() and backend="coda".
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from common import env_line, write_csv
+
+import coda_rewrite
+from coda_rewrite.codegen.program import parse
+from coda_rewrite.kernels import ops
+from coda_rewrite.models import Llama, LlamaArgs
+
+bf = torch.bfloat16
+CALLS = 100
+
+
+def host_us(fn, calls: int = CALLS, repeats: int = 5) -> float:
+    """Median over repeats of the host µs per call, the GPU busy all along."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    seen = []
+    for _ in range(repeats):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of the loop
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        seen.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(seen)
+
+
+def captured_calls(model, x):
+    """(program, a, b, operands) of each distinct program the rewritten model runs."""
+    seen, original = {}, ops.execute
+
+    def spy(program, a, b, operands):
+        seen.setdefault(program, (a.clone(), b.clone(), [t.clone() for t in operands]))
+        return original(program, a, b, operands)
+
+    ops.execute = spy
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        ops.execute = original
+    return seen
+
+
+def per_program(calls) -> list[tuple[str, str, float]]:
+    rows = []
+    print(f"{'program':<34} {'family':<18} {'M,N,K':<18} {'direct':>8} {'op':>8} "
+          f"{'op,grad':>8} {'F.linear':>9}  µs/call")
+    for program, (a, b, operands) in calls.items():
+        prog = parse(program)
+        if not prog.gemm:
+            continue
+        a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
+        with torch.no_grad():
+            direct = host_us(lambda: ops.execute(program, a, b, operands))
+            op = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands))
+            linear = host_us(lambda: torch.nn.functional.linear(a, b))
+        try:  # an inference-only program (no saved pre-activation) has no backward
+            grad = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a_g, b_g, operands))
+        except Exception:
+            grad = float("nan")
+        shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
+        print(f"{prog.key:<34} {prog.family:<18} {shape:<18} {direct:8.1f} {op:8.1f} "
+              f"{grad:8.1f} {linear:9.1f}")
+        for variant, us in (("direct", direct), ("op", op), ("op, grad", grad),
+                            ("F.linear", linear)):
+            rows.append((f"{prog.family} {variant}", "host us/call", us))
+    return rows
+
+
+def per_layer(model, x) -> list[tuple[str, str, float]]:
+    fused = {"min_fused_rows": 0}  # M = 64 is below the default: fuse to measure it
+    variants = {"eager": model, "torch.compile": torch.compile(model),
+                "optimize()": coda_rewrite.optimize(model, **fused),
+                'backend="coda"': torch.compile(model, backend="coda", options=fused)}
+    rows = []
+    with torch.no_grad():
+        for name, m in variants.items():
+            us = host_us(lambda: m(x), calls=20)
+            print(f"layer forward, 1 x {x.shape[1]} tokens, {name:<16} {us:8.1f} µs host")
+            rows.append((f"layer {name}", "host us/forward", us))
+    return rows
+
+
+def profile(model, x, top: int = 25) -> None:
+    """cProfile of optimize()'s forward: where its host time goes."""
+    import cProfile
+    import pstats
+    fast = coda_rewrite.optimize(model, min_fused_rows=0)
+    with torch.no_grad():
+        for _ in range(3):
+            fast(x)
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            fast(x)
+        pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
+def main():
+    print(env_line())
+    torch.manual_seed(0)
+    a = LlamaArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                  vocab_size=32768, max_seq_len=4096)
+    model = Llama(a).cuda().to(bf).eval()
+    x = torch.randint(0, a.vocab_size, (1, 64), device="cuda")
+    if "profile" in sys.argv[1:]:
+        return profile(model, x)
+    calls = captured_calls(coda_rewrite.optimize(model, min_fused_rows=0), x)
+    rows = per_program(calls) + per_layer(model, x)
+    print("csv:", write_csv("host overhead (M = 64, 8B layer)", rows))
+
+
+if __name__ == "__main__":
+    main()

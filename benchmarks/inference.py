@@ -1,0 +1,165 @@
+"""Inference figures (#15's bars): the TorchTitan-style 4-layer Llama forward and
+Hugging Face decode, each variant timed in alternating rounds.
+
+    source .gpu/setup.sh && python benchmarks/inference.py [forward] [small_m] [decode]
+
+forward: the plain Llama (dim 2048, 16 / 8 heads, ffn 5632, vocab 32768, complex RoPE,
+bf16), no_grad, at 2 x 2048 and 2 x 64 tokens: eager, torch.compile, backend="coda",
+optimize(), each also from CUDA graphs (torch.compile's mode="reduce-overhead" for
+both compiles; optimize(cudagraphs=True)). Medians over rounds with their spread.
+
+small_m: where fused GEMMs stop paying (options.min_fused_rows), from CUDA graphs.
+
+decode: a Hugging Face Llama at Llama-3.2-1B widths (4 layers), greedy generate() of 64
+tokens after a 32-token prompt over a static KV cache, batch 1 and 8: eager, generate()'s
+own compile of the decode step (Hugging Face's recipe: mode="reduce-overhead") with
+Inductor and with backend="coda"; tokens/s and how many tokens agree with eager.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from common import bench_rounds, env_line, write_csv
+
+import coda_rewrite
+from coda_rewrite import CodaBackend, Options
+from coda_rewrite.models import Llama, LlamaArgs
+
+bf = torch.bfloat16
+
+
+def forward() -> list:
+    torch.manual_seed(0)
+    a = LlamaArgs(dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=5632,
+                  vocab_size=32768, max_seq_len=2048)
+    model = Llama(a).cuda().to(bf).eval()
+    rows = []
+    for batch, seq in ((2, 2048), (2, 64)):
+        x = torch.randint(0, a.vocab_size, (batch, seq), device="cuda")
+        torch._dynamo.reset()
+        variants = {
+            "eager": model,
+            "torch.compile": torch.compile(model, dynamic=False),
+            'backend="coda"': torch.compile(model, backend="coda", dynamic=False),
+            "optimize()": coda_rewrite.optimize(model),
+            "torch.compile, cudagraphs": torch.compile(model, mode="reduce-overhead",
+                                                       dynamic=False),
+            'backend="coda", cudagraphs': torch.compile(model, backend="coda", dynamic=False,
+                                                        mode="reduce-overhead"),
+            "optimize(cudagraphs=True)": coda_rewrite.optimize(model, cudagraphs=True),
+        }
+        with torch.no_grad():
+            want = model(x).float()
+            fns = {}
+            for name, m in variants.items():
+                for _ in range(3):  # compile, record, replay
+                    got = m(x)
+                err = float((got.float() - want).norm() / want.norm())
+                print(f"{batch} x {seq} {name}: rel. error vs eager {err:.2e}", flush=True)
+                fns[name] = (lambda m=m: m(x))
+            timed = bench_rounds(fns, rounds=3)
+        base = timed["torch.compile"][0]
+        base_cg = timed["torch.compile, cudagraphs"][0]
+        for name, (ms, spread) in timed.items():
+            ref = base_cg if "cudagraphs" in name else base
+            print(f"{batch} x {seq} {name:<30} {ms:7.3f} ms  (spread {spread:.1%})  "
+                  f"{ref / ms:5.2f}x torch.compile{' (graphed)' if ref is base_cg else ''}")
+            rows.append((f"{batch}x{seq} {name}", "ms", ms))
+    return rows
+
+
+def small_m() -> list:
+    """Where the fused GEMMs stop paying: the 4-layer forward from CUDA graphs (kernel
+    time only) at 2 x {64 .. 512} tokens ($CODA_SMALL_M_SEQS), every GEMM fused
+    (min_fused_rows=0) against torch.compile; the default threshold's beside them."""
+    torch.manual_seed(0)
+    a = LlamaArgs(dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=5632,
+                  vocab_size=32768, max_seq_len=2048)
+    model = Llama(a).cuda().to(bf).eval()
+    rows = []
+    seqs = [int(s) for s in os.environ.get("CODA_SMALL_M_SEQS", "64,128,256,512").split(",")]
+    for seq in seqs:
+        x = torch.randint(0, a.vocab_size, (2, seq), device="cuda")
+        torch._dynamo.reset()
+        variants = {
+            "torch.compile": torch.compile(model, mode="reduce-overhead", dynamic=False),
+            "coda, all fused": torch.compile(model, dynamic=False, backend=CodaBackend(
+                Options(min_fused_rows=0, cudagraphs=True))),
+            "coda, default": torch.compile(model, backend="coda", mode="reduce-overhead",
+                                           dynamic=False)}
+        with torch.no_grad():
+            for m in variants.values():
+                for _ in range(3):
+                    m(x)
+            timed = bench_rounds({k: (lambda m=m: m(x)) for k, m in variants.items()})
+        base = timed["torch.compile"][0]
+        for name, (ms, spread) in timed.items():
+            print(f"small M: {2 * seq:5d} rows {name:<16} {ms:7.3f} ms (spread {spread:.1%})"
+                  f"  {base / ms:5.2f}x torch.compile (graphed)", flush=True)
+            rows.append((f"{2 * seq} rows {name}", "ms", ms))
+    return rows
+
+
+def decode() -> list:
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).cuda().to(bf).eval()
+    # generate() with a static cache compiles the decode step itself (its compile_config:
+    # mode="reduce-overhead", i.e. CUDA graphs); the prefill runs eager in every variant
+    variants = {
+        "eager": {"disable_compile": True},
+        "torch.compile, reduce-overhead": {"compile_config": tf.CompileConfig()},
+        'backend="coda", reduce-overhead': {"compile_config": tf.CompileConfig(
+            backend="coda")},
+        'backend="coda", every GEMM fused': {"compile_config": tf.CompileConfig(
+            backend=CodaBackend(Options(min_fused_rows=0, cudagraphs=True)),
+            mode="default")},
+    }
+    rows = []
+    for batch in (1, 8):
+        prompt = torch.randint(0, cfg.vocab_size, (batch, 32), device="cuda")
+        kw = dict(max_new_tokens=64, do_sample=False, cache_implementation="static",
+                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        want = None
+        for name, how in variants.items():
+            torch._dynamo.reset()
+            with torch.no_grad():
+                for _ in range(2):  # compile + record
+                    model.generate(prompt, **kw, **how)
+                seen = []
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = model.generate(prompt, **kw, **how)
+                    torch.cuda.synchronize()
+                    seen.append(time.perf_counter() - t0)
+            if want is None:
+                want = out
+            agree = (out[:, 32:] == want[:, 32:]).float().mean().item()
+            tps = batch * 64 / statistics.median(seen)
+            print(f"decode batch {batch} {name:<34} {tps:8.1f} tokens/s "
+                  f"(spread {(max(seen) - min(seen)) / statistics.median(seen):.1%}), "
+                  f"{agree:.0%} tokens as eager", flush=True)
+            rows.append((f"decode b{batch} {name}", "tokens/s", tps))
+    return rows
+
+
+def main():
+    print(env_line())
+    what = sys.argv[1:] or ["forward", "small_m", "decode"]
+    rows = [row for part in (forward, small_m, decode) if part.__name__ in what
+            for row in part()]
+    print("csv:", write_csv("inference", rows))
+
+
+if __name__ == "__main__":
+    main()
