@@ -6,7 +6,8 @@ Dynamo graphs keep the user's spelling: ``torch._C._nn.linear`` for nn.Linear, `
 ``canon(node)``, which names what a node computes in a small vocabulary:
 
     linear(x, w, b)      nn.Linear, F.linear, x @ w.T / w.t() / w.transpose(0, 1), addmm
-    add/sub/mul/div(a, b), neg(a), square(a) (pow(a, 2), a * a), rsqrt(a), sqrt(a)
+    add/sub/mul/div(a, b), neg(a), square(a) (pow(a, 2), a * a), rsqrt(a) (pow(a, -0.5)),
+    sqrt(a) (pow(a, 0.5))
     mean(a, dims, keepdim)
     cast(a, dtype)       .to(dtype), .float(), .half(), .bfloat16(), .type_as(t), .type(dtype)
     rms_norm(x, shape, w, eps)   torch.rms_norm, F.rms_norm
@@ -136,8 +137,11 @@ def canon(node: fx.Node) -> COp | None:
             if biased:
                 return biased
         return COp(name, (a, b))
-    if key in (torch.pow, operator.pow, "pow") and len(args) == 2 and args[1] == 2:
-        return COp("square", (args[0],))
+    if key in (torch.pow, operator.pow, "pow") and len(args) == 2 and not kw and \
+            isinstance(args[1], (int, float)) and not isinstance(args[1], bool):
+        # x², and the norm spelled x · (mean(x²) + eps)^(-1/2) (or divided by ^(1/2))
+        named = {2: "square", -0.5: "rsqrt", 0.5: "sqrt"}.get(args[1])
+        return COp(named, (args[0],)) if named else None
     if key in _UNARY and len(args) == 1 and not kw:
         return COp(_UNARY[key], (args[0],))
     if key in (torch.mean, "mean"):

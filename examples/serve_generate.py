@@ -4,7 +4,9 @@
 
 Every forward generate() makes (the prefill and each decode step, over a static KV
 cache) runs the rewritten graphs; the tokens are eager's. Tiny on CPU; a Llama-3.2-1B
-shape in bf16 on a GPU. (CUDA graphs for the decode step are not an option yet.)
+shape in bf16 on a GPU. For CUDA-graph decode, let generate() compile the decode step
+with the backend: ``compile_config=transformers.CompileConfig(backend="coda")`` (README,
+"Inference"; benchmarks/inference.py measures it).
 """
 
 from __future__ import annotations

@@ -51,8 +51,16 @@ def norm_no_weight(self, x):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
 
 
+def norm_pow(self, x):  # x · (mean(x²) + eps)^(-1/2)
+    return self.g * (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5))
+
+
+def norm_div_pow_half(self, x):  # x / (mean(x²) + eps) ** 0.5
+    return x / ((x ** 2).mean(-1, keepdim=True) + 1e-6) ** 0.5 * self.g
+
+
 NORMS = [norm_hf, norm_module, norm_functional, norm_functional_no_eps, norm_gemma,
-         norm_div_sqrt, norm_no_weight]
+         norm_div_sqrt, norm_no_weight, norm_pow, norm_div_pow_half]
 
 
 def lin_module(layer, x):
@@ -147,3 +155,75 @@ def test_gemma_offset_lands_in_the_program():
     fast = coda_rewrite.optimize(model, _inputs())
     text = fast.report.records[0].programs[0].pretty()
     assert "gamma + 1.0" in text, text
+
+
+class ScaledResidual(nn.Module):
+    """Phi-3 / Granite: the sublayer's output through a dropout and a scalar multiplier
+    before the residual add, then the norm and a GEMM."""
+
+    def __init__(self, p: float, multiplier: float, divide: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w0, self.w1 = nn.Linear(D, D), nn.Linear(D, N, bias=False)
+        self.drop = nn.Dropout(p)
+        self.norm = nn.RMSNorm(D, eps=1e-6)
+        self.multiplier, self.divide = multiplier, divide
+
+    def forward(self, x, res):
+        y = self.drop(self.w0(x))
+        y = y / self.multiplier if self.divide else y * self.multiplier
+        z = res + y
+        return self.w1(self.norm(z)), z
+
+
+def _producer_fused(report) -> bool:
+    (rec,) = [r for r in report.records if r.pattern == "residual_rmsnorm_gemm"]
+    assert rec.status == "rewritten", str(report)
+    return "residual_rmsnorm" in [p.name for p in rec.programs]
+
+
+@pytest.mark.parametrize("p,train,mult,divide", [(0.1, False, 0.5, False),   # eval dropout
+                                                 (0.0, True, 0.25, False),   # p = 0
+                                                 (0.0, True, 1.0, False),    # dropout alone
+                                                 (0.1, False, 4.0, True)])   # y / 4
+def test_identity_dropout_and_scalar_multiplier_before_the_residual(p, train, mult, divide):
+    """Fused into the producer: z = c·(x·W0ᵀ + b0) + residual; outputs and gradients as
+    eager's (the backward scales the GEMM's gradient by c)."""
+    model = ScaledResidual(p, mult, divide).train(train)
+    ref = copy.deepcopy(model)
+    x, res = _inputs()
+    x.requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    fast = coda_rewrite.optimize(model)
+    (out, z), (want, zr) = fast(x, res), ref(xr, res)
+    assert rel_err(out, want) <= 1e-5 and rel_err(z, zr) <= 1e-5
+    (out.square().sum() + z.sum()).backward()
+    (want.square().sum() + zr.sum()).backward()
+    assert rel_err(x.grad, xr.grad) <= 1e-4
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(a.grad, b.grad) <= 1e-4, name
+    assert _producer_fused(fast.report)
+
+
+def test_an_active_dropout_keeps_the_producer_apart():
+    """Training with p > 0: the dropout is not the identity; the norm is still fused (as a
+    row-wise program), its producer is not, and the results are eager's under one seed."""
+    model = ScaledResidual(0.5, 0.5).train()
+    ref = copy.deepcopy(model)
+    x, res = _inputs()
+    fast = coda_rewrite.optimize(model)
+    torch.manual_seed(3)
+    out, _ = fast(x, res)
+    torch.manual_seed(3)
+    want, _ = ref(x, res)
+    assert rel_err(out, want) <= 1e-5
+    assert not _producer_fused(fast.report)
+
+
+def test_phi3_dropout_in_eval_no_longer_blocks_the_producer():
+    from conftest import hf_model, tokens
+    model = hf_model("phi3", resid_pdrop=0.1).eval()
+    report = coda_rewrite.explain(model, tokens(), use_cache=False)
+    producers = [r for r in report.records if r.pattern == "residual_rmsnorm_gemm"
+                 and "residual_rmsnorm" in [p.name for p in r.programs]]
+    assert len(producers) == 4, str(report)   # 2 layers x (attention, MLP) outputs

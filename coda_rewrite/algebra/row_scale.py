@@ -370,6 +370,8 @@ def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
             env[prod.bias] = rand(prod.bias, d)
         env[prod.residual] = rand(prod.residual, *lead, d)
         env[prod.linear] = _eval(prod.linear, env)
+        for n in prod.between:  # identity ops and the residual multiplier, as captured
+            env[n] = _eval(n, env)
         env[prod.add] = _eval(prod.add, env)
         ops_in = [env[prod.x].reshape(-1, k), env[prod.weight],
                   [*([env[prod.bias]] if prod.bias is not None else []),

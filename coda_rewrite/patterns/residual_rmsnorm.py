@@ -63,6 +63,8 @@ class Producer:
     weight: fx.Node
     bias: fx.Node | None
     residual: fx.Node
+    scale: float = 1.0    # a scalar residual multiplier between the GEMM and the add
+    between: tuple[fx.Node, ...] = ()   # identity ops and the multiplier, in order
 
 
 @dataclasses.dataclass
@@ -128,6 +130,7 @@ def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
     if c is None or c.name != "add":
         return None, f"the norm's input {describe(z)} is not a residual add"
     for lin, res in (c.args, c.args[::-1]):
+        lin, scale, between = _through_scale_and_identity(lin)
         lin = _through_upcast(lin)
         sharded = _sharded_gemm_behind(lin)
         if sharded is not None:
@@ -144,8 +147,47 @@ def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
         x, w, b = cl.args
         if meta(w) is None or meta(w).dim() != 2 or (b is not None and not isinstance(b, fx.Node)):
             return None, f"{describe(lin)} has a weight or bias that is not a 2-D/1-D tensor"
-        return Producer(lin, z, x, w, b, res), ""
+        return Producer(lin, z, x, w, b, res, scale, between), ""
     return None, f"neither operand of the residual add {describe(z)} is a GEMM"
+
+
+def _through_scale_and_identity(node):
+    """(the value under identity ops and scalar multipliers, the product of the
+    multipliers, the nodes walked) for a residual add's operand: Phi-3's and Granite's
+    ``residual + dropout(out) * multiplier`` with the dropout inactive (eval, or p = 0).
+    Each step must be the only reader of what it reads: the fused producer no longer
+    writes the GEMM's output. An active dropout stops the walk (it stays a reason)."""
+    scale, between = 1.0, []
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
+        src = node.args[0] if node.args else None
+        if not isinstance(src, fx.Node) or len(src.users) != 1:
+            break
+        if _inactive_dropout(node):
+            pass
+        else:
+            c = canon(node)
+            if c is None or c.name not in ("mul", "div"):
+                break
+            a, b = c.args
+            if c.name == "mul" and isinstance(a, (int, float)) and not isinstance(a, bool):
+                a, b = b, a
+            if a is not src or not isinstance(b, (int, float)) or isinstance(b, bool) or \
+                    (c.name == "div" and b == 0):
+                break
+            scale *= float(b) if c.name == "mul" else 1.0 / float(b)
+        between.append(node)
+        node = src
+    return node, scale, tuple(reversed(between))
+
+
+def _inactive_dropout(node: fx.Node) -> bool:
+    """F.dropout(x, p, training=False) or with p = 0: the identity."""
+    if node.op != "call_function" or node.target is not torch.nn.functional.dropout:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
+    return not inplace and (training is False or p == 0)
 
 
 def _sharded_gemm_behind(node) -> Why | None:
@@ -246,6 +288,8 @@ def norm_program(norm: RmsNorm, producer: Producer | None) -> EpilogueProgram:
         v = ACC
         if producer.bias is not None:
             v = p.add(v, p.operand("bias", Kind.PER_FEATURE))
+        if producer.scale != 1.0:
+            v = p.mul(v, producer.scale)
         z = p.add(v, p.operand("residual", Kind.TILE), name="z")
     else:
         z = p.operand("x", Kind.TILE)
@@ -403,7 +447,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
 
     dead_candidates = [*norm.nodes]
     if prod is not None:
-        dead_candidates += [prod.add, prod.linear]
+        dead_candidates += [prod.add, *reversed(prod.between), prod.linear]
     erase_if_dead(graph, dead_candidates)
     alive = set(graph.nodes)
     return {"materialised": [describe(n) for n in norm.nodes if n in alive],

@@ -1,6 +1,7 @@
 """The residual + RMSNorm family (the producer's epilogue, or the row-wise program):
-everything depends on z = acc + residual, which the forward stores; r is stored too.
-dz_total = dz + dh2 ⊙ γ' − dr ⊙ r³ ⊙ z / d."""
+everything depends on z = c·(acc + bias) + residual (c: a scalar residual multiplier, 1
+where there is none), which the forward stores; r is stored too.
+dz_total = dz + dh2 ⊙ γ' − dr ⊙ r³ ⊙ z / d;  d(acc) = c·dz_total."""
 
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ from ...codegen.program import ACC, Kind
 from .common import Rule, expect, gemm_grads, shaped, up
 
 def _residual_rmsnorm_parts(prog):
-    """z = acc (+ bias) + residual  |  z = x;  [s = gamma + c];  h2 = z * s or h2 = z;
+    """z = [c ·] (acc (+ bias)) + residual  |  z = x;  [s = gamma + c];  h2 = z * s or h2 = z;
     ss = row_sum(square(z)); r = rsqrt(ss / d + eps) -> outputs (z,) h2, r."""
     body = list(prog.body)
     kinds = {o.name: o.kind for o in prog.operands}
     names = [o.name for o in prog.operands]
     i = 0
+    acc_scale = 1.0
     if prog.gemm:
+        v = ACC
         if body[i].args == (ACC, "bias"):
             expect(body[i].op == "add" and kinds["bias"] == Kind.PER_FEATURE)
+            v = body[i].out
+            i += 1
+        if body[i].op == "mul" and body[i].args[0] == v and \
+                not isinstance(body[i].args[1], str):   # a scalar residual multiplier
+            acc_scale = float(body[i].args[1])
             i += 1
         expect(body[i].op == "add" and body[i].args[1] == "residual")
         z = body[i].out
@@ -44,7 +52,8 @@ def _residual_rmsnorm_parts(prog):
     expect(len(body) == i + 5)
     outs = [o.value for o in prog.outputs]
     expect(outs == ([z] if prog.gemm else []) + [h2, r.out])
-    return dict(z=z, offset=offset, d=float(mean.args[1]), has_gamma="gamma" in kinds)
+    return dict(z=z, offset=offset, d=float(mean.args[1]), has_gamma="gamma" in kinds,
+                acc_scale=acc_scale)
 
 
 def _residual_rmsnorm_vjp(prog, a, b, operands, outputs, grads):
@@ -76,9 +85,10 @@ def _residual_rmsnorm_vjp(prog, a, b, operands, outputs, grads):
     grads_by_name = {"gamma": grad_gamma}
     if prog.gemm:
         grads_by_name["residual"] = total.to(by_name["residual"].dtype)  # a dtype stand-in
+        d_acc = total * parts["acc_scale"] if parts["acc_scale"] != 1.0 else total
         if "bias" in by_name:
-            grads_by_name["bias"] = total.sum(0).to(by_name["bias"].dtype)
-        grad_a, grad_b = gemm_grads(total, a, b)
+            grads_by_name["bias"] = d_acc.sum(0).to(by_name["bias"].dtype)
+        grad_a, grad_b = gemm_grads(d_acc, a, b)
     else:
         grads_by_name["x"] = total.to(z.dtype)
         grad_a = grad_b = None
