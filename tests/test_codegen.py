@@ -89,7 +89,21 @@ def ce_softmax_grad():
     return softmax_grad_program(True, False, "bfloat16")
 
 
-NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles, ce_softmax_grad]
+def residual_multiplier():
+    """What the norm pattern produces for Granite / Phi-3: z = c·acc + residual, a
+    constant multiplier (c = 0.25) between the GEMM and the residual add."""
+    def body(p, o):
+        z = p.add(p.mul(ACC, 0.25), o["residual"], name="z")
+        h2 = p.mul(z, o["gamma"], name="h2")
+        r = p.rsqrt(p.add(p.div(p.row_sum(p.square(z), name="ss"), 4096.0), 1e-6), name="r")
+        return [(z, Kind.TILE, "bfloat16"), (h2, Kind.TILE, "bfloat16"),
+                (r, Kind.PER_ROW, "float32")]
+    return program_of("residual_rmsnorm", body, [("residual", Kind.TILE),
+                                                 ("gamma", Kind.PER_FEATURE)])
+
+
+NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles, ce_softmax_grad,
+                residual_multiplier]
 
 
 def rowscale_gated(op: str = "swiglu"):
