@@ -265,3 +265,36 @@ def test_repeat_spellings_before_the_transpose(repeat):
     assert gqa.accepted == (not tiles), str(fast.report)
     if tiles:
         assert gqa.code == "attention.not_repeat_kv"
+
+
+def test_packed_sequence_ids_from_positions_are_proved_constant():
+    """Without a cache (use_cache=False, as in training with gradient checkpointing)
+    transformers compares packed-sequence ids computed from the positions (diff, ne,
+    cumsum of an arange): all equal, so the mask is causal. Outputs and gradients as
+    eager's; position_ids passed in (real packing) keep the mask."""
+    model = hf_model("llama").train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    out = fast(ids, labels=ids, use_cache=False)
+    want = ref(ids, labels=ids, use_cache=False)
+    assert rel_err(out.logits, want.logits) <= 1e-5
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
+    recs = _attention_records(fast.report)
+    assert len(recs) == 2 and all(r.status == "rewritten" for r in recs), str(fast.report)
+    assert all(d.accepted for r in recs for _, d in r.notes)
+
+    torch._dynamo.reset()
+    packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, -1)  # two per row
+    model2 = hf_model("llama").eval()
+    fast2 = coda_rewrite.optimize(copy.deepcopy(model2))
+    with torch.no_grad():
+        got = fast2(ids, position_ids=packed, use_cache=False).logits
+        want2 = model2(ids, position_ids=packed, use_cache=False).logits
+    assert rel_err(got, want2) <= 1e-5
+    codes = {d.code for r in _attention_records(fast2.report) for _, d in r.notes
+             if not d.accepted}
+    assert "mask.padding" in codes, str(fast2.report)

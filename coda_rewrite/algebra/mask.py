@@ -283,14 +283,72 @@ class MaskInterpreter:
             out += dims[pos:]
             return Sym(a.expr, tuple(out), a.additive)
         if all(isinstance(i, fx.Node) for i in idx) and isinstance(src, fx.Node):
-            # a gather from a tensor whose values are not known at compile time
             vals = [self.value(i) for i in idx]
             dims: tuple = ()
             for v in vals:
                 dims = _merge(dims, v.dims)
+            same = _uniform_constant(src)
+            if same is not None:
+                # a gather from a tensor computed from constants alone, every element
+                # equal (transformers' packed-sequence ids from arange positions)
+                return Sym(sp.Integer(same), (None,) * len(dims))
+            # a gather from a tensor whose values are not known at compile time
             f = sp.Function(f"input_{src.name}")
             return Sym(sp.Eq(f(*(v.expr for v in vals)), 1), dims)
         raise NotAMask(f"{describe(n)} indexes in a way the mask prover does not model")
+
+
+_CONSTANT_NODES = 32
+
+
+def _uniform_constant(node: fx.Node) -> int | None:
+    """The one value of every element of ``node``, where it is computed from constants
+    alone (no graph input, static shapes, at most a few pure ops: evaluated here on CPU,
+    as the compiled graph will, since dynamo specialised it on these shapes) and all its
+    elements are equal integers; else None. Transformers 5 computes packed-sequence ids
+    this way from arange positions when no position_ids are passed (diff, ne, cumsum):
+    all zero, so the mask term comparing them is true everywhere."""
+    order, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op not in ("call_function", "call_method") or n.is_impure() or \
+                len(seen) > _CONSTANT_NODES:
+            return None
+        m = n.meta.get("example_value", n.meta.get("val"))
+        if not isinstance(m, torch.Tensor) or m.numel() > 1 << 16 or \
+                any(not isinstance(d, int) for d in m.shape):
+            return None
+        order.append(n)
+        stack.extend(a for a in n.all_input_nodes)
+    env: dict = {}
+
+    def arg(a):
+        return env[a] if isinstance(a, fx.Node) else a
+    try:
+        for n in sorted(order, key=lambda n: _position(n)):
+            args = fx.node.map_arg(n.args, arg)
+            kwargs = {k: ("cpu" if k == "device" else v)
+                      for k, v in fx.node.map_arg(n.kwargs, arg).items()}
+            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs) \
+                if n.op == "call_method" else n.target(*args, **kwargs)
+    except Exception:  # an op that needs what is not here: not a constant after all
+        return None
+    value = env[node]
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or \
+            value.numel() == 0 or not bool((value == value.flatten()[0]).all()):
+        return None
+    return int(value.flatten()[0])
+
+
+def _position(n: fx.Node) -> int:
+    i = 0
+    for i, m in enumerate(n.graph.nodes):
+        if m is n:
+            break
+    return i
 
 
 def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
@@ -308,7 +366,8 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
         return Rejection("the mask does not vary along both query and key positions",
                          describe(mask), code="mask.not_2d")
     qs, ks = m.dims[-2], m.dims[-1]
-    if any(d is not None for d in m.dims[:-2]):
+    # a batch or head index the formula does not read leaves every batch's mask equal
+    if any(d is not None and d in m.expr.free_symbols for d in m.dims[:-2]):
         return Rejection("the mask depends on the batch or head (a padding mask): kept",
                          describe(mask), code="mask.padding")
     if m.expr.atoms(sp.core.function.AppliedUndef):

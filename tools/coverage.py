@@ -1,0 +1,111 @@
+"""Which rewrite families apply to which Hugging Face causal-LM architecture: the
+coverage table in README.md, generated against the installed transformers.
+
+    python tools/coverage.py [model_type ...] > coverage.md
+
+Each decoder-only causal LM of transformers' auto mapping is built from a tiny config
+(2 layers, hidden 64, 4 heads / 2 key-value heads, vocabulary 256, random weights,
+float32, CPU), then explain() captures one training-shaped forward with labels (so the
+loss is in the graph). A cell says how many candidates of the family were rewritten, and
+for those left the most common reason code (algebra/decision.Why). Architectures that
+cannot be built from such a config, or whose forward raises on CPU, are listed with the
+error; encoder-decoder, encoder-only and recurrent/state-space models are skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import traceback
+
+import torch
+
+# Not decoder-only transformer LLMs: encoders, seq2seq decoders, speech/vision-language
+# stacks, recurrent and state-space models (their causal-LM heads exist for other uses).
+SKIP = {
+    "bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot",
+    "blenderbot-small", "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart",
+    "megatron-bert", "mvp", "pegasus", "plbart", "prophetnet", "rembert", "roberta",
+    "roberta-prelayernorm", "roc_bert", "roformer", "trocr", "whisper", "xlm", "xlm-roberta",
+    "xlm-roberta-xl", "xmod", "xlnet", "reformer", "musicgen", "musicgen_melody", "moshi",
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "fuyu", "git",
+    "got_ocr2", "mllama", "emu3", "phi4_multimodal", "cpmant", "ctrl", "openai-gpt",
+    "gpt-sw3", "blt", "modernbert-decoder",
+}
+FAMILIES = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp", "rope",
+            "lm_head_cross_entropy")
+SHORT = {"attention_inputs": "attention", "residual_rmsnorm_gemm": "norm → GEMM",
+         "gated_mlp": "gated MLP", "rope": "RoPE", "lm_head_cross_entropy": "LM head + loss"}
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, head_dim=16,
+            max_position_embeddings=128, moe_intermediate_size=32, num_experts=4,
+            num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+            shared_expert_intermediate_size=64, first_k_dense_replace=1,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+            # GPT-2-style names
+            n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=128,
+            # MLA (DeepSeek): small ranks
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16)
+
+
+def build(model_type: str):
+    import transformers as tf
+    cfg = tf.AutoConfig.for_model(model_type)
+    for key, value in TINY.items():
+        if hasattr(cfg, key) or key == "attn_implementation":
+            try:
+                setattr(cfg, key, value)
+            except Exception:  # a read-only property of that config
+                pass
+    if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list):
+        cfg.layer_types = cfg.layer_types[:cfg.num_hidden_layers]
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+def cell(records) -> str:
+    if not records:
+        return "·"
+    done = sum(r.status == "rewritten" for r in records)
+    left = collections.Counter(r.code or "?" for r in records if r.status != "rewritten")
+    text = f"{done}/{len(records)}"
+    if left:
+        text += " (" + left.most_common(1)[0][0] + ")"
+    return text
+
+
+def survey(model_type: str) -> str:
+    import coda_rewrite
+    torch._dynamo.reset()
+    try:
+        model = build(model_type)
+    except Exception as e:
+        return f"| {model_type} | not built: {type(e).__name__} |" + " |" * (len(FAMILIES) - 1)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        report = coda_rewrite.explain(model, ids, labels=ids, use_cache=False)
+    except Exception as e:
+        first = traceback.format_exception_only(type(e), e)[-1].strip()[:60]
+        return f"| {model_type} | forward raised: {first} |" + " |" * (len(FAMILIES) - 1)
+    by = collections.defaultdict(list)
+    for r in report.records:
+        by[r.pattern].append(r)
+    return f"| {model_type} | " + " | ".join(cell(by[f]) for f in FAMILIES) + " |"
+
+
+def main(argv: list[str]) -> None:
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t not in SKIP)
+    print(f"transformers {tf.__version__}, torch {torch.__version__}; cells: rewritten / "
+          "candidates (the most common reason code of those left); · no candidate\n")
+    print("| architecture | " + " | ".join(SHORT[f] for f in FAMILIES) + " |")
+    print("|---" * (len(FAMILIES) + 1) + "|")
+    for t in types:
+        print(survey(t), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
