@@ -33,7 +33,7 @@ import coda_rewrite
 from coda_rewrite.algebra.decision import RejectionKind
 from coda_rewrite.numerics import rel_err
 
-from conftest import decode_matches_eager, hf_model, tokens
+from conftest import decode_matches_eager, hf_model, module_step_matches_eager, tokens
 
 D, N_OUT = 32, 16
 
@@ -365,3 +365,22 @@ def test_a_graph_break_is_warned_and_reported():
         got = fast(x)
     assert torch.allclose(got, model(x), rtol=1e-5, atol=1e-6)
     assert fast.report.graph_breaks and "graph break" in str(fast.report)
+
+
+def test_a_reshape_shared_by_several_consumers():
+    """The norm's output reshaped once and read by two GEMMs (Llama 4 flattens the tokens
+    before its router and experts): the shared chain is replayed once, onto h2 and r."""
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.norm = torch.nn.RMSNorm(32)
+            self.a, self.b = torch.nn.Linear(32, 16), torch.nn.Linear(32, 8, bias=False)
+
+        def forward(self, x):
+            h = self.norm(x).reshape(-1, 32)
+            return self.a(h).sum(-1, keepdim=True) * self.b(h)
+
+    report = module_step_matches_eager(Flat(), torch.randn(2, 5, 32))
+    (rec,) = [r for r in report.records if r.pattern == "residual_rmsnorm_gemm"]
+    assert rec.status == "rewritten" and len(rec.consumer_decisions) == 2, str(report)

@@ -412,7 +412,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             h2, r = results(graph, call, 2, norm.output)
             same_meta(h2, norm.output)
 
-    like, call = graph_replay(graph)
+    like, call_fn = graph_replay(graph)
     replayed: dict = {}
 
     def like_once(node, src, x):
@@ -428,7 +428,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         program = programs.consumers[c.linear].to_text()
         with graph.inserting_before(c.linear):
             h2c, rc, scale, shift = row_scale.replay_chain(c.chain, norm.output, norm.dim, h2,
-                                                           r, like_once, call)
+                                                           r, like_once, call_fn)
             weight, bias = c.weight, c.bias
             if scale is not None:  # a per-feature factor, folded into the live weights
                 weight = graph.call_function(layouts.fold_scale, (c.weight, scale))
