@@ -3,13 +3,15 @@
 
 The protocol each family implements is patterns/family.py. Everything shared lives here:
 the match records (the report), options.patterns, a checker that raises (it costs the
-rewrite, never the compile, and is recorded as the pass's own bug), the nodes rewrites
+rewrite, never the compile, and is recorded as the pass's own bug; a graph surgery that
+raises after changing the graph undoes every rewrite of that graph), the nodes rewrites
 replace (a later match may name them: Context.current), graphs eager rejects, and
 activation-checkpointed regions (rewritten inside).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch.fx as fx
@@ -83,13 +85,30 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
                 f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
                 "force: eager raises there, so the graph is left exactly as captured")))
         return canonical_text, gm.code
-    context = Context(options)
-    for family in FAMILIES:
-        _run(family, graph, context, records)
-    _sharded_gemms_left(graph, records)
-    graph.lint()
+    pristine = copy.deepcopy(graph)  # nodes copied, their meta shared: cheap
+    first = len(records)
+    try:
+        context = Context(options)
+        for family in FAMILIES:
+            _run(family, graph, context, records)
+        _sharded_gemms_left(graph, records)
+        graph.lint()
+    except Exception as e:  # a bug of the pass after the graph changed: undo, and say so
+        gm.graph = pristine
+        _undone(records[first:], e)
+        records.append(MatchRecord(
+            "graph", "", REJECTED, kind=RejectionKind.INTERNAL_ERROR, code="internal_error",
+            reason=(f"graph surgery raised ({type(e).__name__}: {e}); every rewrite of this "
+                    "graph is undone: it runs exactly as captured")))
     gm.recompile()
     return canonical_text, gm.code
+
+
+def _undone(records: list[MatchRecord], error: Exception) -> None:
+    for r in records:
+        if r.status == REWRITTEN:
+            r.reject(RejectionKind.INTERNAL_ERROR, f"undone: a later rewrite of this graph "
+                     f"failed ({type(error).__name__}); see the graph's record", "internal_error")
 
 
 def _too_few_rows(family, match, min_rows: int) -> str:
@@ -212,6 +231,10 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
         except NotPlaceable as e:  # raised before the graph changes
             record.reject(RejectionKind.NOT_PLACEABLE, f"not applied: {e}", "not_placeable")
             continue
+        except Exception as e:  # the graph may be half changed: _rewrite_one undoes it all
+            record.reject(RejectionKind.INTERNAL_ERROR, f"internal error while applying "
+                          f"({type(e).__name__}: {e})", "internal_error")
+            raise
         record.status = REWRITTEN
         _show(record, shown)
         record.program_checks = [locality.check(p) for p in dict.fromkeys(record.programs)]

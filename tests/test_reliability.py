@@ -384,3 +384,29 @@ def test_a_reshape_shared_by_several_consumers():
     report = module_step_matches_eager(Flat(), torch.randn(2, 5, 32))
     (rec,) = [r for r in report.records if r.pattern == "residual_rmsnorm_gemm"]
     assert rec.status == "rewritten" and len(rec.consumer_decisions) == 2, str(report)
+
+
+@pytest.mark.provokes_pass_bug
+def test_a_surgery_that_raises_midway_is_undone(monkeypatch):
+    """A family's graph surgery raising after it changed the graph (a pass bug) costs the
+    graph's rewrites, never the compile and never a half-rewritten graph: the graph runs
+    exactly as captured, and the report says so as an internal error."""
+    import coda_rewrite
+    from coda_rewrite.patterns import gated_mlp
+
+    real_apply = gated_mlp.apply
+
+    def broken(graph, plan, context):
+        real_apply(graph, plan, context)      # the graph has changed ...
+        raise RuntimeError("surgery bug")     # ... and then the pass fails
+
+    monkeypatch.setattr(gated_mlp, "apply", broken)
+    model = hf_model("llama").eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        got, want = fast(ids).logits, model(ids).logits
+    assert torch.equal(got, want)            # the captured graph, op for op
+    recs = fast.report.records
+    assert any(r.pattern == "graph" and "undone" in r.reason and r.kind.is_bug for r in recs)
+    assert not any(r.status == "rewritten" for r in recs)
