@@ -4,6 +4,8 @@ knows a family; each family's graph code sits in its own patterns/ module."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 
 import torch
@@ -217,3 +219,22 @@ def hoist_before(first: fx.Node, needed: list[fx.Node]) -> None:
         stack += [a for a in n.all_input_nodes if order[a] >= order[first]]
     for n in sorted(late, key=order.__getitem__):
         first.prepend(n)
+
+
+def graph_nodes_of(obj, seen=None) -> list[fx.Node]:
+    """The graph nodes a match holds, in its dataclass fields at any depth."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, fx.Node):
+        return [obj]
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+    else:
+        return []
+    return [n for item in items for n in graph_nodes_of(item, seen)]

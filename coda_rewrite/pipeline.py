@@ -16,7 +16,7 @@ import time
 
 import torch.fx as fx
 
-from . import canonical
+from . import canonical, size_policy
 from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
@@ -111,54 +111,6 @@ def _undone(records: list[MatchRecord], error: Exception) -> None:
                      f"failed ({type(error).__name__}); see the graph's record", "internal_error")
 
 
-def _too_few_rows(family, match, min_rows: int) -> str:
-    """Why a GEMM-fusing match is left to cuBLAS at this size ("" where it is not): every
-    GEMM it would fuse has a static row count below ``min_rows``."""
-    if not getattr(family, "FUSES_GEMMS", False) or min_rows <= 0:
-        return ""
-    rows = [_rows(n) for n in graph_nodes_of(match)
-            if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
-    if not rows or any(r is None or r >= min_rows for r in rows):
-        return ""
-    return (f"the GEMM{'s' if len(rows) > 1 else ''} would run on {max(rows)} rows, fewer "
-            f"than min_fused_rows = {min_rows}: at this size cuBLAS with the epilogue as "
-            "graph ops is faster than the fused GEMM (left unfused)")
-
-
-def _rows(linear: fx.Node) -> int | None:
-    """The static row count (tokens) of a CUDA GEMM's input; None where it is symbolic
-    or the GEMM is not on a GPU."""
-    x = canonical.meta(canonical.canon(linear).args[0])
-    if x is None or x.device.type != "cuda":
-        return None
-    rows = 1
-    for s in x.shape[:-1]:
-        if not isinstance(s, int):
-            return None
-        rows *= s
-    return rows
-
-
-def graph_nodes_of(obj, seen=None) -> list[fx.Node]:
-    """The graph nodes a match holds, in its dataclass fields at any depth."""
-    import dataclasses
-    seen = set() if seen is None else seen
-    if isinstance(obj, fx.Node):
-        return [obj]
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        items = list(obj)
-    elif isinstance(obj, dict):
-        items = [*obj.keys(), *obj.values()]
-    else:
-        return []
-    return [n for item in items for n in graph_nodes_of(item, seen)]
-
-
 def _sharded_gemms_left(graph: fx.Graph, records: list[MatchRecord]) -> None:
     """Tensor parallelism: a record for each GEMM on a DTensor weight that no rewrite
     took, saying why (the families' own matchers stop at DTensor layout ops silently)."""
@@ -211,7 +163,7 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
             record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns",
                           "disabled")
             continue
-        small = _too_few_rows(family, m, context.options.min_fused_rows)
+        small = size_policy.too_few_rows(family, m, context.options.min_fused_rows)
         if small:
             record.reject(RejectionKind.CONDITION, small, "shape.small_m")
             continue

@@ -240,7 +240,7 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from coda_rewrite.patterns import attention, gated_mlp
-    from coda_rewrite.pipeline import _too_few_rows
+    from coda_rewrite.size_policy import too_few_rows
 
     graph = torch.fx.Graph()
     x, w = graph.placeholder("x"), graph.placeholder("w")
@@ -255,9 +255,9 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
                                               ((env.create_unbacked_symint(), 32), "cuda",
                                                512, False)):
             x.meta["example_value"] = torch.empty(shape, device=device)
-            why = _too_few_rows(gated_mlp, {"gemm": [lin]}, min_rows)
+            why = too_few_rows(gated_mlp, {"gemm": [lin]}, min_rows)
             assert bool(why) == left, (shape, device, min_rows, why)
-            assert not _too_few_rows(attention, {"gemm": [lin]}, min_rows)  # no GEMM fused
+            assert not too_few_rows(attention, {"gemm": [lin]}, min_rows)  # no GEMM fused
         x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
         assert "128 rows, fewer than min_fused_rows = 512" in \
-            _too_few_rows(gated_mlp, [lin], 512)
+            too_few_rows(gated_mlp, [lin], 512)

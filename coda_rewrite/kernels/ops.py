@@ -177,8 +177,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _direct(a, b, operands) -> bool:
     """True where the op boundary buys nothing: real tensors (not traced: dynamo,
-    AOTAutograd and Inductor see fake or functional tensors and need the custom op)
-    and no gradient to record. The torch.library dispatch costs tens of µs of host time
+    AOTAutograd and Inductor see fake or functional tensors and need the op; no functorch
+    transform) and no gradient to record. The torch.library dispatch costs tens of µs of host time
     per call, more than the kernel launch itself at decode sizes."""
     if type(a) not in _PLAIN or type(b) not in _PLAIN or \
             any(type(t) not in _PLAIN for t in operands):
@@ -186,7 +186,10 @@ def _direct(a, b, operands) -> bool:
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or
                                     any(t.requires_grad for t in operands)):
         return False
-    return not torch.compiler.is_compiling()
+    # functorch transforms (grad, vmap) wrap tensors as plain-typed ones: the op's
+    # autograd must see them
+    return not torch.compiler.is_compiling() and \
+        not torch._C._are_functorch_transforms_active()
 
 
 def _direct_call(program, a, b, operands):
