@@ -68,9 +68,10 @@ def test_fsdp2_per_block_compile(family):
 def test_tensor_parallel(sequence_parallel):
     """q/k/v and w1/w3 column-parallel, wo and w2 row-parallel (and the norms sequence-
     parallel): loss and gradients equal to one process in eager; every norm's row scale
-    fused into the column-parallel GEMMs on their local shards; no producer fused across
-    the partial sum of a row-parallel GEMM; no weight gathered, and no layout change
-    that DTensor in eager does not make."""
+    fused into the column-parallel GEMMs on their local shards, and SwiGLU into gate/up's;
+    no producer fused across the partial sum of a row-parallel GEMM; RoPE left, with the
+    reason; no weight gathered, and no layout change that DTensor in eager does not
+    make."""
     results = workers.run_on_two_ranks(workers.tensor_parallel, sequence_parallel, False)
     for res in results:
         assert abs(res["loss"] - res["ref_loss"]) <= 1e-5 * abs(res["ref_loss"])
@@ -82,6 +83,12 @@ def test_tensor_parallel(sequence_parallel):
             assert producers.count("dtensor.partial_sum") == 4, producers
         row_parallel = [r for r in res["records"] if r[3] == "dtensor.row_parallel"]
         assert len(row_parallel) == 4
+        # the gated activation in the column-parallel gate/up GEMM's epilogue, on the
+        # shards (the interleave of two Shard(0) weights is Shard(0): no collective)
+        gated = [r for r in res["records"] if r[1] == "gated_mlp"]
+        assert len(gated) == 2 and all(r[2] == "rewritten" for r in gated), gated
+        rope = [r for r in res["records"] if r[1] == "rope"]
+        assert rope and all(r[3] == "rope.sharded" for r in rope), rope
         gathered = [(src, dst, shape) for src, dst, shape in res["coda_moves"]
                     if shape in res["weight_shapes"]]
         assert not gathered, gathered

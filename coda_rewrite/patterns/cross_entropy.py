@@ -130,6 +130,9 @@ def _match(ce: fx.Node) -> Match | NoMatch:
             row_slice = step[1]
         chain.append(node)
         node = step[0]
+    if proj.local:
+        return NoMatch(ce, Why("the logits are a rank's shard of a vocabulary-parallel LM "
+                               "head: the log-sum-exp needs whole rows", "cross_entropy.sharded"))
     vocab = meta(proj.out).shape[-1]
     if mx.shape[-1] != vocab:
         return NoMatch(ce, "the loss's class dim is not the GEMM's output features")

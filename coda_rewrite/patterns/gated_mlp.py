@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import gated as gated_algebra
+from ..algebra import sharding
 from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
@@ -64,6 +65,9 @@ class Projection:
     bias: fx.Node | None
     r: fx.Node | None              # the deferred row scale of a rewritten norm consumer
     nodes: tuple[fx.Node, ...]     # what computes ``out`` (erased once dead)
+    # tensor parallelism: ``out`` is the local shard (``to_local``) of a column-parallel
+    # GEMM's DTensor output; the fused GEMM runs on the shards and is made local the same way
+    local: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +133,15 @@ def _rowscale_call(node: fx.Node) -> fx.Node | None:
 
 
 def projection_of(node: fx.Node) -> Projection | None:
-    """``node`` as the output of a GEMM: a plain linear or a rewritten rowscale one."""
+    """``node`` as the output of a GEMM: a plain linear or a rewritten rowscale one, or the
+    local shard of a column-parallel one (ColwiseParallel: ``to_local`` of its DTensor
+    output, through a ``redistribute`` to the placement it already has)."""
+    local = _local_shard_of(node)
+    if local is not None:
+        inner, layout_nodes = local
+        p = projection_of(inner)
+        return None if p is None else dataclasses.replace(
+            p, out=node, nodes=layout_nodes + p.nodes, local=True)
     c = canon(node)
     if c is not None and c.name == "linear":
         x, w, b = c.args
@@ -142,6 +154,25 @@ def projection_of(node: fx.Node) -> Projection | None:
         return None
     _, x, w, r, *b = call.args
     return Projection(node, x, w, b[0] if b else None, r, (node, call))
+
+
+def _local_shard_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """(the DTensor value, the layout nodes) where ``node`` is its local shard and the
+    value is split along its last dim only (each rank holds whole output columns, so an
+    elementwise epilogue on the shard is the epilogue of the shard): no collective in
+    between."""
+    if not isinstance(node, fx.Node) or sharding.boundary_op(node) != "to_local":
+        return None
+    inner, nodes = node.args[0], (node,)
+    if isinstance(inner, fx.Node) and sharding.boundary_op(inner) == "redistribute":
+        if sharding.placements(inner.args[0]) != sharding.placements(inner):
+            return None
+        inner, nodes = inner.args[0], nodes + (inner,)
+    pl, m = sharding.placements(inner), meta(inner)
+    if not isinstance(inner, fx.Node) or pl is None or m is None or \
+            any(not (p.is_shard() and p.dim % m.dim() == m.dim() - 1) for p in pl):
+        return None
+    return inner, nodes
 
 
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
@@ -199,6 +230,9 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
         proj = dataclasses.replace(proj, nodes=proj.nodes + (chunk,))
         return Match(mul, act, op, proj, proj, True, gate_value=gate_v, up_value=up_v)
     g, u = projection_of(gate_v), projection_of(up_v)
+    if g is not None and u is not None and g.local != u.local:
+        return NoMatch(mul, Why("one of gate and up is a local shard of a sharded GEMM, the "
+                                "other is not", "gated.mixed_sharding"))
     if g is None or u is None:
         if g is None and u is None:
             return None
@@ -271,6 +305,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                            kind, (), weights, r, b, [])
         copy_meta(call, m.mul)
         out = results(graph, call, 1, m.mul)[0]
+        if g.local:  # the product was the local shard: so is the fused GEMM's output
+            out = graph.call_method("to_local", (out,))
     out.meta.update({k: v for k, v in m.mul.meta.items() if k not in out.meta})
     m.mul.replace_all_uses_with(out)
     erase_if_dead(graph, [m.mul, m.act, *m.intermediates, *g.nodes, *u.nodes])

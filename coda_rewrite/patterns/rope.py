@@ -511,6 +511,10 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                 f"({describe(col_value)} is computed in between: a norm over q "
                                 "or k, say)", "rope.not_gemm_columns"))
     proj, columns = cols
+    if proj.local:
+        return NoMatch(add, Why("the rotated heads are a rank's shard of a column-parallel "
+                                "GEMM: RoPE on sharded GEMMs is not implemented (the q/k/v "
+                                "merge would gather the weights)", "rope.sharded"))
     angle = angle_of(cos_t, sin_t)
     if isinstance(angle, NoAngle):
         if not angle.as_table:
@@ -603,6 +607,10 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
         if cols is None:
             return None
         proj, columns = cols
+        if proj.local:
+            return NoMatch(vr, Why("the rotated heads are a rank's shard of a column-parallel "
+                                   "GEMM: RoPE on sharded GEMMs is not implemented (the "
+                                   "q/k/v merge would gather the weights)", "rope.sharded"))
         nodes = (*casts, pairs, xc, vr.args[0], vr, flat, *after)
         return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
                        head_dim, None, nodes, form="pairs", table=table, table_view=rot)
