@@ -49,3 +49,21 @@ def test_architecture_stays_exact(cfg, cls, extra, min_norms, ropes):
     assert report.count() >= min_norms, str(report)
     assert report.count(pattern="rope") == ropes, str(report)
     assert all(r.reason for r in report.records if r.status != "rewritten"), str(report)
+
+
+def test_norms_no_gemm_reads_say_what_they_are():
+    """Post-sublayer ("sandwich") norms (Gemma 2, OLMo 2) and norms over a projection's
+    output (OLMo 2's QK-norm) are not fused yet; the report says which they are, with
+    their own codes, and the rest of each model is rewritten."""
+    import collections
+
+    import coda_rewrite
+    from conftest import hf_model, tokens
+    for family, want in (("gemma2", {"row_scale.post_sublayer": 4}),
+                         ("olmo2", {"row_scale.post_sublayer": 4,
+                                    "row_scale.over_projection": 4})):
+        report = coda_rewrite.explain(hf_model(family).eval(), tokens(), use_cache=False)
+        left = collections.Counter(r.code for r in report.records
+                                   if r.pattern == "residual_rmsnorm_gemm"
+                                   and r.status != "rewritten")
+        assert left == want, (family, left)

@@ -110,6 +110,20 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
                 "'ddp_optimizer' cuts the graph at gradient-bucket boundaries; "
                 "'python_reducer' keeps one graph)", "row_scale.leaves_graph")))
             continue
+        if not consumers and _post_sublayer(norm):
+            results.append(NoMatch(norm.output, Why(
+                f"a post-sublayer (\"sandwich\") norm: it normalises "
+                f"{describe(norm.input)}, a GEMM's output, and the residual add reads it; "
+                "no GEMM reads the normalised value, and its producer would need the whole "
+                "row's statistic before the add (not fused yet)", "row_scale.post_sublayer")))
+            continue
+        if not consumers and _over_projection(norm):
+            results.append(NoMatch(norm.output, Why(
+                f"a norm over a projection's output ({describe(norm.input)}: a QK-norm, say) "
+                "that no GEMM reads: its statistic belongs in that projection's epilogue, "
+                "with what follows it (a rotation), which is not fused yet",
+                "row_scale.over_projection")))
+            continue
         if not consumers:
             what = ", ".join(describe(n) for n in others) or "nothing"
             results.append(NoMatch(norm.output, Why(
@@ -120,6 +134,29 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         producer, note = _producer(norm)
         results.append(Match(norm, producer, note, consumers, others))
     return results
+
+
+def _post_sublayer(norm: RmsNorm) -> bool:
+    """Gemma 2/3, OLMo 2, GLM-4: residual + norm(sublayer GEMM output)."""
+    gemm = _through_upcast(norm.input)
+    c = canon(gemm) if isinstance(gemm, fx.Node) else None
+    return c is not None and c.name == "linear" and any(
+        canon(u) is not None and canon(u).name == "add" for u in norm.output.users)
+
+
+def _over_projection(norm: RmsNorm) -> bool:
+    """The norm's input is a GEMM's output, up to views (Qwen3's per-head q_norm reads
+    q_proj(x).view(..., heads, head_dim))."""
+    node = _through_upcast(norm.input)
+    for _ in range(3):
+        c = canon(node) if isinstance(node, fx.Node) else None
+        if c is not None and c.name == "linear":
+            return True
+        if not isinstance(node, fx.Node) or node.op != "call_method" or \
+                node.target not in ("view", "reshape", "unflatten", "transpose"):
+            return False
+        node = _through_upcast(node.args[0])
+    return False
 
 
 def _producer(norm: RmsNorm) -> tuple[Producer | None, str]:
