@@ -106,8 +106,8 @@ def fsdp2(rank, family: str):
     seen_shapes = []
 
     def spy(gm, example_inputs):  # the weights the rewritten graph reads
-        seen_shapes.extend(tuple(t.shape) for t in example_inputs
-                           if isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point())
+        seen_shapes.extend(tuple(t.shape) for t in example_inputs if isinstance(
+            t, torch.Tensor) and t.dim() == 2 and t.is_floating_point())
         return backend(gm, example_inputs)
 
     def blocks(m):

@@ -203,7 +203,8 @@ def _fused_kernel_takes_gqa(gqa, mask, causal, q, sdpa):
     if isinstance(mask, fx.Node) and not (causal is not None and causal.accepted):
         return Rejection("a mask tensor stays (not proved causal), and SDPA's fused kernels "
                          "take enable_gqa only without one (math-kernel fallback): the "
-                         "key/value repeat stays", describe(sdpa), code="attention.gqa_with_mask")
+                         "key/value repeat stays", describe(sdpa),
+                         code="attention.gqa_with_mask")
     if meta(q).shape[-1] > 256:
         return Rejection(f"head_dim {meta(q).shape[-1]} > 256: SDPA's fused kernels take "
                          "enable_gqa only up to 256 (math-kernel fallback): the key/value "

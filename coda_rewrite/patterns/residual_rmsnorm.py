@@ -102,38 +102,36 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
             results.append(NoMatch(norm.node, norm.reason))
             continue
         consumers, others = _consumers(norm.output)
-        if not consumers and any(n.op == "output" for n in others):
-            results.append(NoMatch(norm.output, Why(
-                "the normalised value leaves this graph (a graph output) and no GEMM in "
-                "it reads the value: its GEMMs are in the next graph. A graph break puts "
-                "them there, or DDP's bucket split (torch._dynamo.config.optimize_ddp = "
-                "'ddp_optimizer' cuts the graph at gradient-bucket boundaries; "
-                "'python_reducer' keeps one graph)", "row_scale.leaves_graph")))
-            continue
-        if not consumers and _post_sublayer(norm):
-            results.append(NoMatch(norm.output, Why(
-                f"a post-sublayer (\"sandwich\") norm: it normalises "
-                f"{describe(norm.input)}, a GEMM's output, and the residual add reads it; "
-                "no GEMM reads the normalised value, and its producer would need the whole "
-                "row's statistic before the add (not fused yet)", "row_scale.post_sublayer")))
-            continue
-        if not consumers and _over_projection(norm):
-            results.append(NoMatch(norm.output, Why(
-                f"a norm over a projection's output ({describe(norm.input)}: a QK-norm, say) "
-                "that no GEMM reads: its statistic belongs in that projection's epilogue, "
-                "with what follows it (a rotation), which is not fused yet",
-                "row_scale.over_projection")))
-            continue
         if not consumers:
-            what = ", ".join(describe(n) for n in others) or "nothing"
-            results.append(NoMatch(norm.output, Why(
-                    "no GEMM reads the normalised value "
-                    f"(read by {what}): nothing to defer the row scale into",
-                    "row_scale.no_consumer_gemm")))
+            results.append(NoMatch(norm.output, _why_no_consumer(norm, others)))
             continue
         producer, note = _producer(norm)
         results.append(Match(norm, producer, note, consumers, others))
     return results
+
+
+def _why_no_consumer(norm: RmsNorm, readers: list[fx.Node]) -> Why:
+    """Why a norm no GEMM reads is left, as specifically as the graph says."""
+    if any(n.op == "output" for n in readers):
+        return Why("the normalised value leaves this graph (a graph output) and no GEMM in "
+                   "it reads the value: its GEMMs are in the next graph. A graph break puts "
+                   "them there, or DDP's bucket split (torch._dynamo.config.optimize_ddp = "
+                   "'ddp_optimizer' cuts the graph at gradient-bucket boundaries; "
+                   "'python_reducer' keeps one graph)", "row_scale.leaves_graph")
+    if _post_sublayer(norm):
+        return Why(f"a post-sublayer (\"sandwich\") norm: it normalises "
+                   f"{describe(norm.input)}, a GEMM's output, and the residual add reads it; "
+                   "no GEMM reads the normalised value, and its producer would need the "
+                   "whole row's statistic before the add (not fused yet)",
+                   "row_scale.post_sublayer")
+    if _over_projection(norm):
+        return Why(f"a norm over a projection's output ({describe(norm.input)}: a QK-norm, "
+                   "say) that no GEMM reads: its statistic belongs in that projection's "
+                   "epilogue, with what follows it (a rotation), which is not fused yet",
+                   "row_scale.over_projection")
+    what = ", ".join(describe(n) for n in readers) or "nothing"
+    return Why(f"no GEMM reads the normalised value (read by {what}): nothing to defer the "
+               "row scale into", "row_scale.no_consumer_gemm")
 
 
 def _post_sublayer(norm: RmsNorm) -> bool:
