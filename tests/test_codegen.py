@@ -403,3 +403,24 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
         assert ".target sm_90a" in text, p.name
         assert "wgmma.mma_async" in text, p.name
         assert "cp.async.bulk.tensor" in text, p.name
+
+
+def test_routes_are_memoised_per_metadata_class_and_bounded(monkeypatch):
+    """The op decides its route once per program and tensor-metadata class: a tensor of
+    another shape, stride or alignment is a new class; the table is bounded."""
+    import torch
+    from coda_rewrite.kernels import ops
+    monkeypatch.setattr(ops, "_routes", {})
+    monkeypatch.setattr(ops, "_MAX_ROUTES", 3)
+    prog = rowscale_bias().to_text()
+    a, b = torch.randn(4, 8), torch.randn(6, 8)
+    r, bias = torch.randn(4), torch.randn(6)
+    want = ops.execute(prog, a, b, [r, bias])
+    assert len(ops._routes) == 1
+    again = ops.execute(prog, a.clone(), b, [r, bias])       # same class: no new entry
+    assert len(ops._routes) == 1 and torch.equal(again[0], want[0])
+    ops.execute(prog, a.t().contiguous().t(), b, [r, bias])  # other strides: a new class
+    ops.execute(prog, torch.randn(5, 8), b, [torch.randn(5), bias])
+    assert len(ops._routes) == 3
+    ops.execute(prog, torch.randn(7, 8), b, [torch.randn(7), bias])
+    assert len(ops._routes) == 1                             # the bound cleared the table

@@ -80,6 +80,8 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
         kernel, why = quack_path.select(prog, program, a, b, operands)
         route = quack_path.prepare(*kernel, a, b, operands) if kernel is not None else why
         with _lock:
+            if len(_routes) >= _MAX_ROUTES:  # e.g. a server seeing every prompt length
+                _routes.clear()
             _routes[key] = route
     if isinstance(route, str):
         _count(prog, "reference", route)
@@ -88,8 +90,11 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
     return route(a, b, operands)  # fresh buffers, never an input
 
 
-# (program text, tensor-metadata key) -> a prepared kernel launch, or why the reference runs
+# (program text, tensor-metadata key) -> a prepared kernel launch, or why the reference runs;
+# bounded: a launch for a shape class not seen again is only a few host objects, but
+# dynamic prompt lengths make new classes without end
 _routes: dict[tuple, object] = {}
+_MAX_ROUTES = 4096
 
 
 # The op is defined through torch.library's low-level API rather than
