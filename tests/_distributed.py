@@ -287,3 +287,45 @@ def norm_into_row_parallel(rank):
     out = torch.compile(block, backend=backend)(x)
     from coda_rewrite.numerics import rel_err
     return {"err": rel_err(out, ref(x)), "records": _records(backend)}
+
+
+def biased_column_parallel(rank):
+    """A norm feeding two column-parallel GEMMs with biases (Qwen2's q/k/v), forward and
+    backward against the same wrapping in eager: the bias is a per-feature operand,
+    sharded like the weight's rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.norm = torch.nn.RMSNorm(32)
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 1.5)
+            self.q, self.k = torch.nn.Linear(32, 16), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return self.q(h).sum(-1, keepdim=True) * self.k(h).mean(-1, keepdim=True)
+
+    mesh = init_device_mesh("cpu", (2,))
+    block = Block()
+    ref = copy.deepcopy(block)  # the same wrapping in eager: each rank sums its columns
+    for m in (block, ref):
+        parallelize_module(m, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    xr = x.clone().requires_grad_()
+    x.requires_grad_()
+    backend = _backend()
+    out = torch.compile(block, backend=backend)(x)
+    want = ref(xr)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    from coda_rewrite.numerics import rel_err
+
+    def full(g):
+        return g.full_tensor() if isinstance(g, DTensor) else g
+    return {"err": rel_err(out, want), "x_grad": rel_err(x.grad, xr.grad),
+            "grad_err": _max_grad_err(block, ref, full), "records": _records(backend)}

@@ -149,3 +149,13 @@ def test_placement_table():
     per_row_out = [type("O", (), {"kind": Kind.PER_ROW})()]
     assert not placements.program_fits(per_row_out, ["columns"])
     assert placements.program_fits(per_row_out, ["rows"])
+
+
+def test_column_parallel_gemms_with_biases():
+    """Per-feature operands (the biases) follow the weight's row shards; outputs and every
+    gradient (the input's through DTensor's reduce of the partial gradients) as the same
+    wrapping in eager."""
+    for res in workers.run_on_two_ranks(workers.biased_column_parallel):
+        assert res["err"] <= 1e-5 and res["x_grad"] <= 1e-4 and res["grad_err"] <= 1e-4, res
+        (norm,) = [r for r in res["records"] if r[1] == "residual_rmsnorm_gemm"]
+        assert norm[2] == "rewritten", norm
