@@ -101,17 +101,21 @@ def fsdp2(rank, family: str):
     mesh = init_device_mesh("cpu", (2,))
     model = build(family, layers=2).train()
     ref = copy.deepcopy(model)
-    full_shapes = {tuple(p.shape) for p in model.parameters()}
     backend = _backend()
-    seen_shapes = []
+    seen = []
 
-    def spy(gm, example_inputs):  # the weights the rewritten graph reads
-        seen_shapes.extend(tuple(t.shape) for t in example_inputs if isinstance(
-            t, torch.Tensor) and t.dim() == 2 and t.is_floating_point())
+    def spy(gm, example_inputs):  # the weights each compiled block's graph reads
+        seen.append(collections.Counter(tuple(t.shape) for t in example_inputs if isinstance(
+            t, torch.Tensor) and t.dim() == 2 and t.is_floating_point()))
         return backend(gm, example_inputs)
 
     def blocks(m):
         return m.layers if family == "plain" else m.model.layers
+
+    # a block's matrices, whole (a shard would halve dim 0: the multiset would differ,
+    # even where one weight's shard has another's shape)
+    whole = collections.Counter(tuple(p.shape) for p in blocks(model)[0].parameters()
+                                if p.dim() == 2)
 
     for block in blocks(model):
         block.compile(backend=spy)
@@ -134,7 +138,7 @@ def fsdp2(rank, family: str):
             o.step()
             o.zero_grad()
     return {"losses": losses, "grad_errs": errs, "records": _records(backend),
-            "shard_shapes": [s for s in seen_shapes if s not in full_shapes]}
+            "weights_whole": bool(seen) and all(c == whole for c in seen)}
 
 
 # ---- tensor (+ sequence) parallel ------------------------------------------------------

@@ -311,3 +311,25 @@ def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch, _no_pass
     same(got, want)
     assert report.count() == 0 and codes(report) == {"internal_error"}
     assert [r.kind.name for r in _no_pass_bugs] == ["INTERNAL_ERROR"]
+
+
+def test_the_mask_prover_never_evaluates_what_it_cannot_reproduce():
+    """The constant evaluation of gathered ids (packed-sequence masks) refuses
+    uninitialised memory and random values, which may differ at run time."""
+    import torch.fx as fx
+
+    from coda_rewrite.algebra.mask import _uniform_constant
+    for build in (lambda g: g.call_function(torch.empty, ((4,),), {"dtype": torch.int64}),
+                  lambda g: g.call_function(torch.randint, (0, 2, (1,))),
+                  lambda g: g.call_method("zero_", (g.call_function(
+                      torch.zeros, ((4,),), {"dtype": torch.int64}),))):
+        graph = fx.Graph()
+        node = build(graph)
+        for n in graph.nodes:
+            n.meta["example_value"] = torch.zeros(4 if n.target is not torch.randint else 1,
+                                                  dtype=torch.int64)
+        assert _uniform_constant(node) is None
+    graph = fx.Graph()  # and a truly constant one is evaluated
+    node = graph.call_function(torch.zeros, ((4,),), {"dtype": torch.int64})
+    node.meta["example_value"] = torch.zeros(4, dtype=torch.int64)
+    assert _uniform_constant(node) == 0

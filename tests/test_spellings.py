@@ -227,3 +227,42 @@ def test_phi3_dropout_in_eval_no_longer_blocks_the_producer():
     producers = [r for r in report.records if r.pattern == "residual_rmsnorm_gemm"
                  and "residual_rmsnorm" in [p.name for p in r.programs]]
     assert len(producers) == 4, str(report)   # 2 layers x (attention, MLP) outputs
+
+
+class MultiplierLookAlikes(nn.Module):
+    """What is not a scalar residual multiplier: a learned 0-d tensor factor, and a
+    scaled value something else reads too (returned)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.w0, self.w1 = nn.Linear(D, D), nn.Linear(D, N, bias=False)
+        self.norm = nn.RMSNorm(D, eps=1e-6)
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, res):
+        y = self.w0(x)
+        y = y * self.alpha if self.kind == "tensor" else y * 0.5
+        z = res + y
+        out = self.w1(self.norm(z))
+        return (out, y) if self.kind == "second_reader" else (out, z)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "second_reader"])
+def test_multiplier_look_alikes_keep_the_producer_apart(kind):
+    """Neither is folded into the producer; values and gradients stay eager's (the norm
+    itself is still fused as a row-wise program)."""
+    model = MultiplierLookAlikes(kind)
+    ref = copy.deepcopy(model)
+    x, res = _inputs()
+    fast = coda_rewrite.optimize(model)
+    (out, extra), (want, extra_r) = fast(x, res), ref(x, res)
+    assert rel_err(out, want) <= 1e-5 and rel_err(extra, extra_r) <= 1e-5
+    (out.square().sum() + extra.sum()).backward()
+    (want.square().sum() + extra_r.sum()).backward()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert (a.grad is None) == (b.grad is None), name  # alpha is unused in one kind
+        if b.grad is not None:
+            assert rel_err(a.grad, b.grad) <= 1e-4, name
+    assert not _producer_fused(fast.report)

@@ -315,7 +315,7 @@ def _uniform_constant(node: fx.Node) -> int | None:
             continue
         seen.add(n)
         if n.op not in ("call_function", "call_method") or n.is_impure() or \
-                len(seen) > _CONSTANT_NODES:
+                _unreproducible(n) or len(seen) > _CONSTANT_NODES:
             return None
         m = n.meta.get("example_value", n.meta.get("val"))
         if not isinstance(m, torch.Tensor) or m.numel() > 1 << 16 or \
@@ -341,6 +341,20 @@ def _uniform_constant(node: fx.Node) -> int | None:
             value.numel() == 0 or not bool((value == value.flatten()[0]).all()):
         return None
     return int(value.flatten()[0])
+
+
+_UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
+
+
+def _unreproducible(n: fx.Node) -> bool:
+    """An op whose values this evaluation would not reproduce at run time: random ones
+    (fx already calls them impure; their seeded tags checked too), an uninitialised
+    allocation, an in-place update."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if name in _UNINITIALISED or name.endswith("_"):
+        return True
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _position(n: fx.Node) -> int:

@@ -23,9 +23,12 @@ complete value, as its own matmul rule does for ColwiseParallel's input.
 
 from __future__ import annotations
 
+import functools
+
 from .program import Kind
 
 
+@functools.cache  # asked on every fused call (kernels/ops.py): import once
 def dtensor_cls():
     """torch.distributed.tensor.DTensor, or None in a torch built without distributed."""
     try:

@@ -195,7 +195,9 @@ def _through_scale_and_identity(node):
     scale, between = 1.0, []
     while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
         src = node.args[0] if node.args else None
-        if not isinstance(src, fx.Node) or len(src.users) != 1:
+        # every value between the GEMM and the add read only on this path: one read
+        # elsewhere (a returned sublayer output) would need the GEMM a second time
+        if not isinstance(src, fx.Node) or len(src.users) != 1 or len(node.users) != 1:
             break
         if _inactive_dropout(node):
             pass
