@@ -101,10 +101,20 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        # interleaved-pair RoPE (x[..., 0::2] / x[..., 1::2]); GLM's is partial, Cohere's
+        # casts q to float32 around it and has LayerNorm, GPT-J has rotary_dim < head_dim
+        "glm": (tf.GlmConfig, tf.GlmForCausalLM),
+        "helium": (tf.HeliumConfig, tf.HeliumForCausalLM),
+        "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
+        "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM),
     }[family]
-    if family == "phi3":  # its default special tokens lie outside the small vocabulary
-        common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family in ("gemma", "gemma2"):
+    if family == "gptj":  # GPT-2-style names, no grouped-query attention
+        common = dict(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4,
+                      n_positions=128, rotary_dim=hidden // 8, attn_implementation="eager",
+                      bos_token_id=1, eos_token_id=2)  # its attention: eager's only
+    if family in ("phi3", "glm", "helium", "cohere"):  # their default special tokens
+        common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # lie outside 256
+    if family in ("gemma", "gemma2", "glm", "helium"):  # their default: head_dim 128
         common["head_dim"] = hidden // 4
     cfg = cfg_cls(**{**common, **overrides})
     torch.manual_seed(seed)

@@ -82,12 +82,21 @@ class Loop(nn.Module):
         self.weight = nn.Parameter(torch.rand(256) + 0.5, requires_grad=False) \
             if weight else None
         self.softcap, self.upcast = softcap, upcast
+        self.register_buffer("temperature", torch.tensor(2.0))
         self.loss = nn.CrossEntropyLoss(reduction=reduction)
 
     def forward(self, ids, targets):
         logits = self.llama(ids)
-        if self.softcap:
+        if self.softcap == "gemma2":
             logits = torch.tanh(logits / 30.0) * 30.0
+        elif self.softcap == "after_upcast":  # the map on float32 logits, then 0.5 * z
+            logits = 0.5 * (3.0 * torch.tanh(logits.float() / 3.0))
+        elif self.softcap == "two_tanh":
+            logits = torch.tanh(torch.tanh(logits / 3.0) * 2.0) * 3.0
+        elif self.softcap == "tensor_temperature":
+            logits = logits / self.temperature
+        elif self.softcap == "sigmoid":
+            logits = torch.sigmoid(logits) * 10.0
         shifted = logits[:, :-1, :]
         if self.upcast:
             shifted = shifted.float()
@@ -141,7 +150,9 @@ def test_cross_entropy_module_and_no_upcast():
 @pytest.mark.parametrize("kw,code", [
     (dict(smoothing=0.1), "cross_entropy.label_smoothing"),
     (dict(weight=True), "cross_entropy.class_weights"),
-    (dict(softcap=True), "cross_entropy.op_before_loss"),
+    (dict(softcap="two_tanh"), "cross_entropy.two_tanh"),
+    (dict(softcap="tensor_temperature"), "cross_entropy.map_operand"),
+    (dict(softcap="sigmoid"), "cross_entropy.op_before_loss"),
 ])
 def test_variants_not_in_the_epilogue_stay_exact(kw, code):
     torch.manual_seed(0)
@@ -154,14 +165,104 @@ def test_variants_not_in_the_epilogue_stay_exact(kw, code):
     assert code in codes(fast.report, NAME), str(fast.report)
 
 
-def test_gemma2_soft_capped_logits_are_left_with_a_reason():
-    model = hf_model("gemma2", layers=1).eval()
+# ---- logits mapped before the loss: soft-capping (Gemma 2), scaling (Cohere, Granite) ----
+
+@pytest.mark.parametrize("family,overrides,program", [
+    ("gemma2", {}, "rowscale_mapped_lse_target"),            # tanh(y / 30) · 30
+    ("granite", dict(logits_scaling=4.0), "rowscale_mapped_lse_target"),   # y / 4
+    ("granite", {}, "rowscale_lse_target"),                  # y / 1: no map at all
+    ("cohere", dict(logit_scale=0.25), "mapped_lse_target"),  # y · 0.25, LayerNorm
+])
+@pytest.mark.parametrize("materialize", [True, False])
+def test_mapped_logits_loss_logits_and_gradients_match_eager(family, overrides, program,
+                                                             materialize):
+    """The map is in the epilogue: the loss, the returned (mapped) logits and every
+    gradient against eager, from stored logits or (materialize_logits=False) from the
+    GEMM that recomputes them with the map's derivative in its epilogue."""
+    model = _family_model(family, **overrides).train()
+    ref = copy.deepcopy(model)
     ids = tokens()
-    fast = coda_rewrite.optimize(model)
+    labels = ids.clone()
+    labels[1, :4] = -100
+    fast = coda_rewrite.optimize(model, materialize_logits=materialize)
+    out, want = fast(ids, labels=labels), ref(ids, labels=labels)
+    (done,) = ce_records(fast.report)
+    assert done.programs[0].name == program, done.programs[0].pretty()
+    if materialize:
+        assert rel_err(out.logits, want.logits) <= 1e-5
+    else:
+        assert out.logits.numel() == 0
+    assert abs(out.loss.item() - want.loss.item()) <= 1e-5 * abs(want.loss.item())
+    out.loss.backward()
+    want.loss.backward()
+    grads_match(model, ref)
+
+
+def _family_model(family, **overrides):
+    if family in ("gemma2",):
+        return hf_model(family, layers=1, **overrides)
+    import transformers as tf
+    cfg_cls, model_cls = {"granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+                          "cohere": (tf.CohereConfig, tf.CohereForCausalLM)}[family]
+    cfg = cfg_cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+                  **overrides)
+    torch.manual_seed(0)
+    return model_cls(cfg)
+
+
+@pytest.mark.parametrize("softcap", ["gemma2", "after_upcast"])
+def test_hand_written_soft_cap_before_and_after_the_upcast(softcap):
+    torch.manual_seed(0)
+    loop = Loop(softcap=softcap).train()
+    ref = copy.deepcopy(loop)
+    ids = tokens()
+    fast = coda_rewrite.optimize(loop)
+    a, b = fast(ids, ids), ref(ids, ids)
+    (done,) = ce_records(fast.report)
+    assert "z = tanh(y / 3) * 3 * 0.5" in done.decision.render() or softcap == "gemma2"
+    assert rel_err(a, b) <= 1e-5
+    a.backward()
+    b.backward()
+    grads_match(loop, ref)
+
+
+def test_logits_read_before_the_map_leave_the_loss():
+    """A reader of the raw logits besides the mapped ones: the epilogue writes one."""
+    class Both(Loop):
+        def forward(self, ids, targets):
+            raw = self.llama(ids)
+            capped = torch.tanh(raw / 30.0) * 30.0
+            loss = F.cross_entropy(capped.flatten(0, 1).float(), targets.flatten())
+            return loss, raw
+    torch.manual_seed(0)
+    m = Both().eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(m)
     with torch.no_grad():
-        assert rel_err(fast(ids, labels=ids).loss, model(ids, labels=ids).loss) <= 1e-5
+        for x, y in zip(fast(ids, ids), m(ids, ids)):
+            assert rel_err(x, y) <= 1e-5
     assert not ce_records(fast.report)
-    assert "cross_entropy.op_before_loss" in codes(fast.report, NAME), str(fast.report)
+    assert "cross_entropy.read_before_map" in codes(fast.report, NAME), str(fast.report)
+
+
+def test_soft_capped_bfloat16_no_worse_than_eager():
+    """Eager soft-caps in bf16 (three roundings of the logits); the epilogue in float32.
+    The returned logits and the loss against float64."""
+    ids = tokens(seq=64)
+    for seed in range(2):
+        base = hf_model("gemma2", layers=1, seed=seed)
+        exact = copy.deepcopy(base).double()
+        eager = copy.deepcopy(base).to(torch.bfloat16)
+        torch._dynamo.reset()
+        fast = coda_rewrite.optimize(copy.deepcopy(base).to(torch.bfloat16))
+        with torch.no_grad():
+            want = exact(ids, labels=ids)
+            e, n = eager(ids, labels=ids), fast(ids, labels=ids)
+        assert len(ce_records(fast.report)) == 1
+        assert rel_err(n.logits, want.logits) <= rel_err(e.logits, want.logits) * 1.05, seed
+        assert abs(n.loss.double() - want.loss).item() <= 1e-4 * abs(want.loss.item())
 
 
 def test_bfloat16_loss_no_worse_than_eager():
@@ -200,13 +301,21 @@ def test_target_out_of_range_fails_as_in_pytorch():
 
 # ---- the backward rule -----------------------------------------------------------------
 
-@pytest.mark.parametrize("has_r,has_bias,logits", [(True, False, True), (True, True, False),
-                                                   (False, False, False)])
-def test_lse_backward_rule_matches_autograd(monkeypatch, has_r, has_bias, logits):
+SOFTCAP = (("div", 3.0), ("tanh", None), ("mul", 3.0))
+
+
+@pytest.mark.parametrize("has_r,has_bias,logits,logits_map", [
+    (True, False, True, ()), (True, True, False, ()), (False, False, False, ()),
+    (True, False, True, SOFTCAP), (True, True, False, SOFTCAP),
+    (False, False, True, (("mul", 0.5), ("tanh", None), ("div", 0.25), ("mul", 2.0))),
+    (True, False, False, (("div", 4.0),))])
+def test_lse_backward_rule_matches_autograd(monkeypatch, has_r, has_bias, logits, logits_map):
     """Chunked over rows (three chunks here), from stored logits or recomputed ones,
-    against autograd through the reference, in float64."""
+    with and without a map before the loss, against autograd through the reference, in
+    float64."""
     monkeypatch.setattr(backward.cross_entropy, "_CE_CHUNK_BYTES", 4 * 11 * 3)
-    prog = ce_program(has_r, has_bias, torch.float64 if logits else None, "float64")
+    prog = ce_program(has_r, has_bias, torch.float64 if logits else None, "float64",
+                      logits_map)
     assert backward._rule(prog) is not None
     g = torch.Generator().manual_seed(0)
     m, k, n = 8, 6, 11

@@ -639,3 +639,105 @@ def test_table_rotation_matches_complex_product():
     xc = torch.view_as_complex(x.reshape(2, 5, 3, 4, 2))
     want = torch.view_as_real(xc * table[None, :, None]).flatten(-3)
     assert rel_err(got.reshape(2, 5, 24), want) <= 1e-6  # the table rows are float32
+
+
+# ---- interleaved pairs: x[..., 0::2] / x[..., 1::2] (GLM, Cohere, Helium, GPT-J) -----------
+
+INTERLEAVED = ("glm", "helium", "cohere", "gptj")
+
+
+@pytest.mark.parametrize("family", INTERLEAVED)
+def test_interleaved_pairs_rotate_in_the_epilogue_without_a_permutation(family):
+    """Adjacent pairs are the epilogue's own layout: q/k/v in one GEMM whose epilogue
+    reads the model's tables, no weight permutation, the pairing checked on the device;
+    the training step's loss and every gradient against eager."""
+    report = step_matches_eager(family)
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
+    for r in done:
+        assert r.programs[0].name.endswith("rope_table"), r.programs[0].name
+        assert any("not rotated" in c for c in r.consumers), r.consumers  # v joins
+        text = r.decision.render()
+        assert "rotate_pairs(x)" in text and "no permutation" in text, text
+        assert "checked on the device" in text, text
+    assert unpermuted(report) == []
+
+
+def test_interleaved_bfloat16_no_worse_than_eager():
+    reports = []
+
+    def rewrite(model):
+        fast = coda_rewrite.optimize(model)
+        reports.append(fast)
+        return fast
+    res = low_precision_errors(lambda seed: build("glm", layers=2, seed=seed),
+                               (tokens(seq=32),), rewrite, seeds=(0, 1, 2))
+    assert all(len(rope_records(f.report)) == 2 for f in reports)
+    assert res["ok"], res
+
+
+class PairRotation(torch.nn.Module):
+    """A hand-written interleaved rotation and its look-alikes: ``variant`` "ok" is
+    GLM's rotate_half; the others compute something else that looks the same."""
+
+    def __init__(self, variant: str = "ok"):
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+
+    def rotate_pairs(self, t):
+        even, odd = t[..., 0::2], t[..., 1::2]
+        if self.variant == "sign_on_even":    # (x[2p+1], −x[2p]): R(−θ), not R(θ)
+            return torch.stack((odd, -even), dim=-1).flatten(-2)
+        if self.variant == "pairs_not_swapped":  # (−x[2p], x[2p+1]): no rotation
+            return torch.stack((-even, odd), dim=-1).flatten(-2)
+        if self.variant == "stacked_as_halves":  # stack on dim -2: the half-split layout
+            return torch.stack((-odd, even), dim=-2).flatten(-2)
+        return torch.stack((-odd, even), dim=-1).flatten(-2)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        c, sn = cos[:, None], sin[:, None]
+        qe = q * c + self.rotate_pairs(q) * sn
+        ke = k * c + self.rotate_pairs(k) * sn
+        return torch.nn.functional.scaled_dot_product_attention(qe, ke, v, is_causal=True)
+
+
+def _pair_tables(seq: int, spread: bool = False):
+    th = torch.randn(1, seq, 4, generator=torch.Generator().manual_seed(3)) * 3
+    th = th.repeat_interleave(2, -1)
+    if spread:  # the two features of a pair at different angles: not a rotation
+        th = th + torch.arange(8.0) * 0.1
+    return th.cos(), th.sin()
+
+
+def test_interleaved_look_alikes_are_left_and_computed_as_eager():
+    x = torch.randn(2, 6, 32)
+    tables = _pair_tables(6)
+    for variant in ("ok", "sign_on_even", "pairs_not_swapped", "stacked_as_halves"):
+        torch._dynamo.reset()
+        m = PairRotation(variant)
+        fast = coda_rewrite.optimize(m)
+        with torch.no_grad():
+            assert rel_err(fast(x, *tables), m(x, *tables)) <= 1e-5, variant
+        assert len(rope_records(fast.report)) == (variant == "ok"), (variant, str(fast.report))
+
+
+def test_interleaved_tables_whose_pairs_differ_fail_loudly():
+    m = PairRotation()
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(m)
+    with torch.no_grad():
+        assert rel_err(fast(x, *_pair_tables(6)), m(x, *_pair_tables(6))) <= 1e-5
+        with pytest.raises(RuntimeError, match="differ within a pair"):
+            fast(x, *_pair_tables(6, spread=True))
+
+
+def test_pair_table_rows_take_each_pairs_values_and_pass_the_rest():
+    cos, sin = _pair_tables(5)
+    rows = layouts.rope_pair_table_rows(cos[..., :4], sin[..., :4], torch.empty(3, 5, 1), 8, 4)
+    assert rows.shape == (15, 8)
+    want = torch.stack((cos[0, :, 0:4:2], sin[0, :, 0:4:2]), -1).flatten(-2)
+    assert torch.equal(rows[:5, :4], want) and torch.equal(rows[5:10, :4], want)
+    assert torch.equal(rows[:, 4:], torch.tensor([1.0, 0.0, 1.0, 0.0]).expand(15, 4))

@@ -7,8 +7,10 @@ target is a class index, 0 for an ignored row; the log-sum-exp is merged from pe
 identity, NaN-free at the (−∞, 0) identity), and the target logit lives in exactly one
 tile. Side conditions checked here:
 
-* between the GEMM and the loss only views that keep the class dim, upcasts, and at
-  most one slice of rows (the pattern refuses anything else);
+* between the GEMM and the loss only views that keep the class dim, upcasts, at most
+  one slice of rows, and an elementwise map z = g(y) by constants with at most one tanh
+  (the pattern refuses anything else): the loss is that of z, and z is what the
+  model's other readers of the logits get;
 * nothing else reads those intermediate values, and nothing updates the logits in place;
 * a reader of the logits other than the loss comes after the loss in the graph (the
   fused GEMM runs where the loss was; the pass does not move other nodes).
@@ -28,17 +30,25 @@ from .decision import Decision, Proof, Rejection, Why
 from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
+def describe_map(logits_map: tuple) -> str:
+    """z = g(y) as text: ``tanh(y / 30) * 30``."""
+    z = "y"
+    for op, c in logits_map:
+        z = f"tanh({z})" if op == "tanh" else f"{z} {'*' if op == 'mul' else '/'} {c:g}"
+    return z
+
+
 def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
     held = []
     nodes = [m.proj.out, *m.chain]
     for node, nxt in zip(nodes, [*m.chain, m.ce]):
-        others = [u for u in node.users if u is not nxt and node is not m.proj.out]
+        others = [u for u in node.users if u is not nxt and node is not m.logits]
         if others:
             return held, Why(f"{describe(node)} is also read by "
                              f"{', '.join(describe(u) for u in others)}",
                              "cross_entropy.chain_read")
     for reader in m.logits_readers:
-        if mutated_value(reader) is m.proj.out:
+        if mutated_value(reader) is m.logits:
             return held, Why(f"{describe(reader)} updates the logits in place",
                              "cross_entropy.in_place")
     order = {n: i for i, n in enumerate(m.ce.graph.nodes)}
@@ -48,7 +58,12 @@ def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
                          "fused GEMM would run after that reader",
                          "cross_entropy.read_before_loss")
     held.append("between the GEMM and the loss: " + (", ".join(
-        describe(n) for n in m.chain) or "nothing") + " (views, upcasts, a row slice)")
+        describe(n) for n in m.chain) or "nothing") + " (views, upcasts, a row slice"
+        + (", an elementwise map by constants" if m.logits_map else "") + ")")
+    if m.logits_map:
+        held.append(f"the logits the loss and the model's readers see are z = "
+                    f"{describe_map(m.logits_map)}, computed in the epilogue in float32 "
+                    "(eager: in the logits' dtype)")
     if m.row_slice is not None:
         dim, start, stop = m.row_slice
         held.append(f"rows outside the slice {start}:{stop} of dim {dim} get ignore_index "
@@ -69,12 +84,18 @@ def decide(m, program, materialise: bool) -> Decision:
     seen = guarded(lambda m: _replay(m, program), m)
     if isinstance(seen, Rejection):
         return seen
+    mapped = ()
+    if m.logits_map:
+        derivative = statements.prove_logits_map_derivative()
+        mapped = (f"z = g(y) elementwise, so tile-local; the backward's g'(y) from z: "
+                  f"{derivative.statement}",)
     return Proof(
-        "CE(y, t)_i = log Σ_j exp y[i, j] − y[i, t_i] (0 for an ignored row), the "
-        "log-sum-exp merged from per-tile (max, Σexp) states",
+        "CE(z, t)_i = log Σ_j exp z[i, j] − z[i, t_i] (0 for an ignored row), the "
+        "log-sum-exp merged from per-tile (max, Σexp) states" + (
+            f", z = {describe_map(m.logits_map)}" if m.logits_map else ", z = y"),
         (*merge.assumptions, *held),
-        (f"merge: {merge.statement}",
-         "y[i, t_i] is read in the one tile that holds column t_i; the others give 0",
+        (*mapped, f"merge: {merge.statement}",
+         "z[i, t_i] is read in the one tile that holds column t_i; the others give 0",
          f"reduction {m.reduction!r}: " + {
              "mean": "Σ_i loss_i / #(rows not ignored), as PyTorch (NaN if none)",
              "sum": "Σ_i loss_i", "none": "loss_i for the loss's own rows"}[m.reduction]),

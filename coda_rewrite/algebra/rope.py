@@ -211,6 +211,17 @@ def _side_conditions(m, held) -> str | None:
             return Why("the GEMM input is not [batch, seq, hidden] matching the table",
                        "rope.input_shape")
         held.append(f"q and k rotate adjacent pairs by the complex table {describe(m.table)}")
+    elif m.form == "interleaved":
+        mc = meta(m.angle.cos)
+        if x is None or x.dim() != 3 or mc.shape[0] not in (1, x.shape[0]) or \
+                x.shape[1] not in tuple(mc.shape[1:3]) or mc.shape[-1] != rotary_dim:
+            return Why("the GEMM input is not [batch, seq, hidden] matching the cos/sin tables",
+                       "rope.input_shape")
+        held.append(f"q and k rotate adjacent pairs (x[2p], x[2p+1]) by the tables "
+                    f"{describe(m.angle.cos)}, {describe(m.angle.sin)} read as they are")
+        held.append("both features of a pair share cos and sin (repeat_interleave(θ, 2), as "
+                    "the models build them): checked on the device at every call (a table "
+                    "that breaks it fails loudly)")
     elif m.angle_source == "table":
         mc = meta(m.angle.cos)
         if x is None or x.dim() != 3 or mc.shape[1] != x.shape[1] or \
@@ -286,8 +297,10 @@ def decide(m, program) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     replay = functools.partial(_replay, program=program)
-    if m.form == "pairs":  # already adjacent pairs: nothing is permuted
-        rotation, facts = statements.prove_complex_rotation(), statements.prove_rotation_facts()
+    if m.form in ("pairs", "interleaved"):  # already adjacent pairs: nothing is permuted
+        rotation = statements.prove_complex_rotation() if m.form == "pairs" else \
+            statements.prove_pair_rotation()
+        facts = statements.prove_rotation_facts()
         seen = guarded(replay, m)
         if isinstance(seen, Rejection):
             return seen
@@ -378,6 +391,8 @@ def _replay(m, program) -> str | Rejection:
     emb = torch.cat((theta, theta), -1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
+    # the interleaved form's: each pair's angle on both of its features
+    pair_cos, pair_sin = (t.repeat_interleave(2, -1) * scale for t in (theta.cos(), theta.sin()))
     want = []
     for rot in m.rotated:
         env = {}
@@ -392,6 +407,9 @@ def _replay(m, program) -> str | Rejection:
             shape[3 - unsq] = seq
             shape[3] = rot.head_dim // 2
             env[rot.table_view] = table.reshape(shape)
+        elif rot.form == "interleaved":  # the values the rotation multiplies by
+            for node, t in ((rot.angle.cos, pair_cos), (rot.angle.sin, pair_sin)):
+                env[node] = t[..., :rot.rotary_dim].unsqueeze(unsq)
         order = {n: i for i, n in enumerate(rot.out.graph.nodes)}
         for node in sorted(rot.nodes, key=order.__getitem__):  # in graph order
             if node in env:
@@ -407,6 +425,10 @@ def _replay(m, program) -> str | Rejection:
     operands = ([r] if m.proj.r is not None else []) + ([b] if b is not None else [])
     if m.form == "pairs":
         operands.append(layouts.rope_table_rows(table, x))
+    elif m.form == "interleaved":
+        rot = m.rotated[0]
+        operands.append(layouts.rope_pair_table_rows(pair_cos, pair_sin, x, rot.head_dim,
+                                                     rot.rotary_dim).double())
     elif m.angle_source == "table":
         rot = m.rotated[0]
         operands.append(layouts.rope_half_table_rows(cos, sin, x, rot.head_dim,

@@ -396,6 +396,64 @@ def prove_complex_rotation() -> Proof:
 
 
 @functools.cache
+def prove_pair_rotation() -> Proof:
+    """The interleaved spelling (GLM, Cohere, GPT-J: x·C + rotate_pairs(x)·S with the
+    tables' features repeated per pair) is the pairwise rotation the epilogue computes."""
+    x, c, s = sp.IndexedBase("x"), sp.IndexedBase("c"), sp.IndexedBase("s")
+    p = sp.Symbol("p", integer=True, nonnegative=True)
+    rotate_pairs = {2 * p: -x[2 * p + 1], 2 * p + 1: x[2 * p]}
+    table = {2 * p: p, 2 * p + 1: p}  # C[2p] = C[2p+1] = c_p (repeat_interleave)
+    want = {2 * p: x[2 * p] * c[p] - x[2 * p + 1] * s[p],
+            2 * p + 1: x[2 * p] * s[p] + x[2 * p + 1] * c[p]}
+    for lane in (2 * p, 2 * p + 1):
+        got = x[lane] * c[table[lane]] + rotate_pairs[lane] * s[table[lane]]
+        _require(got - want[lane], f"interleaved rotation (lane {lane})")
+
+    def num(seed):
+        g = _gen(seed)
+        xx = torch.randn(5, 8, generator=g, dtype=torch.float64)
+        ang = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+        ref = xx * cos + torch.stack((-xx[:, 1::2], xx[:, 0::2]), -1).flatten(1) * sin
+        out = torch.stack((xx[:, 0::2] * ang.cos() - xx[:, 1::2] * ang.sin(),
+                           xx[:, 0::2] * ang.sin() + xx[:, 1::2] * ang.cos()), -1).flatten(1)
+        return rel_err(out, ref)
+
+    return Proof(
+        "x·C + rotate_pairs(x)·S = (x[2p]·c_p − x[2p+1]·s_p, x[2p]·s_p + x[2p+1]·c_p),  "
+        "rotate_pairs(x)[2p, 2p+1] = (−x[2p+1], x[2p])",
+        ("C[2p] = C[2p+1] = c_p and S[2p] = S[2p+1] = s_p (each pair's angle repeated)",),
+        ("lane 2p: x[2p]·c_p − x[2p+1]·s_p", "lane 2p+1: x[2p+1]·c_p + x[2p]·s_p"),
+        _witness("interleaved rotation", num))
+
+
+@functools.cache
+def prove_logits_map_derivative() -> Proof:
+    """A map before the loss, z = g(y) = c₂·tanh(y·a) (a: the product of the scalings
+    before the tanh, c₂ after it; a map without tanh is the line z = c·y): its derivative
+    is a function of z alone, so the backward reads the stored (or recomputed) z and
+    never y."""
+    y, a, c2 = sp.symbols("y a c2", real=True, nonzero=True)
+    z = c2 * sp.tanh(a * y)
+    _require(sp.simplify(sp.diff(z, y) - a * c2 * (1 - (z / c2) ** 2)), "softcap derivative")
+    _require(sp.diff(c2 * a * y, y) - c2 * a, "scaled logits derivative")
+
+    def num(seed):
+        g = _gen(seed)
+        yy = (torch.randn(64, generator=g, dtype=torch.float64) * 40).requires_grad_()
+        aa, cc = 1 / 30.0, 30.0
+        zz = cc * torch.tanh(yy * aa)
+        (auto,) = torch.autograd.grad(zz.sum(), yy)
+        return rel_err(aa * cc * (1 - (zz.detach() / cc) ** 2), auto)
+
+    return Proof(
+        "z = c₂·tanh(a·y)  ⇒  dz/dy = a·c₂·(1 − (z / c₂)²);  z = c·y  ⇒  dz/dy = c",
+        ("at most one tanh in the map (the pattern refuses two)",),
+        ("d tanh(u)/du = 1 − tanh²(u)", "tanh(a·y) = z / c₂"),
+        _witness("logits map derivative", num))
+
+
+@functools.cache
 def prove_gated_interleave() -> Proof:
     X, Wg, Wu = sp.IndexedBase("X"), sp.IndexedBase("Wg"), sp.IndexedBase("Wu")
     act = sp.Function("act")
@@ -482,6 +540,8 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("RoPE interleave", prove_rope_interleave()),
             ("rotation facts", prove_rotation_facts()),
             ("complex rotation", prove_complex_rotation()),
+            ("interleaved rotation", prove_pair_rotation()),
+            ("logits map derivative", prove_logits_map_derivative()),
             ("gated activation interleave", prove_gated_interleave()),
             ("sharded GEMM (tensor parallelism)", prove_sharded_gemm())]
     return out

@@ -10,7 +10,8 @@ value kept between calls is the runtime's (kernels/).
     gated pairs         interleave_rows, interleave_halves
     RoPE                rope_segments (per-head permutation, q/k/v concatenated),
                         rope_unpermute, rope_frequencies, rope_positions, rope_column_scale,
-                        rope_rotated_columns, rope_table_rows, rope_half_table_rows
+                        rope_rotated_columns, rope_table_rows, rope_half_table_rows,
+                        rope_pair_table_rows
     cross-entropy       row_targets, cross_entropy_from_rows, unmaterialised_logits
 
 A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim): rows [lo, hi) of a
@@ -243,6 +244,26 @@ def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
     b, s = x.shape[0], x.shape[1]
     return pairs.reshape(-1, s, head_dim).expand(b, -1, -1).reshape(b * s, head_dim) \
         .contiguous()
+
+
+def rope_pair_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
+                         head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The (cos, sin) rows [B·S, head_dim] (float32) of the tables an interleaved-pair
+    rotation multiplies by (x·cos + rotate_pairs(x)·sin; cos/sin [Bp, S, r] or with a unit
+    head axis, [Bp, 1, S, r] / [Bp, S, 1, r]): pair p gets (cos[2p], sin[2p]); pass-
+    through features of a partial rotary get (1, 0). It is a rotation only when both
+    features of a pair share their values (repeat_interleave(θ, 2), as the models build
+    them): checked on the device, every call, like the half-split tables."""
+    b, s = x.shape[0], x.shape[1]
+    cos, sin = cos.reshape(-1, s, rotary_dim), sin.reshape(-1, s, rotary_dim)  # unit axis out
+    ok = (cos[..., 0::2] == cos[..., 1::2]).all() & (sin[..., 0::2] == sin[..., 1::2]).all()
+    torch._assert_async(ok, "rope: cos/sin differ within a pair; the table is not "
+                            "repeat_interleave(θ, 2)")
+    pairs = torch.stack((cos[..., 0::2].float(), sin[..., 0::2].float()), -1).flatten(-2)
+    if rotary_dim < head_dim:
+        ident = pairs.new_tensor([1.0, 0.0]).repeat((head_dim - rotary_dim) // 2)
+        pairs = torch.cat((pairs, ident.expand(*pairs.shape[:-1], -1)), -1)
+    return pairs.expand(b, -1, -1).reshape(b * s, head_dim).contiguous()
 
 
 # ---- cross-entropy from per-row losses -------------------------------------------------

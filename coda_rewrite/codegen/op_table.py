@@ -125,6 +125,9 @@ _SPECS = {
     "exp": _unary(torch.exp, "pexp({})"),
     "silu": _unary(F.silu, "silu({})", zero=True),
     "sigmoid": _unary(torch.sigmoid, "sigmoid({})"),
+    # MUFU-free tanh (not tanh.approx, whose ~2^-11 relative error a float32 model would
+    # see): logit soft-capping, c·tanh(y / c)
+    "tanh": _unary(torch.tanh, "tanh_exact({})", zero=True),
     "gelu_tanh": _unary(_gelu_tanh, "gelu_tanh_approx({})", zero=True),
     "gelu_erf": _unary(F.gelu, "gelu_erf({})", zero=True),
     # rounds through a storage dtype and back (no kernel lowering yet)

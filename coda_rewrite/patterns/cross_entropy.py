@@ -15,14 +15,21 @@ state and picks the row's target logit while the tile is on chip:
     graph:     rows with t_i = ignore_index contribute 0; mean divides by their count,
                exactly as PyTorch does (0/0 = NaN when every row is ignored)
 
+Logits mapped elementwise before the loss (Cohere's logit_scale, Granite's
+logits_scaling, Gemma 2's soft-capping c·tanh(y / c), a temperature) keep the rewrite:
+the map is part of the epilogue, z = g(y), and the loss, lse and the written logits are
+those of z (what the model returns); g is a chain of multiplications and divisions by
+constants with at most one tanh, so its derivative g'(y) is known from z alone (the
+backward needs no y: for z = c₂·tanh(y / c₁), g' = (c₂ / c₁)·(1 − (z / c₂)²)).
+
 Spellings: F.cross_entropy / nn.CrossEntropyLoss on flattened logits; an upcast
 (``logits.float()``) in between; the causal shift on the logits (``logits[..., :-1, :]``
 against ``labels[..., 1:]``, a row selection: the skipped rows get ignore_index) or on the
 labels (Hugging Face's ForCausalLMLoss pads them); reductions mean, sum and none (HF's
 ``num_items_in_batch`` divides a sum afterwards, which stays a graph op). Not in the
 epilogue, left as is with the reason: class weights, label smoothing, probabilities as
-targets, anything between the GEMM and the loss that is not a view, cast or row slice
-(Gemma 2's logit soft-capping, a temperature).
+targets, anything between the GEMM and the loss that is not a view, cast, row slice or
+such a map (a tensor-valued or run-time scale, a second tanh, another function).
 """
 
 from __future__ import annotations
@@ -66,7 +73,10 @@ class Match:
     target: fx.Node
     ignore_index: int
     reduction: str
-    logits_readers: list[fx.Node]  # readers of the GEMM output outside the chain
+    logits_readers: list[fx.Node]  # readers of the logits (``logits``) outside the chain
+    logits_map: tuple = ()         # z = g(y) in order: ("mul" | "div", c) or ("tanh", None)
+    logits: fx.Node | None = None  # the value the readers read: the map's last node, or
+                                   # the GEMM output when there is no map
 
     pattern = NAME
 
@@ -115,7 +125,7 @@ def _match(ce: fx.Node) -> Match | NoMatch:
         return NoMatch(ce, Why(
                 "cross_entropy on other than [N, V] logits and [N] class indices "
                 "(probabilities as targets, or unflattened logits)", "cross_entropy.shapes"))
-    chain, node, row_slice = [], x, None
+    chain, node, row_slice, logits_map, mapped = [], x, None, [], None
     while True:
         proj = projection_of(node)
         if proj is not None:
@@ -128,21 +138,61 @@ def _match(ce: fx.Node) -> Match | NoMatch:
                 return NoMatch(ce, Why("two row selections between the logits and the loss",
                                        "cross_entropy.two_row_selections"))
             row_slice = step[1]
+        if step[2] is not None:
+            if step[2][1] != 1.0:  # y · 1 and y / 1 (Granite's default scaling): nothing
+                logits_map.insert(0, step[2])
+            mapped = mapped or node  # the map's last node: the logits the model returns
         chain.append(node)
         node = step[0]
+    if sum(op == "tanh" for op, _ in logits_map) > 1:
+        return NoMatch(ce, Why("two tanh between the logits GEMM and the loss: the backward "
+                               "could not recover the first one's output from the logits",
+                               "cross_entropy.two_tanh"))
     if proj.local:
         return NoMatch(ce, Why("the logits are a rank's shard of a vocabulary-parallel LM "
                                "head: the log-sum-exp needs whole rows", "cross_entropy.sharded"))
     vocab = meta(proj.out).shape[-1]
     if mx.shape[-1] != vocab:
         return NoMatch(ce, "the loss's class dim is not the GEMM's output features")
-    readers = [u for u in proj.out.users if u not in chain]
+    logits = mapped if mapped is not None else proj.out
+    if mapped is not None and any(u not in chain for u in proj.out.users):
+        return NoMatch(ce, Why("the logits are read both before and after the map in front "
+                               "of the loss; the epilogue writes one of them",
+                               "cross_entropy.read_before_map"))
+    at = chain.index(mapped) if mapped is not None else None
+    readers = [u for u in logits.users if u not in chain and (at is None or u is not (
+        chain[at - 1] if at > 0 else ce))]
     return Match(ce, proj, tuple(reversed(chain)), row_slice, target, ignore_index,
-                 reduction, readers)
+                 reduction, readers, tuple(logits_map), logits)
+
+
+def _map_step(node: fx.Node):
+    """(input, ("mul" | "div", c) or ("tanh", None)) for an elementwise map of the logits
+    by a constant the epilogue can apply, a Why for a map it cannot, None otherwise."""
+    c = canon(node)
+    if node.op in ("call_function", "call_method") and node.target in (torch.tanh, "tanh"):
+        return node.args[0], ("tanh", None)
+    if c is None or c.name not in ("mul", "div"):
+        return None
+    a, b = c.args
+    pairs = ((a, b), (b, a)) if c.name == "mul" else ((a, b),)
+    for t, k in pairs:
+        if isinstance(t, fx.Node) and isinstance(k, (int, float)) and \
+                not isinstance(k, bool) and k != 0 and k == k and abs(k) != float("inf"):
+            return t, (c.name, float(k))
+    return Why(f"{c.name} of the logits by something other than a nonzero constant (a "
+               "tensor, or a value known only at run time) before the loss",
+               "cross_entropy.map_operand")
 
 
 def _chain_step(node: fx.Node):
-    """(input, row slice or None) for a node the epilogue can look through, else why not."""
+    """(input, row slice or None, map step or None) for a node the epilogue can look
+    through, else why not."""
+    mapped = _map_step(node)
+    if isinstance(mapped, str):
+        return mapped
+    if mapped is not None:
+        return mapped[0], None, mapped[1]
     c = canon(node)
     if c is not None and c.name == "cast":
         src, dst = meta(node.args[0]), meta(node)
@@ -150,23 +200,24 @@ def _chain_step(node: fx.Node):
                 torch.finfo(dst.dtype).bits < torch.finfo(src.dtype).bits:
             return Why(f"a downcast of the logits ({describe_dtype(node)}) before the loss",
                        "cross_entropy.downcast")
-        return node.args[0], None
+        return node.args[0], None, None
     if c is not None and c.name == "contiguous":
-        return node.args[0], None
+        return node.args[0], None, None
     if node.op in ("call_method", "call_function") and node.target in _VIEWS:
         src = node.args[0]
         if meta(src) is not None and meta(node) is not None and \
                 meta(src).shape[-1] == meta(node).shape[-1]:
-            return src, None
+            return src, None, None
         return Why("a reshape that mixes the class dim with the rows", "cross_entropy.reshape")
     if node.op == "call_function" and node.target is operator.getitem:
         rows = _row_slice(node)
         if rows is not None:
-            return node.args[0], rows
+            return node.args[0], rows, None
         return Why("an index of the logits other than a slice of rows", "cross_entropy.index")
     what = canon(node).name if canon(node) is not None else str(node.target)
-    return Why(f"{what} between the logits GEMM and the loss (e.g. logit soft-capping or a "
-               "temperature) is not in the epilogue", "cross_entropy.op_before_loss")
+    return Why(f"{what} between the logits GEMM and the loss is not in the epilogue (a map "
+               "it applies is a product or quotient by a constant, or tanh)",
+               "cross_entropy.op_before_loss")
 
 
 def describe_dtype(node):
@@ -193,13 +244,21 @@ def _row_slice(node: fx.Node):
     return full[0] - ms.dim(), s.start, s.stop  # dim counted from the end (V is -1)
 
 
+def apply_logits_map(p: ProgramBuilder, y: str, logits_map: tuple) -> str:
+    """z = g(y), the map's steps in order (``Match.logits_map``)."""
+    for k, (op, c) in enumerate(logits_map):
+        y = p.tanh(y, name=f"z{k}") if op == "tanh" else p.emit(op, y, c, name=f"z{k}")
+    return y
+
+
 def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
-               stat_dtype: str = "float32") -> EpilogueProgram:
-    """y = acc (· r) (+ b); lse, target logit, loss = lse − tl; [y if materialised].
-    The per-row values are stored in ``stat_dtype`` (float64 for a float64 model)."""
-    p = ProgramBuilder("rowscale_lse_target" if has_r else "lse_target", gemm=True,
-                       family="cross_entropy")
-    y = p.scaled_acc(has_r, has_bias)
+               stat_dtype: str = "float32", logits_map: tuple = ()) -> EpilogueProgram:
+    """y = acc (· r) (+ b); z = g(y) (a map before the loss, if any); lse, target logit,
+    loss = lse − tl of z; [z if materialised]. The per-row values are stored in
+    ``stat_dtype`` (float64 for a float64 model)."""
+    name = ("rowscale_" if has_r else "") + ("mapped_" if logits_map else "") + "lse_target"
+    p = ProgramBuilder(name, gemm=True, family="cross_entropy")
+    y = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)
     target = p.operand("target", Kind.PER_ROW)
     lse = p.row_logsumexp(y, name="lse")
     tl = p.select_column(y, target, name="tl")
@@ -222,8 +281,8 @@ def plan_for(m: Match, options) -> Plan:
     materialise = bool(m.logits_readers) and options.materialize_logits
     dtype = meta(m.proj.out).dtype
     program = ce_program(m.proj.r is not None, m.proj.bias is not None,
-                         dtype if materialise else None,
-                         "float64" if dtype == torch.float64 else "float32")
+                         meta(m.logits).dtype if materialise else None,
+                         "float64" if dtype == torch.float64 else "float32", m.logits_map)
     return Plan(m, program, materialise)
 
 
@@ -265,7 +324,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     loss.meta.update({k: v for k, v in m.ce.meta.items() if k not in loss.meta})
     m.ce.replace_all_uses_with(loss)
     for reader in m.logits_readers:
-        reader.replace_input_with(p.out, outs[0] if plan.materialise else empty)
+        reader.replace_input_with(m.logits, outs[0] if plan.materialise else empty)
     erase_if_dead(graph, [m.ce, *m.chain, *p.nodes])
     return {"programs": [program],
             "materialised": [describe(p.out)] if plan.materialise else []}

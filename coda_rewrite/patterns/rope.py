@@ -122,6 +122,7 @@ class Rotated:
     angle: Angle | None      # "half": cos/sin of pos ⊗ inv_freq
     nodes: tuple[fx.Node, ...]   # the rotation's own nodes (erased once dead)
     form: str = "half"       # "half" (rotate_half) | "pairs" (complex, adjacent pairs)
+                             # | "interleaved" (real, adjacent pairs: rotate_every_two)
     table: fx.Node | None = None     # "pairs": the complex table [(Bt,) S, hd/2]
     table_view: fx.Node | None = None  # "pairs": the table broadcast against the heads
 
@@ -208,15 +209,26 @@ def _is(node, targets) -> bool:
         and node.target in targets
 
 
-def _last_dim_slice(node) -> tuple[fx.Node, int | None, int | None] | None:
-    """(x, start, stop) for ``x[..., start:stop]`` (step 1), else None."""
+def _last_dim_index(node) -> tuple[fx.Node, slice] | None:
+    """(x, the slice) for ``x[..., a:b:c]`` or ``x[:, :, :, a:b:c]`` (every leading dim
+    whole): an index of the last dim only, else None."""
     if not (_is(node, {operator.getitem}) and isinstance(node.args[0], fx.Node)):
         return None
-    idx = node.args[1]
-    if not (isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis
-            and isinstance(idx[1], slice) and idx[1].step in (None, 1)):
+    idx, mx = node.args[1], meta(node.args[0])
+    if not (isinstance(idx, tuple) and idx and isinstance(idx[-1], slice)) or mx is None:
         return None
-    return node.args[0], idx[1].start, idx[1].stop
+    lead = idx[:-1]
+    if lead == (Ellipsis,) or (len(idx) == mx.dim() and all(e == slice(None) for e in lead)):
+        return node.args[0], idx[-1]
+    return None
+
+
+def _last_dim_slice(node) -> tuple[fx.Node, int | None, int | None] | None:
+    """(x, start, stop) for ``x[..., start:stop]`` (step 1), else None."""
+    found = _last_dim_index(node)
+    if found is None or found[1].step not in (None, 1):
+        return None
+    return found[0], found[1].start, found[1].stop
 
 
 def _norm_slice(start, stop, n) -> tuple[int, int] | None:
@@ -383,6 +395,44 @@ def _rotate_half_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
     return hi[0], (node, neg, *hi[2], *low[2])
 
 
+def _parity_of(node) -> tuple[fx.Node, int] | None:
+    """(x, 0 or 1) for the even or odd features of x's last dim: ``x[..., 0::2]`` /
+    ``x[..., 1::2]``."""
+    found = _last_dim_index(node)
+    if found is None:
+        return None
+    x, sl = found
+    mx = meta(x)
+    if sl.step != 2 or sl.stop is not None or mx is None or int(mx.shape[-1]) % 2:
+        return None
+    return (x, sl.start or 0) if sl.start in (None, 0, 1) else None
+
+
+def _rotate_pairs_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """(x, its nodes) for ``stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)``:
+    each adjacent pair (x[2p], x[2p+1]) becomes (−x[2p+1], x[2p]) (GLM's, Cohere's and
+    GPT-J's rotate_half / rotate_every_two)."""
+    if not _is(node, {"flatten", torch.flatten}):
+        return None
+    st, start, end = _args(node, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
+    mst = meta(st) if isinstance(st, fx.Node) else None
+    if mst is None or start % mst.dim() != mst.dim() - 2 or end % mst.dim() != mst.dim() - 1 \
+            or not _is(st, {torch.stack}):
+        return None
+    tensors, dim = _args(st, "tensors", "dim", defaults=(None, 0))
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or \
+            dim % mst.dim() != mst.dim() - 1:
+        return None
+    neg, even = tensors
+    c = canon(neg) if isinstance(neg, fx.Node) else None
+    if c is None or c.name != "neg" or not isinstance(even, fx.Node):
+        return None
+    hi, lo = _parity_of(c.args[0]), _parity_of(even)
+    if hi is None or lo is None or hi[0] is not lo[0] or (hi[1], lo[1]) != (1, 0):
+        return None
+    return hi[0], (node, st, neg, c.args[0], even)
+
+
 def _unsqueezed(node) -> tuple[fx.Node, int] | None:
     """(x, dim) for ``x.unsqueeze(dim)`` or ``x[:, None]``-style indexing."""
     if _is(node, {operator.getitem}):
@@ -400,8 +450,10 @@ def _unsqueezed(node) -> tuple[fx.Node, int] | None:
 
 
 def _rope_core(add: fx.Node):
-    """(x, cos table, sin table, unsqueeze dim, the rotation's own nodes) for
-    x·C + rotate_half(x)·S, C and S the tables unsqueezed at the head axis."""
+    """(x, cos table, sin table, head axis, the rotation's own nodes, form) for
+    x·C + rotate_half(x)·S ("half": C and S the [Bp, S, r] tables unsqueezed at the head
+    axis) or x·C + rotate_pairs(x)·S ("interleaved": C and S the 4-d values the rotation
+    multiplies by, whatever computed them: they are read as a table)."""
     c = canon(add)
     if c is None or c.name != "add" or not all(isinstance(a, fx.Node) for a in c.args):
         return None
@@ -410,18 +462,42 @@ def _rope_core(add: fx.Node):
         if c1 is None or c2 is None or c1.name != "mul" or c2.name != "mul":
             continue
         for rot, s_t in (c2.args, c2.args[::-1]):
-            rh = _rotate_half_of(rot)
-            if rh is None:
+            form, found = "half", _rotate_half_of(rot)
+            if found is None:
+                form, found = "interleaved", _rotate_pairs_of(rot)
+            if found is None:
                 continue
-            x, rot_nodes = rh
+            x, rot_nodes = found
             for x1, c_t in (c1.args, c1.args[::-1]):
                 if x1 is not x:
                     continue
+                nodes = (m1, m2, *rot_nodes, add)
+                if form == "interleaved":
+                    axis = _table_head_axis(x, c_t, s_t)
+                    if axis is None:
+                        return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast "
+                                   "over the heads", "rope.table_broadcast")
+                    return x, c_t, s_t, axis, nodes, form
                 cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
                 if cu is None or su is None or cu[1] != su[1]:
                     return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
                                "the heads", "rope.table_broadcast")
-                return x, cu[0], su[0], cu[1], (m1, m2, *rot_nodes, add)
+                return x, cu[0], su[0], cu[1], nodes, form
+    return None
+
+
+def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node) -> int | None:
+    """The head axis (1 or 2) of 4-d rotated heads x that 4-d tables cos/sin broadcast
+    over: unit there, the sequence on the other, x's rotated width last, a batch of 1 or
+    x's; None where they are not such tables."""
+    mx, mc, ms = meta(x), meta(cos), meta(sin)
+    if mx is None or mc is None or ms is None or mx.dim() != 4 or mc.dim() != 4 or \
+            tuple(mc.shape) != tuple(ms.shape) or not mc.is_floating_point():
+        return None
+    for axis, seq in ((1, 2), (2, 1)):
+        if mc.shape[axis] == 1 and mc.shape[seq] == mx.shape[seq] and \
+                mc.shape[3] == mx.shape[3] and mc.shape[0] in (1, mx.shape[0]):
+            return axis
     return None
 
 
@@ -475,7 +551,7 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         return None
     if isinstance(core, str):
         return NoMatch(add, core)
-    x, cos_t, sin_t, unsq, nodes = core
+    x, cos_t, sin_t, unsq, nodes, form = core
     out, rotary_part = add, x
     # partial rotary: out = cat([rope(q[..., :r]), q[..., r:]]) over the head dim
     sl = _last_dim_slice(x)
@@ -500,6 +576,14 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         nodes = nodes + (x, rest, out)
     else:
         heads = x
+    # Cohere's q.float() before the rotation and .to(dtype) after it: the epilogue rotates
+    # in float32 and writes the dtype of what the graph returns
+    while _is_cast(heads):
+        nodes += (heads,)
+        heads = heads.args[0]
+    while len(out.users) == 1 and _is_cast(next(iter(out.users))):
+        out = next(iter(out.users))
+        nodes += (out,)
     split = _head_split(heads, unsq)
     if split is None:
         return NoMatch(add, Why(f"the rotated value {describe(heads)} is not the head-split "
@@ -515,6 +599,14 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         return NoMatch(add, Why("the rotated heads are a rank's shard of a column-parallel "
                                 "GEMM: RoPE on sharded GEMMs is not implemented (the q/k/v "
                                 "merge would gather the weights)", "rope.sharded"))
+    if form == "interleaved":  # the tables as the rotation multiplies by them
+        angle = Angle(None, None, None, 1.0, cos_t, sin_t, why_table=(
+            "interleaved pairs: cos/sin are read as the tables the rotation multiplies by"))
+        if meta(cos_t).requires_grad or meta(sin_t).requires_grad:
+            return NoMatch(add, Why("the cos/sin tables require grad",
+                                    "rope.angle_requires_grad"))
+        return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
+                       int(meta(rotary_part).shape[-1]), angle, nodes, form=form)
     angle = angle_of(cos_t, sin_t)
     if isinstance(angle, NoAngle):
         if not angle.as_table:
@@ -665,9 +757,11 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
     for r in found:
         for g in groups:
             a, b = g[0].angle, r.angle
-            if r.form == "pairs":
-                same_angle = g[0].form == "pairs" and same_value(g[0].table, r.table)
-            elif a is None or a.source != b.source:
+            if r.form != g[0].form:
+                same_angle = False
+            elif r.form == "pairs":
+                same_angle = same_value(g[0].table, r.table)
+            elif a.source != b.source:
                 same_angle = False
             elif b.source == "angles":
                 same_angle = a.emb is b.emb
@@ -826,9 +920,12 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                 angle.insert(0, graph.call_function(layouts.rope_column_scale,
                                                     (m.angle.scale, lay, x)))
         else:
+            rot = m.rotated[0]
             if m.form == "half":
-                rot = m.rotated[0]
                 angle = [graph.call_function(layouts.rope_half_table_rows, (
+                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
+            elif m.form == "interleaved":
+                angle = [graph.call_function(layouts.rope_pair_table_rows, (
                     m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
             else:
                 angle = [graph.call_function(layouts.rope_table_rows, (m.table, x))]

@@ -1,5 +1,6 @@
-"""The log-sum-exp and target-logit family (cross-entropy): dy = softmax(y)·(dloss + dlse)
-− onehot(t)·dloss (+ dlogits). When the forward did not write the logits, one GEMM
+"""The log-sum-exp and target-logit family (cross-entropy): dz = softmax(z)·(dloss + dlse)
+− onehot(t)·dloss (+ dlogits), dy = dz·g'(y) where a map z = g(y) stands before the loss
+(a soft-cap, a scale; g' is read off z: map_slope), else z = y. When the forward did not write the logits, one GEMM
 recomputes them and its epilogue forms r·softmax(y)·dsm (softmax_grad_program); from
 stored logits it is formed by chunks of rows. Either way it lands once, in the GEMM
 dtype, the one-hot term is an index update of M elements, and no float32 [rows, vocab]
@@ -18,30 +19,66 @@ from .common import Rule, expect, shaped, up
 _CE_CHUNK_BYTES = 1 << 29
 
 
-def _lse_parts(prog: EpilogueProgram) -> bool:
-    """Whether the cross-entropy program also stores the logits."""
-    y, i = scaled_acc_prefix(prog)
+def _lse_parts(prog: EpilogueProgram) -> tuple[bool, tuple]:
+    """(whether the cross-entropy program also stores the logits, the map z = g(y)
+    before the loss as ((op, constant), ...): patterns/cross_entropy.Match.logits_map)."""
+    z, i = scaled_acc_prefix(prog)
+    logits_map = []
+    while prog.body[i].op in ("mul", "div", "tanh") and prog.body[i].args[0] == z:
+        ins = prog.body[i]
+        expect(ins.args[1:] == () if ins.op == "tanh" else
+               len(ins.args) == 2 and isinstance(ins.args[1], float))
+        logits_map.append((ins.op, ins.args[1] if ins.op != "tanh" else None))
+        z, i = ins.out, i + 1
+    expect(sum(op == "tanh" for op, _ in logits_map) <= 1)
     lse, tl, loss = prog.body[i:]
-    expect((lse.op, lse.args) == ("row_logsumexp", (y,)))
-    expect((tl.op, tl.args) == ("select_column", (y, "target")))
+    expect((lse.op, lse.args) == ("row_logsumexp", (z,)))
+    expect((tl.op, tl.args) == ("select_column", (z, "target")))
     expect((loss.op, loss.args) == ("sub", (lse.out, tl.out)))
     outs = [(o.value, o.kind) for o in prog.outputs]
     tail = [(loss.out, Kind.PER_ROW), (lse.out, Kind.PER_ROW)]
-    expect(outs in (tail, [(y, Kind.TILE), *tail]) and prog.gemm)
-    return len(outs) == 3
+    expect(outs in (tail, [(z, Kind.TILE), *tail]) and prog.gemm)
+    return len(outs) == 3, tuple(logits_map)
+
+
+def map_slope(logits_map: tuple, z: torch.Tensor) -> torch.Tensor | float:
+    """g'(y) from z = g(y) alone (statements.prove_logits_map_derivative): the map's
+    steps walked back from z; a scaling contributes its constant, the tanh 1 − t² with
+    t = tanh's output, z divided by the scalings after it. 1.0 without a map."""
+    slope, t = 1.0, z
+    for op, c in reversed(logits_map):
+        if op == "tanh":
+            slope = slope * (1 - t * t)
+            t = None  # at most one tanh: nothing before it needs its input
+        else:
+            k = c if op == "mul" else 1 / c
+            slope = slope * k
+            t = t / k if t is not None else None
+    return slope
 
 
 @functools.lru_cache(maxsize=64)
-def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str) -> EpilogueProgram:
+def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str,
+                         logits_map: tuple = ()) -> EpilogueProgram:
     """The softmax part of the cross-entropy gradient, formed in the epilogue of the GEMM
-    that recomputes the logits: d_acc = exp(y − lse)·dsm (·r), y = acc (·r) (+ b). It is
-    stored once, in the GEMM dtype; no float32 [rows, vocab] tensor exists. (Cached: the
-    backward asks on every call.)"""
+    that recomputes the logits: d_acc = exp(z − lse)·dsm·g'(y) (·r), z = g(y), y = acc
+    (·r) (+ b). It is stored once, in the GEMM dtype; no float32 [rows, vocab] tensor
+    exists. (Cached: the backward asks on every call.)"""
     from ...codegen.program import ProgramBuilder
-    p = ProgramBuilder("ce_softmax_grad", gemm=True)
-    y = p.scaled_acc(has_r, has_bias)
+    from ...patterns.cross_entropy import apply_logits_map
+    p = ProgramBuilder("ce_softmax_grad" if not logits_map else "ce_mapped_softmax_grad",
+                       gemm=True)
+    z = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)
     lse, dsm = p.operand("lse", Kind.PER_ROW), p.operand("dsm", Kind.PER_ROW)
-    d = p.mul(p.exp(p.sub(y, lse)), dsm, name="d")
+    d = p.mul(p.exp(p.sub(z, lse)), dsm, name="d")
+    if logits_map:  # g'(y), as map_slope forms it from z: constants folded here
+        scale = 1.0  # the product of the scalings walked so far
+        for op, c in reversed(logits_map):
+            if op == "tanh":  # its output is z / (the scalings after it)
+                d = p.mul(d, p.sub(1.0, p.square(p.mul(z, 1 / scale))), name="d_tanh")
+            scale *= 1.0 if op == "tanh" else c if op == "mul" else 1 / c
+        if scale != 1.0:
+            d = p.mul(d, scale, name="d_map")
     if has_r:
         d = p.mul(d, "r", name="d_r")
     p.output(d, Kind.TILE, dtype)
@@ -50,7 +87,7 @@ def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str) -> EpiloguePro
 
 def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     from .. import ops
-    with_logits = _lse_parts(prog)
+    with_logits, logits_map = _lse_parts(prog)
     d_logits = grads[0] if with_logits else None
     d_loss, d_lse = grads[-2], grads[-1]
     by_name = dict(zip((o.name for o in prog.operands), operands))
@@ -65,26 +102,33 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     valid = (target >= 0) & (target < n)
     r = up(by_name["r"]).reshape(m) if "r" in by_name else None
     bias = by_name.get("bias")
-    # d_acc = (softmax(y)·dsm − onehot(t)·dloss + dlogits) (·r), in the GEMM dtype
-    if with_logits:  # the forward wrote y: no GEMM recompute, the softmax chunk by chunk
+    # d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y) (·r), in the GEMM dtype
+    if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
         d_acc = torch.empty(m, n, dtype=a.dtype, device=a.device)
         rows = max(1, _CE_CHUNK_BYTES // (4 * n))
         for s in range(0, m, rows):
             e = min(m, s + rows)
-            d = torch.exp(up(outputs[0][s:e]) - lse[s:e, None]).mul_(dsm[s:e, None])
+            z = up(outputs[0][s:e])
+            d = torch.exp(z - lse[s:e, None]).mul_(dsm[s:e, None])
             if d_logits is not None:
                 d += up(d_logits[s:e])
+            if logits_map:
+                d *= map_slope(logits_map, z)
             if r is not None:
                 d *= r[s:e, None]
             d_acc[s:e] = d
     else:  # recompute the logits in a GEMM whose epilogue forms the softmax gradient
         bwd = softmax_grad_program(r is not None, bias is not None,
-                                   reference.dtype_name(a.dtype))
+                                   reference.dtype_name(a.dtype), logits_map)
         ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
             ([bias] if bias is not None else []) + [lse, dsm]
         (d_acc,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
-    # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0)
-    onehot = torch.where(valid, d_loss * (r if r is not None else 1.0), zero)
+    # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0); the
+    # target's z is lse − loss, both kept, so g' at the target needs no gather
+    onehot = d_loss * (r if r is not None else 1.0)
+    if logits_map:
+        onehot = onehot * map_slope(logits_map, lse - up(outputs[-2]).reshape(m))
+    onehot = torch.where(valid, onehot, zero)
     rows_idx = torch.arange(m, device=a.device)
     d_acc.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(d_acc.dtype),
                      accumulate=True)
@@ -106,8 +150,13 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
 
 
 def _lse_target_saves(prog):
-    """The logits (when written) and lse."""
-    return ([0, 2] if _lse_parts(prog) else [1]), set()
+    """The logits (when written), the loss (the target's z = lse − loss, with a map)
+    and lse."""
+    with_logits, logits_map = _lse_parts(prog)
+    keep = [0, 2] if with_logits else [1]
+    if logits_map:
+        keep = sorted({*keep, len(prog.outputs) - 2})
+    return keep, set()
 
 
 # (applies to, rule, what the forward must keep: (output indices, operands not needed))
