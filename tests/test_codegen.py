@@ -102,8 +102,23 @@ def residual_multiplier():
                                                  ("gamma", Kind.PER_FEATURE)])
 
 
+SOFT_CAP = (("div", 30.0), ("tanh", None), ("mul", 30.0))
+
+
+def ce_soft_capped():
+    """Gemma 2's LM head: z = 30·tanh(y / 30) before the online log-sum-exp, z stored."""
+    from coda_rewrite.patterns.cross_entropy import ce_program
+    return ce_program(True, False, torch.bfloat16, "float32", SOFT_CAP)
+
+
+def ce_soft_capped_softmax_grad():
+    """Its logits-free backward: exp(z − lse)·dsm·(1 − (z / 30)²)·r."""
+    from coda_rewrite.kernels.backward.cross_entropy import softmax_grad_program
+    return softmax_grad_program(True, False, "bfloat16", SOFT_CAP)
+
+
 NEW_PROGRAMS = [gemma_offset_scaled_residual, activations_and_two_tiles, ce_softmax_grad,
-                residual_multiplier]
+                residual_multiplier, ce_soft_capped, ce_soft_capped_softmax_grad]
 
 
 def rowscale_gated(op: str = "swiglu"):

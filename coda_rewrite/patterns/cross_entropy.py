@@ -244,11 +244,15 @@ def _row_slice(node: fx.Node):
     return full[0] - ms.dim(), s.start, s.stop  # dim counted from the end (V is -1)
 
 
-def apply_logits_map(p: ProgramBuilder, y: str, logits_map: tuple) -> str:
-    """z = g(y), the map's steps in order (``Match.logits_map``)."""
+def apply_logits_map(p: ProgramBuilder, y: str, logits_map: tuple) -> list[str]:
+    """The values of the map's steps in order (``Match.logits_map``): z = g(y) is the
+    last, or y itself without a map."""
+    values = [y]
     for k, (op, c) in enumerate(logits_map):
-        y = p.tanh(y, name=f"z{k}") if op == "tanh" else p.emit(op, y, c, name=f"z{k}")
-    return y
+        v = values[-1]
+        values.append(p.tanh(v, name=f"z{k}") if op == "tanh" else
+                      p.emit(op, v, c, name=f"z{k}"))
+    return values[1:] or values
 
 
 def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
@@ -258,7 +262,7 @@ def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
     ``stat_dtype`` (float64 for a float64 model)."""
     name = ("rowscale_" if has_r else "") + ("mapped_" if logits_map else "") + "lse_target"
     p = ProgramBuilder(name, gemm=True, family="cross_entropy")
-    y = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)
+    y = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)[-1]
     target = p.operand("target", Kind.PER_ROW)
     lse = p.row_logsumexp(y, name="lse")
     tl = p.select_column(y, target, name="tl")

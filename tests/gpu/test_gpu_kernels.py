@@ -437,3 +437,58 @@ def test_cudagraphs_option_training_step():
             f(ids, labels=ids).loss.backward()
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             assert rel_err(p.grad, q.grad) <= 0.05, (step, name, rel_err(p.grad, q.grad))
+
+
+@pytest.mark.parametrize("family", ["glm", "cohere"])
+def test_interleaved_rope_bf16_on_gpu(family):
+    """Interleaved pairs (GLM: partial rotary with the input norm's rstd; Cohere: q.float()
+    around the rotation, LayerNorm) through the table kernel, no weight permutation:
+    logits against a float64 copy, no worse than eager."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    prefix = "rowscale_rope_table#" if family == "glm" else "rope_table#"
+    before = _kernel_calls(prefix)
+    res = low_precision_errors(
+        lambda seed: hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512),
+        (ids,), lambda m: (torch._dynamo.reset(), coda_rewrite.optimize(m))[1],
+        seeds=(0, 1, 2), device=DEV)
+    assert _kernel_calls(prefix) - before >= 3 * 2, ops.runtime_summary()
+    print(f"{family} interleaved RoPE: {res}")
+    assert res["ok"], res
+
+
+@pytest.mark.parametrize("materialize", [True, False], ids=["logits", "no_logits"])
+def test_soft_capped_lm_head_bf16_training_on_gpu(materialize):
+    """Gemma 2's soft-capped logits (30·tanh(y / 30)) in the LM head's epilogue, the
+    map's derivative in the backward (from the written logits, or in the epilogue of the
+    GEMM that recomputes them): loss and every gradient against float64, no worse than
+    eager's (median over seeds)."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    errs = {"eager": [], "new": []}
+    before = _kernel_calls("rowscale_mapped_lse_target#")
+    grad_before = _kernel_calls("ce_mapped_softmax_grad#")
+    for seed in range(3):
+        torch._dynamo.reset()
+        base = hf_model("gemma2", layers=1, hidden=256, seed=seed, vocab_size=512).train()
+        ref_model = copy.deepcopy(base).to(DEV, torch.float64)
+        eager = copy.deepcopy(base).to(DEV, torch.bfloat16)
+        model = copy.deepcopy(base).to(DEV, torch.bfloat16)
+        fast = coda_rewrite.optimize(model, materialize_logits=materialize)
+        out = fast(ids, labels=ids)
+        losses = [m(ids, labels=ids).loss for m in (ref_model, eager)] + [out.loss]
+        for loss in losses:
+            loss.backward()
+
+        def flat(m):
+            return torch.cat([p.grad.double().flatten() for p in m.parameters()])
+
+        want = flat(ref_model)
+        for key, m, loss in (("eager", eager, losses[1]), ("new", model, losses[2])):
+            errs[key].append(rel_err(flat(m), want) + abs(float(loss) - float(losses[0])))
+    assert _kernel_calls("rowscale_mapped_lse_target#") - before >= 3, ops.runtime_summary()
+    if not materialize:
+        assert _kernel_calls("ce_mapped_softmax_grad#") - grad_before >= 3, \
+            ops.runtime_summary()
+    ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
+    print(f"soft-capped loss + grads (logits written: {materialize}): {errs} "
+          f"ratio {ratio:.3f}")
+    assert ratio <= 1.25

@@ -68,14 +68,14 @@ def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str,
     from ...patterns.cross_entropy import apply_logits_map
     p = ProgramBuilder("ce_softmax_grad" if not logits_map else "ce_mapped_softmax_grad",
                        gemm=True)
-    z = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)
+    steps = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)
     lse, dsm = p.operand("lse", Kind.PER_ROW), p.operand("dsm", Kind.PER_ROW)
-    d = p.mul(p.exp(p.sub(z, lse)), dsm, name="d")
-    if logits_map:  # g'(y), as map_slope forms it from z: constants folded here
-        scale = 1.0  # the product of the scalings walked so far
-        for op, c in reversed(logits_map):
-            if op == "tanh":  # its output is z / (the scalings after it)
-                d = p.mul(d, p.sub(1.0, p.square(p.mul(z, 1 / scale))), name="d_tanh")
+    d = p.mul(p.exp(p.sub(steps[-1], lse)), dsm, name="d")
+    if logits_map:  # g'(y): the scalings' product, and 1 − t² at the tanh's output t
+        scale = 1.0
+        for (op, c), value in zip(logits_map, steps):
+            if op == "tanh":
+                d = p.mul(d, p.sub(1.0, p.square(value)), name="d_tanh")
             scale *= 1.0 if op == "tanh" else c if op == "mul" else 1 / c
         if scale != 1.0:
             d = p.mul(d, scale, name="d_map")

@@ -1,0 +1,238 @@
+"""The model-family variants of issue #19 at Llama-3-8B-like shapes (8192 tokens as
+[4, 2048], hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336, vocab 128256),
+each beside torch.compile of the same region, bare cuBLAS and eager, in one run
+(variants in alternating rounds):
+
+* q, k, v -> interleaved-pair RoPE (GLM's spelling: cos/sin of cat(θ, θ), halved and
+  repeat_interleaved, x[..., 0::2] / x[..., 1::2]) -> SDPA, beside the half-split
+  (Llama) spelling of the same region;
+* LM head -> soft-capped cross-entropy (Gemma 2: 30·tanh(y / 30)), forward + backward,
+  beside the uncapped loss, torch.compile and Liger's fused linear cross-entropy with
+  its softcap (when installed); peak memory too;
+* post-sublayer ("sandwich") norm: GEMM -> RMSNorm -> + residual, under torch.compile,
+  against the GEMM alone and against the GEMM + the one pass a fused epilogue would
+  still need (the norm's statistic spans the whole row, and the residual is added after
+  the norm: the epilogue could only emit sums of squares, a second pass reads the GEMM's
+  output back). What a fusion could save is the difference.
+
+    source .gpu/setup.sh && python benchmarks/model_families.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import bench_rounds, env_line, write_csv
+
+import coda_rewrite
+
+B, S, H, FFN, Q, KV, V, HEAD = 4, 2048, 4096, 14336, 4096, 1024, 128256, 128
+M = B * S
+bf = torch.bfloat16
+CAP = 30.0
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_pairs(x):  # GLM / Cohere
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """q, k, v -> RoPE -> causal SDPA; ``interleaved`` picks GLM's spelling."""
+
+    def __init__(self, interleaved: bool):
+        super().__init__()
+        self.interleaved = interleaved
+        self.q, self.k, self.v = (nn.Linear(H, n, bias=False) for n in (Q, KV, KV))
+        self.register_buffer("inv_freq",
+                             1.0 / (500000.0 ** (torch.arange(0, HEAD, 2).float() / HEAD)))
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), -1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        if self.interleaved:
+            cos = cos[..., :HEAD // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., :HEAD // 2].repeat_interleave(2, dim=-1)
+        rot = rotate_pairs if self.interleaved else rotate_half
+        q = self.q(x).view(b, s, -1, HEAD).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, HEAD).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, HEAD).transpose(1, 2)
+        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class Head(nn.Module):
+    """The final norm's output -> LM head -> (soft-capped) logits -> mean cross-entropy."""
+
+    def __init__(self, cap: float | None):
+        super().__init__()
+        self.cap = cap
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, h, labels):
+        logits = self.lm_head(h)
+        if self.cap is not None:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return F.cross_entropy(logits.float().view(-1, V), labels.view(-1))
+
+
+class Sandwich(nn.Module):
+    """o_proj -> post-sublayer RMSNorm -> + residual (Gemma 2/3, OLMo 2, GLM-4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.o = nn.Linear(H, H, bias=False)
+        self.weight = nn.Parameter(torch.rand(H) + 0.5)
+
+    def forward(self, x, residual):
+        y = self.o(x).float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return residual + (self.weight * y).to(residual.dtype)
+
+
+def _peak(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+
+def attention_rows():
+    x = torch.randn(B, S, H, device="cuda", dtype=bf)
+    rows, table = [], []
+    for interleaved in (True, False):
+        torch.manual_seed(0)
+        region = Attention(interleaved).cuda().to(bf)
+        with torch.no_grad():
+            fused = coda_rewrite.optimize(region)
+            backend = torch.compile(region, backend="coda")
+            compiled = torch.compile(region)
+            want, got = region(x), fused(x)
+            backend(x)
+            compiled(x)
+            assert fused.report.count(pattern="rope") == 1, str(fused.report)
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+            ws = [region.q.weight, region.k.weight, region.v.weight]
+            x2 = x.view(M, H)
+
+            def bare():
+                q, k, v = (torch.mm(x2, w.t()).view(B, S, -1, HEAD).transpose(1, 2)
+                           for w in ws)
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+            t = bench_rounds({"coda": lambda: fused(x), "coda backend": lambda: backend(x),
+                              "torch.compile": lambda: compiled(x), "bare cuBLAS": bare,
+                              "eager": lambda: region(x)})
+        name = "q,k,v -> RoPE (interleaved pairs)" if interleaved else \
+            "q,k,v -> RoPE (half-split)"
+        for variant, (ms, spread) in t.items():
+            rows.append((f"{name}: {variant}", "ms", ms))
+            table.append((name, variant, ms, spread, err))
+    return rows, table
+
+
+def head_rows():
+    h = torch.randn(M, H, device="cuda", dtype=bf) * 0.5
+    labels = torch.randint(0, V, (M,), device="cuda")
+    rows, table = [], []
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        LigerFusedLinearCrossEntropyLoss = None
+    for cap in (CAP, None):
+        torch.manual_seed(0)
+        head = Head(cap).cuda().to(bf)
+        fused = coda_rewrite.optimize(head)
+        backend = torch.compile(head, backend="coda")
+        compiled = torch.compile(head)
+        hx = h.clone().requires_grad_()
+
+        def step(fn):
+            def run():
+                fn(hx, labels).backward()
+                hx.grad = None
+                head.lm_head.weight.grad = None
+            return run
+
+        with torch.no_grad():
+            want = head(h, labels)
+            got = fused(h, labels)
+        assert fused.report.count(pattern="lm_head_cross_entropy") == 1, str(fused.report)
+        err = abs(float(got) - float(want)) / abs(float(want))
+        fns = {"coda": step(fused), "coda backend": step(backend),
+               "torch.compile": step(compiled), "eager": step(head)}
+        if LigerFusedLinearCrossEntropyLoss is not None:
+            liger = LigerFusedLinearCrossEntropyLoss(softcap=cap)
+            fns["Liger"] = step(lambda x, t: liger(head.lm_head.weight, x, t))
+        for fn in fns.values():
+            fn()
+        peaks = {k: _peak(fn) for k, fn in fns.items()}
+        t = bench_rounds(fns)
+        name = f"LM head -> CE, {'soft-capped ' + str(int(cap)) if cap else 'no cap'}, fwd+bwd"
+        for variant, (ms, spread) in t.items():
+            rows += [(f"{name}: {variant}", "ms", ms), (f"{name}: {variant}", "GiB", peaks[variant])]
+            table.append((name, variant, ms, spread, err, peaks[variant]))
+    return rows, table
+
+
+def sandwich_rows():
+    torch.manual_seed(0)
+    region = Sandwich().cuda().to(bf)
+    x = torch.randn(M, H, device="cuda", dtype=bf)
+    res = torch.randn(M, H, device="cuda", dtype=bf)
+    y = torch.mm(x, region.o.weight.t())
+    r = torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    @torch.compile
+    def one_pass(y, r, res, w):  # what a fused epilogue would still need: read y back
+        return res + (w * (y.float() * r)).to(res.dtype)
+
+    with torch.no_grad():
+        compiled = torch.compile(region)
+        fused = coda_rewrite.optimize(region)
+        compiled(x, res)
+        fused(x, res)
+        one_pass(y, r, res, region.weight)
+        codes = sorted({rec.code for rec in fused.report.records if rec.status != "rewritten"})
+        t = bench_rounds({
+            "torch.compile": lambda: compiled(x, res),
+            "coda (norm left)": lambda: fused(x, res),
+            "GEMM alone": lambda: torch.mm(x, region.o.weight.t()),
+            "GEMM + one pass (fusion's floor)": lambda: (
+                torch.mm(x, region.o.weight.t()), one_pass(y, r, res, region.weight)),
+        })
+    name = "o_proj -> post-sublayer RMSNorm -> + residual"
+    rows = [(f"{name}: {v}", "ms", ms) for v, (ms, _) in t.items()]
+    table = [(name, v, ms, spread, float("nan")) for v, (ms, spread) in t.items()]
+    return rows, table, codes
+
+
+def main():
+    print(env_line(), flush=True)
+    rows, table = attention_rows()
+    r2, t2 = head_rows()
+    r3, t3, codes = sandwich_rows()
+    path = write_csv("model families (#19)", rows + r2 + r3)
+    print(f"rows appended to {path}")
+    print(f"sandwich: the pass's reasons: {codes}")
+    print("\n| region | variant | ms | spread | rel. err vs eager | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for row in table + t2 + t3:
+        name, variant, ms, spread, err, *peak = row
+        print(f"| {name} | {variant} | {ms:.3f} | {spread:.1%} | {err:.1e} | "
+              f"{peak[0] if peak else float('nan'):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
