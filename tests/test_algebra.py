@@ -32,6 +32,20 @@ def test_every_statement_is_proved_with_a_witness():
         assert "PROVED" in p.render()
 
 
+def test_every_statement_proves_under_no_grad():
+    """The first rewrite decision can run inside a user's torch.no_grad() (inference):
+    a witness that differentiates must not depend on the caller's grad mode (the
+    logits-map witness did, and the LM-head rewrite was refused there)."""
+    import inspect
+    provers = [getattr(S, n) for n in dir(S) if n.startswith("prove_") and not any(
+        p.default is p.empty for p in inspect.signature(getattr(S, n)).parameters.values())]
+    assert S.prove_logits_map_derivative in provers and len(provers) >= 12
+    with torch.no_grad():
+        for prove in provers:
+            p = getattr(prove, "__wrapped__", prove)()  # not the cached proof
+            assert p.witness.startswith("float64"), prove.__name__
+
+
 def test_false_neighbours_are_refused():
     # the helpers behind the proofs refuse these; here they are asked directly
     i, k = S.i, S.k

@@ -24,7 +24,7 @@ ARCHS = [
     ("MixtralConfig", "MixtralForCausalLM",
      {"num_local_experts": 4, "num_experts_per_tok": 2}, 3, 2),  # MoE MLP: routed GEMMs
     ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, 1, 0),  # sandwich norms
-    ("CohereConfig", "CohereForCausalLM", {}, 0, 0),            # LayerNorm, parallel block,
+    ("CohereConfig", "CohereForCausalLM", {}, 0, 2),            # LayerNorm, parallel block,
                                                                 # RoPE on interleaved pairs
     ("Starcoder2Config", "Starcoder2ForCausalLM", {}, 0, 2),    # LayerNorm with bias
     ("Exaone4Config", "Exaone4ForCausalLM", {}, 1, 0),

@@ -443,8 +443,10 @@ class PackedWideRotation(torch.nn.Module):
         k = qkv[..., 32:48].view(b, s, 2, 8).transpose(1, 2)
         v = qkv[..., 48:].view(b, s, 2, 8).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        # q and k stay float64 (a cast back to float32 here would be the rotation's
+        # output dtype, and v could join)
         return torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v, is_causal=True, enable_gqa=True)
+            q, k, v.double(), is_causal=True, enable_gqa=True).float()
 
 
 def test_packed_columns_that_cannot_join_get_their_own_gemm():
