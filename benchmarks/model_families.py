@@ -15,7 +15,7 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   the norm: the epilogue could only emit sums of squares, a second pass reads the GEMM's
   output back). What a fusion could save is the difference.
 
-    source .gpu/setup.sh && python benchmarks/model_families.py
+    source .gpu/setup.sh && python benchmarks/model_families.py [rope,head,sandwich]
 """
 
 from __future__ import annotations
@@ -218,14 +218,15 @@ def sandwich_rows():
     return rows, table, codes
 
 
-def main():
+def main(which: set[str]):
     print(env_line(), flush=True)
-    rows, table = attention_rows()
-    r2, t2 = head_rows()
-    r3, t3, codes = sandwich_rows()
+    rows, table = attention_rows() if "rope" in which else ([], [])
+    r2, t2 = head_rows() if "head" in which else ([], [])
+    r3, t3, codes = sandwich_rows() if "sandwich" in which else ([], [], [])
     path = write_csv("model families (#19)", rows + r2 + r3)
     print(f"rows appended to {path}")
-    print(f"sandwich: the pass's reasons: {codes}")
+    if codes:
+        print(f"sandwich: the pass's reasons: {codes}")
     print("\n| region | variant | ms | spread | rel. err vs eager | peak GiB |")
     print("|---|---|---|---|---|---|")
     for row in table + t2 + t3:
@@ -235,4 +236,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    main(set(sys.argv[1].split(",")) if len(sys.argv) > 1 else {"rope", "head", "sandwich"})

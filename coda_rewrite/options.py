@@ -20,9 +20,11 @@ class Options:
     patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs",
                                  "residual_rmsnorm_gemm", "gated_mlp", "rope",
                                  "lm_head_cross_entropy")
-    # Logits that something besides the loss reads (a model output) are still written,
-    # with eager's values; False: never written, and those readers get an empty tensor
-    # (training loops that read only the loss save tokens x vocab x 2 bytes).
+    # Logits are written where something besides the loss reads them (a model output),
+    # with eager's values, and in training for the backward (as eager keeps them): the
+    # softmax gradient is then one pass over them. False: never written; readers get an
+    # empty tensor and the backward recomputes them in a GEMM (saves tokens x vocab x 2
+    # bytes, costs one GEMM of the LM head's size).
     materialize_logits: bool = True
     # Keep re-laid-out weights (interleaved gate/up, permuted q/k/v) between calls, keyed
     # by the parameters' version counters, inside the GEMM op that reads them

@@ -123,7 +123,8 @@ def test_hand_written_loss_each_reduction_and_ignore_index(reduction, ignored):
     a, b = fast(ids, targets), ref(ids, targets)
     done = ce_records(fast.report)
     assert len(done) == 1, str(fast.report)
-    assert "never written (nothing reads them)" in done[0].decision.render()
+    assert "written for the backward only" in done[0].decision.render()  # as eager keeps them
+    assert len(done[0].programs[0].outputs) == 3
     assert a.shape == b.shape and a.dtype == b.dtype
     if ignored == "all" and reduction == "mean":
         assert math.isnan(a.item()) and math.isnan(b.item())  # 0/0, as PyTorch
@@ -134,6 +135,32 @@ def test_hand_written_loss_each_reduction_and_ignore_index(reduction, ignored):
         assert rel_err(a, b) <= 1e-5
     a.sum().backward()
     b.sum().backward()
+    grads_match(loop, ref)
+
+
+def test_logits_nothing_reads_are_not_written_in_inference():
+    loop = Loop().eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(loop)
+    with torch.no_grad():
+        assert rel_err(fast(ids, ids), loop(ids, ids)) <= 1e-5
+    (done,) = ce_records(fast.report)
+    assert "never written (nothing reads them)" in done.decision.render()
+    assert len(done.programs[0].outputs) == 2  # loss and lse only
+
+
+def test_training_without_written_logits_recomputes_them_in_the_backward():
+    loop = Loop().train()
+    ref = copy.deepcopy(loop)
+    ids = tokens()
+    fast = coda_rewrite.optimize(loop, materialize_logits=False)
+    a, b = fast(ids, ids), ref(ids, ids)
+    (done,) = ce_records(fast.report)
+    assert "the backward recomputes them in a GEMM" in done.decision.render()
+    assert len(done.programs[0].outputs) == 2
+    assert rel_err(a, b) <= 1e-5
+    a.backward()
+    b.backward()
     grads_match(loop, ref)
 
 

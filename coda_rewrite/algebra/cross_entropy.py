@@ -68,10 +68,19 @@ def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
         dim, start, stop = m.row_slice
         held.append(f"rows outside the slice {start}:{stop} of dim {dim} get ignore_index "
                     f"({m.ignore_index}): they contribute 0 and are not counted")
-    held.append("logits " + ("written as eager writes them (read by " + ", ".join(
-        describe(r) for r in m.logits_readers) + ")" if materialise else
-        "never written" + (" (materialize_logits=False: readers get an empty tensor)"
-                           if m.logits_readers else " (nothing reads them)")))
+    if materialise and m.logits_readers:
+        shown = "written as eager writes them (read by " + ", ".join(
+            describe(r) for r in m.logits_readers) + ")"
+    elif materialise:
+        shown = ("written for the backward only, as eager keeps them (its softmax gradient "
+                 "is one pass over them; materialize_logits=False recomputes them instead)")
+    elif m.logits_readers or meta(m.ce).requires_grad:
+        shown = ("never written (materialize_logits=False: " + (
+            "readers get an empty tensor; " if m.logits_readers else "") +
+            "the backward recomputes them in a GEMM)")
+    else:
+        shown = "never written (nothing reads them)"
+    held.append("logits " + shown)
     return held, None
 
 

@@ -278,11 +278,14 @@ def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
 class Plan:
     match: Match
     program: EpilogueProgram
-    materialise: bool              # write the logits (something besides the loss reads them)
+    materialise: bool              # write the logits (read besides the loss, or training)
 
 
 def plan_for(m: Match, options) -> Plan:
-    materialise = bool(m.logits_readers) and options.materialize_logits
+    # written where read, and in training for the backward (eager keeps them too: a
+    # recomputing GEMM would cost as much as the forward's)
+    trains = bool(meta(m.ce).requires_grad)
+    materialise = options.materialize_logits and (bool(m.logits_readers) or trains)
     dtype = meta(m.proj.out).dtype
     program = ce_program(m.proj.r is not None, m.proj.bias is not None,
                          meta(m.logits).dtype if materialise else None,

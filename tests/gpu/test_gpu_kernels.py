@@ -492,3 +492,29 @@ def test_soft_capped_lm_head_bf16_training_on_gpu(materialize):
     print(f"soft-capped loss + grads (logits written: {materialize}): {errs} "
           f"ratio {ratio:.3f}")
     assert ratio <= 1.25
+
+
+def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch):
+    """Training writes the logits for the backward; the softmax gradient is one pass of
+    QuACK's cross-entropy backward over them (dloss·r per row), against the chunked
+    float32 rule on the same stored logits (both round d_acc to bf16 once)."""
+    from coda_rewrite.kernels import backward
+    from coda_rewrite.patterns.cross_entropy import ce_program
+    prog = ce_program(True, False, torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    m, k, n = 1000, 256, 32000
+    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    r = torch.rand(m, generator=g, device=DEV) + 0.5
+    target = torch.randint(0, n, (m,), generator=g, device=DEV)
+    target[::9] = -100
+    outs = ops.gemm_epilogue(prog.to_text(), a, b, [r, target])
+    grads = [None, torch.randn(m, generator=g, device=DEV), None]
+    key = (prog.key, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
+    before = ops.RUNTIME[key]
+    one = backward.vjp(prog, a, b, [r, target], outs, grads)
+    assert ops.RUNTIME[key] == before + 1
+    monkeypatch.setattr(backward.cross_entropy, "_one_pass_violation", lambda *a: "forced")
+    chunked = backward.vjp(prog, a, b, [r, target], outs, grads)
+    for x, y in zip([one[0], one[1], one[2][0]], [chunked[0], chunked[1], chunked[2][0]]):
+        assert rel_err(x.float(), y.float()) <= 4e-3, rel_err(x.float(), y.float())

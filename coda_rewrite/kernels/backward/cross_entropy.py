@@ -103,6 +103,17 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     r = up(by_name["r"]).reshape(m) if "r" in by_name else None
     bias = by_name.get("bias")
     # d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y) (·r), in the GEMM dtype
+    why_not = None if not with_logits else _one_pass_violation(
+        outputs[0], logits_map, d_logits, d_lse)
+    if with_logits and why_not is None:
+        # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
+        # pass over the stored logits (QuACK's cross-entropy backward kernel)
+        from quack.cross_entropy import cross_entropy_bwd_out
+        d_acc = torch.empty_like(outputs[0])
+        scale = torch.where(valid, d_loss * (r if r is not None else 1.0), zero)
+        cross_entropy_bwd_out(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc)
+        _counted(prog)
+        return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
         d_acc = torch.empty(m, n, dtype=a.dtype, device=a.device)
         rows = max(1, _CE_CHUNK_BYTES // (4 * n))
@@ -132,6 +143,31 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     rows_idx = torch.arange(m, device=a.device)
     d_acc.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(d_acc.dtype),
                      accumulate=True)
+    return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
+
+
+def _one_pass_violation(logits, logits_map, d_logits, d_lse) -> str | None:
+    """Why QuACK's one-pass kernel cannot form d_acc from these stored logits (None: it
+    can). It computes (softmax(z) − onehot(t))·s per row: no map's derivative, no
+    gradient arriving at the logits or at lse."""
+    from .. import quack_path
+    if logits_map or d_logits is not None or d_lse is not None:
+        return "a map, or gradients at the logits or lse"
+    if logits.dtype not in (torch.bfloat16, torch.float16) or not logits.is_contiguous():
+        return "logits not 16-bit and contiguous"
+    return quack_path.device_violation(logits) or quack_path.quack_available()
+
+
+def _counted(prog) -> None:
+    """Runtime accounting of the one-pass backward kernel (not while tracing)."""
+    if not torch.compiler.is_compiling():
+        from .. import ops
+        ops._count(prog, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
+
+
+def _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse):
+    """grad_a = d_acc·b, grad_b = d_accᵀ·a, and the row scale's and bias's gradients."""
+    m, n = a.shape[0], b.shape[0]
     grad_a = d_acc @ b                                   # G = d_acc·b
     grad_b = d_acc.t() @ a
     grads_by_name = {}
