@@ -363,3 +363,30 @@ def test_lse_backward_rule_matches_autograd(monkeypatch, has_r, has_bias, logits
                                          [o.detach() for o in outs], grads)
     for x, w in zip([got_a, got_b, *got_ops[:len(ops)]], want):
         assert rel_err(x, w) <= 1e-12
+
+
+def test_an_output_nothing_reads_gets_no_zero_gradient(monkeypatch):
+    """The logits written for the backward are read by nothing in the forward: their
+    gradient arrives as None, not a [tokens, vocab] zero tensor (a memset, and a dlogits
+    term that would keep the one-pass kernel off); the same for the gated MLP's
+    pre-activation kept for its backward."""
+    from coda_rewrite.kernels import ops
+    from coda_rewrite.patterns.gated_mlp import gated_program
+
+    seen = []
+    vjp = backward.vjp
+
+    def spy(prog, a, b, operands, outputs, grads):
+        seen.append([None if g is None else bool(g.any()) for g in grads])
+        return vjp(prog, a, b, operands, outputs, grads)
+    monkeypatch.setattr(backward, "vjp", spy)
+    a = torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(16, 8, requires_grad=True)
+    ce = ce_program(False, False, torch.float32)
+    z, loss, lse = ops.gemm_epilogue(ce.to_text(), a, b, [torch.randint(0, 16, (4,))])
+    loss.sum().backward()
+    assert seen[-1] == [None, True, None]
+    gated = gated_program("swiglu", False, False, torch.float32, keep_preact=True)
+    act, preact = ops.gemm_epilogue(gated.to_text(), a, b, [])
+    act.sum().backward()
+    assert seen[-1] == [True, None]

@@ -134,6 +134,10 @@ def _setup_context(ctx, inputs, output):
                           *(output[i] for i in keep_outputs))
     ctx.keep_outputs = keep_outputs
     ctx.n_outputs = len(output)
+    # an output nothing reads gets None, not a zero tensor of its size (the logits or the
+    # gated pre-activation kept for the backward: a memset of tokens x vocab, and a term
+    # the rule would add); every rule takes None (kernels/backward/common.Rule)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grads):

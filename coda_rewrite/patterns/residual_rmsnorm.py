@@ -122,8 +122,10 @@ def _why_no_consumer(norm: RmsNorm, readers: list[fx.Node]) -> Why:
         return Why(f"a post-sublayer (\"sandwich\") norm: it normalises "
                    f"{describe(norm.input)}, a GEMM's output, and the residual add reads it; "
                    "no GEMM reads the normalised value, and its producer would need the "
-                   "whole row's statistic before the add (not fused yet)",
-                   "row_scale.post_sublayer")
+                   "whole row's statistic before the add: an epilogue could only emit the "
+                   "sums of squares, and the second pass over the output it still needs is "
+                   "what Inductor's one kernel after the GEMM does (left by measurement: "
+                   "BENCHMARKS.md, the sandwich norm)", "row_scale.post_sublayer")
     if _over_projection(norm):
         return Why(f"a norm over a projection's output ({describe(norm.input)}: a QK-norm, "
                    "say) that no GEMM reads: its statistic belongs in that projection's "

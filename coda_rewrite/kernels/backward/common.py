@@ -17,7 +17,8 @@ class Rule:
     """A family's backward: ``fits(prog)`` (the program shape it is written for),
     ``vjp(prog, a, b, operands, outputs, grads) -> (grad_a, grad_b, [grad per operand])``
     and ``saves(prog) -> (output indices the backward reads, operand names it needs only
-    the dtype of)``."""
+    the dtype of)``. The gradient of an output nothing reads arrives as None (the op
+    does not materialise zeros), and every vjp takes that."""
     fits: Callable[[EpilogueProgram], bool]
     vjp: Callable
     saves: Callable[[EpilogueProgram], tuple[list[int], set[str]]] = \

@@ -17,6 +17,7 @@ from ...codegen import reference
 from .common import Rule, expect, shaped, up
 
 _CE_CHUNK_BYTES = 1 << 29
+_NO_INDEX = -(2 ** 31)  # QuACK's ignore_index: a value no target takes
 
 
 def _lse_parts(prog: EpilogueProgram) -> tuple[bool, tuple]:
@@ -110,8 +111,11 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         # pass over the stored logits (QuACK's cross-entropy backward kernel)
         from quack.cross_entropy import cross_entropy_bwd_out
         d_acc = torch.empty_like(outputs[0])
-        scale = torch.where(valid, d_loss * (r if r is not None else 1.0), zero)
-        cross_entropy_bwd_out(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc)
+        scale = d_loss * r if r is not None else d_loss
+        # a target out of range (ignored) matches no column: that row's softmax·dloss
+        # stays, as the op's own loss row lse − 0 says; no index is "ignored" by QuACK
+        cross_entropy_bwd_out(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc,
+                              ignore_index=_NO_INDEX)
         _counted(prog)
         return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
