@@ -109,13 +109,15 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     if with_logits and why_not is None:
         # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
         # pass over the stored logits (QuACK's cross-entropy backward kernel)
-        from quack.cross_entropy import cross_entropy_bwd_out
+        import quack.cross_entropy  # noqa: F401  (registers quack::cross_entropy_bwd_out)
         d_acc = torch.empty_like(outputs[0])
         scale = d_loss * r if r is not None else d_loss
         # a target out of range (ignored) matches no column: that row's softmax·dloss
-        # stays, as the op's own loss row lse − 0 says; no index is "ignored" by QuACK
-        cross_entropy_bwd_out(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc,
-                              ignore_index=_NO_INDEX)
+        # stays, as the op's own loss row lse − 0 says; no index is "ignored" by QuACK.
+        # Through the registered op, not QuACK's eager shortcut: AOTAutograd traces this
+        # backward with fake tensors outside dynamo, where the shortcut would run the body
+        torch.ops.quack.cross_entropy_bwd_out(outputs[0], target, scale.contiguous(),
+                                              lse.contiguous(), d_acc, None, _NO_INDEX)
         _counted(prog)
         return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
