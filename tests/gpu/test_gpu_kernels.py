@@ -494,13 +494,15 @@ def test_soft_capped_lm_head_bf16_training_on_gpu(materialize):
     assert ratio <= 1.25
 
 
-def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch):
+@pytest.mark.parametrize("logits_map", [(), (("div", 30.0), ("tanh", None), ("mul", 30.0))],
+                         ids=["plain", "soft-capped"])
+def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_map):
     """Training writes the logits for the backward; the softmax gradient is one pass of
     QuACK's cross-entropy backward over them (dloss·r per row), against the chunked
     float32 rule on the same stored logits (both round d_acc to bf16 once)."""
     from coda_rewrite.kernels import backward
     from coda_rewrite.patterns.cross_entropy import ce_program
-    prog = ce_program(True, False, torch.bfloat16)
+    prog = ce_program(True, False, torch.bfloat16, "float32", logits_map)
     g = torch.Generator(device=DEV).manual_seed(5)
     m, k, n = 1000, 256, 32000
     a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
@@ -517,4 +519,6 @@ def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch):
     monkeypatch.setattr(backward.cross_entropy, "_one_pass_violation", lambda *a: "forced")
     chunked = backward.vjp(prog, a, b, [r, target], outs, grads)
     for x, y in zip([one[0], one[1], one[2][0]], [chunked[0], chunked[1], chunked[2][0]]):
-        assert rel_err(x.float(), y.float()) <= 4e-3, rel_err(x.float(), y.float())
+        # the map's derivative after the kernel: d_acc rounded twice (eager: more often)
+        assert rel_err(x.float(), y.float()) <= (8e-3 if logits_map else 4e-3), \
+            rel_err(x.float(), y.float())

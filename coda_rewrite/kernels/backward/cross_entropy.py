@@ -108,7 +108,8 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         outputs[0], logits_map, d_logits, d_lse)
     if with_logits and why_not is None:
         # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
-        # pass over the stored logits (QuACK's cross-entropy backward kernel)
+        # pass over the stored logits (QuACK's cross-entropy backward kernel); a map's
+        # derivative g'(z) then multiplies it elementwise (a second pass, by chunks)
         import quack.cross_entropy  # noqa: F401  (registers quack::cross_entropy_bwd_out)
         d_acc = torch.empty_like(outputs[0])
         scale = d_loss * r if r is not None else d_loss
@@ -118,6 +119,11 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         # backward with fake tensors outside dynamo, where the shortcut would run the body
         torch.ops.quack.cross_entropy_bwd_out(outputs[0], target, scale.contiguous(),
                                               lse.contiguous(), d_acc, None, _NO_INDEX)
+        if logits_map:
+            rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+            for s in range(0, m, rows):
+                e = min(m, s + rows)
+                d_acc[s:e] = up(d_acc[s:e]) * map_slope(logits_map, up(outputs[0][s:e]))
         _counted(prog)
         return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
@@ -154,11 +160,11 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
 
 def _one_pass_violation(logits, logits_map, d_logits, d_lse) -> str | None:
     """Why QuACK's one-pass kernel cannot form d_acc from these stored logits (None: it
-    can). It computes (softmax(z) − onehot(t))·s per row: no map's derivative, no
-    gradient arriving at the logits or at lse."""
+    can). It computes (softmax(z) − onehot(t))·s per row: no gradient arriving at the
+    logits or at lse (a map's derivative is applied after it)."""
     from .. import quack_path
-    if logits_map or d_logits is not None or d_lse is not None:
-        return "a map, or gradients at the logits or lse"
+    if d_logits is not None or d_lse is not None:
+        return "gradients at the logits or lse"
     if logits.dtype not in (torch.bfloat16, torch.float16) or not logits.is_contiguous():
         return "logits not 16-bit and contiguous"
     return quack_path.device_violation(logits) or quack_path.quack_available()
