@@ -320,7 +320,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
         *(["from quack.epilogue.rotary import _angle_turns, _sincos_turns"] if angles else []),
         *(["from quack.epilogue.rotary import rotary_cos_sin_load"] if table else []),
         "",
-        *(_TANH_EXACT if any(i.op == "tanh" for i in program.body) else []),
+        *(["from quack.activation import tanh as tanh_approx", ""]
+          if any(i.op == "tanh" for i in program.body) else []),
         *(f'_index_{c} = ColVecLoad("{c}")' for c in companions),
         *([""] if companions else []),
         "",
@@ -353,17 +354,6 @@ def generate(program: EpilogueProgram) -> KernelSource:
                if len(i.args) == 3 else "") for i in program.body if i.op in ROTARY))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
                         row_stage)
-
-
-# cute.math.tanh is not lane-pair aware (quack.activation.tanh is, but with fastmath)
-_TANH_EXACT = [
-    "def tanh_exact(x):",
-    "    if isinstance(x, tuple):",
-    "        return type(x)(*(cute.math.tanh(v, fastmath=False) for v in x))",
-    "    return cute.math.tanh(x, fastmath=False)",
-    "",
-    "",
-]
 
 
 def ks_contract_lines(bindings, tile_outputs, reductions) -> list[str]:
