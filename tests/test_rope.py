@@ -18,7 +18,7 @@ from coda_rewrite.kernels import backward
 from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 
-from conftest import build, hf_model, loss_of, step_matches_eager, tokens
+from conftest import build, grads_match, hf_model, loss_of, step_matches_eager, tokens
 
 HF = ("llama", "qwen2", "mistral", "gemma", "phi3")
 
@@ -743,3 +743,66 @@ def test_pair_table_rows_take_each_pairs_values_and_pass_the_rest():
     want = torch.stack((cos[0, :, 0:4:2], sin[0, :, 0:4:2]), -1).flatten(-2)
     assert torch.equal(rows[:5, :4], want) and torch.equal(rows[5:10, :4], want)
     assert torch.equal(rows[:, 4:], torch.tensor([1.0, 0.0, 1.0, 0.0]).expand(15, 4))
+
+
+# ---- the rotation written out over the halves (gpt-oss) ------------------------------------
+
+def test_gpt_oss_written_out_rotation_is_the_half_split_one():
+    """gpt-oss: x1, x2 = chunk(x, 2); cat((x1·cos − x2·sin, x2·cos + x1·sin)) with cos/sin
+    of θ itself (half width, YaRN-scaled): the half-split form, angles recomputed in the
+    epilogue; the training step against eager."""
+    report = step_matches_eager("gpt_oss")
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
+    for r in done:
+        assert r.programs[0].name == "rowscale_rope", r.programs[0].name
+        text = r.decision.render()
+        assert "cos/sin of θ (the rotation written out" in text and "scaled by" in text, text
+
+
+class WrittenRotation(torch.nn.Module):
+    """gpt-oss's spelling with cos/sin given (a table: a layer compiled alone) and its
+    look-alikes."""
+
+    def __init__(self, variant: str = "ok"):
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+
+    def rotate(self, t, cos, sin):
+        a, b = torch.chunk(t, 2, dim=-1)
+        if self.variant == "sign":          # R(−θ)
+            return torch.cat((a * cos + b * sin, b * cos - a * sin), dim=-1)
+        if self.variant == "halves_swapped":  # the halves' roles exchanged: R(−θ) again,
+            return torch.cat((b * cos - a * sin, a * cos + b * sin), dim=-1)  # reordered
+        if self.variant == "sin_cos_mixed":  # sin where cos belongs in one half
+            return torch.cat((a * cos - b * sin, b * sin + a * sin), dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        c, sn = cos[:, None], sin[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(
+            self.rotate(q, c, sn), self.rotate(k, c, sn), v, is_causal=True)
+
+
+def test_written_rotation_from_tables_and_look_alikes():
+    x = torch.randn(2, 6, 32)
+    th = torch.randn(1, 6, 4, generator=torch.Generator().manual_seed(1)) * 3
+    tables = (th.cos(), th.sin())
+    for variant in ("ok", "sign", "halves_swapped", "sin_cos_mixed"):
+        torch._dynamo.reset()
+        m = WrittenRotation(variant).train()
+        ref = copy.deepcopy(m)
+        fast = coda_rewrite.optimize(m)
+        got, want = fast(x, *tables), ref(x, *tables)
+        assert rel_err(got, want) <= 1e-5, variant
+        got.square().sum().backward()
+        want.square().sum().backward()
+        grads_match(m, ref)
+        done = rope_records(fast.report)
+        assert len(done) == (variant == "ok"), (variant, str(fast.report))
+        if done:
+            assert done[0].programs[0].name == "rope_table"
+            assert "one angle per rotation pair" in done[0].decision.render()

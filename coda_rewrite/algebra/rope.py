@@ -230,9 +230,13 @@ def _side_conditions(m, held) -> str | None:
                        "rope.input_shape")
         held.append(f"cos/sin read as tables ({describe(m.angle.cos)}, "
                     f"{describe(m.angle.sin)}): {m.angle.why_table}")
-        held.append("their halves agree (cat(θ, θ), as Hugging Face builds them): not visible "
-                    "in this graph, so checked on the device at every call (a table that "
-                    "breaks it fails loudly)")
+        if m.angle.half_width:
+            held.append("the tables hold one angle per rotation pair (the rotation written "
+                        "out over x's halves)")
+        else:
+            held.append("their halves agree (cat(θ, θ), as Hugging Face builds them): not "
+                        "visible in this graph, so checked on the device at every call (a "
+                        "table that breaks it fails loudly)")
     else:
         angle = m.angle
         n_freq = meta(angle.inv_freq).shape[1]
@@ -244,7 +248,9 @@ def _side_conditions(m, held) -> str | None:
                 return Why(f"{describe(node)} requires grad (positions and frequencies "
                            "are data)", "rope.angle_requires_grad")
         held.append(f"the angle is pos ⊗ inv_freq ({describe(angle.pos)}, "
-                    f"{describe(angle.inv_freq)}), cos/sin of cat(θ, θ)"
+                    f"{describe(angle.inv_freq)}), cos/sin of "
+                    + ("θ (the rotation written out over x's halves)" if angle.half_width
+                       else "cat(θ, θ)")
                     + ("" if not m.scaled else ", scaled by " + (
                         f"{angle.scale:g}" if isinstance(angle.scale, float)
                         else f"the run-time scalar {describe(angle.scale)}")))
@@ -390,6 +396,8 @@ def _replay(m, program) -> str | Rejection:
         m.angle.scale if isinstance(m.angle.scale, float) else 1.25  # a run-time one: any
     emb = torch.cat((theta, theta), -1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
+    if m.form == "half" and m.angle.half_width:  # tables of θ itself (gpt-oss)
+        cos, sin = theta.cos() * scale, theta.sin() * scale
     table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
     # the interleaved form's: each pair's angle on both of its features
     pair_cos, pair_sin = (t.repeat_interleave(2, -1) * scale for t in (theta.cos(), theta.sin()))
@@ -432,7 +440,7 @@ def _replay(m, program) -> str | Rejection:
     elif m.angle_source == "table":
         rot = m.rotated[0]
         operands.append(layouts.rope_half_table_rows(cos, sin, x, rot.head_dim,
-                                                 rot.rotary_dim).double())
+                                                 rot.rotary_dim, m.angle.half_width).double())
     if m.angle_source == "table" and m.passthrough:
         operands.append(layouts.rope_rotated_columns(rotated_spans(m), x))
     else:

@@ -227,16 +227,20 @@ def rope_table_rows(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
-                         head_dim: int, rotary_dim: int) -> torch.Tensor:
+                         head_dim: int, rotary_dim: int,
+                         half_width: bool = False) -> torch.Tensor:
     """The (cos, sin) rows [B·S, head_dim] (float32) of Hugging Face-style tables
     cos/sin [Bp, S, rotary_dim] for the permuted heads: pair f of each head gets
     (cos[f], sin[f]); pass-through features of a partial rotary get (1, 0), an identity.
     The half-split rotation is a rotation only when both halves of the tables agree
     (HF builds them as cat(θ, θ)); that is checked on the device, every call: a table
-    that breaks it fails loudly (asynchronously on the GPU), never a wrong result."""
+    that breaks it fails loudly (asynchronously on the GPU), never a wrong result.
+    ``half_width``: tables of θ itself, [Bp, S, rotary_dim / 2] (gpt-oss): nothing to
+    check."""
     h = rotary_dim // 2
-    ok = (cos[..., :h] == cos[..., h:]).all() & (sin[..., :h] == sin[..., h:]).all()
-    torch._assert_async(ok, "rope: cos/sin halves differ; the table is not cat(θ, θ)")
+    if not half_width:
+        ok = (cos[..., :h] == cos[..., h:]).all() & (sin[..., :h] == sin[..., h:]).all()
+        torch._assert_async(ok, "rope: cos/sin halves differ; the table is not cat(θ, θ)")
     pairs = torch.stack((cos[..., :h].float(), sin[..., :h].float()), -1).flatten(-2)
     if rotary_dim < head_dim:
         ident = pairs.new_tensor([1.0, 0.0]).repeat((head_dim - rotary_dim) // 2)

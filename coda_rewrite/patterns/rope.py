@@ -100,6 +100,8 @@ class Angle:
     cos: fx.Node              # the [Bp, S, r] tables the rotation reads
     sin: fx.Node
     why_table: str = ""       # "table": why the angles are not recomputed in the epilogue
+    half_width: bool = False  # cos/sin of θ itself, [Bp, S, r/2] (gpt-oss's written-out
+                              # rotation), not of cat(θ, θ)
 
     @property
     def source(self) -> str:
@@ -320,7 +322,7 @@ class NoAngle:
     as_table: bool
 
 
-def angle_of(cos_t, sin_t) -> Angle | NoAngle:
+def angle_of(cos_t, sin_t, half_width: bool = False) -> Angle | NoAngle:
     c, s = _table(cos_t), _table(sin_t)
     for t in (c, s):
         if isinstance(t, str):
@@ -335,21 +337,25 @@ def angle_of(cos_t, sin_t) -> Angle | NoAngle:
     if not same_value(sc_c, sc_s):
         return NoAngle(Why("cos and sin carry different scales",
                            "rope.different_scales"), False)
-    halves = _cat_last(emb_c)
-    if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
-        return NoAngle(f"the angle table {describe(emb_c)} is not cat(θ, θ) (the pairing of "
-                       "feature i with i + rotary_dim/2 needs both halves to share one "
-                       "angle)", True)
-    outer = _outer(halves[0])
+    theta = emb_c
+    if not half_width:
+        halves = _cat_last(emb_c)
+        if halves is None or len(halves) != 2 or halves[0] is not halves[1]:
+            return NoAngle(f"the angle table {describe(emb_c)} is not cat(θ, θ) (the pairing "
+                           "of feature i with i + rotary_dim/2 needs both halves to share "
+                           "one angle)", True)
+        theta = halves[0]
+    outer = _outer(theta)
     if outer is None:
-        return NoAngle(f"the angles {describe(halves[0])} are not an outer product of "
+        return NoAngle(f"the angles {describe(theta)} are not an outer product of "
                        "positions and frequencies in this graph (a precomputed table)", True)
-    return Angle(emb_c, outer[0], outer[1], sc_c, cos_t, sin_t)
+    return Angle(emb_c, outer[0], outer[1], sc_c, cos_t, sin_t, half_width=half_width)
 
 
-def table_angle(cos_t, sin_t, why: str) -> Angle | str:
+def table_angle(cos_t, sin_t, why: str, half_width: bool = False) -> Angle | str:
     """cos/sin read as a table: any [Bp, S, r] floating values not needing a gradient
-    (their halves must be equal, cat(θ, θ): checked on the device at run time)."""
+    (their halves must be equal, cat(θ, θ): checked on the device at run time), or
+    [Bp, S, r/2] ones of θ itself (``half_width``: nothing to check)."""
     mc, ms = meta(cos_t), meta(sin_t)
     if mc is None or ms is None or mc.dim() != 3 or tuple(mc.shape) != tuple(ms.shape) \
             or not mc.is_floating_point():
@@ -357,7 +363,7 @@ def table_angle(cos_t, sin_t, why: str) -> Angle | str:
                    "rope.table_shape")
     if mc.requires_grad or ms.requires_grad:
         return Why(f"{why}; and they require grad", "rope.angle_requires_grad")
-    return Angle(None, None, None, 1.0, cos_t, sin_t, why_table=why)
+    return Angle(None, None, None, 1.0, cos_t, sin_t, why_table=why, half_width=half_width)
 
 
 # ---- the rotation: q·cos + rotate_half(q)·sin ----------------------------------------------
@@ -450,7 +456,8 @@ def _unsqueezed(node) -> tuple[fx.Node, int] | None:
 
 
 def _rope_core(add: fx.Node):
-    """(x, cos table, sin table, head axis, the rotation's own nodes, form) for
+    """(x, cos table, sin table, head axis, the rotation's own nodes, form, half-width
+    tables: False) for
     x·C + rotate_half(x)·S ("half": C and S the [Bp, S, r] tables unsqueezed at the head
     axis) or x·C + rotate_pairs(x)·S ("interleaved": C and S the 4-d values the rotation
     multiplies by, whatever computed them: they are read as a table)."""
@@ -477,12 +484,53 @@ def _rope_core(add: fx.Node):
                     if axis is None:
                         return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast "
                                    "over the heads", "rope.table_broadcast")
-                    return x, c_t, s_t, axis, nodes, form
+                    return x, c_t, s_t, axis, nodes, form, False
                 cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
                 if cu is None or su is None or cu[1] != su[1]:
                     return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
                                "the heads", "rope.table_broadcast")
-                return x, cu[0], su[0], cu[1], nodes, form
+                return x, cu[0], su[0], cu[1], nodes, form, False
+    return None
+
+
+def _mul_args(node) -> tuple | None:
+    c = canon(node) if isinstance(node, fx.Node) else None
+    return tuple(c.args) if c is not None and c.name == "mul" else None
+
+
+def _written_rope_core(cat: fx.Node):
+    """(x, cos, sin, unsqueeze dim, nodes, "half", half-width tables) for gpt-oss's
+    written-out rotation: x1, x2 = chunk(x, 2, -1);  cat((x1·C − x2·S, x2·C + x1·S), -1)
+    with C, S = cos(θ), sin(θ) [Bp, S, r/2] unsqueezed at the head axis: the half-split
+    rotation (rotate_half) by another spelling."""
+    parts = _cat_last(cat)
+    if parts is None or len(parts) != 2 or not all(isinstance(p, fx.Node) for p in parts):
+        return None
+    lo, hi = canon(parts[0]), canon(parts[1])
+    if lo is None or hi is None or lo.name != "sub" or hi.name != "add":
+        return None
+    a, b = (_mul_args(n) for n in lo.args)     # x1·C, x2·S
+    if a is None or b is None:
+        return None
+    for x1, c_t in (a, a[::-1]):
+        h1 = _half_of(x1)
+        if h1 is None or h1[1] != 0:
+            continue
+        for x2, s_t in (b, b[::-1]):
+            h2 = _half_of(x2)
+            if h2 is None or h2[1] != 1 or h2[0] is not h1[0]:
+                continue
+            want = ({x2, c_t}, {x1, s_t})        # hi = x2·C + x1·S, in any order
+            got = [_mul_args(n) for n in hi.args]
+            if None in got or sorted(map(len, map(set, got))) != [2, 2] or not (
+                    all(any(set(g) == w for g in got) for w in want)):
+                continue
+            cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
+            if cu is None or su is None or cu[1] != su[1]:
+                return Why("cos/sin are not [batch, seq, rotary_dim / 2] tables broadcast "
+                           "over the heads", "rope.table_broadcast")
+            nodes = (cat, *parts, *lo.args, *hi.args, *h1[2], *h2[2])
+            return h1[0], cu[0], su[0], cu[1], nodes, "half", True
     return None
 
 
@@ -548,10 +596,12 @@ def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
 def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
     core = _rope_core(add)
     if core is None:
+        core = _written_rope_core(add)
+    if core is None:
         return None
     if isinstance(core, str):
         return NoMatch(add, core)
-    x, cos_t, sin_t, unsq, nodes, form = core
+    x, cos_t, sin_t, unsq, nodes, form, half_width = core
     out, rotary_part = add, x
     # partial rotary: out = cat([rope(q[..., :r]), q[..., r:]]) over the head dim
     sl = _last_dim_slice(x)
@@ -607,16 +657,17 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                     "rope.angle_requires_grad"))
         return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
                        int(meta(rotary_part).shape[-1]), angle, nodes, form=form)
-    angle = angle_of(cos_t, sin_t)
+    angle = angle_of(cos_t, sin_t, half_width)
     if isinstance(angle, NoAngle):
         if not angle.as_table:
             return NoMatch(add, angle.why)
-        angle = table_angle(cos_t, sin_t, angle.why)
+        angle = table_angle(cos_t, sin_t, angle.why, half_width)
         if isinstance(angle, str):
             return NoMatch(add, angle)
     mc = meta(angle.cos)
     rotary_dim = int(meta(rotary_part).shape[-1])
-    if mc is None or mc.dim() != 3 or int(mc.shape[-1]) != rotary_dim:
+    if mc is None or mc.dim() != 3 or int(mc.shape[-1]) != (
+            rotary_dim // 2 if half_width else rotary_dim):
         return NoMatch(add, Why("cos/sin are not [batch, seq, rotary_dim] tables",
                                 "rope.table_shape"))
     return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
@@ -761,7 +812,7 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
                 same_angle = False
             elif r.form == "pairs":
                 same_angle = same_value(g[0].table, r.table)
-            elif a.source != b.source:
+            elif a.source != b.source or a.half_width != b.half_width:
                 same_angle = False
             elif b.source == "angles":
                 same_angle = a.emb is b.emb
@@ -923,7 +974,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             rot = m.rotated[0]
             if m.form == "half":
                 angle = [graph.call_function(layouts.rope_half_table_rows, (
-                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
+                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim,
+                    m.angle.half_width))]
             elif m.form == "interleaved":
                 angle = [graph.call_function(layouts.rope_pair_table_rows, (
                     m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
