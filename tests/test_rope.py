@@ -18,7 +18,8 @@ from coda_rewrite.kernels import backward
 from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 
-from conftest import build, grads_match, hf_model, loss_of, step_matches_eager, tokens
+from conftest import (build, decode_matches_eager, grads_match, hf_model, loss_of,
+                      step_matches_eager, tokens)
 
 HF = ("llama", "qwen2", "mistral", "gemma", "phi3")
 
@@ -806,3 +807,74 @@ def test_written_rotation_from_tables_and_look_alikes():
         if done:
             assert done[0].programs[0].name == "rope_table"
             assert "one angle per rotation pair" in done[0].decision.render()
+
+
+# ---- q, k, v packed per head in one projection (GPT-NeoX) -----------------------------------
+
+def test_gpt_neox_per_head_packed_qkv():
+    """GPT-NeoX: query_key_value(x).view(b, s, h, 3d).transpose(1, 2).chunk(3, -1): each
+    head's [q_h, k_h, v_h] side by side. q, k and v are gathered per head into one fused
+    GEMM (partial rotary, biases), v joins at frequency 0; the training step against
+    eager."""
+    report = step_matches_eager("gpt_neox")
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
+    for r in done:
+        assert r.programs[0].name == "rope"
+        assert len(r.consumers) == 3 and "frequency 0" in r.consumers[2], r.consumers
+        assert "3 segments" in r.decision.render()
+
+
+def test_gpt_neox_decoding_with_a_cache_gets_eager_order_back():
+    """The returned key cache is in eager's feature order (the permuted region's edge)."""
+    model = build("gpt_neox", layers=2).eval()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    decode_matches_eager(model, fast, tokens(seq=8))
+    assert len(rope_records(fast.report)) >= 2, str(fast.report)
+
+
+def test_member_rows_of_a_per_head_packed_weight():
+    """rope_segments' member layout: member i of each head's group, in head order; the
+    rotated member permuted per head like a plain segment."""
+    h, g, d, k = 3, 3, 4, 5
+    w = torch.arange(h * g * d * k, dtype=torch.float32).reshape(h * g * d, k)
+    v_rows = torch.cat([w[j * g * d + 2 * d:j * g * d + 3 * d] for j in range(h)])
+    got = layouts.rope_segments(((2 * h * d, 3 * h * d, 0, 0, 0, h, g, 2, d),), w)
+    assert torch.equal(got, v_rows)
+    q_rows = torch.cat([w[j * g * d:j * g * d + d] for j in range(h)])
+    plain = layouts.rope_segments(((0, h * d, h, d, d),), q_rows)
+    member = layouts.rope_segments(((0, h * d, h, d, d, h, g, 0, d),), w)
+    assert torch.equal(member, plain)
+
+
+class ChunkOverHeads(torch.nn.Module):
+    """A look-alike: the packed projection chunked over the heads dim, not within each
+    head (q = the first third of the heads' full groups): not a per-head member."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        heads = self.qkv(x).view(b, s, 12, 8).transpose(1, 2)
+        q, k, v = heads.chunk(3, dim=1)
+
+        def rotate_half(t):
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_chunk_over_heads_is_not_a_per_head_member():
+    m = ChunkOverHeads()
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(m)
+    with torch.no_grad():
+        assert rel_err(fast(x), m(x)) <= 1e-6
+    assert not rope_records(fast.report), str(fast.report)

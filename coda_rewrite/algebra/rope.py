@@ -264,7 +264,8 @@ def _side_conditions(m, held) -> str | None:
         if r.columns[1] - r.columns[0] != r.n_heads * r.head_dim:
             return Why(f"{describe(r.column_node)} is not the {r.n_heads} heads it splits",
                        "rope.head_split")
-    inside = private | {r.out for r in m.rotated}
+    inside = private | {r.out for r in m.rotated} | {
+        n for s in m.passthrough if s.member for n in (s.column_node, *s.split)}
     for n in private:
         outside = [u for u in n.users if u not in inside]
         if outside:
@@ -349,10 +350,19 @@ def layout(m) -> tuple:
     for s in m.segments:
         lo, hi = s.columns
         if s.rotates and s.form == "half":
-            out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim))
+            out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim, *s.member))
         else:
-            out.append((lo, hi, 0, 0, 0))
+            out.append((lo, hi, 0, 0, 0, *s.member))
     return tuple(out)
+
+
+def segment_columns(y: torch.Tensor, s) -> torch.Tensor:
+    """A segment's columns of its projection's output y [.., N], in the segment's order
+    (a per-head packed member: member i of every head group)."""
+    if s.member:
+        groups, g, i, d = s.member
+        return y.unflatten(-1, (groups, g, d))[..., i, :].flatten(-2)
+    return y[..., s.columns[0]:s.columns[1]]
 
 
 def rotated_spans(m) -> tuple:
@@ -389,7 +399,7 @@ def _replay(m, program) -> str | Rejection:
             y = y * r
         if biases[s.proj.out] is not None:
             y = y + biases[s.proj.out]
-        return y[..., s.columns[0]:s.columns[1]]
+        return segment_columns(y, s)
 
     theta = pos[None, :, None] * inv[None, None, :]          # [1, S, h]
     scale = 1.0 if not m.scaled else \
@@ -407,7 +417,7 @@ def _replay(m, program) -> str | Rejection:
         cols = columns(rot)
         heads = cols.view(1, seq, rot.n_heads, rot.head_dim)
         unsq = 2
-        if len(rot.split) == 2:
+        if rot.transposed:
             heads, unsq = heads.transpose(1, 2), 1
         env[rot.heads] = heads
         if rot.form == "pairs":  # the table broadcast the way the graph broadcasts it

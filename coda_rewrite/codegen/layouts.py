@@ -14,9 +14,11 @@ value kept between calls is the runtime's (kernels/).
                         rope_pair_table_rows
     cross-entropy       row_targets, cross_entropy_from_rows, unmaterialised_logits
 
-A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim): rows [lo, hi) of a
-projection, per-head interleaved for the rotation (n_heads > 0), or kept as they are
-(n_heads == 0: v, frequency 0).
+A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim[, groups, g, i, d]):
+rows [lo, hi) of a projection, per-head interleaved for the rotation (n_heads > 0), or
+kept as they are (n_heads == 0: v, frequency 0); with the last four, the projection's
+rows are per-head groups [groups, g, d] and the segment is member i of each (GPT-NeoX's
+packed [q_h, k_h, v_h]), hi − lo its width.
 """
 
 from __future__ import annotations
@@ -154,15 +156,19 @@ def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
     out = like.new_empty(sum(hi - lo for lo, hi, *_ in layout), *like.shape[1:])
     dst_all, tensors = _as_row_words(out, tensors)
     at = 0
-    for (lo, hi, n_heads, head_dim, rotary_dim), t in zip(layout, tensors):
+    for (lo, hi, n_heads, head_dim, rotary_dim, *member), t in zip(layout, tensors):
         dst = dst_all[at:at + hi - lo]
         at += hi - lo
         if t is None:
             dst.zero_()
         elif not n_heads:
-            dst.copy_(t[lo:hi])
+            if member:
+                dst.unflatten(0, (member[0], member[3])).copy_(_member_rows(t, member))
+            else:
+                dst.copy_(t[lo:hi])
         else:
-            src = t[lo:hi].unflatten(0, (n_heads, head_dim))
+            src = _member_rows(t, member) if member else \
+                t[lo:hi].unflatten(0, (n_heads, head_dim))
             heads = dst.unflatten(0, (n_heads, head_dim))
             h = rotary_dim // 2
             heads[:, :rotary_dim].unflatten(1, (h, 2)).copy_(
@@ -170,6 +176,14 @@ def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
             if rotary_dim < head_dim:
                 heads[:, rotary_dim:].copy_(src[:, rotary_dim:])
     return out
+
+
+def _member_rows(t: torch.Tensor, member) -> torch.Tensor:
+    """Member i of each per-head group of a packed projection's rows (weight or bias):
+    member = (groups, g, i, d); a [groups, d, ...] view (GPT-NeoX: q, k or v of each
+    head's [q_h, k_h, v_h])."""
+    groups, g, i, d = member
+    return t.unflatten(0, (groups, g, d))[:, i]
 
 
 def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -181,7 +195,7 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     lo = (t - hi.double()).float()
     pair = torch.stack((hi, lo), -1).flatten()
     parts = []
-    for lo_, hi_, n_heads, head_dim, rotary_dim in layout:
+    for lo_, hi_, n_heads, head_dim, rotary_dim, *_ in layout:
         if n_heads:
             head = F.pad(pair, (0, head_dim - pair.numel()))
             parts.append(head.repeat(n_heads))
@@ -194,7 +208,7 @@ def rope_column_scale(scale, layout: tuple, like: torch.Tensor) -> torch.Tensor:
     """The attention scaling per output column (float32 [N]): ``scale`` (a number or a
     0-d tensor) on rotated columns, 1 on pass-through ones."""
     parts = []
-    for lo, hi, n_heads, _, _ in layout:
+    for lo, hi, n_heads, *_ in layout:
         ones = torch.ones(hi - lo, dtype=torch.float32, device=like.device)
         parts.append(ones * scale if n_heads else ones)
     return torch.cat(parts)

@@ -66,9 +66,9 @@ from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
-from ..graph_utils import (MATMUL, chunk_half, copy_meta, erase_if_dead, fused_linear_call,
-                           hoist_before, results, same_meta, same_value, shared_call,
-                           through_casts)
+from ..graph_utils import (CHUNK, MATMUL, chunk_half, copy_meta, erase_if_dead,
+                           fused_linear_call, hoist_before, results, same_meta, same_value,
+                           shared_call, through_casts)
 from ..kernels import ops, versioned
 from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
@@ -127,6 +127,15 @@ class Rotated:
                              # | "interleaved" (real, adjacent pairs: rotate_every_two)
     table: fx.Node | None = None     # "pairs": the complex table [(Bt,) S, hd/2]
     table_view: fx.Node | None = None  # "pairs": the table broadcast against the heads
+    member: tuple = ()       # (groups, g, i, d): the projection's features are per-head
+                             # groups [groups, g, d] (GPT-NeoX: [q_h, k_h, v_h]) and this
+                             # value is member i of each; columns are then positions in
+                             # the members' order, [i·groups·d, (i+1)·groups·d)
+
+    @property
+    def transposed(self) -> bool:
+        """Heads before the sequence ([b, h, s, d]) in the split."""
+        return any(_is(n, _TRANSPOSE) for n in self.split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +145,8 @@ class Passthrough:
     proj: Projection
     columns: tuple[int, int]
     column_node: fx.Node
+    member: tuple = ()       # as Rotated.member: v of a per-head packed projection, whose
+    split: tuple = ()        # head split (getitem, chunk[, transpose], view) is rebuilt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,6 +587,40 @@ def _head_split(heads: fx.Node, unsq_dim: int):
     return src, tuple(split), int(mv.shape[2]), int(mv.shape[3])
 
 
+def _member_split(heads: fx.Node, unsq_dim: int):
+    """(projection value [B, S, N], split nodes from ``heads`` inward, H, d, member) for a
+    per-head packed projection: ``P.view(B, S, H, g·d)[.transpose(1, 2)].chunk(g, -1)[i]``
+    (GPT-NeoX, g = 3: each head's q, k and v features side by side)."""
+    if not (_is(heads, {operator.getitem}) and isinstance(heads.args[1], int)):
+        return None
+    ch = heads.args[0]
+    if not _is(ch, CHUNK):
+        return None
+    src, g, dim = _args(ch, "input", "chunks", "dim", defaults=(None, None, 0))
+    if not isinstance(g, int) or g < 2 or meta(src) is None or \
+            dim not in (-1, meta(src).dim() - 1) or not 0 <= heads.args[1] < g:
+        return None
+    split, node = [heads, ch], src
+    if _is(node, _TRANSPOSE):
+        _, d0, d1 = _args(node, "input", "dim0", "dim1")
+        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
+            return None
+        split.append(node)
+        node = node.args[0]
+    elif unsq_dim % 4 != 2:
+        return None
+    if not _is(node, _SPLIT):
+        return None
+    split.append(node)
+    proj_value, mv = node.args[0], meta(node)
+    mp = meta(proj_value) if isinstance(proj_value, fx.Node) else None
+    if mp is None or mv is None or mp.dim() != 3 or mv.dim() != 4 or mv.shape[3] % g or \
+            tuple(mp.shape[:2]) != tuple(mv.shape[:2]) or mp.shape[2] != mv.shape[2] * mv.shape[3]:
+        return None
+    n_heads, d = int(mv.shape[2]), int(mv.shape[3]) // g
+    return proj_value, tuple(split), n_heads, d, (n_heads, g, heads.args[1], d)
+
+
 def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
     """The GEMM that produces ``value`` and which of its output columns it is."""
     p = projection_of(value)
@@ -634,7 +679,11 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
     while len(out.users) == 1 and _is_cast(next(iter(out.users))):
         out = next(iter(out.users))
         nodes += (out,)
-    split = _head_split(heads, unsq)
+    split, member = _head_split(heads, unsq), ()
+    if split is None:
+        split = _member_split(heads, unsq)
+        if split is not None:
+            *split, member = split
     if split is None:
         return NoMatch(add, Why(f"the rotated value {describe(heads)} is not the head-split "
                                 "output of a projection", "rope.not_head_split"))
@@ -645,6 +694,12 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                 f"({describe(col_value)} is computed in between: a norm over q "
                                 "or k, say)", "rope.not_gemm_columns"))
     proj, columns = cols
+    if member:  # positions in the members' order: member i of every head group
+        groups, _, i, d = member
+        if columns != (0, int(meta(proj.out).shape[-1])):
+            return NoMatch(add, Why("a per-head packed value of a slice of a projection",
+                                    "rope.packed_slice"))
+        columns = (i * groups * d, (i + 1) * groups * d)
     if proj.local:
         return NoMatch(add, Why("the rotated heads are a rank's shard of a column-parallel "
                                 "GEMM: RoPE on sharded GEMMs is not implemented (the q/k/v "
@@ -656,7 +711,8 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
             return NoMatch(add, Why("the cos/sin tables require grad",
                                     "rope.angle_requires_grad"))
         return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
-                       int(meta(rotary_part).shape[-1]), angle, nodes, form=form)
+                       int(meta(rotary_part).shape[-1]), angle, nodes, form=form,
+                       member=member)
     angle = angle_of(cos_t, sin_t, half_width)
     if isinstance(angle, NoAngle):
         if not angle.as_table:
@@ -671,7 +727,7 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         return NoMatch(add, Why("cos/sin are not [batch, seq, rotary_dim] tables",
                                 "rope.table_shape"))
     return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
-                   rotary_dim, angle, nodes)
+                   rotary_dim, angle, nodes, member=member)
 
 
 # ---- the complex form: view_as_real(view_as_complex(q) · table) (TorchTitan) ------------------
@@ -773,6 +829,18 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passt
     p0 = group[0].proj
     taken = {(r.proj.out, r.columns) for r in group}
     out = []
+    for r in group[:1]:  # a per-head packed projection: its other members (v)
+        if not r.member:
+            continue
+        groups, g, _, d = r.member
+        rotated = {x.heads for x in group}
+        for item in r.split[1].users:  # the chunk's items
+            if item in rotated or not _is(item, {operator.getitem}):
+                continue
+            j = item.args[1]
+            out.append(Passthrough(r.proj, (j * groups * d, (j + 1) * groups * d), item,
+                                   member=(groups, g, j, d), split=(item, *r.split[1:])))
+            taken.add((r.proj.out, out[-1].columns))
     packed = {r.proj.out for r in group}
     for node in graph.nodes:
         if meta(node) is None:
@@ -916,6 +984,9 @@ def plan_segments(m: Match) -> Match | str:
                 return Why(f"the packed projection {describe(proj.out)} is read beyond its "
                            "column slices", "rope.packed_read")
             remainders.append(Passthrough(sl[0], sl[1], u))
+    if any(s.member for s in m.passthrough if s not in passthrough):
+        return Why("a member of a per-head packed projection (v) cannot join the fused GEMM "
+                   "(another dtype)", "rope.packed_member_left")
     return dataclasses.replace(m, passthrough=passthrough, remainders=remainders)
 
 
@@ -995,8 +1066,16 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         for s in m.segments:
             n = s.columns[1] - s.columns[0]
             piece = graph.call_function(operator.getitem, (y, (Ellipsis, slice(at, at + n))))
-            same_meta(piece, s.column_node)
             at += n
+            if s.member:  # a per-head packed member: heads of d features, not g·d
+                v = member_heads(graph, piece, s)
+                if isinstance(s, Rotated):
+                    new_outs.append(v)
+                    s.out.replace_all_uses_with(v)
+                else:
+                    s.column_node.replace_all_uses_with(v)
+                continue
+            same_meta(piece, s.column_node)
             if isinstance(s, Rotated):
                 v = piece
                 for node in reversed(s.split):  # view, then transpose, onto the piece
@@ -1021,7 +1100,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         consumer.replace_input_with(value, back)
     erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
                   + [n for s in (*m.segments, *m.remainders)
-                     for n in (s.column_node, *s.proj.nodes)])
+                     for n in (s.column_node, *s.split, *s.proj.nodes)])
     shown = {"programs": [plan.program],
              "weights": weights_line(plan.cache_relayouts, context.options)}
     if region.unpermute:
@@ -1029,6 +1108,24 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"
             for c, v in region.unpermute]
     return shown
+
+
+def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
+    """A per-head packed member's heads rebuilt on its columns of the fused GEMM, [B, S,
+    H·d] -> [B, S, H, d] (-> [B, H, S, d] where the model transposed): the model's view
+    (its sizes, symbolic ones too) with d for the group's g·d."""
+    view = next(n for n in s.split if _is(n, _SPLIT))
+    sizes = list(view.args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = list(sizes[0])
+    d = s.member[3]
+    v = graph.call_method("view", (piece, *sizes[:-1], d))
+    for node in s.split:
+        if _is(node, _TRANSPOSE):
+            v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
+    value = s.heads if isinstance(s, Rotated) else s.column_node
+    same_meta(v, value)
+    return v
 
 
 def same_rows(pos: fx.Node, x: fx.Node):
