@@ -111,6 +111,8 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         # q, k, v packed per head in one projection ([q_h, k_h, v_h]), partial rotary
         "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
+        # Falcon: heads indexed out of a view of the packed projection (three layouts)
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[family]
     if family == "gpt_oss":
         common.update(num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
@@ -119,8 +121,9 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         common = dict(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4,
                       n_positions=128, rotary_dim=hidden // 8, attn_implementation="eager",
                       bos_token_id=1, eos_token_id=2)  # its attention: eager's only
-    if family in ("phi3", "glm", "helium", "cohere", "gpt_oss", "gpt_neox"):  # special ids
-        common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # lie outside 256
+    if family in ("phi3", "glm", "helium", "cohere", "gpt_oss", "gpt_neox", "falcon"):
+        # their default special token ids lie outside the small vocabulary
+        common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family in ("gemma", "gemma2", "glm", "helium", "gpt_oss"):  # default head_dim: 64+
         common["head_dim"] = hidden // 4
     cfg = cfg_cls(**{**common, **overrides})

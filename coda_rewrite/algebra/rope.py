@@ -360,8 +360,8 @@ def segment_columns(y: torch.Tensor, s) -> torch.Tensor:
     """A segment's columns of its projection's output y [.., N], in the segment's order
     (a per-head packed member: member i of every head group)."""
     if s.member:
-        groups, g, i, d = s.member
-        return y.unflatten(-1, (groups, g, d))[..., i, :].flatten(-2)
+        groups, g, i0, i1, d = s.member
+        return y.unflatten(-1, (groups, g, d))[..., i0:i1, :].flatten(-3)
     return y[..., s.columns[0]:s.columns[1]]
 
 

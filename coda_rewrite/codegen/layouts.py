@@ -14,11 +14,11 @@ value kept between calls is the runtime's (kernels/).
                         rope_pair_table_rows
     cross-entropy       row_targets, cross_entropy_from_rows, unmaterialised_logits
 
-A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim[, groups, g, i, d]):
-rows [lo, hi) of a projection, per-head interleaved for the rotation (n_heads > 0), or
-kept as they are (n_heads == 0: v, frequency 0); with the last four, the projection's
-rows are per-head groups [groups, g, d] and the segment is member i of each (GPT-NeoX's
-packed [q_h, k_h, v_h]), hi − lo its width.
+A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim[, groups, g, i0, i1,
+d]): rows [lo, hi) of a projection, per-head interleaved for the rotation (n_heads > 0),
+or kept as they are (n_heads == 0: v, frequency 0); with the last five, the projection's
+rows are groups [groups, g, d] and the segment is members [i0, i1) of each (GPT-NeoX's
+[q_h, k_h, v_h] per head; Falcon's heads), hi − lo its width.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
             dst.zero_()
         elif not n_heads:
             if member:
-                dst.unflatten(0, (member[0], member[3])).copy_(_member_rows(t, member))
+                rows = _member_rows(t, member)
+                dst.unflatten(0, rows.shape[:2]).copy_(rows)
             else:
                 dst.copy_(t[lo:hi])
         else:
@@ -179,11 +180,12 @@ def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
 
 
 def _member_rows(t: torch.Tensor, member) -> torch.Tensor:
-    """Member i of each per-head group of a packed projection's rows (weight or bias):
-    member = (groups, g, i, d); a [groups, d, ...] view (GPT-NeoX: q, k or v of each
-    head's [q_h, k_h, v_h])."""
-    groups, g, i, d = member
-    return t.unflatten(0, (groups, g, d))[:, i]
+    """Members [i0, i1) of each group of a packed projection's rows (weight or bias):
+    member = (groups, g, i0, i1, d), [heads, d, ...] in head order (GPT-NeoX: q, k or v
+    of each head's [q_h, k_h, v_h]; Falcon: a range of heads); a view where the rows
+    allow one."""
+    groups, g, i0, i1, d = member
+    return t.unflatten(0, (groups, g, d))[:, i0:i1].flatten(0, 1)
 
 
 def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:

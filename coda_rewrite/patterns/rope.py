@@ -127,10 +127,11 @@ class Rotated:
                              # | "interleaved" (real, adjacent pairs: rotate_every_two)
     table: fx.Node | None = None     # "pairs": the complex table [(Bt,) S, hd/2]
     table_view: fx.Node | None = None  # "pairs": the table broadcast against the heads
-    member: tuple = ()       # (groups, g, i, d): the projection's features are per-head
-                             # groups [groups, g, d] (GPT-NeoX: [q_h, k_h, v_h]) and this
-                             # value is member i of each; columns are then positions in
-                             # the members' order, [i·groups·d, (i+1)·groups·d)
+    member: tuple = ()       # (groups, g, i0, i1, d): the projection's features are
+                             # groups [groups, g, d] (GPT-NeoX: [q_h, k_h, v_h] per head;
+                             # Falcon: one group of all heads) and this value is members
+                             # [i0, i1) of each; columns are then positions in the
+                             # members' order, [i0·groups·d, i1·groups·d)
 
     @property
     def transposed(self) -> bool:
@@ -618,7 +619,79 @@ def _member_split(heads: fx.Node, unsq_dim: int):
             tuple(mp.shape[:2]) != tuple(mv.shape[:2]) or mp.shape[2] != mv.shape[2] * mv.shape[3]:
         return None
     n_heads, d = int(mv.shape[2]), int(mv.shape[3]) // g
-    return proj_value, tuple(split), n_heads, d, (n_heads, g, heads.args[1], d)
+    i = heads.args[1]
+    return proj_value, tuple(split), n_heads, d, (n_heads, g, i, i + 1, d)
+
+
+def _head_index(idx, dims: int, axis: int, n: int):
+    """(i0, i1, keeps_dim) of ``x[idx]`` on a ``dims``-d x selecting along ``axis`` (of
+    size n) only: a slice (step 1), a one-element list, or an int (the dim goes away);
+    None for any other index."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if idx and idx[0] is Ellipsis:
+        idx = (slice(None),) * (dims - len(idx) + 1) + idx[1:]
+    idx = idx + (slice(None),) * (dims - len(idx))
+    if len(idx) != dims or any(e != slice(None) for k, e in enumerate(idx) if k != axis):
+        return None
+    e = idx[axis]
+    if isinstance(e, list) and len(e) == 1:
+        e, keeps = e[0], True
+    else:
+        keeps = not isinstance(e, int)
+    if isinstance(e, int) and not isinstance(e, bool) and -n <= e < n:
+        return e % n, e % n + 1, keeps
+    if isinstance(e, slice) and e.step in (None, 1):
+        found = _norm_slice(e.start, e.stop, n)
+        return (*found, True) if found is not None else None
+    return None
+
+
+def _indexed_split(heads: fx.Node, unsq_dim: int):
+    """As _member_split, for heads indexed out of a view of the projection (Falcon):
+    ``P.view(B, S, Ht, d)[..., a:b, :]`` (or ``[..., [j], :]``: a range of all heads) or
+    ``P.view(B, S, H, g, d)[..., i, :]`` (member i of each head's group), then
+    ``.transpose(1, 2)`` and a reshape to the same shape."""
+    split, node = [heads], heads
+    mh = meta(heads)
+    if mh is None or mh.dim() != 4:
+        return None
+    if _is(node, _SPLIT) and meta(node.args[0]) is not None and \
+            tuple(meta(node.args[0]).shape) == tuple(mh.shape):
+        node = node.args[0]  # the reshape after the transpose: same shape, a no-op here
+        split.append(node)
+    if _is(node, _TRANSPOSE):
+        _, d0, d1 = _args(node, "input", "dim0", "dim1")
+        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
+            return None
+        node = node.args[0]
+        split.append(node)
+    elif unsq_dim % 4 != 2:
+        return None
+    if not (_is(node, {operator.getitem}) and _is(node.args[0], _SPLIT)):
+        return None
+    view = node.args[0]
+    p, mv = view.args[0], meta(view)
+    mp = meta(p) if isinstance(p, fx.Node) else None
+    if mp is None or mv is None or mp.dim() != 3 or tuple(mv.shape[:2]) != tuple(mp.shape[:2]) \
+            or mv.numel() != mp.numel():
+        return None
+    if mv.dim() == 4:   # [B, S, Ht, d]: a range of heads, one group
+        found = _head_index(node.args[1], 4, 2, int(mv.shape[2]))
+        if found is None or not found[2]:
+            return None
+        member = (1, int(mv.shape[2]), found[0], found[1], int(mv.shape[3]))
+    elif mv.dim() == 5:  # [B, S, H, g, d]: member i of each head's group
+        found = _head_index(node.args[1], 5, 3, int(mv.shape[3]))
+        if found is None or found[2]:
+            return None
+        member = (int(mv.shape[2]), int(mv.shape[3]), found[0], found[1], int(mv.shape[4]))
+    else:
+        return None
+    if member[2] >= member[3]:
+        return None
+    groups, _, i0, i1, d = member
+    split.append(view)
+    return p, tuple(split), groups * (i1 - i0), d, member
 
 
 def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
@@ -681,7 +754,7 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         nodes += (out,)
     split, member = _head_split(heads, unsq), ()
     if split is None:
-        split = _member_split(heads, unsq)
+        split = _member_split(heads, unsq) or _indexed_split(heads, unsq)
         if split is not None:
             *split, member = split
     if split is None:
@@ -694,12 +767,12 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                 f"({describe(col_value)} is computed in between: a norm over q "
                                 "or k, say)", "rope.not_gemm_columns"))
     proj, columns = cols
-    if member:  # positions in the members' order: member i of every head group
-        groups, _, i, d = member
+    if member:  # positions in the members' order: members [i0, i1) of every head group
+        groups, _, i0, i1, d = member
         if columns != (0, int(meta(proj.out).shape[-1])):
             return NoMatch(add, Why("a per-head packed value of a slice of a projection",
                                     "rope.packed_slice"))
-        columns = (i * groups * d, (i + 1) * groups * d)
+        columns = (i0 * groups * d, i1 * groups * d)
     if proj.local:
         return NoMatch(add, Why("the rotated heads are a rank's shard of a column-parallel "
                                 "GEMM: RoPE on sharded GEMMs is not implemented (the q/k/v "
@@ -829,17 +902,26 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passt
     p0 = group[0].proj
     taken = {(r.proj.out, r.columns) for r in group}
     out = []
-    for r in group[:1]:  # a per-head packed projection: its other members (v)
+    for r in group[:1]:  # a packed projection's other members (v)
         if not r.member:
             continue
-        groups, g, _, d = r.member
-        rotated = {x.heads for x in group}
-        for item in r.split[1].users:  # the chunk's items
+        rotated = {n for x in group for n in x.split}
+        siblings = r.split[1].users if _is(r.split[1], CHUNK) else r.split[-1].users
+        for item in siblings:  # the chunk's items, or the view's other indexes
             if item in rotated or not _is(item, {operator.getitem}):
                 continue
-            j = item.args[1]
-            out.append(Passthrough(r.proj, (j * groups * d, (j + 1) * groups * d), item,
-                                   member=(groups, g, j, d), split=(item, *r.split[1:])))
+            end, found = item, None
+            while True:  # through the transpose and the no-op reshape after it
+                found = _member_split(end, 1) or _member_split(end, 2) or \
+                    _indexed_split(end, 1) or _indexed_split(end, 2)
+                if found is not None or len(end.users) != 1:
+                    break
+                end = next(iter(end.users))
+            if found is None or found[0] is not r.column_node:
+                continue
+            groups, _, i0, i1, d = found[4]
+            out.append(Passthrough(r.proj, (i0 * groups * d, i1 * groups * d), end,
+                                   member=found[4], split=found[1]))
             taken.add((r.proj.out, out[-1].columns))
     packed = {r.proj.out for r in group}
     for node in graph.nodes:
@@ -1114,12 +1196,12 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
     """A per-head packed member's heads rebuilt on its columns of the fused GEMM, [B, S,
     H·d] -> [B, S, H, d] (-> [B, H, S, d] where the model transposed): the model's view
     (its sizes, symbolic ones too) with d for the group's g·d."""
-    view = next(n for n in s.split if _is(n, _SPLIT))
+    view = s.split[-1]  # the model's view of the whole projection
     sizes = list(view.args[1:])
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
         sizes = list(sizes[0])
-    d = s.member[3]
-    v = graph.call_method("view", (piece, *sizes[:-1], d))
+    groups, _, i0, i1, d = s.member
+    v = graph.call_method("view", (piece, *sizes[:2], groups * (i1 - i0), d))
     for node in s.split:
         if _is(node, _TRANSPOSE):
             v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
