@@ -181,7 +181,8 @@ def head_rows():
         t = bench_rounds(fns)
         name = f"LM head -> CE, {'soft-capped ' + str(int(cap)) if cap else 'no cap'}, fwd+bwd"
         for variant, (ms, spread) in t.items():
-            rows += [(f"{name}: {variant}", "ms", ms), (f"{name}: {variant}", "GiB", peaks[variant])]
+            rows += [(f"{name}: {variant}", "ms", ms),
+                     (f"{name}: {variant}", "GiB", peaks[variant])]
             table.append((name, variant, ms, spread, err, peaks[variant]))
     return rows, table
 

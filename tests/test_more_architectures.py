@@ -30,7 +30,7 @@ ARCHS = [
     ("Exaone4Config", "Exaone4ForCausalLM", {}, 1, 0),
     ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}, 0, 2),
     ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, 0, 2),
-    ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}, 0, 0),  # heads interleave q/k/v
+    ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}, 0, 2),  # q/k/v per head
     ("Olmo2Config", "Olmo2ForCausalLM", {}, 0, 0),              # a norm over the whole q
 ]
 

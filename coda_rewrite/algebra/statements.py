@@ -448,7 +448,8 @@ def prove_logits_map_derivative() -> Proof:
         return rel_err(aa * cc * (1 - (zz.detach() / cc) ** 2), auto)
 
     return Proof(
-        "z = c₂·tanh(a·y)  ⇒  dz/dy = a·c₂·(1 − (z / c₂)²);  z = c·y  ⇒  dz/dy = c",
+        "z = c₂·tanh(a·y)  ⇒  dz/dy = a·c₂·(1 − (z / c₂)²);  "
+        "z = c·y  ⇒  dz/dy = c",
         ("at most one tanh in the map (the pattern refuses two)",),
         ("d tanh(u)/du = 1 − tanh²(u)", "tanh(a·y) = z / c₂"),
         _witness("logits map derivative", num))

@@ -21,12 +21,17 @@ what the forward kept, never recomputed:
 * ``rope`` (y = r ⊙ acc + bias; out = R(θ)·y per column pair): dy = R(−θ)·dout, an
   elementwise rotation back, then the rowscale rule.
 
-* ``lse_target`` (y = r ⊙ acc + bias; loss = lse(y) − y[t]; lse): dy = softmax(y)·(dloss
-  + dlse) − onehot(t)·dloss (+ dlogits). When the forward did not write the logits, one
-  GEMM recomputes them and its epilogue forms r·softmax(y)·dsm (softmax_grad_program:
-  a generated kernel on Hopper); from stored logits it is formed by chunks of rows.
-  Either way it lands once, in the GEMM dtype, the one-hot term is an index update of
-  M elements, and no float32 [rows, vocab] tensor exists; then the two GEMMs.
+* ``lse_target`` (y = r ⊙ acc + bias; z = g(y), a constant map before the loss if any;
+  loss = lse(z) − z[t]; lse): dz = softmax(z)·(dloss + dlse) − onehot(t)·dloss
+  (+ dlogits), dy = dz·g'(z). In training the forward writes z and the backward forms
+  d_acc in one pass of QuACK's cross-entropy backward kernel ((softmax − onehot)·dloss·r
+  per row, g' applied after it); without written logits one GEMM recomputes them and its
+  epilogue forms r·softmax(z)·dsm·g' (softmax_grad_program: a generated kernel on
+  Hopper). Either way it lands once, in the GEMM dtype, and no float32 [rows, vocab]
+  tensor exists; then the two GEMMs.
+
+The gradient of an output nothing reads arrives as None (the op does not materialise a
+zero tensor for it: the logits or the gated pre-activation kept for the backward).
 
 Each family's rule is a module of this package, chosen by the program's family tag
 (codegen/program.py: ``EpilogueProgram.family``), never by guessing from its shape; the

@@ -1,10 +1,14 @@
-"""The log-sum-exp and target-logit family (cross-entropy): dz = softmax(z)·(dloss + dlse)
-− onehot(t)·dloss (+ dlogits), dy = dz·g'(y) where a map z = g(y) stands before the loss
-(a soft-cap, a scale; g' is read off z: map_slope), else z = y. When the forward did not write the logits, one GEMM
-recomputes them and its epilogue forms r·softmax(y)·dsm (softmax_grad_program); from
-stored logits it is formed by chunks of rows. Either way it lands once, in the GEMM
-dtype, the one-hot term is an index update of M elements, and no float32 [rows, vocab]
-tensor exists; then the two GEMMs."""
+"""The log-sum-exp and target-logit family (cross-entropy): dz = softmax(z)·(dloss +
+dlse) − onehot(t)·dloss (+ dlogits), and dy = dz·g'(y) where a map z = g(y) stands before
+the loss (a soft-cap, a scale; g' is read off z: map_slope), else z = y.
+
+From stored logits (training, by default) the common case is one pass of QuACK's
+cross-entropy backward kernel, (softmax(z) − onehot(t))·dloss·r per row, a map's g'
+applied after it; other cases (a gradient arriving at the logits or lse, CPU) form it by
+chunks of rows. When the forward did not write the logits (materialize_logits=False), one
+GEMM recomputes them and its epilogue forms r·softmax(z)·dsm·g' (softmax_grad_program).
+Either way it lands once, in the GEMM dtype, and no float32 [rows, vocab] tensor exists;
+then the two GEMMs."""
 
 from __future__ import annotations
 
