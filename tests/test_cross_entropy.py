@@ -274,16 +274,19 @@ def test_logits_read_before_the_map_leave_the_loss():
     assert "cross_entropy.read_before_map" in codes(fast.report, NAME), str(fast.report)
 
 
+def _float64_bf16_and_rewritten(base):
+    """The model in float64, in bf16, and rewritten in bf16 (copies of ``base``)."""
+    torch._dynamo.reset()
+    return (copy.deepcopy(base).double(), copy.deepcopy(base).to(torch.bfloat16),
+            coda_rewrite.optimize(copy.deepcopy(base).to(torch.bfloat16)))
+
+
 def test_soft_capped_bfloat16_no_worse_than_eager():
     """Eager soft-caps in bf16 (three roundings of the logits); the epilogue in float32.
     The returned logits and the loss against float64."""
     ids = tokens(seq=64)
     for seed in range(2):
-        base = hf_model("gemma2", layers=1, seed=seed)
-        exact = copy.deepcopy(base).double()
-        eager = copy.deepcopy(base).to(torch.bfloat16)
-        torch._dynamo.reset()
-        fast = coda_rewrite.optimize(copy.deepcopy(base).to(torch.bfloat16))
+        exact, eager, fast = _float64_bf16_and_rewritten(hf_model("gemma2", layers=1, seed=seed))
         with torch.no_grad():
             want = exact(ids, labels=ids)
             e, n = eager(ids, labels=ids), fast(ids, labels=ids)
@@ -298,11 +301,7 @@ def test_bfloat16_loss_no_worse_than_eager():
     are held to the ratio in test_models.py and the GPU tests."""
     ids = tokens(seq=64)
     for seed in range(3):
-        base = hf_model("llama", layers=2, seed=seed)
-        exact = copy.deepcopy(base).double()
-        eager = copy.deepcopy(base).to(torch.bfloat16)
-        torch._dynamo.reset()
-        fast = coda_rewrite.optimize(copy.deepcopy(base).to(torch.bfloat16))
+        exact, eager, fast = _float64_bf16_and_rewritten(hf_model("llama", layers=2, seed=seed))
         with torch.no_grad():
             want = exact(ids, labels=ids).loss
             e = abs(eager(ids, labels=ids).loss.double() - want).item()

@@ -400,22 +400,28 @@ def _half_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
 def _rotate_half_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
     """(x, its nodes) for ``cat(-x_hi, x_lo, dim=-1)``: the halves of x's last dim
     swapped, the high one negated (Hugging Face's rotate_half)."""
-    parts = _cat_last(node)
+    found = _negated_swap(_cat_last(node), _half_of)
+    return None if found is None else (found[0], (node, *found[1]))
+
+
+def _negated_swap(parts, select) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """(x, nodes) for ``parts == [−part₁(x), part₀(x)]``, ``select(node)`` giving (x,
+    which part, its nodes): rotate_half's halves, rotate_every_two's even/odd features."""
     if parts is None or len(parts) != 2:
         return None
-    neg, lo = parts
+    neg, other = parts
     c = canon(neg) if isinstance(neg, fx.Node) else None
-    if c is None or c.name != "neg" or not isinstance(lo, fx.Node):
+    if c is None or c.name != "neg" or not isinstance(other, fx.Node):
         return None
-    hi, low = _half_of(c.args[0]), _half_of(lo)
-    if hi is None or low is None or hi[0] is not low[0] or (hi[1], low[1]) != (1, 0):
+    one, zero = select(c.args[0]), select(other)
+    if one is None or zero is None or one[0] is not zero[0] or (one[1], zero[1]) != (1, 0):
         return None
-    return hi[0], (node, neg, *hi[2], *low[2])
+    return one[0], (neg, *one[2], *zero[2])
 
 
-def _parity_of(node) -> tuple[fx.Node, int] | None:
-    """(x, 0 or 1) for the even or odd features of x's last dim: ``x[..., 0::2]`` /
-    ``x[..., 1::2]``."""
+def _parity_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
+    """(x, 0 or 1, nodes) for the even or odd features of x's last dim: ``x[..., 0::2]``
+    / ``x[..., 1::2]``."""
     found = _last_dim_index(node)
     if found is None:
         return None
@@ -423,7 +429,7 @@ def _parity_of(node) -> tuple[fx.Node, int] | None:
     mx = meta(x)
     if sl.step != 2 or sl.stop is not None or mx is None or int(mx.shape[-1]) % 2:
         return None
-    return (x, sl.start or 0) if sl.start in (None, 0, 1) else None
+    return (x, sl.start or 0, (node,)) if sl.start in (None, 0, 1) else None
 
 
 def _rotate_pairs_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
@@ -441,14 +447,8 @@ def _rotate_pairs_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or \
             dim % mst.dim() != mst.dim() - 1:
         return None
-    neg, even = tensors
-    c = canon(neg) if isinstance(neg, fx.Node) else None
-    if c is None or c.name != "neg" or not isinstance(even, fx.Node):
-        return None
-    hi, lo = _parity_of(c.args[0]), _parity_of(even)
-    if hi is None or lo is None or hi[0] is not lo[0] or (hi[1], lo[1]) != (1, 0):
-        return None
-    return hi[0], (node, st, neg, c.args[0], even)
+    found = _negated_swap(list(tensors), _parity_of)
+    return None if found is None else (found[0], (node, st, *found[1]))
 
 
 def _unsqueezed(node) -> tuple[fx.Node, int] | None:

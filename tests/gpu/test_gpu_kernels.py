@@ -268,17 +268,15 @@ def test_gated_mlps_bf16_on_gpu(family, op):
     assert res["ok"], res
 
 
-@pytest.mark.parametrize("materialize", [True, False], ids=["logits", "no_logits"])
-def test_small_llama_bf16_training_on_gpu(materialize):
-    """Through the kernels and the backward rules (gated MLP, cross-entropy with or
-    without the logits written): the loss and every parameter's gradient against a
-    float64 copy, no worse than eager's (median over seeds)."""
+def _training_errors(make, materialize: bool) -> dict:
+    """One training forward + backward of ``make(seed)`` (seeds 0-2) through optimize()
+    in bf16, eager in bf16 and eager in float64 on the GPU: {"eager": [...], "new": [...]}
+    relative gradient errors plus the loss's absolute error, against float64."""
     ids = torch.randint(0, 512, (2, 128), device=DEV)
     errs = {"eager": [], "new": []}
-    before = _kernel_calls("rowscale_lse_target#")
     for seed in range(3):
         torch._dynamo.reset()
-        base = _llama(seed).train()
+        base = make(seed).train()
         ref_model = copy.deepcopy(base).to(DEV, torch.float64)
         eager = copy.deepcopy(base).to(DEV, torch.bfloat16)
         model = copy.deepcopy(base).to(DEV, torch.bfloat16)
@@ -295,6 +293,16 @@ def test_small_llama_bf16_training_on_gpu(materialize):
         want = flat(ref_model)
         for key, m, loss in (("eager", eager, losses[1]), ("new", model, losses[2])):
             errs[key].append(rel_err(flat(m), want) + abs(float(loss) - float(losses[0])))
+    return errs
+
+
+@pytest.mark.parametrize("materialize", [True, False], ids=["logits", "no_logits"])
+def test_small_llama_bf16_training_on_gpu(materialize):
+    """Through the kernels and the backward rules (gated MLP, cross-entropy with or
+    without the logits written): the loss and every parameter's gradient against a
+    float64 copy, no worse than eager's (median over seeds)."""
+    before = _kernel_calls("rowscale_lse_target#")
+    errs = _training_errors(lambda seed: _llama(seed), materialize)
     assert _kernel_calls("rowscale_swiglu#") > 0, ops.runtime_summary()
     assert _kernel_calls("rowscale_rope#") > 0, ops.runtime_summary()
     assert _kernel_calls("rowscale_lse_target#") - before >= 3, ops.runtime_summary()
@@ -462,28 +470,11 @@ def test_soft_capped_lm_head_bf16_training_on_gpu(materialize):
     map's derivative in the backward (from the written logits, or in the epilogue of the
     GEMM that recomputes them): loss and every gradient against float64, no worse than
     eager's (median over seeds)."""
-    ids = torch.randint(0, 512, (2, 128), device=DEV)
-    errs = {"eager": [], "new": []}
     before = _kernel_calls("rowscale_mapped_lse_target#")
     grad_before = _kernel_calls("ce_mapped_softmax_grad#")
-    for seed in range(3):
-        torch._dynamo.reset()
-        base = hf_model("gemma2", layers=1, hidden=256, seed=seed, vocab_size=512).train()
-        ref_model = copy.deepcopy(base).to(DEV, torch.float64)
-        eager = copy.deepcopy(base).to(DEV, torch.bfloat16)
-        model = copy.deepcopy(base).to(DEV, torch.bfloat16)
-        fast = coda_rewrite.optimize(model, materialize_logits=materialize)
-        out = fast(ids, labels=ids)
-        losses = [m(ids, labels=ids).loss for m in (ref_model, eager)] + [out.loss]
-        for loss in losses:
-            loss.backward()
-
-        def flat(m):
-            return torch.cat([p.grad.double().flatten() for p in m.parameters()])
-
-        want = flat(ref_model)
-        for key, m, loss in (("eager", eager, losses[1]), ("new", model, losses[2])):
-            errs[key].append(rel_err(flat(m), want) + abs(float(loss) - float(losses[0])))
+    errs = _training_errors(
+        lambda seed: hf_model("gemma2", layers=1, hidden=256, seed=seed, vocab_size=512),
+        materialize)
     assert _kernel_calls("rowscale_mapped_lse_target#") - before >= 3, ops.runtime_summary()
     if not materialize:
         assert _kernel_calls("ce_mapped_softmax_grad#") - grad_before >= 3, \
