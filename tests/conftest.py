@@ -107,6 +107,7 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         "helium": (tf.HeliumConfig, tf.HeliumForCausalLM),
         "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
         "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM),
+        "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),  # casts on both products
         # RoPE written out over chunk halves with half-width cos/sin; attention sinks, MoE
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         # q, k, v packed per head in one projection ([q_h, k_h, v_h]), partial rotary
@@ -121,10 +122,11 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         common = dict(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4,
                       n_positions=128, rotary_dim=hidden // 8, attn_implementation="eager",
                       bos_token_id=1, eos_token_id=2)  # its attention: eager's only
-    if family in ("phi3", "glm", "helium", "cohere", "gpt_oss", "gpt_neox", "falcon"):
+    if family in ("phi3", "glm", "helium", "cohere", "gpt_oss", "gpt_neox", "falcon",
+                  "ernie4_5"):
         # their default special token ids lie outside the small vocabulary
         common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family in ("gemma", "gemma2", "glm", "helium", "gpt_oss"):  # default head_dim: 64+
+    if family in ("gemma", "gemma2", "glm", "helium", "gpt_oss", "ernie4_5"):  # head_dim
         common["head_dim"] = hidden // 4
     cfg = cfg_cls(**{**common, **overrides})
     torch.manual_seed(seed)

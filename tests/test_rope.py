@@ -644,9 +644,9 @@ def test_table_rotation_matches_complex_product():
     assert rel_err(got.reshape(2, 5, 24), want) <= 1e-6  # the table rows are float32
 
 
-# ---- interleaved pairs: x[..., 0::2] / x[..., 1::2] (GLM, Cohere, Helium, GPT-J) -----------
+# ---- interleaved pairs: x[..., 0::2] / x[..., 1::2] (GLM, Cohere, Helium, GPT-J, Ernie) ----
 
-INTERLEAVED = ("glm", "helium", "cohere", "gptj")
+INTERLEAVED = ("glm", "helium", "cohere", "gptj", "ernie4_5")
 
 
 @pytest.mark.parametrize("family", INTERLEAVED)

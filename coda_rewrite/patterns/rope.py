@@ -481,16 +481,21 @@ def _rope_core(add: fx.Node):
         if c1 is None or c2 is None or c1.name != "mul" or c2.name != "mul":
             continue
         for rot, s_t in (c2.args, c2.args[::-1]):
+            # Ernie 4.5: q.float()·cos + rotate_half(q).float()·sin (casts on both products)
+            rot, rot_casts = _casts_under(rot)
             form, found = "half", _rotate_half_of(rot)
             if found is None:
                 form, found = "interleaved", _rotate_pairs_of(rot)
             if found is None:
                 continue
             x, rot_nodes = found
+            x, x_casts = _casts_under(x)  # Cohere: q = q.float() before both products
             for x1, c_t in (c1.args, c1.args[::-1]):
+                x1, x1_casts = _casts_under(x1)
                 if x1 is not x:
                     continue
-                nodes = (m1, m2, *rot_nodes, add)
+                nodes = tuple(dict.fromkeys(  # a cast both products read: once
+                    (m1, m2, *rot_nodes, *rot_casts, *x_casts, *x1_casts, add)))
                 if form == "interleaved":
                     axis = _table_head_axis(x, c_t, s_t)
                     if axis is None:
@@ -544,6 +549,15 @@ def _written_rope_core(cat: fx.Node):
             nodes = (cat, *parts, *lo.args, *hi.args, *h1[2], *h2[2])
             return h1[0], cu[0], su[0], cu[1], nodes, "half", True
     return None
+
+
+def _casts_under(node) -> tuple:
+    """(the value under casts, the cast nodes) — the rotation's own upcasts."""
+    casts = []
+    while isinstance(node, fx.Node) and _is_cast(node):
+        casts.append(node)
+        node = node.args[0]
+    return node, tuple(casts)
 
 
 def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node) -> int | None:
