@@ -1,0 +1,86 @@
+"""What each variant keeps for the backward, per decoder layer: the Llama-3.2-1B layer
+shape (hidden 2048, 32 / 8 heads of 64, intermediate 8192, vocab 128256) at a reduced
+token count, bf16, on any device (it counts bytes, it times nothing; the count is
+linear in the tokens, so it is scaled to the 1B step's 2 × 4096).
+
+Every tensor autograd saves goes through ``torch.autograd.graph.saved_tensors_hooks``
+(eager's ops, AOTAutograd's compiled functions and the fused op's autograd alike); the
+bytes are counted once per storage (views share it), split into the decoder layers and
+the LM head + loss (a model of 2 layers against one of 1 layer: the difference is one
+layer). Variants: eager, torch.compile, backend="coda", optimize(), each with the default
+options and, for coda, materialize_logits=False.
+
+    python benchmarks/saved_memory.py [tokens per sequence, default 256]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import coda_rewrite
+
+
+def model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0,
+                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn()`` runs forward."""
+    storages: dict[int, int] = {}
+    params = set()
+
+    def pack(t):
+        if isinstance(t, torch.nn.Parameter) or id(t) in params:
+            return t
+        try:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(storages.values())
+
+
+VARIANTS = {
+    "eager": lambda m: m,
+    "torch.compile": lambda m: torch.compile(m),
+    'backend="coda"': lambda m: torch.compile(m, backend="coda"),
+    "optimize()": lambda m: coda_rewrite.optimize(m),
+    'backend="coda", materialize_logits=False': lambda m: torch.compile(
+        m, backend=coda_rewrite.CodaBackend(coda_rewrite.Options(materialize_logits=False))),
+}
+
+
+def main(seq: int) -> None:
+    ids = torch.randint(0, 128256, (1, seq))
+    scale = 2 * 4096 / seq
+    print(f"torch {torch.__version__}; bytes autograd keeps for the backward, counted at "
+          f"1 × {seq} tokens and scaled to 2 × 4096 (MiB)\n")
+    print("| variant | per decoder layer | LM head + loss + embedding |")
+    print("|---|---|---|")
+    for name, make in VARIANTS.items():
+        got = []
+        for layers in (1, 2):
+            torch._dynamo.reset()
+            m = make(model(layers).train())
+            m(input_ids=ids, labels=ids)  # compile outside the count
+            got.append(saved_bytes(lambda: m(input_ids=ids, labels=ids).loss))
+        layer, rest = got[1] - got[0], 2 * got[0] - got[1]
+        print(f"| {name} | {layer * scale / 2**20:.0f} | {rest * scale / 2**20:.0f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)
