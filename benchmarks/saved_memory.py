@@ -7,10 +7,11 @@ Every tensor autograd saves goes through ``torch.autograd.graph.saved_tensors_ho
 (eager's ops, AOTAutograd's compiled functions and the fused op's autograd alike); the
 bytes are counted once per storage (views share it), split into the decoder layers and
 the LM head + loss (a model of 2 layers against one of 1 layer: the difference is one
-layer). Variants: eager, torch.compile, backend="coda", optimize(), each with the default
+layer), and into what grows with the tokens and what does not (two token counts: a
+re-laid-out weight copy kept for the backward is the part that does not). Variants: eager, torch.compile, backend="coda", optimize(), each with the default
 options and, for coda, materialize_logits=False.
 
-    python benchmarks/saved_memory.py [tokens per sequence, default 256]
+    python benchmarks/saved_memory.py [tokens per sequence, default 256] [variants]
 """
 
 from __future__ import annotations
@@ -68,26 +69,37 @@ VARIANTS = {
 }
 
 
-def main(seq: int) -> None:
+def main(seq: int, only: list[str]) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    ids = torch.randint(0, 128256, (1, seq))
-    scale = 2 * 4096 / seq
-    print(f"torch {torch.__version__}; bytes autograd keeps for the backward, counted at "
-          f"1 × {seq} tokens and scaled to 2 × 4096 (MiB)\n")
-    print("| variant | per decoder layer | LM head + loss + embedding |")
-    print("|---|---|---|")
+    tokens = (seq, 2 * seq)
+    print(f"torch {torch.__version__}; what autograd keeps for the backward (MiB), counted "
+          f"at 1 × {tokens[0]} and 1 × {tokens[1]} tokens: the part that grows with the "
+          "tokens scaled to 2 × 4096, the part that does not (weight copies) apart\n")
+    print("| variant | per layer, activations | per layer, fixed | LM head + loss + "
+          "embedding, activations | fixed |")
+    print("|---|---|---|---|---|")
     for name, make in VARIANTS.items():
-        got = []
-        for layers in (1, 2):
-            torch._dynamo.reset()
-            m = make(model(layers).train())
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                m(input_ids=ids, labels=ids)  # compile outside the count
-            got.append(saved_bytes(lambda: m(input_ids=ids, labels=ids).loss, m))
-        layer, rest = got[1] - got[0], 2 * got[0] - got[1]
-        print(f"| {name} | {layer * scale / 2**20:.0f} | {rest * scale / 2**20:.0f} |",
-              flush=True)
+        if only and name not in only:
+            continue
+        got = {}
+        for n in tokens:
+            ids = torch.randint(0, 128256, (1, n))
+            for layers in (1, 2):
+                torch._dynamo.reset()
+                m = make(model(layers).train())
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    m(input_ids=ids, labels=ids)  # compile outside the count
+                got[n, layers] = saved_bytes(lambda: m(input_ids=ids, labels=ids).loss, m)
+        cells = []
+        for part in ("layer", "rest"):
+            at = {n: got[n, 2] - got[n, 1] if part == "layer" else 2 * got[n, 1] - got[n, 2]
+                  for n in tokens}
+            per_token = (at[tokens[1]] - at[tokens[0]]) / (tokens[1] - tokens[0])
+            fixed = at[tokens[0]] - per_token * tokens[0]
+            cells += [per_token * 2 * 4096 / 2**20, fixed / 2**20]
+        print(f"| {name} | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256, sys.argv[2].split(",") if
+         len(sys.argv) > 2 else [])

@@ -90,3 +90,89 @@ def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
     """``ops.fused_linear`` over the kept re-layout of ``sources`` (nn.Linear layout)."""
     return ops._linear(lambda text, a, _, flat: torch.ops.coda.gemm_relaid(
         text, a, kind, spec, sources, flat), program, x, None, operands)
+
+
+# ---- training: the re-layout made again in the backward, never saved --------------------
+#
+# A fused GEMM over a re-layout computed in the graph saves its b operand for the
+# backward (grad_a = d_acc·b): a copy of the layer's q/k/v or gate/up weights per layer,
+# alive from the forward to the backward (1.2 GiB over the Llama-3.2-1B step's 16
+# layers). This op takes the source weights instead, which live anyway, and makes the
+# re-layout in its forward and again in its backward (a read and a write of the weights,
+# the cost the forward already pays).
+
+@torch.library.custom_op("coda::gemm_relaid_recomputed", mutates_args=())
+def gemm_relaid_recomputed(program: str, a: torch.Tensor, kind: str, spec: str,
+                           sources: list[torch.Tensor],
+                           operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``coda::gemm_epilogue(program, a, b, operands)`` with b the re-layout of
+    ``sources`` (made here, and again in the backward)."""
+    b = compute(kind, spec, sources, a.dtype)
+    return [o.clone() if _aliases(o, (a, *sources, *operands)) else o
+            for o in torch.ops.coda.gemm_epilogue(program, a, b, operands)]
+
+
+def _aliases(out: torch.Tensor, inputs) -> bool:
+    return any(t is not None and out.untyped_storage().data_ptr() ==
+               t.untyped_storage().data_ptr() for t in inputs)
+
+
+@gemm_relaid_recomputed.register_fake
+def _(program, a, kind, spec, sources, operands):
+    b = compute(kind, spec, sources, a.dtype)
+    return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
+
+
+def _setup_recomputed(ctx, inputs, output):
+    from ..codegen.program import parse
+    from . import backward
+    program, a, kind, spec, sources, operands = inputs
+    prog = parse(program)
+    keep_outputs, dtype_only = backward.saves(prog)
+    kept = [t.new_empty(0) if o.name in dtype_only else t
+            for o, t in zip(prog.operands, operands)]
+    ctx.save_for_backward(a, *sources, *kept, *(output[i] for i in keep_outputs))
+    ctx.meta = (program, kind, spec, len(sources), len(operands), keep_outputs, len(output))
+    ctx.set_materialize_grads(False)  # as the plain op: None for an output nothing reads
+
+
+def _backward_recomputed(ctx, grads):
+    from ..codegen.program import parse
+    from . import backward
+    program, kind, spec, n_src, n_ops, keep_outputs, n_out = ctx.meta
+    a, *rest = ctx.saved_tensors
+    sources, operands, kept = rest[:n_src], rest[n_src:n_src + n_ops], rest[n_src + n_ops:]
+    outputs = [None] * n_out
+    for i, t in zip(keep_outputs, kept):
+        outputs[i] = t
+    with torch.no_grad():
+        b = compute(kind, spec, sources, a.dtype)
+    grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, b, list(operands), outputs,
+                                            list(grads))
+    grad_src = [None] * n_src
+    if grad_b is not None:  # the re-layout's own backward: its inverse, by autograd
+        with torch.enable_grad():
+            src = [s.detach().requires_grad_(s.requires_grad) for s in sources]
+            want = [s for s in src if s.requires_grad]
+            if want:
+                relaid = _KINDS[kind](_layout(spec), *src).to(a.dtype)
+                got = iter(torch.autograd.grad(relaid, want, grad_b.to(relaid.dtype),
+                                               allow_unused=True))
+                grad_src = [next(got) if s.requires_grad else None for s in src]
+    return None, grad_a, None, None, grad_src, grad_ops
+
+
+gemm_relaid_recomputed.register_autograd(_backward_recomputed, setup_context=_setup_recomputed)
+
+
+def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
+                            sources: list[torch.Tensor], *operands: torch.Tensor):
+    """``ops.fused_linear`` over the re-layout of ``sources`` in a training graph: made in
+    the op's forward and again in its backward, never saved. Sharded (DTensor) sources
+    take the plain path: the re-layout in the graph, then the fused GEMM on the shards."""
+    from . import sharding
+    if any(sharding.is_dtensor(s) for s in sources):
+        w = _KINDS[kind](_layout(spec), *sources)
+        return ops.fused_linear(program, x, w.to(x.dtype), *operands)
+    return ops._linear(lambda text, a, _, flat: torch.ops.coda.gemm_relaid_recomputed(
+        text, a, kind, spec, sources, flat), program, x, None, operands)

@@ -302,7 +302,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             else []
         r = [g.r] if g.r is not None else []
         call = relaid_gemm(graph, plan.cache_relayouts, plan.program.to_text(), g.out, g.x,
-                           kind, (), weights, r, b, [])
+                           kind, (), weights, r, b, [], trains=trains(m))
         copy_meta(call, m.mul)
         out = results(graph, call, 1, m.mul)[0]
         if g.local:  # the product was the local shard: so is the fused GEMM's output

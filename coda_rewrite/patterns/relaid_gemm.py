@@ -2,11 +2,12 @@
 (gated_mlp: gate/up interleaved; rope: q/k permuted per head, q/k/v concatenated).
 
 A re-layout is a function of the live parameters: under dynamo the parameters are graph
-inputs and an optimizer updates them in place, so it is recomputed in the graph on every
-call, or, with Options.cache_relayouts in an inference graph, kept inside the GEMM op
-between calls keyed by the parameters' version counters (kernels/relayout.py); the kept
-copy never leaves the op (handed to Inductor as a tensor, its buffer planning could
-reuse the memory as scratch).
+inputs and an optimizer updates them in place, so it is recomputed on every call: in the
+graph (inference), or inside the GEMM op and again in its backward (training: no copy of
+the weights saved for the backward), or, with Options.cache_relayouts in an inference
+graph, kept inside the GEMM op between calls keyed by the parameters' version counters
+(kernels/relayout.py); a kept copy never leaves the op (handed to Inductor as a tensor,
+its buffer planning could reuse the memory as scratch).
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ def relayout_node(graph: fx.Graph, kind: str, layout: tuple, *sources) -> fx.Nod
 
 def relaid_gemm(graph: fx.Graph, cache: bool, text: str, linear: fx.Node, x: fx.Node,
                 kind: str, layout: tuple, weights: tuple, r: list, biases: list,
-                rest: list) -> fx.Node:
+                rest: list, trains: bool = False) -> fx.Node:
     """The fused GEMM over a re-layout of ``weights``, its operands the row scale ``r``,
     the (re-laid) ``biases`` and the ``rest`` (a rotation's float32 angles: not cast to
-    the GEMM's dtype). ``cache``: keep the re-layout inside the op between calls; biases
-    are re-laid in the graph either way (small)."""
-    if cache:
+    the GEMM's dtype). ``cache``: keep the re-layout inside the op between calls;
+    ``trains``: make it again in the backward instead of saving a copy of the weights
+    (kernels/relayout.py); biases are re-laid in the graph either way (small)."""
+    if cache or trains:
         x, *biases = cast_for_gemm(graph, linear, x, *biases)
-        return graph.call_function(relayout.fused_linear_relaid, (
+        fn = relayout.fused_linear_relaid if cache else relayout.fused_linear_recomputed
+        return graph.call_function(fn, (
             text, x, kind, relayout.spec_of(layout), list(weights), *r, *biases, *rest))
     w = relayout_node(graph, kind, layout, *weights)
     x, w, *biases = cast_for_gemm(graph, linear, x, w, *biases)

@@ -1155,7 +1155,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         r = [p.r] if p.r is not None else []
         weights = tuple(s.proj.weight for s in m.segments)
         call = relaid_gemm(graph, plan.cache_relayouts, plan.program.to_text(), p.out, p.x,
-                           "rope_segments", lay, weights, r, b, angle)
+                           "rope_segments", lay, weights, r, b, angle, trains=trains(m))
         copy_meta(call, m.rotated[0].out)
         y = results(graph, call, 1, m.rotated[0].out)[0]
         at, new_outs = 0, []
