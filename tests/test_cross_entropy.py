@@ -389,3 +389,38 @@ def test_an_output_nothing_reads_gets_no_zero_gradient(monkeypatch):
     act, preact = ops.gemm_epilogue(gated.to_text(), a, b, [])
     act.sum().backward()
     assert seen[-1] == [True, None]
+
+
+@pytest.mark.parametrize("with_d_logits,logits_map", [
+    (True, ()), (False, SOFTCAP), (True, SOFTCAP), (True, (("div", 4.0),))])
+def test_one_pass_finish_equals_the_chunked_rule(monkeypatch, with_d_logits, logits_map):
+    """What runs after QuACK's one-pass kernel on the GPU (a gradient at the returned
+    logits, a map's derivative), with the kernel's result computed here in torch: the
+    rule's result equals the chunked rule's, and autograd's through the reference."""
+    from coda_rewrite.kernels.backward import cross_entropy as rule
+    monkeypatch.setattr(rule, "_CE_CHUNK_BYTES", 4 * 11 * 3)
+    prog = ce_program(True, False, torch.float64, "float64", logits_map)
+    g = torch.Generator().manual_seed(1)
+    m, k, n = 8, 6, 11
+    a = torch.randn(m, k, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    r = (torch.rand(m, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    target = torch.randint(0, n, (m,), generator=g)
+    target[::3] = -100
+    outs = reference.run_program(prog, a, b, [r, target])
+    z, loss, lse = outs
+    dz = torch.randn(z.shape, generator=g, dtype=torch.float64) if with_d_logits else None
+    dloss = torch.randn(m, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad([o for o, d in ((z, dz), (loss, dloss)) if d is not None],
+                               [a, b, r], [d for d in (dz, dloss) if d is not None])
+
+    def quack_stand_in(x, t, scale, lse_, out):  # the kernel's math
+        p = torch.exp(x.double() - lse_[:, None])
+        hit = torch.arange(x.shape[1])[None] == t[:, None]
+        out.copy_((p - hit.double()) * scale[:, None])
+    monkeypatch.setattr(rule, "_one_pass_violation", lambda *args: None)
+    monkeypatch.setattr(rule, "quack_softmax_grad", quack_stand_in)
+    got = backward.vjp(prog, a.detach(), b.detach(), [r.detach(), target],
+                       [o.detach() for o in outs], [dz, dloss, None])
+    for x, w in zip([got[0], got[1], got[2][0]], want):
+        assert rel_err(x, w) <= 1e-12

@@ -112,22 +112,13 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         outputs[0], logits_map, d_logits, d_lse)
     if with_logits and why_not is None:
         # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
-        # pass over the stored logits (QuACK's cross-entropy backward kernel); a map's
-        # derivative g'(z) then multiplies it elementwise (a second pass, by chunks)
-        import quack.cross_entropy  # noqa: F401  (registers quack::cross_entropy_bwd_out)
+        # pass over the stored logits (QuACK's cross-entropy backward kernel); a gradient
+        # at the returned logits (AOTAutograd passes one for every differentiable output:
+        # zeros, when the loop reads only the loss) and a map's derivative g'(z) after it
         d_acc = torch.empty_like(outputs[0])
         scale = d_loss * r if r is not None else d_loss
-        # a target out of range (ignored) matches no column: that row's softmax·dloss
-        # stays, as the op's own loss row lse − 0 says; no index is "ignored" by QuACK.
-        # Through the registered op, not QuACK's eager shortcut: AOTAutograd traces this
-        # backward with fake tensors outside dynamo, where the shortcut would run the body
-        torch.ops.quack.cross_entropy_bwd_out(outputs[0], target, scale.contiguous(),
-                                              lse.contiguous(), d_acc, None, _NO_INDEX)
-        if logits_map:
-            rows = max(1, _CE_CHUNK_BYTES // (4 * n))
-            for s in range(0, m, rows):
-                e = min(m, s + rows)
-                d_acc[s:e] = up(d_acc[s:e]) * map_slope(logits_map, up(outputs[0][s:e]))
+        quack_softmax_grad(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc)
+        finish_one_pass(d_acc, outputs[0], d_logits, r, logits_map)
         _counted(prog)
         return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
@@ -162,13 +153,41 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
 
 
+def quack_softmax_grad(z, target, scale, lse, out) -> None:
+    """out := (softmax(z) − onehot(target))·scale per row: QuACK's cross-entropy backward
+    kernel. A target out of range (ignored) matches no column: that row's softmax·scale
+    stays, as the op's own loss row lse − 0 says; no index is "ignored" by QuACK. Through
+    the registered op, not QuACK's eager shortcut: AOTAutograd traces the backward with
+    fake tensors outside dynamo, where the shortcut would run the kernel's body."""
+    import quack.cross_entropy  # noqa: F401  (registers quack::cross_entropy_bwd_out)
+    torch.ops.quack.cross_entropy_bwd_out(z, target, scale, lse, out, None, _NO_INDEX)
+
+
+def finish_one_pass(d_acc, z, d_logits, r, logits_map) -> None:
+    """d_acc := (d_acc + dlogits·r)·g'(z) in place, by chunks of rows (one fused pass under
+    Inductor), given d_acc = (softmax(z) − onehot(t))·dloss·r from the one-pass kernel;
+    nothing to do without a gradient at the logits and without a map."""
+    if d_logits is None and not logits_map:
+        return
+    m, n = d_acc.shape
+    rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+    for s in range(0, m, rows):
+        e = min(m, s + rows)
+        d = up(d_acc[s:e])
+        if d_logits is not None:
+            d = d + up(d_logits[s:e]) * (r[s:e, None] if r is not None else 1.0)
+        if logits_map:
+            d = d * map_slope(logits_map, up(z[s:e]))
+        d_acc[s:e] = d
+
+
 def _one_pass_violation(logits, logits_map, d_logits, d_lse) -> str | None:
     """Why QuACK's one-pass kernel cannot form d_acc from these stored logits (None: it
-    can). It computes (softmax(z) − onehot(t))·s per row: no gradient arriving at the
-    logits or at lse (a map's derivative is applied after it)."""
+    can). It computes (softmax(z) − onehot(t))·s per row: no gradient arriving at lse (one
+    at the logits and a map's derivative are applied after it: finish_one_pass)."""
     from .. import quack_path
-    if d_logits is not None or d_lse is not None:
-        return "gradients at the logits or lse"
+    if d_lse is not None:
+        return "a gradient at lse"
     if logits.dtype not in (torch.bfloat16, torch.float16) or not logits.is_contiguous():
         return "logits not 16-bit and contiguous"
     return quack_path.device_violation(logits) or quack_path.quack_available()
