@@ -575,22 +575,28 @@ def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node) -> int | None:
     return None
 
 
+def _past_head_transpose(node: fx.Node, unsq_dim: int):
+    """(the value under the heads' ``transpose(1, 2)``, [that transpose]) where the cos/sin
+    unsqueeze dim puts the heads before the sequence (1); (node, []) where it puts them
+    after it (2); None for a transpose of other dims or a mismatch."""
+    if _is(node, _TRANSPOSE):
+        _, d0, d1 = _args(node, "input", "dim0", "dim1")
+        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
+            return None
+        return node.args[0], [node]
+    return (node, []) if unsq_dim % 4 == 2 else None
+
+
 def _head_split(heads: fx.Node, unsq_dim: int):
     """(column value [B, S, H·d], split nodes, H, d) for heads = view(P, (B, S, H, d))
     [.transpose(1, 2)], where the cos/sin unsqueeze dim is the head axis."""
     mh = meta(heads)
     if mh is None or mh.dim() != 4:
         return None
-    split = []
-    node = heads
-    if _is(node, _TRANSPOSE):
-        _, d0, d1 = _args(node, "input", "dim0", "dim1")
-        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
-            return None
-        split.append(node)
-        node = node.args[0]
-    elif unsq_dim % 4 != 2:
+    found = _past_head_transpose(heads, unsq_dim)
+    if found is None:
         return None
+    node, split = found
     if not _is(node, _SPLIT) and not _is(node, {"unflatten"}):
         return None
     split.append(node)
@@ -615,15 +621,10 @@ def _member_split(heads: fx.Node, unsq_dim: int):
     if not isinstance(g, int) or g < 2 or meta(src) is None or \
             dim not in (-1, meta(src).dim() - 1) or not 0 <= heads.args[1] < g:
         return None
-    split, node = [heads, ch], src
-    if _is(node, _TRANSPOSE):
-        _, d0, d1 = _args(node, "input", "dim0", "dim1")
-        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
-            return None
-        split.append(node)
-        node = node.args[0]
-    elif unsq_dim % 4 != 2:
+    found = _past_head_transpose(src, unsq_dim)
+    if found is None:
         return None
+    node, split = found[0], [heads, ch, *found[1]]
     if not _is(node, _SPLIT):
         return None
     split.append(node)
@@ -673,14 +674,12 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
             tuple(meta(node.args[0]).shape) == tuple(mh.shape):
         node = node.args[0]  # the reshape after the transpose: same shape, a no-op here
         split.append(node)
-    if _is(node, _TRANSPOSE):
-        _, d0, d1 = _args(node, "input", "dim0", "dim1")
-        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
-            return None
-        node = node.args[0]
-        split.append(node)
-    elif unsq_dim % 4 != 2:
+    found = _past_head_transpose(node, unsq_dim)
+    if found is None:
         return None
+    node = found[0]
+    if found[1]:
+        split.append(node)
     if not (_is(node, {operator.getitem}) and _is(node.args[0], _SPLIT)):
         return None
     view = node.args[0]
