@@ -118,21 +118,33 @@ def _(program, a, b, operands):
             for o in prog.outputs]
 
 
-def _setup_context(ctx, inputs, output):
-    """Keep what the backward reads, no more: an operand it needs only the dtype of (the
-    residual stream coming in) is replaced by an empty tensor of that dtype, so the
-    previous residual is not held alive by this op."""
-    program, a, b, operands = inputs
+def kept_for_backward(program: str, operands, output) -> tuple[list, list, list[int]]:
+    """(operands, outputs, their indices) as the program's backward rule reads them, no
+    more: an operand it needs only the dtype of (the residual stream coming in) becomes an
+    empty tensor of that dtype, so the previous residual is not held alive by the op."""
     prog = parse(program)
     keep_outputs, dtype_only = backward.saves(prog)
+    kept = [t.new_empty(0) if spec.name in dtype_only else t
+            for spec, t in zip(prog.operands, operands)]
+    return kept, [output[i] for i in keep_outputs], keep_outputs
+
+
+def outputs_for_rule(kept: list, keep_outputs: list[int], n_outputs: int) -> list:
+    """The rule's ``outputs`` argument: the kept ones in place, None elsewhere."""
+    outputs = [None] * n_outputs
+    for i, t in zip(keep_outputs, kept):
+        outputs[i] = t
+    return outputs
+
+
+def _setup_context(ctx, inputs, output):
+    """Keep what the backward reads, no more (kept_for_backward)."""
+    program, a, b, operands = inputs
+    kept, kept_outputs, ctx.keep_outputs = kept_for_backward(program, operands, output)
     ctx.program = program
     ctx.has_a, ctx.has_b = a is not None, b is not None
     ctx.n_operands = len(operands)
-    kept = [t.new_empty(0) if spec.name in dtype_only else t
-            for spec, t in zip(prog.operands, operands)]
-    ctx.save_for_backward(*(t for t in (a, b) if t is not None), *kept,
-                          *(output[i] for i in keep_outputs))
-    ctx.keep_outputs = keep_outputs
+    ctx.save_for_backward(*(t for t in (a, b) if t is not None), *kept, *kept_outputs)
     ctx.n_outputs = len(output)
     # an output nothing reads gets None, not a zero tensor of its size (the logits or the
     # gated pre-activation kept for the backward: a memset of tokens x vocab, and a term
@@ -145,9 +157,7 @@ def _backward(ctx, grads):
     a = saved.pop(0) if ctx.has_a else None
     b = saved.pop(0) if ctx.has_b else None
     operands, kept = saved[:ctx.n_operands], saved[ctx.n_operands:]
-    outputs = [None] * ctx.n_outputs
-    for i, t in zip(ctx.keep_outputs, kept):
-        outputs[i] = t
+    outputs = outputs_for_rule(kept, ctx.keep_outputs, ctx.n_outputs)
     grad_a, grad_b, grad_ops = backward.vjp(parse(ctx.program), a, b, operands, outputs,
                                             list(grads))
     return None, grad_a, grad_b, grad_ops

@@ -75,14 +75,21 @@ def gemm_relaid(program: str, a: torch.Tensor, kind: str, spec: str,
     """``coda::gemm_epilogue(program, a, b, operands)`` with b the kept re-layout of
     ``sources`` (inference only: the op has no autograd formula, and the rewrite uses
     it only in graphs that compute no gradient)."""
-    b = kept(kind, spec, sources, a.dtype)
+    return _gemm_on(program, a, kept(kind, spec, sources, a.dtype), operands)
+
+
+def _gemm_on(program, a, b, operands) -> list[torch.Tensor]:
+    """The fused GEMM on a re-layout ``b`` (the op's outputs are fresh tensors, never
+    views of an input: kernels/ops.py)."""
     return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
 
 
-@gemm_relaid.register_fake
-def _(program, a, kind, spec, sources, operands):
-    b = compute(kind, spec, sources, a.dtype)
-    return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
+def _fake_relaid(program, a, kind, spec, sources, operands):
+    """Both ops' fake: the re-layout's shape, then the GEMM's outputs."""
+    return _gemm_on(program, a, compute(kind, spec, sources, a.dtype), operands)
+
+
+gemm_relaid.register_fake(_fake_relaid)
 
 
 def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
@@ -107,26 +114,17 @@ def gemm_relaid_recomputed(program: str, a: torch.Tensor, kind: str, spec: str,
                            operands: list[torch.Tensor]) -> list[torch.Tensor]:
     """``coda::gemm_epilogue(program, a, b, operands)`` with b the re-layout of
     ``sources`` (made here, and again in the backward)."""
-    b = compute(kind, spec, sources, a.dtype)
-    # the op's outputs are fresh tensors (kernels/ops.py), never views of an input
-    return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
+    return _gemm_on(program, a, compute(kind, spec, sources, a.dtype), operands)
 
 
-@gemm_relaid_recomputed.register_fake
-def _(program, a, kind, spec, sources, operands):
-    b = compute(kind, spec, sources, a.dtype)
-    return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
+gemm_relaid_recomputed.register_fake(_fake_relaid)
 
 
 def _setup_recomputed(ctx, inputs, output):
-    from ..codegen.program import parse
-    from . import backward
+    """As coda::gemm_epilogue's, with the source weights in place of the re-layout."""
     program, a, kind, spec, sources, operands = inputs
-    prog = parse(program)
-    keep_outputs, dtype_only = backward.saves(prog)
-    kept = [t.new_empty(0) if o.name in dtype_only else t
-            for o, t in zip(prog.operands, operands)]
-    ctx.save_for_backward(a, *sources, *kept, *(output[i] for i in keep_outputs))
+    kept, kept_outputs, keep_outputs = ops.kept_for_backward(program, operands, output)
+    ctx.save_for_backward(a, *sources, *kept, *kept_outputs)
     ctx.meta = (program, kind, spec, len(sources), len(operands), keep_outputs, len(output))
     ctx.set_materialize_grads(False)  # as the plain op: None for an output nothing reads
 
@@ -137,9 +135,7 @@ def _backward_recomputed(ctx, grads):
     program, kind, spec, n_src, n_ops, keep_outputs, n_out = ctx.meta
     a, *rest = ctx.saved_tensors
     sources, operands, kept = rest[:n_src], rest[n_src:n_src + n_ops], rest[n_src + n_ops:]
-    outputs = [None] * n_out
-    for i, t in zip(keep_outputs, kept):
-        outputs[i] = t
+    outputs = ops.outputs_for_rule(kept, keep_outputs, n_out)
     with torch.no_grad():
         b = compute(kind, spec, sources, a.dtype)
     grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, b, list(operands), outputs,

@@ -108,9 +108,7 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     r = up(by_name["r"]).reshape(m) if "r" in by_name else None
     bias = by_name.get("bias")
     # d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y) (·r), in the GEMM dtype
-    why_not = None if not with_logits else _one_pass_violation(
-        outputs[0], logits_map, d_logits, d_lse)
-    if with_logits and why_not is None:
+    if with_logits and _one_pass_violation(outputs[0], d_lse) is None:
         # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
         # pass over the stored logits (QuACK's cross-entropy backward kernel); a gradient
         # at the returned logits (AOTAutograd passes one for every differentiable output:
@@ -181,7 +179,7 @@ def finish_one_pass(d_acc, z, d_logits, r, logits_map) -> None:
         d_acc[s:e] = d
 
 
-def _one_pass_violation(logits, logits_map, d_logits, d_lse) -> str | None:
+def _one_pass_violation(logits, d_lse) -> str | None:
     """Why QuACK's one-pass kernel cannot form d_acc from these stored logits (None: it
     can). It computes (softmax(z) − onehot(t))·s per row: no gradient arriving at lse (one
     at the logits and a map's derivative are applied after it: finish_one_pass)."""
