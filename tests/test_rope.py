@@ -903,3 +903,28 @@ def test_falcon_heads_indexed_out_of_the_packed_projection(layout):
     assert len(done) == (0 if layout == "grouped" else 2), str(fast.report)
     for r in done:
         assert any("frequency 0" in c for c in r.consumers), r.consumers  # v joins
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_witness_checks_a_member_gather_against_the_models_own_split(monkeypatch):
+    """The witness takes eager's q, k, v through the model's own split nodes, not
+    through the pattern's reading of them: a misread member (here q read as k) is
+    refused by the float64 replay, and the model computes what eager computes."""
+    from coda_rewrite.patterns import rope as rope_pattern
+    split = rope_pattern._member_split
+
+    def misread(heads, unsq):
+        found = split(heads, unsq)
+        if found is None:
+            return None
+        *rest, (groups, g, i0, i1, d) = found
+        return (*rest, (groups, g, (i0 + 1) % g, (i0 + 1) % g + 1, d))
+    monkeypatch.setattr(rope_pattern, "_member_split", misread)
+    model = build("gpt_neox", layers=1).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    refused = [r for r in fast.report.records if r.pattern == "rope"]
+    assert refused and not rope_records(fast.report), str(fast.report)
+    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]

@@ -393,13 +393,19 @@ def _replay(m, program) -> str | Rejection:
             biases[s.proj.out] = torch.randn(n_out, generator=gen, dtype=torch.float64) \
                 if s.proj.bias is not None else None
 
-    def columns(s):  # what eager's projection computes: (r·) x·Wᵀ (+ b)
+    def projection(s):  # what eager's projection computes: (r·) x·Wᵀ (+ b)
         y = x @ weights[s.proj.out].T
         if s.proj.r is not None:
             y = y * r
         if biases[s.proj.out] is not None:
             y = y + biases[s.proj.out]
-        return segment_columns(y, s)
+        return y
+
+    def columns(s):  # a segment's columns as eager's own split nodes select them
+        if not s.member:
+            return segment_columns(projection(s), s)
+        heads = _through_model_split(s, projection(s), seq)
+        return (heads.transpose(1, 2) if _transposed(s) else heads).flatten(-2)
 
     theta = pos[None, :, None] * inv[None, None, :]          # [1, S, h]
     scale = 1.0 if not m.scaled else \
@@ -472,6 +478,34 @@ def _replay(m, program) -> str | Rejection:
         err = max(err, rel_err(fused[..., at:at + n], columns(s)))
         at += n
     return verdict(err, f"1 × {seq} tokens, {len(m.segments)} segments", m.path)
+
+
+def _transposed(s) -> bool:
+    return any(n.target in ("transpose", torch.transpose) for n in s.split)
+
+
+def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
+    """A packed member's heads from its projection's whole output y [1, seq, N] through
+    the model's own split nodes (the view's batch and sequence sizes replaced by the
+    replay's; a reshape to the same shape skipped): the witness compares the member
+    gather (segment_columns, rope_segments) with what the model selects, instead of
+    trusting the pattern's reading of those nodes."""
+    v = y
+    for node in reversed(s.split):  # the view of the whole projection first
+        if node is s.split[-1]:
+            sizes = node.args[1:]
+            sizes = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) \
+                else list(sizes)
+            v = v.view(1, seq, *sizes[2:])
+        elif node.target in ("view", "reshape", torch.reshape):
+            continue  # the same-shape reshape after the transpose
+        elif node.target in ("transpose", torch.transpose):
+            v = v.transpose(*node.args[1:3])
+        elif node.target in ("chunk", torch.chunk):
+            v = torch.chunk(v, *node.args[1:], **node.kwargs)
+        else:  # getitem
+            v = v[node.args[1]]
+    return v
 
 
 def _eval_rotation(node, env, rot, cos, sin):
