@@ -55,6 +55,18 @@ def bench(fn, warmup=25, rep=200) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def bench_graphed(fn, warmup=10, rep=100) -> float:
+    """GPU ms of one call of ``fn``, replayed from a CUDA graph (L2 flushed before each
+    replay): the device time alone, where a plain loop would also count the host's
+    launch time whenever it exceeds the flush's (calls of a few µs at small M)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay, warmup=warmup, rep=rep)
+
+
 def bench_rounds(fns: dict, rounds: int = 3) -> dict:
     """{name: (median ms, spread)} of variants timed in alternating rounds (the order
     reversed every other round), so that a drift of the card's clocks during the run

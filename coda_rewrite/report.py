@@ -22,6 +22,7 @@ from pathlib import Path
 from .algebra.decision import Decision, RejectionKind
 from .codegen.program import EpilogueProgram
 from .kernels.ops import runtime_summary
+from .kernels.quack_path import row_class_lines
 
 REWRITTEN, REJECTED, NOT_MATCHED = "rewritten", "rejected", "not matched"
 
@@ -130,6 +131,10 @@ class GraphReport:
             out += [p.pretty() for p in self.programs.values()]
             out.append("\nlayout contracts (generated kernel sources: the dump's kernels.txt):")
             out += [kernel_text(p).split("\n\n")[0] for p in self.programs.values()]
+            if any(p.gemm for p in self.programs.values()):
+                out.append("\nGEMM tile configs by problem size (kernels/quack_path.py; "
+                           "fewer rows than min_fused_rows stay unfused):")
+                out += ["  " + line for line in row_class_lines()]
         if with_code:
             out.append("\nrewritten graph:")
             out.append(readable_code(self.rewritten_code, self.programs.values()))
@@ -156,6 +161,8 @@ def kernel_text(program: EpilogueProgram) -> str:
     except Unlowerable as e:
         return f"# {program.key}: no kernel ({e}); runs on the reference path"
     stage = ", ".join(f"{i.out} = {i.op}(...)" for i in ks.row_stage) or "none"
+    if ks.norm_stage is not None:
+        stage += " (one kernel: QuACK's rms_final_reduce over the per-tile partials)"
     return (f"# {program.key} -> module {ks.module_name}\n{ks.contract.render()}\n"
             f"  row stage (after the kernel, on the GPU): {stage}\n\n{ks.source}")
 

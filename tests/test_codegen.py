@@ -412,7 +412,13 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     assert len(compiled) == len(texts)
     assert {c["module"] for c in compiled} == kernels
     ptx = sorted((tmp_path / "ptx").glob("*.ptx"))
-    assert len(ptx) == len(kernels), [p.name for p in ptx]  # one compile per kernel
+    # one compile per kernel and tile config: every config the size policy can launch it
+    # with (quack_path.ROW_CLASSES), so no first call at run time meets an untried one
+    per_kernel = {c["module"]: len(c["configs"]) for c in compiled}
+    assert all(n >= 3 for n in per_kernel.values()), per_kernel
+    assert len(ptx) == len(kernels), [p.name for p in ptx]  # the dump names no config
+    objects = list((tmp_path / "cache").glob("**/*.o"))     # QuACK's cache: one each
+    assert len(objects) >= sum(per_kernel.values()), (len(objects), per_kernel)
     for p in ptx:
         text = p.read_text()
         assert ".target sm_90a" in text, p.name
@@ -439,3 +445,62 @@ def test_routes_are_memoised_per_metadata_class_and_bounded(monkeypatch):
     assert len(ops._routes) == 3
     ops.execute(prog, torch.randn(7, 8), b, [torch.randn(7), bias])
     assert len(ops._routes) == 1                             # the bound cleared the table
+
+
+# ---- the launch path's host-side decisions (no GPU needed) -----------------------------
+
+def test_norm_row_stage_goes_to_quack_finaliser_only_for_the_exact_rstd():
+    """r = rsqrt(ss / d + eps) with constant d and eps runs as QuACK's rms_final_reduce
+    (scale 1/d); eps read at run time, another row stage, or a second per-row output keep
+    the generic finaliser."""
+    found = generate(residual_rmsnorm()).norm_stage
+    assert found is not None
+    sink, value, scale, eps = found
+    assert value == "r" and scale == 1 / 4096 and eps == 1e-6 and sink.endswith("_ss")
+    # eps as a run-time scalar: the kernel takes eps by value, so the generic stage stays
+    assert generate(gemma_offset_scaled_residual()).norm_stage is None
+
+    def sqrt_not_rsqrt(p, o):
+        z = p.add(ACC, o["residual"], name="z")
+        r = p.emit("sqrt", p.add(p.div(p.row_sum(p.square(z), name="ss"), 64.0), 1e-6),
+                   name="r")
+        return [(z, Kind.TILE, "bfloat16"), (r, Kind.PER_ROW, "float32")]
+
+    def ss_returned_too(p, o):
+        z = p.add(ACC, o["residual"], name="z")
+        ss = p.row_sum(p.square(z), name="ss")
+        r = p.rsqrt(p.add(p.div(ss, 64.0), 1e-6), name="r")
+        return [(z, Kind.TILE, "bfloat16"), (r, Kind.PER_ROW, "float32"),
+                (ss, Kind.PER_ROW, "float32")]
+
+    for body in (sqrt_not_rsqrt, ss_returned_too):
+        prog = program_of("residual_rmsnorm", body, [("residual", Kind.TILE)])
+        assert generate(prog).norm_stage is None, body.__name__
+    assert generate(rowscale_bias()).norm_stage is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is None,
+                    reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
+def test_tile_config_by_row_class():
+    """The size policy's configs: 64-row tiles at decode sizes (64 x 256 for wide outputs
+    up to 16 rows), 128 x 64 for narrow outputs up to 256 rows, 128 x 128 below 4096 rows
+    except vocabulary-wide outputs, QuACK's default above; a cos/sin table keeps a tile
+    width of at most 128 (its heads must tile it)."""
+    from coda_rewrite.kernels.quack_path import config_for, row_class_lines
+    from coda_rewrite.patterns.rope import rope_table_program
+    plain, table = rowscale_bias(), rope_table_program(True, False, torch.bfloat16)
+
+    def tile(prog, m, n):
+        c = config_for(prog, m, n)
+        return None if c is None else (c.tile_m, c.tile_n, c.cluster_m)
+    assert tile(plain, 1, 4096) == (64, 128, 1)
+    assert tile(plain, 8, 28672) == (64, 256, 1)
+    assert tile(table, 8, 28672) == (64, 128, 1)
+    assert tile(plain, 64, 128256) == (64, 128, 1)
+    assert tile(plain, 200, 4096) == (128, 64, 1)
+    assert tile(plain, 200, 16384) == (128, 128, 2)
+    assert tile(plain, 2048, 16384) == (128, 128, 2)
+    assert tile(plain, 2048, 128256) is None
+    assert tile(plain, 8192, 4096) is None
+    assert tile(table, 8192, 6144) == (128, 128, 2)
+    assert len(row_class_lines()) == 6 and "default" in row_class_lines()[-1]

@@ -47,7 +47,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=128,
             # MLA (DeepSeek): small ranks
             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=16)
+            v_head_dim=16, n_group=2, topk_group=1)
 
 
 def build(model_type: str):
@@ -55,7 +55,11 @@ def build(model_type: str):
     cfg = tf.AutoConfig.for_model(model_type)
     tiny = dict(TINY)
     if hasattr(cfg, "qk_rope_head_dim"):  # multi-head latent attention: its own dims
-        tiny.pop("head_dim")
+        # the rotary tables are head_dim wide: the config derives it from the rope part
+        # (and qk_head_dim from both parts) once, at construction
+        tiny["head_dim"] = tiny["qk_rope_head_dim"]
+        tiny["qk_head_dim"] = tiny["qk_rope_head_dim"] + tiny["qk_nope_head_dim"]
+        tiny["num_key_value_heads"] = tiny["num_attention_heads"]  # k and v per head
     if getattr(cfg, "rotary_dim", None):  # GPT-J / CodeGen: rotate part of each head
         tiny["rotary_dim"] = 8
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -19,8 +19,10 @@ new kernel code. The program splits in two stages:
                (``scaled=True`` with the two factors when the reduced value is a
                product, so the fold is one FMA and the product is never rounded).
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
-               a few per-row torch ops on the GPU after the kernel (the finaliser),
-               run by the reference interpreter so there is one definition of them.
+               the norm's rstd is QuACK's rms_final_reduce, one kernel over the raw
+               per-tile partials (norm_row_stage); any other stage is a few per-row
+               torch ops on the GPU after the kernel, run by the reference interpreter
+               so there is one definition of them.
 
 Operands bind to QuACK by kind, always pinned with ``ops=`` (QuACK infers the kind from
 shapes and cannot when M == N). Mind QuACK's names: a per-row vector is a *column*
@@ -100,6 +102,8 @@ class KernelSource:
     source: str
     contract: LayoutContract
     row_stage: tuple[Instr, ...]   # the finaliser, run after the kernel
+    # (sink, value, 1/d, eps) where the row stage is a norm's rstd (norm_row_stage)
+    norm_stage: tuple | None = None
 
 
 # elementwise lowerings (QuACK expressions) and f(0) = 0, from the op table
@@ -353,7 +357,32 @@ def generate(program: EpilogueProgram) -> KernelSource:
             + (f"; {i.args[2]}: float32 [N], 1 on rotated columns, 0 on pass-through ones"
                if len(i.args) == 3 else "") for i in program.body if i.op in ROTARY))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
-                        row_stage)
+                        row_stage, norm_row_stage(row_stage, reductions, program.outputs))
+
+
+def norm_row_stage(stage, reductions, outputs) -> tuple | None:
+    """(sink, value, 1/d, eps) where the row stage is exactly a norm's rstd,
+    ``r = rsqrt(ss / d + eps)`` of one row sum ss with constant d and eps, and r is the
+    only per-row output: QuACK's ``rms_final_reduce`` (the second kernel of its gemm_rms)
+    computes it from the raw per-tile partials in one launch. None for any other stage.
+
+    Numerics: the partials are summed in float32 in a fixed order, and the rsqrt is the
+    fast-math one (about 1 ulp of float32): both far inside a bf16 rounding of r·h."""
+    reds = {r.value: r for r in reductions}
+    if [i.op for i in stage] != ["div", "add", "rsqrt"]:
+        return None
+    div, add, rsqrt = stage
+    ss, d = div.args
+    red = reds.get(ss)
+    if red is None or red.combine != "add" or isinstance(d, str) or float(d) <= 0:
+        return None
+    others = [x for x in add.args if x != div.out]
+    if len(add.args) != 2 or len(others) != 1 or isinstance(others[0], str) or \
+            rsqrt.args != (add.out,):
+        return None
+    if any(o.kind == Kind.PER_ROW and o.value != rsqrt.out for o in outputs):
+        return None  # another per-row value needs the generic row stage
+    return red.sink, rsqrt.out, 1.0 / float(d), float(others[0])
 
 
 def ks_contract_lines(bindings, tile_outputs, reductions) -> list[str]:

@@ -45,7 +45,21 @@ def runtime_summary() -> list[str]:
         items = sorted(RUNTIME.items())
     lines = [f"{key}: {impl} ({reason}) x{n}" for (key, impl, reason), n in items]
     lines += [f"kernel {key} ready in {s:.1f} s (first call)" for key, s in quack_path.COMPILES]
-    return lines
+    return lines + launch_configs()
+
+
+def launch_configs() -> list[str]:
+    """Which tile config each kernel launched with, by problem size (the size policy:
+    quack_path.config_for), one line per program and config with the rows it saw."""
+    seen: dict[tuple, set] = collections.defaultdict(set)
+    with _lock:
+        launches = [r for r in _routes.values() if isinstance(r, quack_path.Launch)]
+    for r in launches:
+        seen[(r.ks.program.key, quack_path.config_name(r.config))].add((r.m, r.n))
+    return [f"kernel {key}: {cfg} for M x N in "
+            + ", ".join(f"{m} x {n}" for m, n in sorted(sizes)[:8])
+            + (f" (+{len(sizes) - 8} more)" if len(sizes) > 8 else "")
+            for (key, cfg), sizes in sorted(seen.items())]
 
 
 def _run_reference(program, a, b, operands):

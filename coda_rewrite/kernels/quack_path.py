@@ -195,25 +195,67 @@ def select(program: EpilogueProgram, program_text: str, a, b, operands):
         return None, f"not lowerable: {e}"
 
 
-@functools.lru_cache(maxsize=None)
-def _table_config():
+def _rms_final_reduce(partials: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
+    """rsqrt(Σ_tiles partials · scale + eps) per row (quack_source.norm_row_stage): the
+    norm's rstd in one kernel where the generic finaliser runs a torch op per instruction
+    (measured on the H200 at M = 64: 75 → 53 µs of host time per producer call)."""
+    from quack.rms_final_reduce import rms_final_reduce
+    return rms_final_reduce(partials, scale=scale, eps=eps)
+
+
+def _config(tile_m: int, tile_n: int, cluster_m: int):
     from quack.gemm_config import GemmConfig
-    return GemmConfig(tile_m=128, tile_n=TABLE_TILE_N, pingpong=True, cluster_m=2,
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=True, cluster_m=cluster_m,
                       cluster_n=1, is_dynamic_persistent=False)
 
 
-def config_for(prog: EpilogueProgram):
-    """The GemmConfig to launch ``prog`` with (None: QuACK's default; other configs
-    measured within noise of it, BENCHMARKS.md)."""
-    if any(o.kind == Kind.COS_SIN for o in prog.operands):
-        return _table_config()
-    return None
+# Tile configs by problem size, decided once per (rows, columns) class from the sweep of
+# every family at M in {1 ... 4096} on the 1B and 8B layer shapes (benchmarks/small_m.py,
+# BENCHMARKS.md "small M"). QuACK's default (128 x 192 tiles, cluster 2) fills the H200's
+# 132 SMs only from a few thousand rows; below that the grid starves and smaller tiles
+# win: 64-row tiles for decode and short prompts (64 x 256 for wide outputs up to 16
+# rows: the gated pair, the LM head), 128 x 64 for narrow outputs (the norm
+# producers, N <= 8192) up to 256 rows, 128 x 128 (cluster 2) in between; the default
+# for large problems and for vocabulary-wide outputs (the LM head), where it is fastest.
+ROW_CLASSES = (  # (rows at most, widest N, (tile_m, tile_n, cluster_m)); first match wins
+    (16, 8192, (64, 128, 1)),
+    (16, None, (64, 256, 1)),
+    (64, None, (64, 128, 1)),
+    (256, 8192, (128, 64, 1)),
+    (4095, 65535, (128, 128, 2)),
+)
 
 
-def prepare(ks: KernelSource, module, a, b, operands) -> "Launch":
+def config_for(prog: EpilogueProgram, m: int, n: int):
+    """The GemmConfig to launch ``prog`` with on an (m, n) output (None: QuACK's
+    default): the row class's (ROW_CLASSES). A cos/sin table wraps every head_dim
+    columns, so table programs keep a tile width of 64 or TABLE_TILE_N (the contract
+    checks head_dim against both)."""
+    table = any(o.kind == Kind.COS_SIN for o in prog.operands)
+    for rows, widest, (tile_m, tile_n, cluster_m) in ROW_CLASSES:
+        if m <= rows and (widest is None or n <= widest):
+            return _config(tile_m, min(tile_n, TABLE_TILE_N) if table else tile_n, cluster_m)
+    return _config(128, TABLE_TILE_N, 2) if table else None
+
+
+def config_name(cfg) -> str:
+    if cfg is None:
+        return "QuACK's default config (128 x 192 tiles, cluster 2)"
+    return f"{cfg.tile_m} x {cfg.tile_n} tiles, cluster {cfg.cluster_m}"
+
+
+def row_class_lines() -> list[str]:
+    """The size policy as the report shows it."""
+    lines = [f"M <= {rows}" + (f", N <= {widest}" if widest else "")
+             + f": tiles {t[0]} x {t[1]}, cluster {t[2]}" for rows, widest, t in ROW_CLASSES]
+    return lines + ["otherwise: QuACK's default (128 x 192, cluster 2; "
+                    f"128 x {TABLE_TILE_N} for cos/sin tables)"]
+
+
+def prepare(ks: KernelSource, module, a, b, operands, config=None) -> "Launch":
     """The launch of ``ks`` for the tensor-metadata class of these tensors (the caller
-    keeps it, keyed by ``metadata_key``)."""
-    return Launch(ks, module, a, b, operands)
+    keeps it, keyed by ``metadata_key``); ``config`` overrides config_for (benchmarks)."""
+    return Launch(ks, module, a, b, operands, config)
 
 
 def metadata_key(*tensors) -> tuple:
@@ -244,9 +286,9 @@ class Launch:
     its memory pool untracked (which cudagraph trees refuse)."""
 
     __slots__ = ("ks", "plan", "c_index", "kwargs", "outs", "sinks", "m", "n", "device",
-                 "out_dtypes", "scratch")
+                 "out_dtypes", "scratch", "norm_stage", "config")
 
-    def __init__(self, ks: KernelSource, module, a, b, operands):
+    def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
         self.ks, self.m, self.n, self.device = ks, a.shape[0], b.shape[0], a.device
         names = [o.name for o in prog.operands]
@@ -262,10 +304,12 @@ class Launch:
         width = {o.value: self.n // 2 if o.kind == Kind.PAIR else self.n for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
                      for value, name in ks.contract.tile_outputs]
+        self.norm_stage = ks.norm_stage
+        self.config = config or config_for(prog, self.m, self.n)
         t0 = time.perf_counter()
         mod = module.epilogue
         self.plan = mod.plan(a, b.t(), self._c(operands), out=self._alloc(),
-                             config=config_for(prog), **self._operands(operands))
+                             config=self.config, **self._operands(operands))
         self.sinks = [(r, mod.sinks[r.sink]) for r in ks.contract.reductions]
         self.scratch = [(name, buf.shape, buf.dtype) for name, buf in self.plan.scratch.items()]
         self.plan.scratch = {}
@@ -298,6 +342,13 @@ class Launch:
         ks, m = self.ks, self.m
         env: dict[str, torch.Tensor] = {value: out[name] for value, name
                                         in ks.contract.tile_outputs}
+        if self.norm_stage is not None:  # the norm's rstd: QuACK's kernel, no torch ops
+            sink, value, scale, eps = self.norm_stage
+            partials = scratch[sink]
+            env[value] = _rms_final_reduce(partials.reshape(m, partials.shape[-1]), scale,
+                                           eps).reshape(m, 1)
+            return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
+                    if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]
         for r, op in self.sinks:
             partials = scratch[r.sink]
             folded = op.host_finalize(partials) if getattr(op, "host_finalize", None) \
