@@ -4,7 +4,9 @@ At decode and short-prompt sizes QuACK's fused GEMM on its default config (128 Ã
 tiles, cluster 2) leaves most of the H200's 132 SMs idle and loses to cuBLAS plus a fused
 elementwise kernel from Inductor; measured on the 4-layer forward from CUDA graphs, all
 fused against torch.compile: 0.54x at 128 rows, 0.92x at 1024, 0.98x at 2048, 1.07x at
-4096 (BENCHMARKS.md, "small M"). So a match whose GEMMs all run on fewer static rows than
+4096 (BENCHMARKS.md, "small M"). Tile configs by row class (kernels/quack_path.config_for)
+moved that to 0.89x at 512 rows and 1.00x at 1024 (BENCHMARKS.md, fourth session): even,
+not a gain, below 4096. So a match whose GEMMs all run on fewer static rows than
 ``options.min_fused_rows`` is left to them, with the reason (code ``shape.small_m``).
 """
 

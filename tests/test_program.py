@@ -332,3 +332,35 @@ def test_select_needs_a_per_row_index_operand():
     with pytest.raises(ProgramError, match="index"):
         p.output(p.select_column(ACC, f), Kind.PER_ROW, "float32")
         p.build()
+
+
+def test_graphs_without_a_gradient_call_the_op_without_an_autograd_formula():
+    """An inference graph calls coda::gemm_epilogue_nograd (no Python autograd kernel on
+    every call); where a gradient can be asked for, the op with its formula, whose
+    gradients are right; asking the no-formula op for one fails loudly, never silently."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    text = _rowscale(bias=False).to_text()
+    x, w, r = gen(6, 8, dtype=torch.float32), gen(5, 8, seed=1, dtype=torch.float32), \
+        gen(6, 1, seed=2, dtype=torch.float32).abs()
+
+    def f(x, w, r):
+        return ops.fused_linear(text, x, w, r)[0]
+
+    def targets(*args):
+        g = make_fx(f, tracing_mode="fake")(*args)
+        return {n.target for n in g.graph.nodes if n.op == "call_function"}
+    nograd, full = ops.gemm_epilogue_nograd, ops.gemm_epilogue
+    with torch.no_grad():
+        assert nograd in targets(x, w.requires_grad_(), r) and full not in targets(x, w, r)
+    assert full in targets(x, w, r) and nograd not in targets(x, w, r)
+    w.requires_grad_(False)
+    assert nograd in targets(x, w, r)  # nothing requires grad: no gradient to record
+    w.requires_grad_()
+    got = torch.autograd.grad(f(x, w, r).sum(), w)[0]
+    want = torch.autograd.grad((F.linear(x, w) * r).sum(), w)[0]
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        ops.gemm_epilogue_nograd(text, x, w, [r])
+    with torch.no_grad():  # the same tensors where no gradient is recorded: fine
+        torch.testing.assert_close(ops.gemm_epilogue_nograd(text, x, w, [r])[0],
+                                   f(x, w, r).detach())

@@ -80,7 +80,11 @@ def gemm_relaid(program: str, a: torch.Tensor, kind: str, spec: str,
 
 def _gemm_on(program, a, b, operands) -> list[torch.Tensor]:
     """The fused GEMM on a re-layout ``b`` (the op's outputs are fresh tensors, never
-    views of an input: kernels/ops.py)."""
+    views of an input: kernels/ops.py). Inside these ops' own kernels the tensors are
+    real and no gradient is recorded (the outer op owns the autograd): the kernel path
+    is called directly, without a second op boundary; the fake goes through the op."""
+    if ops._direct(a, b, operands):
+        return list(ops.execute(program, a, b, operands))
     return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
 
 
