@@ -114,11 +114,13 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
         # Falcon: heads indexed out of a view of the packed projection (three layouts)
         "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
+        # CodeGen: q, v, k split within 4 model-parallel blocks of the packed projection
+        "codegen": (tf.CodeGenConfig, tf.CodeGenForCausalLM),
     }[family]
     if family == "gpt_oss":
         common.update(num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
                       layer_types=["full_attention"] * layers)
-    if family == "gptj":  # GPT-2-style names, no grouped-query attention
+    if family in ("gptj", "codegen"):  # GPT-2-style names, no grouped-query attention
         common = dict(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4,
                       n_positions=128, rotary_dim=hidden // 8, attn_implementation="eager",
                       bos_token_id=1, eos_token_id=2)  # its attention: eager's only

@@ -900,7 +900,7 @@ def test_falcon_heads_indexed_out_of_the_packed_projection(layout):
     want.backward()
     grads_match(model, ref)
     done = rope_records(fast.report)
-    assert len(done) == (0 if layout == "grouped" else 2), str(fast.report)
+    assert len(done) == 2, str(fast.report)
     for r in done:
         assert any("frequency 0" in c for c in r.consumers), r.consumers  # v joins
 
@@ -928,3 +928,121 @@ def test_the_witness_checks_a_member_gather_against_the_models_own_split(monkeyp
     refused = [r for r in fast.report.records if r.pattern == "rope"]
     assert refused and not rope_records(fast.report), str(fast.report)
     assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+
+
+def test_falcon_grouped_decoding_with_past_key_values_matches_eager():
+    """Falcon's grouped layout (k and v broadcast to every query head of their group
+    before the rotation): prefill and token-by-token decode with the cache; the cached
+    keys (the broadcast heads, rotated) are eager's."""
+    model = hf_model("falcon", layers=2, new_decoder_architecture=True, num_kv_heads=2).eval()
+    ids = tokens(seq=12)
+    fast = coda_rewrite.optimize(model, dynamic=False)
+    with torch.no_grad():
+        ref, out = model(ids[:, :6], use_cache=True), fast(ids[:, :6], use_cache=True)
+        assert rel_err(out.logits, ref.logits) <= 1e-5
+        for t in range(6, 9):
+            ref = model(ids[:, t:t + 1], past_key_values=ref.past_key_values, use_cache=True)
+            out = fast(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            assert rel_err(out.logits, ref.logits) <= 1e-5, t
+        for layer in range(2):
+            assert rel_err(out.past_key_values.layers[layer].keys,
+                           ref.past_key_values.layers[layer].keys) <= 1e-5
+    assert rope_records(fast.report), str(fast.report)
+
+
+class GroupedBroadcastHeads(torch.nn.Module):
+    """Falcon's grouped layout written out: view(b, s, G, g + 2, d), q = [..., :-2, :],
+    k and v = [..., [-2], :] / [..., [-1], :] broadcast to the g query heads, flattened.
+    ``per_head_tables``: a look-alike whose cos/sin differ per head (θ + h), so rotating
+    the one key head before the broadcast is not what the model computes."""
+
+    def __init__(self, per_head_tables: bool):
+        super().__init__()
+        self.per_head = per_head_tables
+        self.qkv = torch.nn.Linear(32, 2 * 4 * 8, bias=False)  # G = 2 groups, g = 2, d = 8
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, 2, 4, 8)
+        q = qkv[:, :, :, :-2]
+        k = torch.broadcast_to(qkv[:, :, :, [-2]], q.shape)
+        v = torch.broadcast_to(qkv[:, :, :, [-1]], q.shape)
+        q, k, v = [t.flatten(2, 3).transpose(1, 2) for t in (q, k, v)]
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), dim=-1)                        # [1, s, 8]
+        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)  # over the heads
+        if self.per_head:
+            emb = emb[:, None] + torch.arange(4, device=x.device).view(1, 4, 1, 1)
+            cos, sin = emb.cos(), emb.sin()
+
+        def rotate_half(t):
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("per_head_tables", [False, True])
+def test_grouped_broadcast_heads_and_a_per_head_table_look_alike(per_head_tables):
+    """The written-out grouped layout is rewritten (q, the one k head per group rotated
+    before its broadcast, v joined) and exact; with tables that differ per head the
+    rotation no longer commutes with the broadcast: left, exact."""
+    m = GroupedBroadcastHeads(per_head_tables)
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(m)
+    with torch.no_grad():
+        assert rel_err(fast(x), m(x)) <= 1e-6
+    done = rope_records(fast.report)
+    assert len(done) == (0 if per_head_tables else 1), str(fast.report)
+
+
+def test_codegen_blocks_rotate_in_the_epilogue():
+    """CodeGen's model-parallel split (q, v, k of L features within each of 4 blocks of
+    the packed projection, heads by two reshapes, GPT-J's partial interleaved rotation):
+    each member gathered per block into the fused GEMM, v joining unrotated; the
+    training step's loss and every gradient against eager, then prefill and decode with
+    the cache."""
+    report = step_matches_eager("codegen")
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
+    for r in done:
+        assert any("not rotated" in c for c in r.consumers), r.consumers  # v joins
+    model = build("codegen", layers=2).eval()
+    decode_matches_eager(model, coda_rewrite.optimize(model, dynamic=False), tokens(seq=8))
+
+
+def test_codegen_split_read_beyond_its_blocks_is_left():
+    """A look-alike of CodeGen's split whose blocks are q, k, v of unequal widths (a
+    list of split sizes): not a per-block member; left, exact."""
+    class UnequalBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(32, 2 * (16 + 8 + 8), bias=False)
+            self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float()
+                                                              / 8)))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            blocks = self.qkv(x).reshape(b, s, 2, -1)
+            q, k, v = torch.split(blocks, [16, 8, 8], dim=-1)
+            q = q.reshape(b, s, 2, 2, 8).reshape(b, s, 4, 8)
+            k = k.reshape(b, s, 2, 1, 8).reshape(b, s, 2, 8)
+            v = v.reshape(b, s, 2, 1, 8).reshape(b, s, 2, 8)
+            pos = torch.arange(s, device=x.device)[None]
+            th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((th, th), dim=-1)
+            cos, sin = emb.cos().unsqueeze(2), emb.sin().unsqueeze(2)
+
+            def rotate_half(t):
+                return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=True)
+    m = UnequalBlocks()
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(m)
+    with torch.no_grad():
+        assert rel_err(fast(x), m(x)) <= 1e-6
+    assert not rope_records(fast.report), str(fast.report)

@@ -498,9 +498,22 @@ def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
                 else list(sizes)
             v = v.view(1, seq, *sizes[2:])
         elif node.target in ("view", "reshape", torch.reshape):
-            continue  # the same-shape reshape after the transpose
+            mi, mo = meta(node.args[0]), meta(node)
+            if tuple(mi.shape) == tuple(mo.shape):
+                continue  # the same-shape reshape after the transpose
+            sizes = node.args[1:]  # CodeGen's head split: batch and sequence kept first
+            sizes = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) \
+                else list(sizes)
+            v = v.reshape(*v.shape[:2], *sizes[2:])
+        elif node.target in ("split", torch.split):
+            v = torch.split(v, *node.args[1:], **node.kwargs)
         elif node.target in ("transpose", torch.transpose):
             v = v.transpose(*node.args[1:3])
+        elif node.target in ("flatten", torch.flatten):
+            v = v.flatten(*node.args[1:], **node.kwargs)
+        elif node.target in ("broadcast_to", torch.broadcast_to, "expand"):
+            continue  # Falcon's grouped k, v: the rotation commutes with a broadcast of
+            # whole heads (tables do not depend on the head); the rewrite replays it
         elif node.target in ("chunk", torch.chunk):
             v = torch.chunk(v, *node.args[1:], **node.kwargs)
         else:  # getitem

@@ -168,8 +168,9 @@ def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
             else:
                 dst.copy_(t[lo:hi])
         else:
-            src = _member_rows(t, member) if member else \
-                t[lo:hi].unflatten(0, (n_heads, head_dim))
+            # a member's rows are whole heads in order (d may hold several: CodeGen)
+            src = _member_rows(t, member).flatten(0, 1).unflatten(0, (n_heads, head_dim)) \
+                if member else t[lo:hi].unflatten(0, (n_heads, head_dim))
             heads = dst.unflatten(0, (n_heads, head_dim))
             h = rotary_dim // 2
             heads[:, :rotary_dim].unflatten(1, (h, 2)).copy_(

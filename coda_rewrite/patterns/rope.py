@@ -680,6 +680,10 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
     node = found[0]
     if found[1]:
         split.append(node)
+    flat = _flattened_members(node)
+    if flat is not None:  # Falcon's grouped layout: members kept as a dim, then flattened
+        split += [n for n in flat if n not in split]  # heads may be the flatten itself
+        node = flat[-1]
     if not (_is(node, {operator.getitem}) and _is(node.args[0], _SPLIT)):
         return None
     view = node.args[0]
@@ -688,7 +692,17 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
     if mp is None or mv is None or mp.dim() != 3 or tuple(mv.shape[:2]) != tuple(mp.shape[:2]) \
             or mv.numel() != mp.numel():
         return None
-    if mv.dim() == 4:   # [B, S, Ht, d]: a range of heads, one group
+    if flat is not None:  # [B, S, G, g, d][..., a:b, :] (or [..., [j], :]), kept
+        found = _head_index(node.args[1], 5, 3, int(mv.shape[3])) if mv.dim() == 5 else None
+        if found is None or not found[2]:
+            return None
+        member = (int(mv.shape[2]), int(mv.shape[3]), found[0], found[1], int(mv.shape[4]))
+        broadcast = next((n for n in flat if _is(n, _BROADCAST)), None)
+        if broadcast is not None and (found[1] - found[0] != 1 or tuple(meta(broadcast).shape)
+                                      [:3] + tuple(meta(broadcast).shape)[4:] !=
+                                      tuple(meta(node).shape)[:3] + tuple(meta(node).shape)[4:]):
+            return None  # only a single member is broadcast, along the member dim alone
+    elif mv.dim() == 4:   # [B, S, Ht, d]: a range of heads, one group
         found = _head_index(node.args[1], 4, 2, int(mv.shape[2]))
         if found is None or not found[2]:
             return None
@@ -705,6 +719,73 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
     groups, _, i0, i1, d = member
     split.append(view)
     return p, tuple(split), groups * (i1 - i0), d, member
+
+
+_FLATTEN = {"flatten", torch.flatten}
+_BROADCAST = {"broadcast_to", torch.broadcast_to, "expand"}
+
+
+def _flattened_members(node) -> list[fx.Node] | None:
+    """[flatten, (broadcast,) getitem] for Falcon's grouped ("new decoder architecture")
+    heads: ``view(B, S, G, g, d)[..., a:b, :]`` (the group's query heads, member dim
+    kept) or ``[..., [j], :]`` broadcast to the group's g' query heads (k, v), then
+    ``.flatten(2, 3)`` into heads. The rotation acts on each head alike (the rotation's
+    matcher takes only tables broadcast over the heads), so it commutes with that
+    broadcast: the fused GEMM rotates the one key head per group and the broadcast is
+    replayed on its output (tests/test_rope.py: a per-head table look-alike is left)."""
+    if not _is(node, _FLATTEN):
+        return None
+    src, start, end = _args(node, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
+    ms = meta(src) if isinstance(src, fx.Node) else None
+    if ms is None or ms.dim() != 5 or (start % 5, end % 5) != (2, 3):
+        return None
+    out = [node]
+    if _is(src, _BROADCAST):
+        out.append(src)
+        src = src.args[0]
+    if not _is(src, {operator.getitem}):
+        return None
+    return out + [src]
+
+
+_TORCH_SPLIT = {torch.split, "split"}
+
+
+def _block_split(heads: fx.Node, unsq_dim: int):
+    """As _member_split, for CodeGen's model-parallel blocks: the projection viewed as
+    ``P.reshape(B, S, mp, -1)``, ``torch.split(·, L, dim=-1)[i]`` (within each of the mp
+    blocks, [q, v, k] of L features each), then ``reshape(B, S, mp, H / mp, d)`` and
+    ``reshape(B, S, H, d)``: heads after the sequence (no transpose). The member is
+    (mp, g, i, i + 1, L); its rows are the heads in the model's order."""
+    if unsq_dim % 4 != 2 or not _is(heads, _SPLIT):
+        return None
+    per_block = heads.args[0]
+    item = per_block.args[0] if _is(per_block, _SPLIT) else None
+    if item is None or not (_is(item, {operator.getitem}) and isinstance(item.args[1], int)):
+        return None
+    fan = item.args[0]
+    if not _is(fan, _TORCH_SPLIT):
+        return None
+    blocks, size, dim = _args(fan, "input", "split_size", "dim", defaults=(None, None, 0))
+    if not _is(blocks, _SPLIT) or not isinstance(size, int):
+        return None
+    proj_value = blocks.args[0]
+    mh, mper, mb = meta(heads), meta(per_block), meta(blocks)
+    mp = meta(proj_value) if isinstance(proj_value, fx.Node) else None
+    if None in (mh, mper, mb, mp) or mh.dim() != 4 or mper.dim() != 5 or mb.dim() != 4 or \
+            mp.dim() != 3 or dim not in (-1, 3) or mb.shape[3] % size:
+        return None
+    lead = tuple(mp.shape[:2])
+    if tuple(mb.shape[:2]) != lead or tuple(mper.shape[:2]) != lead or \
+            tuple(mh.shape[:2]) != lead or mb.shape[2] * mb.shape[3] != mp.shape[2] or \
+            mper.shape[2] != mb.shape[2] or mper.shape[3] * mper.shape[4] != size or \
+            mh.shape[2] != mper.shape[2] * mper.shape[3] or mh.shape[3] != mper.shape[4]:
+        return None
+    n_blocks, g, i = int(mb.shape[2]), int(mb.shape[3]) // size, item.args[1]
+    if not 0 <= i < g:
+        return None
+    return (proj_value, (heads, per_block, item, fan, blocks), int(mh.shape[2]),
+            int(mh.shape[3]), (n_blocks, g, i, i + 1, size))
 
 
 def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
@@ -767,7 +848,8 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         nodes += (out,)
     split, member = _head_split(heads, unsq), ()
     if split is None:
-        split = _member_split(heads, unsq) or _indexed_split(heads, unsq)
+        split = _member_split(heads, unsq) or _indexed_split(heads, unsq) or \
+            _block_split(heads, unsq)
         if split is not None:
             *split, member = split
     if split is None:
@@ -919,14 +1001,15 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passt
         if not r.member:
             continue
         rotated = {n for x in group for n in x.split}
-        siblings = r.split[1].users if _is(r.split[1], CHUNK) else r.split[-1].users
+        fan = next((n for n in r.split if _is(n, CHUNK | _TORCH_SPLIT)), r.split[-1])
+        siblings = fan.users  # the chunk's or split's items, or the view's indexes
         for item in siblings:  # the chunk's items, or the view's other indexes
             if item in rotated or not _is(item, {operator.getitem}):
                 continue
             end, found = item, None
             while True:  # through the transpose and the no-op reshape after it
                 found = _member_split(end, 1) or _member_split(end, 2) or \
-                    _indexed_split(end, 1) or _indexed_split(end, 2)
+                    _indexed_split(end, 1) or _indexed_split(end, 2) or _block_split(end, 2)
                 if found is not None or len(end.users) != 1:
                     break
                 end = next(iter(end.users))
@@ -1114,8 +1197,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
     # the head split (view, transpose) is rebuilt on the fused GEMM's output: its other
     # arguments (sizes, symbolic under dynamic shapes) must be defined before it too
-    reads += [a for r in m.rotated for node in r.split for a in node.all_input_nodes
-              if a is not node.args[0]]
+    reads += [a for s in (*m.rotated, *(s for s in m.passthrough if s.member))
+              for node in s.split for a in node.all_input_nodes if a is not node.args[0]]
     reads = [n for n in reads if isinstance(n, fx.Node)]
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]
@@ -1214,11 +1297,25 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
         sizes = list(sizes[0])
     groups, _, i0, i1, d = s.member
+    value = s.heads if isinstance(s, Rotated) else s.column_node
+    replayed = None
+    if any(_is(n, _FLATTEN) for n in s.split):  # Falcon's grouped heads: the member dim
+        replayed = (groups, i1 - i0, d)          # kept, then broadcast and flattened
+    elif any(_is(n, _TORCH_SPLIT) for n in s.split):  # CodeGen's blocks: [mp, L] each
+        replayed = (groups, d)
+    if replayed is not None:  # the member as the model's index gives it, then the
+        # model's own nodes after that index replayed onto the piece
+        at = next(i for i, n in enumerate(s.split) if _is(n, {operator.getitem}))
+        v = graph.call_method("view", (piece, *sizes[:2], *replayed))
+        same_meta(v, s.split[at])
+        for node in reversed(s.split[:at]):
+            v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
+            same_meta(v, node)
+        return v
     v = graph.call_method("view", (piece, *sizes[:2], groups * (i1 - i0), d))
     for node in s.split:
         if _is(node, _TRANSPOSE):
             v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
-    value = s.heads if isinstance(s, Rotated) else s.column_node
     same_meta(v, value)
     return v
 
