@@ -9,7 +9,9 @@ for the launch queue and the figure is the host's own work. Per program (capture
 a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones):
 
     direct          what a graph optimize() runs calls under no_grad: no op boundary
-    op              torch.ops.coda.gemm_epilogue: what an Inductor graph calls
+    op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
+                    Inductor calls (no autograd formula)
+    op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
     op, grad        the op with inputs that require grad (autograd records the node)
     F.linear        cuBLAS at the same (M, N, K)
 
@@ -71,8 +73,8 @@ def captured_calls(model, x):
 
 def per_program(calls) -> list[tuple[str, str, float]]:
     rows = []
-    print(f"{'program':<34} {'family':<18} {'M,N,K':<18} {'direct':>8} {'op':>8} "
-          f"{'op,grad':>8} {'F.linear':>9}  µs/call")
+    print(f"{'program':<34} {'family':<18} {'M,N,K':<18} {'direct':>8} {'nograd':>8} "
+          f"{'op':>8} {'op,grad':>8} {'F.linear':>9}  µs/call")
     for program, (a, b, operands) in calls.items():
         prog = parse(program)
         if not prog.gemm:
@@ -80,6 +82,7 @@ def per_program(calls) -> list[tuple[str, str, float]]:
         a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
         with torch.no_grad():
             direct = host_us(lambda: ops.execute(program, a, b, operands))
+            nograd = host_us(lambda: ops.gemm_epilogue_nograd(program, a, b, operands))
             op = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands))
             linear = host_us(lambda: torch.nn.functional.linear(a, b))
         try:  # an inference-only program (no saved pre-activation) has no backward
@@ -87,10 +90,10 @@ def per_program(calls) -> list[tuple[str, str, float]]:
         except Exception:
             grad = float("nan")
         shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
-        print(f"{prog.key:<34} {prog.family:<18} {shape:<18} {direct:8.1f} {op:8.1f} "
-              f"{grad:8.1f} {linear:9.1f}")
-        for variant, us in (("direct", direct), ("op", op), ("op, grad", grad),
-                            ("F.linear", linear)):
+        print(f"{prog.key:<34} {prog.family:<18} {shape:<18} {direct:8.1f} {nograd:8.1f} "
+              f"{op:8.1f} {grad:8.1f} {linear:9.1f}")
+        for variant, us in (("direct", direct), ("op, nograd", nograd), ("op", op),
+                            ("op, grad", grad), ("F.linear", linear)):
             rows.append((f"{prog.family} {variant}", "host us/call", us))
     return rows
 

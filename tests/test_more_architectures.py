@@ -67,3 +67,35 @@ def test_norms_no_gemm_reads_say_what_they_are():
                                    if r.pattern == "residual_rmsnorm_gemm"
                                    and r.status != "rewritten")
         assert left == want, (family, left)
+
+
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+           v_head_dim=16, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+           n_group=2, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("cfg,cls,rope_code", [
+    ("DeepseekV2Config", "DeepseekV2ForCausalLM", "rope.not_head_split"),
+    ("DeepseekV3Config", "DeepseekV3ForCausalLM", "rope.interleaved_to_halves")])
+def test_multi_head_latent_attention_training_step_stays_exact(cfg, cls, rope_code):
+    """DeepSeek's multi-head latent attention (low-rank q and kv with their own norms, the
+    rotary part of each head split off after the rest, k's from the compressed kv): the
+    norms, MLPs, attention and loss are rewritten around it; RoPE is left with its
+    reason. Loss within 1e-5, every gradient within 1e-4 of eager."""
+    import copy
+    torch.manual_seed(0)
+    model = getattr(tf, cls)(getattr(tf, cfg)(**{**COMMON, **MLA})).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = coda_rewrite.optimize(model)
+    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    loss.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= 1e-4, name
+    report = fast.report
+    assert report.count() >= 5 and report.count(pattern=None) >= 10, str(report)
+    ropes = [r for r in report.records if r.pattern == "rope"]
+    assert ropes and all(r.code == rope_code for r in ropes), [r.code for r in ropes]

@@ -871,13 +871,18 @@ class ChunkOverHeads(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def test_chunk_over_heads_is_not_a_per_head_member():
-    m = ChunkOverHeads()
+def exact_rope_rewrites(m) -> list:
+    """The RoPE rewrites optimize() makes on module ``m`` (input [2, 6, 32]), after
+    checking its output against eager's."""
     x = torch.randn(2, 6, 32)
     fast = coda_rewrite.optimize(m)
     with torch.no_grad():
         assert rel_err(fast(x), m(x)) <= 1e-6
-    assert not rope_records(fast.report), str(fast.report)
+    return rope_records(fast.report)
+
+
+def test_chunk_over_heads_is_not_a_per_head_member():
+    assert not exact_rope_rewrites(ChunkOverHeads())
 
 
 @pytest.mark.parametrize("layout", ["multi_query", "per_head", "grouped"])
@@ -988,13 +993,8 @@ def test_grouped_broadcast_heads_and_a_per_head_table_look_alike(per_head_tables
     """The written-out grouped layout is rewritten (q, the one k head per group rotated
     before its broadcast, v joined) and exact; with tables that differ per head the
     rotation no longer commutes with the broadcast: left, exact."""
-    m = GroupedBroadcastHeads(per_head_tables)
-    x = torch.randn(2, 6, 32)
-    fast = coda_rewrite.optimize(m)
-    with torch.no_grad():
-        assert rel_err(fast(x), m(x)) <= 1e-6
-    done = rope_records(fast.report)
-    assert len(done) == (0 if per_head_tables else 1), str(fast.report)
+    done = exact_rope_rewrites(GroupedBroadcastHeads(per_head_tables))
+    assert len(done) == (0 if per_head_tables else 1), done
 
 
 def test_codegen_blocks_rotate_in_the_epilogue():
@@ -1040,9 +1040,4 @@ def test_codegen_split_read_beyond_its_blocks_is_left():
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 enable_gqa=True)
-    m = UnequalBlocks()
-    x = torch.randn(2, 6, 32)
-    fast = coda_rewrite.optimize(m)
-    with torch.no_grad():
-        assert rel_err(fast(x), m(x)) <= 1e-6
-    assert not rope_records(fast.report), str(fast.report)
+    assert not exact_rope_rewrites(UnequalBlocks())

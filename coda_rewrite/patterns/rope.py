@@ -530,11 +530,11 @@ def _written_rope_core(cat: fx.Node):
     if a is None or b is None:
         return None
     for x1, c_t in (a, a[::-1]):
-        h1 = _half_of(x1)
+        h1 = _half_of(x1) or _parity_of(x1)
         if h1 is None or h1[1] != 0:
             continue
         for x2, s_t in (b, b[::-1]):
-            h2 = _half_of(x2)
+            h2 = _half_of(x2) or _parity_of(x2)
             if h2 is None or h2[1] != 1 or h2[0] is not h1[0]:
                 continue
             want = ({x2, c_t}, {x1, s_t})        # hi = x2·C + x1·S, in any order
@@ -542,6 +542,12 @@ def _written_rope_core(cat: fx.Node):
             if None in got or sorted(map(len, map(set, got))) != [2, 2] or not (
                     all(any(set(g) == w for g in got) for w in want)):
                 continue
+            if _parity_of(x1) is not None:  # DeepSeek-V3's rope_interleave
+                return Why("the rotation reads its pairs interleaved (x[..., 0::2], "
+                           "x[..., 1::2]) and writes them as halves (DeepSeek-V3's "
+                           "rope_interleave): the epilogue writes each rotated pair "
+                           "adjacent, so eager's order would cost a copy on every reader; "
+                           "not fused", "rope.interleaved_to_halves")
             cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
             if cu is None or su is None or cu[1] != su[1]:
                 return Why("cos/sin are not [batch, seq, rotary_dim / 2] tables broadcast "
