@@ -1,7 +1,7 @@
 """Small M: each program family's fused GEMM on candidate tile configs beside cuBLAS plus
 Inductor's fused epilogue, at M ∈ {1 … 4096} rows and the 1B and 8B layer shapes.
 
-    source .gpu/setup.sh && python benchmarks/small_m.py [1b|8b ...] [--rows 1,8,...]
+    source .gpu/setup.sh && python benchmarks/small_m.py [1b|8b ...] [--rows 1,8,...] [--static]
 
 The programs and their operands are captured from a one-layer Llama of each shape with
 its LM head and loss (optimize(), every GEMM fused), run at batch 1 and M tokens, so each
@@ -9,9 +9,10 @@ family is timed on the operands the model gives it. Per (family, M):
 
     cuBLAS      F.linear alone, the floor
     unfused     cuBLAS (F.linear) + the program's reference epilogue on its output
-                under torch.compile (dynamic shapes): an upper bound of what the pass
-                leaves where it does not fuse (the reference's RoPE and norm are not the
-                models' cheapest spellings); cuBLAS alone is the lower bound
+                under torch.compile (dynamic shapes, or per M with --static): an
+                upper bound of what the pass leaves where it does not fuse (the
+                reference's RoPE and norm are not the models' cheapest spellings, and a
+                dynamic-shape kernel not Inductor's best); cuBLAS alone is the lower bound
     <config>    the fused GEMM through its planned launch (QuACK's EpiPlan.run) on each
                 candidate config; a config whose output differs from the reference by
                 more than the bf16 policy allows is reported and never chosen
@@ -45,6 +46,9 @@ SHAPES = {"1b": LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, ffn_di
           "8b": LlamaArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                           vocab_size=128256, max_seq_len=4096)}
 ROWS = (1, 8, 16, 64, 256, 1024, 4096)
+STATIC = "--static" in sys.argv  # the unfused baseline compiled per M (Inductor's best
+# epilogue kernel for that size, at a compile per family and M) instead of once with
+# dynamic shapes
 
 
 def candidates() -> dict:
@@ -112,9 +116,10 @@ def sweep(shape: str, rows_list, configs: dict) -> list:
             if kernel is None:
                 print(f"{shape} {family} M={rows}: no kernel ({why})", flush=True)
                 continue
-            ref = references.setdefault(program, torch.compile(
+            key = (program, rows if STATIC else None)
+            ref = references.setdefault(key, torch.compile(
                 lambda a, b, *o, prog=prog: reference.run_program(
-                    prog, a, b, list(o), acc=F.linear(a, b)), dynamic=True))
+                    prog, a, b, list(o), acc=F.linear(a, b)), dynamic=not STATIC))
             want = ref(a, b, *operands)
             times = {"cuBLAS": bench(lambda: F.linear(a, b)),
                      "unfused": bench(lambda: ref(a, b, *operands))}
@@ -163,7 +168,7 @@ def _name(cfg) -> str:
 
 def main():
     print(env_line())
-    args = sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--static"]
     rows = ROWS
     if "--rows" in args:
         i = args.index("--rows")
