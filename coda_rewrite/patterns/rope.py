@@ -1203,8 +1203,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
     # the head split (view, transpose) is rebuilt on the fused GEMM's output: its other
     # arguments (sizes, symbolic under dynamic shapes) must be defined before it too
-    reads += [a for s in (*m.rotated, *(s for s in m.passthrough if s.member))
-              for node in s.split for a in node.all_input_nodes if a is not node.args[0]]
+    rebuilt = [*m.rotated, *(seg for seg in m.passthrough if seg.member)]
+    reads += [a for s in rebuilt for node in s.split for a in node.all_input_nodes
+              if a is not node.args[0]]
     reads = [n for n in reads if isinstance(n, fx.Node)]
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]
