@@ -261,3 +261,33 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
         x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
         assert "128 rows, fewer than min_fused_rows = 512" in \
             too_few_rows(gated_mlp, [lin], 512)
+
+
+def test_inductor_inference_graphs_call_the_op_without_autograd(monkeypatch):
+    """Under Inductor, a forward under no_grad calls coda::gemm_epilogue_nograd (no
+    Python autograd kernel per call) and a training step never does; both compute what
+    eager computes."""
+    from coda_rewrite.kernels import ops
+    calls = {"nograd": 0}
+    refuse = ops._refuse_gradients
+
+    def counted(program, a, b, operands):
+        calls["nograd"] += type(a) is torch.Tensor  # a real call, not the fake's
+        return refuse(program, a, b, operands)
+    monkeypatch.setattr(ops, "_refuse_gradients", counted)
+    model = hf_model("llama", layers=2)
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="coda")
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, ref(ids).logits) <= 1e-5
+    assert calls["nograd"] > 0  # Inductor's compiled graph runs it
+    calls["nograd"] = 0
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="coda")
+    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    loss.backward()
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    assert calls["nograd"] == 0
