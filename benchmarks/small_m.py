@@ -18,10 +18,10 @@ family is timed on the operands the model gives it. Per (family, M):
                 more than the bf16 policy allows is reported and never chosen
 
 Times are GPU medians of one call replayed from a CUDA graph (triton's do_bench, L2
-flushed): device time, not the host's (benchmarks/host_overhead.py measures that). The last table, per family and
-M, is the fastest config, its ratio to the unfused time, and the config the pass picks
-(kernels/quack_path.config_for) with its ratio: what size_policy's threshold and the
-row classes are decided from.
+flushed): device time, not the host's (benchmarks/host_overhead.py measures that). The
+last table, per family and M: the config the pass picks (kernels/quack_path.config_for)
+and its ratios to cuBLAS and to the unfused time, and the fastest candidate: what
+size_policy's threshold and the row classes are decided from.
 """
 
 from __future__ import annotations
