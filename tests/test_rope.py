@@ -1041,3 +1041,22 @@ def test_codegen_split_read_beyond_its_blocks_is_left():
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 enable_gqa=True)
     assert not exact_rope_rewrites(UnequalBlocks())
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)), ("codegen", {})],
+    ids=["falcon_grouped", "codegen"])
+def test_packed_layouts_bfloat16_no_worse_than_eager(family, overrides):
+    """bf16 logits against float64: the grouped (broadcast) and block-split layouts
+    rewritten are no worse than eager (the numerics policy)."""
+    reports = []
+
+    def rewrite(model):
+        fast = coda_rewrite.optimize(model)
+        reports.append(fast)
+        return fast
+    res = low_precision_errors(
+        lambda seed: hf_model(family, layers=2, seed=seed, **overrides),
+        (tokens(seq=32),), rewrite, seeds=(0, 1, 2))
+    assert all(len(rope_records(f.report)) == 2 for f in reports)
+    assert res["ok"], res
