@@ -12,6 +12,13 @@ re-laid-out weight copy kept for the backward is the part that does not). Varian
 options and, for coda, materialize_logits=False.
 
     python benchmarks/saved_memory.py [tokens per sequence, default 256] [variants]
+    python benchmarks/saved_memory.py --breakdown [tokens] [variants]
+
+``--breakdown``: what the saved bytes are, for a one-layer model (its layer and the LM
+head + loss), grouped by each saved tensor's trailing dim and dtype (2048: hidden states,
+norm inputs and outputs; 512 / 2048 + 2 × 512: k, v / q, k, v; 8192 / 16384: the MLP's
+activations / gate and up; 128256: logits; 1: per-row statistics), scaled to 2 × 4096
+tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ def model(layers: int):
     return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
-def saved_bytes(fn, module) -> int:
+def saved_bytes(fn, module, kinds: dict | None = None) -> int:
     """Bytes of the distinct storages autograd saves while ``fn()`` runs forward, the
-    module's parameters (and views of them) left out: they live anyway."""
+    module's parameters (and views of them) left out: they live anyway. ``kinds``, if
+    given, gets each storage's (trailing dim, dtype) -> bytes."""
     storages: dict[int, int] = {}
+    kind_of: dict[int, tuple] = {}
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def pack(t):
@@ -45,6 +54,8 @@ def saved_bytes(fn, module) -> int:
             if s.data_ptr() in params:
                 return t
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+            kind_of.setdefault(s.data_ptr(), (t.shape[-1] if t.dim() else 0,
+                                              str(t.dtype).replace("torch.", "")))
         except (RuntimeError, NotImplementedError):  # a tensor without storage
             pass
         return t
@@ -56,6 +67,9 @@ def saved_bytes(fn, module) -> int:
             sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         out = fn()
     del out
+    if kinds is not None:
+        for ptr, n in storages.items():
+            kinds[kind_of[ptr]] = kinds.get(kind_of[ptr], 0) + n
     return sum(storages.values())
 
 
@@ -100,6 +114,35 @@ def main(seq: int, only: list[str]) -> None:
         print(f"| {name} | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
 
 
+def breakdown(seq: int, only: list[str]) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    scale = 2 * 4096 / seq / 2**20
+    rows = {}
+    for name, make in VARIANTS.items():
+        if only and name not in only:
+            continue
+        torch._dynamo.reset()
+        m = make(model(1).train())
+        ids = torch.randint(0, 128256, (1, seq))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            m(input_ids=ids, labels=ids)  # compile outside the count
+        kinds: dict = {}
+        saved_bytes(lambda: m(input_ids=ids, labels=ids).loss, m, kinds)
+        rows[name] = kinds
+    keys = sorted({k for kinds in rows.values() for k in kinds})
+    print(f"torch {torch.__version__}; saved for the backward by a 1-layer model at 1 × "
+          f"{seq} tokens, scaled to 2 × 4096 (MiB), by the saved tensor's trailing dim\n")
+    print("| trailing dim, dtype | " + " | ".join(rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for k in keys:
+        print(f"| {k[0]}, {k[1]} | " + " | ".join(
+            f"{rows[n].get(k, 0) * scale:.0f}" for n in rows) + " |")
+    print("| total | " + " | ".join(f"{sum(r.values()) * scale:.0f}" for r in rows.values())
+          + " |")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256, sys.argv[2].split(",") if
-         len(sys.argv) > 2 else [])
+    args = sys.argv[1:]
+    run = breakdown if args[:1] == ["--breakdown"] else main
+    args = args[1:] if run is breakdown else args
+    run(int(args[0]) if args else 256, args[1].split(",") if len(args) > 1 else [])
