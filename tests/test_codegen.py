@@ -504,3 +504,19 @@ def test_tile_config_by_row_class():
     assert tile(plain, 8192, 4096) is None
     assert tile(table, 8192, 6144) == (128, 128, 2)
     assert len(row_class_lines()) == 6 and "default" in row_class_lines()[-1]
+
+
+def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):
+    """The report's runtime lines say which tile config each kernel launched with, at
+    which problem sizes (a launch is a GPU object: built here without a plan)."""
+    from coda_rewrite.kernels import ops, quack_path
+    launch = object.__new__(quack_path.Launch)
+    launch.ks, launch.m, launch.n, launch.config = generate(rowscale_bias()), 64, 4096, None
+    other = object.__new__(quack_path.Launch)
+    other.ks, other.m, other.n, other.config = launch.ks, 8192, 4096, None
+    monkeypatch.setattr(ops, "_routes", {("p", 1): launch, ("p", 2): other,
+                                         ("q", 3): "device cpu"})
+    lines = ops.launch_configs()
+    assert lines == [f"kernel {launch.ks.program.key}: QuACK's default config (128 x 192 "
+                     "tiles, cluster 2) for M x N in 64 x 4096, 8192 x 4096"], lines
+    assert lines[0] in ops.runtime_summary()
