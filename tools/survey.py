@@ -3,6 +3,7 @@ check behind the coverage table: the same tiny configs (tools/coverage.py), a tr
 forward + backward and an eval forward, each against eager.
 
     python tools/survey.py [model_type ...]
+    python tools/survey.py --bf16 [model_type ...]
 
 One line per architecture:
 
@@ -17,6 +18,10 @@ Dropout is drawn alike (the same seed before each forward). A line is flagged DI
 where training is off by more than 1e-5 (loss) / 1e-4 (gradients) or the eval logits by
 more than 1e-5, and PASS-ONLY where dynamo's capture agrees with eager and the pass does
 not: the one a bug report belongs to.
+
+``--bf16``: the numerics policy instead — the eval logits in bf16 through optimize()
+against float64, no worse than eager's bf16 logits (median over three seeds, within
+numerics.BF16_RATIO_LIMIT); flagged WORSE THAN EAGER where not.
 """
 
 from __future__ import annotations
@@ -84,13 +89,48 @@ def check(model_type: str) -> str:
             f"{dynamo:.1e}")
 
 
+def check_bf16(model_type: str) -> str:
+    """The numerics policy: bf16 logits through optimize() against float64, no worse than
+    eager's (median over three seeds, numerics.BF16_RATIO_LIMIT)."""
+    import coda_rewrite
+    from coda_rewrite import numerics
+
+    try:
+        coverage.build(model_type)
+    except Exception as e:
+        return f"{model_type}: skipped ({type(e).__name__})"
+    ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    counts = []
+
+    def rewrite(model):
+        torch._dynamo.reset()
+        fast = coda_rewrite.optimize(model)
+        counts.append(fast)
+        return fast
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return coverage.build(model_type)
+    try:
+        res = numerics.low_precision_errors(build, {"input_ids": ids, "use_cache": False},
+                                            rewrite, seeds=(0, 1, 2))
+    except Exception as e:  # eager itself fails in bf16 or float64 on the CPU
+        return f"{model_type}: skipped in bf16 ({type(e).__name__})"
+    rewrites = counts[-1].report.count(pattern=None) if counts else 0
+    flag = "ok" if res["ok"] else "WORSE THAN EAGER"
+    return (f"{model_type}: bf16 {flag} | {rewrites} rewrites | rewritten / eager error "
+            f"against float64: {res['ratio']:.2f} (eager {res['eager'][0]:.1e})")
+
+
 def main(argv: list[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    run = check_bf16 if argv[:1] == ["--bf16"] else check
+    argv = argv[1:] if run is check_bf16 else argv
     types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                            if t not in coverage.SKIP)
     for t in types:
         try:
-            print(check(t), flush=True)
+            print(run(t), flush=True)
         except Exception as e:  # the pass raised: the worst outcome, say it loudly
             print(f"{t}: PASS RAISED {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                   flush=True)
