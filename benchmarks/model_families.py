@@ -6,6 +6,8 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
 * q, k, v -> interleaved-pair RoPE (GLM's spelling: cos/sin of cat(θ, θ), halved and
   repeat_interleaved, x[..., 0::2] / x[..., 1::2]) -> SDPA, beside the half-split
   (Llama) spelling of the same region;
+* packed q/k/v (GPT-NeoX's per-head [q, k, v], Falcon's grouped layout, CodeGen's
+  blocks) -> RoPE -> SDPA: the member gathers of the fused GEMM against torch.compile;
 * LM head -> soft-capped cross-entropy (Gemma 2: 30·tanh(y / 30)), forward + backward,
   beside the uncapped loss, torch.compile and Liger's fused linear cross-entropy with
   its softcap (when installed); peak memory too;
@@ -15,7 +17,7 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   the norm: the epilogue could only emit sums of squares, a second pass reads the GEMM's
   output back). What a fusion could save is the difference.
 
-    source .gpu/setup.sh && python benchmarks/model_families.py [rope,head,sandwich]
+    source .gpu/setup.sh && python benchmarks/model_families.py [rope,packed,head,sandwich]
 """
 
 from __future__ import annotations
@@ -99,6 +101,48 @@ class Sandwich(nn.Module):
         return residual + (self.weight * y).to(residual.dtype)
 
 
+class PackedAttention(nn.Module):
+    """One q/k/v projection whose heads are not contiguous slices, then half-split RoPE
+    and SDPA, as three models spell it (32 q heads of 128; k, v per ``layout``):
+
+    * "neox": [q_h, k_h, v_h] side by side per head (GPT-NeoX: 32 kv heads);
+    * "grouped": view(b, s, 8, 4 + 2, 128), q = [..., :-2, :], k / v = [..., [-2] /
+      [-1], :] broadcast to the group's 4 query heads (Falcon-40B's layout);
+    * "blocks": 4 model-parallel blocks of [q, v, k] (CodeGen's; 32 kv heads)."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        n = {"neox": 3 * Q, "grouped": Q + 2 * KV, "blocks": 3 * Q}[layout]
+        self.qkv = nn.Linear(H, n, bias=False)
+        self.register_buffer("inv_freq",
+                             1.0 / (500000.0 ** (torch.arange(0, HEAD, 2).float() / HEAD)))
+
+    def heads(self, y, b, s):
+        if self.layout == "neox":
+            return y.view(b, s, -1, 3 * HEAD).transpose(1, 2).chunk(3, dim=-1)
+        if self.layout == "grouped":
+            qkv = y.view(b, s, KV // HEAD, Q // KV + 2, HEAD)
+            q = qkv[:, :, :, :-2]
+            k = torch.broadcast_to(qkv[:, :, :, [-2]], q.shape)
+            v = torch.broadcast_to(qkv[:, :, :, [-1]], q.shape)
+            return [t.flatten(2, 3).transpose(1, 2) for t in (q, k, v)]
+        blocks = y.reshape(b, s, 4, -1)
+        q, v, k = torch.split(blocks, Q // 4, dim=-1)
+        return [t.reshape(b, s, 4, -1, HEAD).reshape(b, s, -1, HEAD).transpose(1, 2)
+                for t in (q, k, v)]
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), -1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        q, k, v = self.heads(self.qkv(x), b, s)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def _peak(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -136,6 +180,40 @@ def attention_rows():
                               "eager": lambda: region(x)})
         name = "q,k,v -> RoPE (interleaved pairs)" if interleaved else \
             "q,k,v -> RoPE (half-split)"
+        for variant, (ms, spread) in t.items():
+            rows.append((f"{name}: {variant}", "ms", ms))
+            table.append((name, variant, ms, spread, err))
+    return rows, table
+
+
+def packed_rows():
+    """The packed layouts' regions (PackedAttention), each beside torch.compile of it, the
+    bare GEMM + SDPA and eager: whether gathering the members into the fused GEMM pays."""
+    x = torch.randn(B, S, H, device="cuda", dtype=bf)
+    rows, table = [], []
+    for layout in ("neox", "grouped", "blocks"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        region = PackedAttention(layout).cuda().to(bf)
+        with torch.no_grad():
+            fused = coda_rewrite.optimize(region)
+            backend = torch.compile(region, backend="coda")
+            compiled = torch.compile(region)
+            want, got = region(x), fused(x)
+            backend(x)
+            compiled(x)
+            assert fused.report.count(pattern="rope") == 1, str(fused.report)
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+
+            def bare():
+                q, k, v = region.heads(torch.mm(x.view(M, H), region.qkv.weight.t())
+                                       .view(B, S, -1), B, S)
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            t = bench_rounds({"coda": lambda: fused(x), "coda backend": lambda: backend(x),
+                              "torch.compile": lambda: compiled(x), "bare cuBLAS": bare,
+                              "eager": lambda: region(x)})
+        name = f"packed q,k,v ({layout}) -> RoPE"
         for variant, (ms, spread) in t.items():
             rows.append((f"{name}: {variant}", "ms", ms))
             table.append((name, variant, ms, spread, err))
@@ -222,6 +300,8 @@ def sandwich_rows():
 def main(which: set[str]):
     print(env_line(), flush=True)
     rows, table = attention_rows() if "rope" in which else ([], [])
+    r1, t1 = packed_rows() if "packed" in which else ([], [])
+    rows, table = rows + r1, table + t1
     r2, t2 = head_rows() if "head" in which else ([], [])
     r3, t3, codes = sandwich_rows() if "sandwich" in which else ([], [], [])
     path = write_csv("model families (#19)", rows + r2 + r3)

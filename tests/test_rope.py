@@ -1060,3 +1060,33 @@ def test_packed_layouts_bfloat16_no_worse_than_eager(family, overrides):
         (tokens(seq=32),), rewrite, seeds=(0, 1, 2))
     assert all(len(rope_records(f.report)) == 2 for f in reports)
     assert res["ok"], res
+
+
+class TransposedBlocks(torch.nn.Module):
+    """CodeGen's model-parallel split with the heads transposed before a half-split
+    rotation (the form other code bases write): 2 blocks of [q, v, k]."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 3 * 32, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, v, k = torch.split(self.qkv(x).reshape(b, s, 2, -1), 16, dim=-1)
+        q, k, v = [t.reshape(b, s, 2, 2, 8).reshape(b, s, 4, 8).transpose(1, 2)
+                   for t in (q, k, v)]
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), dim=-1)
+        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+        def rotate_half(t):
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_model_parallel_blocks_with_heads_transposed_first():
+    done = exact_rope_rewrites(TransposedBlocks())
+    assert len(done) == 1 and any("frequency 0" in c for c in done[0].consumers), done

@@ -761,11 +761,14 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     """As _member_split, for CodeGen's model-parallel blocks: the projection viewed as
     ``P.reshape(B, S, mp, -1)``, ``torch.split(·, L, dim=-1)[i]`` (within each of the mp
     blocks, [q, v, k] of L features each), then ``reshape(B, S, mp, H / mp, d)`` and
-    ``reshape(B, S, H, d)``: heads after the sequence (no transpose). The member is
-    (mp, g, i, i + 1, L); its rows are the heads in the model's order."""
-    if unsq_dim % 4 != 2 or not _is(heads, _SPLIT):
+    ``reshape(B, S, H, d)`` (then ``.transpose(1, 2)`` where the model puts the heads
+    first). The member is (mp, g, i, i + 1, L); its rows are the heads in the model's
+    order."""
+    found = _past_head_transpose(heads, unsq_dim)
+    if found is None or not _is(found[0], _SPLIT):
         return None
-    per_block = heads.args[0]
+    top, transposed = found[0], found[1]
+    per_block = top.args[0]
     item = per_block.args[0] if _is(per_block, _SPLIT) else None
     if item is None or not (_is(item, {operator.getitem}) and isinstance(item.args[1], int)):
         return None
@@ -776,7 +779,7 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     if not _is(blocks, _SPLIT) or not isinstance(size, int):
         return None
     proj_value = blocks.args[0]
-    mh, mper, mb = meta(heads), meta(per_block), meta(blocks)
+    mh, mper, mb = meta(top), meta(per_block), meta(blocks)
     mp = meta(proj_value) if isinstance(proj_value, fx.Node) else None
     if None in (mh, mper, mb, mp) or mh.dim() != 4 or mper.dim() != 5 or mb.dim() != 4 or \
             mp.dim() != 3 or dim not in (-1, 3) or mb.shape[3] % size:
@@ -790,7 +793,7 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     n_blocks, g, i = int(mb.shape[2]), int(mb.shape[3]) // size, item.args[1]
     if not 0 <= i < g:
         return None
-    return (proj_value, (heads, per_block, item, fan, blocks), int(mh.shape[2]),
+    return (proj_value, (*transposed, top, per_block, item, fan, blocks), int(mh.shape[2]),
             int(mh.shape[3]), (n_blocks, g, i, i + 1, size))
 
 
@@ -1015,7 +1018,8 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passt
             end, found = item, None
             while True:  # through the transpose and the no-op reshape after it
                 found = _member_split(end, 1) or _member_split(end, 2) or \
-                    _indexed_split(end, 1) or _indexed_split(end, 2) or _block_split(end, 2)
+                    _indexed_split(end, 1) or _indexed_split(end, 2) or \
+                    _block_split(end, 1) or _block_split(end, 2)
                 if found is not None or len(end.users) != 1:
                     break
                 end = next(iter(end.users))
