@@ -14,8 +14,8 @@ decode: a Hugging Face Llama at Llama-3.2-1B widths (4 layers), greedy generate(
 tokens after a 32-token prompt over a static KV cache, batch 1 and 8: eager, generate()'s
 own compile of the decode step (Hugging Face's recipe: mode="reduce-overhead") with
 Inductor and with backend="coda"; tokens/s (median of $CODA_DECODE_ROUNDS alternating
-rounds, default 5; the last session's 3% gap at batch 8 was from variants timed one after
-another) and how many tokens agree with eager.
+rounds, default 5; before, each variant's runs came one after another, so the 3% gap
+measured at batch 8 may be drift) and how many tokens agree with eager.
 """
 
 from __future__ import annotations
