@@ -45,6 +45,15 @@ def rotate_pairs(x):  # GLM / Cohere
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
+def tables(inv_freq, x):
+    """Hugging Face's cos/sin of cat(θ, θ) for x's positions, [1, 1, S, HEAD] (the head
+    axis unit), in x's dtype."""
+    pos = torch.arange(x.shape[1], device=x.device)[None]
+    th = (inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((th, th), -1)
+    return emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+
+
 class Attention(nn.Module):
     """q, k, v -> RoPE -> causal SDPA; ``interleaved`` picks GLM's spelling."""
 
@@ -57,10 +66,7 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, s = x.shape[:2]
-        pos = torch.arange(s, device=x.device)[None]
-        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((th, th), -1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        cos, sin = tables(self.inv_freq, x)
         if self.interleaved:
             cos = cos[..., :HEAD // 2].repeat_interleave(2, dim=-1)
             sin = sin[..., :HEAD // 2].repeat_interleave(2, dim=-1)
@@ -134,10 +140,7 @@ class PackedAttention(nn.Module):
 
     def forward(self, x):
         b, s = x.shape[:2]
-        pos = torch.arange(s, device=x.device)[None]
-        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((th, th), -1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        cos, sin = tables(self.inv_freq, x)
         q, k, v = self.heads(self.qkv(x), b, s)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -152,37 +155,42 @@ def _peak(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
 
 
+def _region_rows(name: str, region: nn.Module, x, bare) -> tuple[list, list]:
+    """One attention-input region: optimize(), backend="coda", torch.compile, ``bare``
+    (cuBLAS GEMMs + SDPA) and eager in alternating rounds, after checking that the RoPE
+    rewrite applied and what it computes against eager."""
+    with torch.no_grad():
+        fused = coda_rewrite.optimize(region)
+        backend = torch.compile(region, backend="coda")
+        compiled = torch.compile(region)
+        want, got = region(x), fused(x)
+        backend(x)
+        compiled(x)
+        assert fused.report.count(pattern="rope") == 1, str(fused.report)
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        t = bench_rounds({"coda": lambda: fused(x), "coda backend": lambda: backend(x),
+                          "torch.compile": lambda: compiled(x), "bare cuBLAS": bare,
+                          "eager": lambda: region(x)})
+    rows = [(f"{name}: {variant}", "ms", ms) for variant, (ms, _) in t.items()]
+    return rows, [(name, variant, ms, spread, err) for variant, (ms, spread) in t.items()]
+
+
 def attention_rows():
     x = torch.randn(B, S, H, device="cuda", dtype=bf)
     rows, table = [], []
     for interleaved in (True, False):
         torch.manual_seed(0)
         region = Attention(interleaved).cuda().to(bf)
-        with torch.no_grad():
-            fused = coda_rewrite.optimize(region)
-            backend = torch.compile(region, backend="coda")
-            compiled = torch.compile(region)
-            want, got = region(x), fused(x)
-            backend(x)
-            compiled(x)
-            assert fused.report.count(pattern="rope") == 1, str(fused.report)
-            err = float((got.float() - want.float()).norm() / want.float().norm())
-            ws = [region.q.weight, region.k.weight, region.v.weight]
-            x2 = x.view(M, H)
+        ws = [region.q.weight, region.k.weight, region.v.weight]
 
-            def bare():
-                q, k, v = (torch.mm(x2, w.t()).view(B, S, -1, HEAD).transpose(1, 2)
-                           for w in ws)
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-            t = bench_rounds({"coda": lambda: fused(x), "coda backend": lambda: backend(x),
-                              "torch.compile": lambda: compiled(x), "bare cuBLAS": bare,
-                              "eager": lambda: region(x)})
+        def bare():
+            q, k, v = (torch.mm(x.view(M, H), w.t()).view(B, S, -1, HEAD).transpose(1, 2)
+                       for w in ws)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         name = "q,k,v -> RoPE (interleaved pairs)" if interleaved else \
             "q,k,v -> RoPE (half-split)"
-        for variant, (ms, spread) in t.items():
-            rows.append((f"{name}: {variant}", "ms", ms))
-            table.append((name, variant, ms, spread, err))
+        r, t = _region_rows(name, region, x, bare)
+        rows, table = rows + r, table + t
     return rows, table
 
 
@@ -195,28 +203,13 @@ def packed_rows():
         torch._dynamo.reset()
         torch.manual_seed(0)
         region = PackedAttention(layout).cuda().to(bf)
-        with torch.no_grad():
-            fused = coda_rewrite.optimize(region)
-            backend = torch.compile(region, backend="coda")
-            compiled = torch.compile(region)
-            want, got = region(x), fused(x)
-            backend(x)
-            compiled(x)
-            assert fused.report.count(pattern="rope") == 1, str(fused.report)
-            err = float((got.float() - want.float()).norm() / want.float().norm())
 
-            def bare():
-                q, k, v = region.heads(torch.mm(x.view(M, H), region.qkv.weight.t())
-                                       .view(B, S, -1), B, S)
-                F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-            t = bench_rounds({"coda": lambda: fused(x), "coda backend": lambda: backend(x),
-                              "torch.compile": lambda: compiled(x), "bare cuBLAS": bare,
-                              "eager": lambda: region(x)})
-        name = f"packed q,k,v ({layout}) -> RoPE"
-        for variant, (ms, spread) in t.items():
-            rows.append((f"{name}: {variant}", "ms", ms))
-            table.append((name, variant, ms, spread, err))
+        def bare(region=region):
+            q, k, v = region.heads(torch.mm(x.view(M, H), region.qkv.weight.t())
+                                   .view(B, S, -1), B, S)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        r, t = _region_rows(f"packed q,k,v ({layout}) -> RoPE", region, x, bare)
+        rows, table = rows + r, table + t
     return rows, table
 
 
