@@ -517,25 +517,30 @@ def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_
 @pytest.mark.parametrize("family,overrides", [
     ("gpt_neox", {}), ("falcon", dict(multi_query=True)),
     ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)), ("codegen", {}),
-    ("ernie4_5", {})],
-    ids=["gpt_neox", "falcon_multi_query", "falcon_grouped", "codegen", "ernie4_5"])
-def test_packed_rope_spellings_bf16_on_gpu(family, overrides):
+    ("ernie4_5", {}), ("gpt_oss", {})],
+    ids=["gpt_neox", "falcon_multi_query", "falcon_grouped", "codegen", "ernie4_5",
+         "gpt_oss"])
+def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     """The RoPE spellings rewritten on the CPU only so far (heads gathered per member out
     of a packed projection: GPT-NeoX, Falcon's multi-query and grouped layouts, CodeGen's
-    blocks; Ernie's casts on both products) through the rotation kernels: logits against
-    a float64 copy, no worse than eager. (gpt-oss's experts run grouped_mm, which has no
-    float64 path: its written-out rotation is checked in float32 against eager only,
-    tests/test_rope.py.)"""
+    blocks; Ernie's casts on both products; gpt-oss's written-out rotation, its experts
+    on the eager loop since grouped_mm has no float64 path) through the rotation kernels:
+    logits against a float64 copy, no worse than eager."""
     ids = torch.randint(0, 512, (2, 128), device=DEV)
 
     def rope_kernel_calls():
         return sum(n for (key, impl, _), n in ops.RUNTIME.items()
                    if "rope" in key and impl == "kernel")
+
+    def build(seed):
+        model = hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512,
+                         **overrides)
+        if family == "gpt_oss":
+            model.set_experts_implementation("eager")
+        return model
     before = rope_kernel_calls()
     res = low_precision_errors(
-        lambda seed: hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512,
-                              **overrides),
-        (ids,), lambda m: (torch._dynamo.reset(), coda_rewrite.optimize(m))[1],
+        build, (ids,), lambda m: (torch._dynamo.reset(), coda_rewrite.optimize(m))[1],
         seeds=(0, 1, 2), device=DEV)
     assert rope_kernel_calls() - before >= 3 * 2, ops.runtime_summary()
     print(f"{family} {overrides}: {res}")
