@@ -486,7 +486,7 @@ def test_tile_config_by_row_class():
     up to 16 rows), 128 x 64 for narrow outputs up to 256 rows, 128 x 128 below 4096 rows
     except vocabulary-wide outputs, QuACK's default above; a cos/sin table keeps a tile
     width of at most 128 (its heads must tile it)."""
-    from coda_rewrite.kernels.quack_path import config_for, row_class_lines
+    from coda_rewrite.kernels.quack_path import config_for, configs_of, row_class_lines
     from coda_rewrite.patterns.rope import rope_table_program
     plain, table = rowscale_bias(), rope_table_program(True, False, torch.bfloat16)
 
@@ -504,6 +504,12 @@ def test_tile_config_by_row_class():
     assert tile(plain, 8192, 4096) is None
     assert tile(table, 8192, 6144) == (128, 128, 2)
     assert len(row_class_lines()) == 6 and "default" in row_class_lines()[-1]
+    # what AOT compiles: every config either program can get, each once
+    assert [None if c is None else (c.tile_m, c.tile_n, c.cluster_m)
+            for c in configs_of(plain)] == [(64, 128, 1), (64, 256, 1), (128, 64, 1),
+                                             (128, 128, 2), None]
+    assert [(c.tile_m, c.tile_n, c.cluster_m) for c in configs_of(table)] == [
+        (64, 128, 1), (128, 64, 1), (128, 128, 2)]
 
 
 def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):

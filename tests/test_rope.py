@@ -421,24 +421,41 @@ def test_complex_form_rotates_in_the_epilogue_from_the_table(layers):
     assert unpermuted(report) == []
 
 
-class PackedWideRotation(torch.nn.Module):
+def hf_tables(inv_freq, x, head_axis: int):
+    """Hugging Face's cos/sin of cat(θ, θ) at x's positions ([1, S, d], in inv_freq's
+    dtype), unsqueezed at the head axis: 1 where the heads come before the sequence."""
+    pos = torch.arange(x.shape[1], device=x.device)[None]
+    th = (inv_freq[None, :, None] @ pos[:, None, :].to(inv_freq.dtype)).transpose(1, 2)
+    emb = torch.cat((th, th), dim=-1)
+    return emb.cos().unsqueeze(head_axis), emb.sin().unsqueeze(head_axis)
+
+
+def rotate_half(t):
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+class PackedProjection(torch.nn.Module):
+    """A packed q/k/v projection of 32 features into ``width`` columns, and the inverse
+    frequencies of 8-wide heads (in ``dtype``): the base of the hand-written look-alikes."""
+
+    def __init__(self, width: int, dtype=torch.float32):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, width, bias=False)
+        self.register_buffer("inv_freq",
+                             1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=dtype) / 8)))
+
+
+class PackedWideRotation(PackedProjection):
     """Packed q/k/v whose rotation runs in float64 (a float64 angle table): v stays
     float32, so it cannot share the fused GEMM's float64 output."""
 
     def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 64, bias=False)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).double() / 8)))
+        super().__init__(64, torch.float64)
 
     def forward(self, x):
         b, s, _ = x.shape
-        pos = torch.arange(s, device=x.device)[None]
-        th = (self.inv_freq[None, :, None] @ pos[:, None, :].double()).transpose(1, 2)
-        emb = torch.cat((th, th), dim=-1)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
-
-        def rotate_half(t):
-            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        cos, sin = hf_tables(self.inv_freq, x, 1)
         qkv = self.qkv(x)
         q = qkv[..., :32].view(b, s, 4, 8).transpose(1, 2)
         k = qkv[..., 32:48].view(b, s, 2, 8).transpose(1, 2)
@@ -847,26 +864,18 @@ def test_member_rows_of_a_per_head_packed_weight():
     assert torch.equal(member, plain)
 
 
-class ChunkOverHeads(torch.nn.Module):
+class ChunkOverHeads(PackedProjection):
     """A look-alike: the packed projection chunked over the heads dim, not within each
     head (q = the first third of the heads' full groups): not a per-head member."""
 
     def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 96, bias=False)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+        super().__init__(96)
 
     def forward(self, x):
         b, s, _ = x.shape
-        pos = torch.arange(s, device=x.device)[None]
-        th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((th, th), dim=-1)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        cos, sin = hf_tables(self.inv_freq, x, 1)
         heads = self.qkv(x).view(b, s, 12, 8).transpose(1, 2)
         q, k, v = heads.chunk(3, dim=1)
-
-        def rotate_half(t):
-            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -955,17 +964,15 @@ def test_falcon_grouped_decoding_with_past_key_values_matches_eager():
     assert rope_records(fast.report), str(fast.report)
 
 
-class GroupedBroadcastHeads(torch.nn.Module):
+class GroupedBroadcastHeads(PackedProjection):
     """Falcon's grouped layout written out: view(b, s, G, g + 2, d), q = [..., :-2, :],
     k and v = [..., [-2], :] / [..., [-1], :] broadcast to the g query heads, flattened.
     ``per_head_tables``: a look-alike whose cos/sin differ per head (θ + h), so rotating
     the one key head before the broadcast is not what the model computes."""
 
     def __init__(self, per_head_tables: bool):
-        super().__init__()
+        super().__init__(2 * 4 * 8)  # G = 2 groups of g = 2 query heads, d = 8
         self.per_head = per_head_tables
-        self.qkv = torch.nn.Linear(32, 2 * 4 * 8, bias=False)  # G = 2 groups, g = 2, d = 8
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -974,16 +981,10 @@ class GroupedBroadcastHeads(torch.nn.Module):
         k = torch.broadcast_to(qkv[:, :, :, [-2]], q.shape)
         v = torch.broadcast_to(qkv[:, :, :, [-1]], q.shape)
         q, k, v = [t.flatten(2, 3).transpose(1, 2) for t in (q, k, v)]
-        pos = torch.arange(s, device=x.device)[None]
-        th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((th, th), dim=-1)                        # [1, s, 8]
-        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)  # over the heads
-        if self.per_head:
-            emb = emb[:, None] + torch.arange(4, device=x.device).view(1, 4, 1, 1)
-            cos, sin = emb.cos(), emb.sin()
-
-        def rotate_half(t):
-            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        cos, sin = hf_tables(self.inv_freq, x, 1)               # [1, 1, s, 8]
+        if self.per_head:  # cos(θ + h), sin(θ + h) for head h
+            h = torch.arange(4, device=x.device).view(1, 4, 1, 1).float()
+            cos, sin = cos * h.cos() - sin * h.sin(), sin * h.cos() + cos * h.sin()
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -1015,12 +1016,9 @@ def test_codegen_blocks_rotate_in_the_epilogue():
 def test_codegen_split_read_beyond_its_blocks_is_left():
     """A look-alike of CodeGen's split whose blocks are q, k, v of unequal widths (a
     list of split sizes): not a per-block member; left, exact."""
-    class UnequalBlocks(torch.nn.Module):
+    class UnequalBlocks(PackedProjection):
         def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(32, 2 * (16 + 8 + 8), bias=False)
-            self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float()
-                                                              / 8)))
+            super().__init__(2 * (16 + 8 + 8))
 
         def forward(self, x):
             b, s, _ = x.shape
@@ -1029,13 +1027,7 @@ def test_codegen_split_read_beyond_its_blocks_is_left():
             q = q.reshape(b, s, 2, 2, 8).reshape(b, s, 4, 8)
             k = k.reshape(b, s, 2, 1, 8).reshape(b, s, 2, 8)
             v = v.reshape(b, s, 2, 1, 8).reshape(b, s, 2, 8)
-            pos = torch.arange(s, device=x.device)[None]
-            th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
-            emb = torch.cat((th, th), dim=-1)
-            cos, sin = emb.cos().unsqueeze(2), emb.sin().unsqueeze(2)
-
-            def rotate_half(t):
-                return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+            cos, sin = hf_tables(self.inv_freq, x, 2)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
@@ -1062,27 +1054,19 @@ def test_packed_layouts_bfloat16_no_worse_than_eager(family, overrides):
     assert res["ok"], res
 
 
-class TransposedBlocks(torch.nn.Module):
+class TransposedBlocks(PackedProjection):
     """CodeGen's model-parallel split with the heads transposed before a half-split
     rotation (the form other code bases write): 2 blocks of [q, v, k]."""
 
     def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 3 * 32, bias=False)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+        super().__init__(3 * 32)
 
     def forward(self, x):
         b, s, _ = x.shape
         q, v, k = torch.split(self.qkv(x).reshape(b, s, 2, -1), 16, dim=-1)
         q, k, v = [t.reshape(b, s, 2, 2, 8).reshape(b, s, 4, 8).transpose(1, 2)
                    for t in (q, k, v)]
-        pos = torch.arange(s, device=x.device)[None]
-        th = (self.inv_freq[None, :, None] @ pos[:, None, :].float()).transpose(1, 2)
-        emb = torch.cat((th, th), dim=-1)
-        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
-
-        def rotate_half(t):
-            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        cos, sin = hf_tables(self.inv_freq, x, 1)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -1090,3 +1074,46 @@ class TransposedBlocks(torch.nn.Module):
 def test_model_parallel_blocks_with_heads_transposed_first():
     done = exact_rope_rewrites(TransposedBlocks())
     assert len(done) == 1 and any("frequency 0" in c for c in done[0].consumers), done
+
+
+def test_member_split_replay_refuses_a_node_it_does_not_know():
+    """The witness replays a packed member's split through the model's own nodes; a node
+    it has no replay for (here a permute) makes the witness unable to run, which refuses
+    the rewrite (guarded), instead of being read as an index."""
+    import types
+
+    import torch.fx as fx
+
+    from coda_rewrite.algebra import rope as rope_algebra
+    g = fx.Graph()
+    view = g.call_method("view", (g.placeholder("p"), 1, 4, 2, 8))
+    permuted = g.call_method("permute", (view, 0, 2, 1, 3))
+    member = types.SimpleNamespace(split=(permuted, view))
+    with pytest.raises(rope_algebra._Unreplayable, match="permute"):
+        rope_algebra._through_model_split(member, torch.randn(1, 4, 16), 4)
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_witness_checks_a_block_gather_against_the_models_own_split(monkeypatch):
+    """As for GPT-NeoX's members: a block split misread (q taken as v) is refused by the
+    float64 replay through CodeGen's own split nodes, and the model computes what eager
+    computes."""
+    from coda_rewrite.patterns import rope as rope_pattern
+    split = rope_pattern._block_split
+
+    def misread(heads, unsq):
+        found = split(heads, unsq)
+        if found is None:
+            return None
+        *rest, (groups, g, i0, i1, d) = found
+        return (*rest, (groups, g, (i0 + 1) % g, (i0 + 1) % g + 1, d))
+    monkeypatch.setattr(rope_pattern, "_block_split", misread)
+    model = build("codegen", layers=1).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(fast(ids, use_cache=False).logits,
+                       model(ids, use_cache=False).logits) <= 1e-5
+    refused = [r for r in fast.report.records if r.pattern == "rope"]
+    assert refused and not rope_records(fast.report), str(fast.report)
+    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]

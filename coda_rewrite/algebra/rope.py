@@ -38,7 +38,7 @@ from ..graph_utils import MATMUL, mutated_value
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .witness import _size, exact, guarded, verdict
+from .witness import _Unreplayable, _size, exact, guarded, verdict
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention,
          torch.nn.functional.scaled_dot_product_attention}
@@ -501,6 +501,8 @@ def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
             mi, mo = meta(node.args[0]), meta(node)
             if tuple(mi.shape) == tuple(mo.shape):
                 continue  # the same-shape reshape after the transpose
+            if tuple(mi.shape[:2]) != tuple(mo.shape[:2]):
+                raise _Unreplayable(f"{node.name} reshapes the batch or sequence dims")
             sizes = node.args[1:]  # CodeGen's head split: batch and sequence kept first
             sizes = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) \
                 else list(sizes)
@@ -516,8 +518,10 @@ def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
             # whole heads (tables do not depend on the head); the rewrite replays it
         elif node.target in ("chunk", torch.chunk):
             v = torch.chunk(v, *node.args[1:], **node.kwargs)
-        else:  # getitem
+        elif node.target is operator.getitem:
             v = v[node.args[1]]
+        else:  # a split node this replay does not know: no witness, no rewrite
+            raise _Unreplayable(f"{node.name} ({node.target}) in a member's head split")
     return v
 
 

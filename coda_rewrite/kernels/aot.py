@@ -16,17 +16,12 @@ configs it was compiled for (one per row class of the size policy that differs).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
 import time
 
 H100_SMS = 132  # the stand-in for the driver's co-resident cluster count
-# a row count in each of quack_path.ROW_CLASSES (and past the last): the configs a
-# program can launch with at run time depend on its problem's rows and width
-CLASS_ROWS = (1, 64, 256, 1024, 4096)
-CLASS_WIDTHS = (256, 16384, 131072)  # ... and output width in each of its N classes
 
 
 def _prepare_env(keep_ptx: str | None) -> None:
@@ -56,7 +51,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     import torch
 
     from ..codegen.program import Kind, parse
-    from .quack_path import config_for, load
+    from .quack_path import configs_of, load
     from ..codegen.reference import dtype_from_name
 
     ks, module = load(text)
@@ -86,14 +81,11 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     out = {name: torch.empty(m, width[value], dtype=out_dtype[value])
            for value, name in ks.contract.tile_outputs}
     t0 = time.perf_counter()
-    configs = []
     # every tile config the size policy can give this program (a config is a kernel; the
     # problem size is not: the small tensors above plan each of them)
-    for rows, width in itertools.product(CLASS_ROWS, CLASS_WIDTHS):
-        cfg = config_for(prog, rows, width)
-        if cfg not in configs:
-            configs.append(cfg)
-            module.epilogue.plan(a, b.t(), c, out=out, config=cfg, **kwargs)
+    configs = configs_of(prog)
+    for cfg in configs:
+        module.epilogue.plan(a, b.t(), c, out=out, config=cfg, **kwargs)
     return {"program": prog.key, "module": ks.module_name,
             "configs": [None if c is None else [c.tile_m, c.tile_n, c.cluster_m]
                         for c in configs],

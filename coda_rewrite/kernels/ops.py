@@ -125,8 +125,8 @@ gemm_epilogue = torch.ops.coda.gemm_epilogue.default
 # The same op without an autograd formula, for graphs that compute no gradient (an
 # inference graph under Inductor): the autograd formula above is a Python kernel that
 # runs on every call, even under no_grad, and costs more host time than the rest of the
-# boundary (measured on a 2-core CPU: 5.7 µs over a direct call with it, 1.5 without;
-# 17–33 µs with it on the H200's host). Without a formula the autograd key falls through
+# boundary (measured on a 2-core CPU: 5.9 µs over a direct call with it, 2.3 without; the
+# op costs 17–33 µs over a direct call on the H200's host, formula included). Without a formula the autograd key falls through
 # to PyTorch's C++ fallback, which would only warn if a gradient were asked for: so the
 # op refuses a call where one can be (_needs_grad; grad mode below that fallback is the
 # caller's), and fused_linear picks it only where none can be. Dynamo guards on grad
@@ -255,18 +255,13 @@ def _direct(a, b, operands) -> bool:
     if type(a) not in _PLAIN or type(b) not in _PLAIN or \
             any(type(t) not in _PLAIN for t in operands):
         return False
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or
-                                    any(t.requires_grad for t in operands)):
-        return False
-    # functorch transforms (grad, vmap) wrap tensors as plain-typed ones: the op's
-    # autograd must see them
-    return not torch.compiler.is_compiling() and \
-        not torch._C._are_functorch_transforms_active()
+    return not torch.compiler.is_compiling() and not _needs_grad(a, b, operands)
 
 
 def _needs_grad(a, b, operands) -> bool:
     """Whether autograd could ask this call for a gradient (conservatively yes under a
-    functorch transform, which hides requires_grad behind plain-typed tensors)."""
+    functorch transform, grad or vmap, which wraps tensors as plain-typed ones whose
+    requires_grad does not tell: the op's autograd must see them)."""
     if torch._C._are_functorch_transforms_active():
         return True
     return torch.is_grad_enabled() and any(

@@ -195,12 +195,13 @@ def select(program: EpilogueProgram, program_text: str, a, b, operands):
         return None, f"not lowerable: {e}"
 
 
-def _rms_final_reduce(partials: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
-    """rsqrt(Σ_tiles partials · scale + eps) per row (quack_source.norm_row_stage): the
-    norm's rstd in one kernel where the generic finaliser runs a torch op per instruction
-    (measured on the H200 at M = 64: 75 → 53 µs of host time per producer call)."""
+def _rms_final_reduce():
+    """QuACK's rsqrt(Σ_tiles partials · scale + eps) per row (quack_source.norm_row_stage):
+    the norm's rstd in one kernel where the generic finaliser runs a torch op per
+    instruction (measured on the H200 at M = 64: 75 → 53 µs of host time per producer
+    call). Resolved once per launch, not imported on every call."""
     from quack.rms_final_reduce import rms_final_reduce
-    return rms_final_reduce(partials, scale=scale, eps=eps)
+    return rms_final_reduce
 
 
 def _config(tile_m: int, tile_n: int, cluster_m: int):
@@ -236,6 +237,20 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
         if m <= rows and (widest is None or n <= widest):
             return _config(tile_m, min(tile_n, TABLE_TILE_N) if table else tile_n, cluster_m)
     return _config(128, TABLE_TILE_N, 2) if table else None
+
+
+def configs_of(prog: EpilogueProgram) -> list:
+    """Every config config_for can give ``prog``, at any problem size (one row count and
+    one width at each class bound and one past the last): what AOT compiles."""
+    rows = sorted({r for r, _, _ in ROW_CLASSES})
+    widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None})
+    out = []
+    for m in rows + [rows[-1] + 1]:
+        for n in widths + [widths[-1] + 1]:
+            cfg = config_for(prog, m, n)
+            if cfg not in out:
+                out.append(cfg)
+    return out
 
 
 def config_name(cfg) -> str:
@@ -286,7 +301,7 @@ class Launch:
     its memory pool untracked (which cudagraph trees refuse)."""
 
     __slots__ = ("ks", "plan", "c_index", "kwargs", "outs", "sinks", "m", "n", "device",
-                 "out_dtypes", "scratch", "norm_stage", "config")
+                 "out_dtypes", "scratch", "norm_stage", "finalise", "config")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
@@ -305,6 +320,7 @@ class Launch:
         self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
                      for value, name in ks.contract.tile_outputs]
         self.norm_stage = ks.norm_stage
+        self.finalise = _rms_final_reduce() if ks.norm_stage is not None else None
         self.config = config or config_for(prog, self.m, self.n)
         t0 = time.perf_counter()
         mod = module.epilogue
@@ -345,8 +361,8 @@ class Launch:
         if self.norm_stage is not None:  # the norm's rstd: QuACK's kernel, no torch ops
             sink, value, scale, eps = self.norm_stage
             partials = scratch[sink]
-            env[value] = _rms_final_reduce(partials.reshape(m, partials.shape[-1]), scale,
-                                           eps).reshape(m, 1)
+            env[value] = self.finalise(partials.reshape(m, partials.shape[-1]), scale,
+                                       eps).reshape(m, 1)
             return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
                     if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]
         for r, op in self.sinks:

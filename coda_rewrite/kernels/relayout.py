@@ -140,20 +140,19 @@ def _backward_recomputed(ctx, grads):
     a, *rest = ctx.saved_tensors
     sources, operands, kept = rest[:n_src], rest[n_src:n_src + n_ops], rest[n_src + n_ops:]
     outputs = ops.outputs_for_rule(kept, keep_outputs, n_out)
-    with torch.no_grad():
-        b = compute(kind, spec, sources, a.dtype)
-    grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, b, list(operands), outputs,
-                                            list(grads))
+    # the re-layout made once, recording its own backward (its inverse) where a source
+    # wants a gradient; the GEMM rule reads it detached
+    src = [s.detach().requires_grad_(s.requires_grad) for s in sources]
+    want = [s for s in src if s.requires_grad]
+    with torch.enable_grad() if want else torch.no_grad():
+        relaid = compute(kind, spec, src, a.dtype)
+    grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, relaid.detach(),
+                                            list(operands), outputs, list(grads))
     grad_src = [None] * n_src
-    if grad_b is not None:  # the re-layout's own backward: its inverse, by autograd
-        with torch.enable_grad():
-            src = [s.detach().requires_grad_(s.requires_grad) for s in sources]
-            want = [s for s in src if s.requires_grad]
-            if want:
-                relaid = _KINDS[kind](_layout(spec), *src).to(a.dtype)
-                got = iter(torch.autograd.grad(relaid, want, grad_b.to(relaid.dtype),
-                                               allow_unused=True))
-                grad_src = [next(got) if s.requires_grad else None for s in src]
+    if grad_b is not None and want:
+        got = iter(torch.autograd.grad(relaid, want, grad_b.to(relaid.dtype),
+                                       allow_unused=True))
+        grad_src = [next(got) if s.requires_grad else None for s in src]
     return None, grad_a, None, None, grad_src, grad_ops
 
 
