@@ -18,7 +18,7 @@ from coda_rewrite.kernels import backward
 from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 
-from conftest import (build, decode_matches_eager, grads_match, hf_model, loss_of,
+from conftest import (build, codes, decode_matches_eager, grads_match, hf_model, loss_of,
                       step_matches_eager, tokens)
 
 HF = ("llama", "qwen2", "mistral", "gemma", "phi3")
@@ -1115,5 +1115,121 @@ def test_the_witness_checks_a_block_gather_against_the_models_own_split(monkeypa
         assert rel_err(fast(ids, use_cache=False).logits,
                        model(ids, use_cache=False).logits) <= 1e-5
     refused = [r for r in fast.report.records if r.pattern == "rope"]
+    assert refused and not rope_records(fast.report), str(fast.report)
+    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+
+
+# ---- multi-head latent attention: a rotated suffix, a key assembled from a shared part -----
+
+MLA = [("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False}), ("minicpm3", {})]
+
+
+@pytest.mark.parametrize("family,overrides", MLA, ids=["v3", "v3_halves", "minicpm3"])
+def test_latent_attention_query_rotation_fused_key_takes_its_order(family, overrides):
+    """DeepSeek-V3 (pairs read interleaved, written as halves), DeepSeek-V3 with
+    rope_interleave off and MiniCPM3 (rotate_half): q's rotated suffix in the q_b_proj
+    GEMM's epilogue, the head's cat((q_pass, q_rot)) the GEMM's own output; the key's
+    shared rotated part (left as graph ops) takes the query's pair order where the key
+    buffer is written, so no copy of the query is made. The training step against
+    eager (loss 1e-5, every gradient 1e-4)."""
+    model = hf_model(family, layers=2, **overrides).train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    loss.backward()
+    want.backward()
+    grads_match(model, ref)
+    done = rope_records(fast.report)
+    assert len(done) == 2, str(fast.report)
+    assert unpermuted(fast.report) == []
+    assert all("key's rotated part" in r.decision.render() for r in done)
+    left = [r.code for r in fast.report.records if r.pattern == "rope" and r.status != "rewritten"]
+    assert left == ["rope.latent_shared_key"] * 2, left
+
+
+def test_latent_attention_decoding_with_a_cache_matches_eager():
+    """The compressed cache holds eager's k_rot (the query's order is put on the key
+    after the cache update): prefill and three greedy steps against eager."""
+    model = hf_model("deepseek_v3", layers=2).eval()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    decode_matches_eager(model, fast, tokens())
+    assert len(rope_records(fast.report)) >= 2, str(fast.report)  # each graph's layers
+    assert unpermuted(fast.report) == []
+
+
+class LatentAttention(torch.nn.Module):
+    """Hand-written multi-head latent attention (4 heads of 8 + 8 features for q·k, 16
+    for v; k's rotated part one shared 8-wide head) and its look-alikes:
+    ``"buffer"``: the key written into new_empty by two copy_ (Hugging Face's spelling);
+    ``"cat"``: the key concatenated (older releases); ``"key_read"``: the key also
+    read outside the attention; ``"rot_first"``: the query put back as cat((q_rot, q_pass))."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.q_proj = torch.nn.Linear(32, 4 * 16, bias=False)
+        self.kv_a = torch.nn.Linear(32, 16 + 8, bias=False)
+        self.kv_b = torch.nn.Linear(16, 4 * (8 + 16), bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        cos, sin = hf_tables(self.inv_freq, x, 1)
+        q = self.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [8, 8], dim=-1)
+        kv, k_rot = torch.split(self.kv_a(x), [16, 8], dim=-1)
+        k_rot = k_rot.view(b, 1, s, 8)
+        q_rot = q_rot * cos + rotate_half(q_rot) * sin
+        k_rot = k_rot * cos + rotate_half(k_rot) * sin
+        kv = self.kv_b(kv).view(b, s, 4, 24).transpose(1, 2)
+        k_nope, v = torch.split(kv, [8, 16], dim=-1)
+        k_rot = k_rot.expand(-1, 4, -1, -1)
+        if self.variant == "rot_first":
+            query = torch.cat((q_rot, q_pass), dim=-1)
+        else:
+            query = torch.cat((q_pass, q_rot), dim=-1)
+        if self.variant == "cat":
+            key = torch.cat((k_nope, k_rot), dim=-1)
+        else:
+            key = kv.new_empty(b, 4, s, 16)
+            key[..., :8].copy_(k_nope)
+            key[..., 8:].copy_(k_rot)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, v, is_causal=True)
+        return out + key if self.variant == "key_read" else out
+
+
+@pytest.mark.parametrize("variant", ["buffer", "cat", "key_read", "rot_first"])
+def test_latent_attention_spellings_and_look_alikes(variant):
+    """Both key spellings keep the query's order without a copy; a key also read
+    elsewhere gets nothing permuted, so the query is put back in eager's order on the
+    attention's edge (rewritten, exact, one copy); a query whose rotated part comes first
+    is not the suffix layout (left, with its reason). Outputs and gradients against
+    eager."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(LatentAttention(variant), torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if variant == "rot_first":
+        assert not done and "rope.suffix_concat" in codes(report, "rope"), str(report)
+        return
+    assert len(done) == 1, str(report)
+    assert bool(unpermuted(report)) == (variant == "key_read"), unpermuted(report)
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_witness_checks_the_keys_order_against_the_querys(monkeypatch):
+    """The float64 replay also takes q·k of the fused query against a key in
+    rope_permute's order: a key permutation that does not match the query's (here none
+    at all) is refused, and the model computes what eager computes."""
+    monkeypatch.setattr(layouts, "rope_permute", lambda t: t.contiguous())
+    model = hf_model("deepseek_v3", layers=1).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    refused = [r for r in fast.report.records if r.pattern == "rope" and r.code !=
+               "rope.latent_shared_key"]
     assert refused and not rope_records(fast.report), str(fast.report)
     assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]

@@ -53,12 +53,18 @@ class Region:
     nodes: set
     invariant: list[fx.Node]                 # attentions reading permuted q and k
     unpermute: list[tuple[fx.Node, fx.Node]]  # (consumer, region value it reads)
+    key_writes: list[tuple[fx.Node, fx.Node]] = dataclasses.field(default_factory=list)
+    # multi-head latent attention: (node, value) where ``node`` puts ``value`` into a
+    # key as its rotated features (a copy_ into the key buffer, or a concatenation);
+    # that value gets the query's pair order (layouts.rope_permute)
 
     def describe(self) -> str:
         inv = ", ".join(n.name for n in self.invariant) or "none"
         back = ", ".join(f"{v.name} → {'output' if c.op == 'output' else c.name}"
                          for c, v in self.unpermute) or "none"
-        return f"q·k invariant at {inv}; eager order restored on {back}"
+        keys = "".join(f"; the key's rotated part {v.name} (into {c.name}) gets the same "
+                       "order" for c, v in self.key_writes)
+        return f"q·k invariant at {inv}; eager order restored on {back}{keys}"
 
 
 def _last_dim_kept(node: fx.Node, src: fx.Node) -> bool:
@@ -139,7 +145,84 @@ def _invariant_matmul(u: fx.Node, region: set) -> bool:
         and len(kt.users) == 1
 
 
-def permuted_region(starts: list[fx.Node]) -> Region:
+_EMPTY = {"new_empty", torch.empty}
+
+
+def _attention_key(u: fx.Node, q: fx.Node, region: set) -> fx.Node | None:
+    """The key of an attention ``u`` whose query is ``q`` and which reads nothing else
+    from the region: SDPA's key, or k of eager attention's ``q @ k.transpose(-2, -1)``."""
+    if u.target in _SDPA:
+        query = u.args[0] if u.args else u.kwargs.get("query")
+        key = u.args[1] if len(u.args) > 1 else u.kwargs.get("key")
+        rest = [a for i, a in enumerate(u.args) if i >= 2] + \
+            [v for name, v in u.kwargs.items() if name not in ("query", "key")]
+        nodes: list[fx.Node] = []
+        fx.node.map_arg(rest, nodes.append)
+        ok = query is q and key not in region and not any(a in region for a in nodes)
+        return key if ok else None
+    if u.target in MATMUL and len(u.args) == 2 and u.args[0] is q:
+        kt = u.args[1]
+        if isinstance(kt, fx.Node) and kt not in region and _swaps_last_two(kt) and \
+                len(kt.users) == 1:
+            return kt.args[0]
+    return None
+
+
+def _latent_key_write(u: fx.Node, q: fx.Node, region: set, head_dim: int,
+                      offset: int) -> tuple[fx.Node, fx.Node] | None:
+    """Multi-head latent attention assembles each key head from k_nope and the shared
+    rotated part: ``k = cat((k_nope, k_rot), -1)``, or in a fresh buffer, ``k =
+    new_empty(..., head_dim)``, ``k[..., :offset].copy_(k_nope)``, ``k[...,
+    offset:].copy_(k_rot)`` (Hugging Face), read only by the attention (through views
+    that keep the head dim: repeat_kv). Where ``u`` is such an attention of the permuted
+    query ``q`` (rotated features [offset, head_dim)): (the node that puts k_rot in,
+    k_rot). Giving k_rot the query's pair order keeps q·kᵀ exact, with no copy of the
+    query. Else None."""
+    key = _attention_key(u, q, region)
+    reader = u if u.target in _SDPA else u.args[1]
+    while isinstance(key, fx.Node) and key.target not in _EMPTY and key.target not in _CAT:
+        if not (key.args and isinstance(key.args[0], fx.Node) and len(key.users) == 1
+                and len(key.all_input_nodes) == 1 and _last_dim_kept(key, key.args[0])):
+            return None
+        reader, key = key, key.args[0]
+    mk = meta(key) if isinstance(key, fx.Node) else None
+    if mk is None or mk.dim() == 0 or mk.shape[-1] != head_dim:
+        return None
+    if key.target in _CAT:
+        parts = key.args[0] if key.args else key.kwargs.get("tensors")
+        dim = key.args[1] if len(key.args) > 1 else key.kwargs.get("dim", 0)
+        widths = [meta(t).shape[-1] if isinstance(t, fx.Node) and meta(t) is not None
+                  else None for t in parts]
+        if dim not in (-1, mk.dim() - 1) or widths != [offset, head_dim - offset] or \
+                len(key.users) != 1:
+            return None
+        return key, parts[1]
+    order = {n: i for i, n in enumerate(u.graph.nodes)}
+    writes = {}
+    for w in key.users:
+        if w is reader:
+            continue
+        idx = w.args[1] if w.target is operator.getitem else None
+        if not (isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis and
+                isinstance(idx[1], slice) and idx[1].step in (None, 1)):
+            return None
+        lo, hi = idx[1].start or 0, head_dim if idx[1].stop is None else idx[1].stop
+        copy = next(iter(w.users)) if len(w.users) == 1 else None
+        if copy is None or copy.target != "copy_" or copy.args[0] is not w or \
+                order[copy] > order[u] or (lo, hi) in writes:
+            return None
+        writes[(lo, min(hi, head_dim))] = copy
+    if set(writes) != {(0, offset), (offset, head_dim)}:
+        return None
+    copy = writes[(offset, head_dim)]
+    return copy, copy.args[1]
+
+
+def permuted_region(starts: list[fx.Node], head_dim: int = 0, offset: int = 0) -> Region:
+    """The permuted region grown from ``starts`` (see the module docstring); where the
+    rotated features are a suffix [offset, head_dim) of each head (multi-head latent
+    attention), attentions whose key is assembled from a rotated part in a buffer
+    (_latent_key_write) stay invariant, that part getting the query's order."""
     region = set(starts)
     changed = True
     while changed:  # grow to a fixpoint (a concatenation waits for all its inputs)
@@ -167,9 +250,28 @@ def permuted_region(starts: list[fx.Node]) -> Region:
                     invariant.append(u)
                 continue
             unpermute.append((u, n))
+    key_writes = []
+    if offset:
+        kept = []
+        for u, n in unpermute:
+            write = _latent_key_write(u, n, region, head_dim, offset)
+            if write is None:
+                kept.append((u, n))
+                continue
+            if u not in invariant:
+                invariant.append(u)
+            if write not in key_writes:
+                key_writes.append(write)
+        unpermute = kept
     order = {x: i for i, x in enumerate(starts[0].graph.nodes)}
     unpermute = sorted(set(unpermute), key=lambda e: (order[e[0]], order[e[1]]))
-    return Region(region, invariant, unpermute)
+    return Region(region, invariant, unpermute, key_writes)
+
+
+def region_of(m, starts: list[fx.Node]) -> Region:
+    """The permuted region of match ``m``'s rotated outputs ``starts``."""
+    rot = m.rotated[0]
+    return permuted_region(starts, rot.head_dim, rot.rotary_offset)
 
 
 # ---- side conditions ---------------------------------------------------------------------
@@ -192,14 +294,14 @@ def side_conditions(m) -> tuple[list[str], str | None]:
 
 
 def _side_conditions(m, held) -> str | None:
-    shapes = {(r.head_dim, r.rotary_dim) for r in m.rotated}
+    shapes = {(r.head_dim, r.rotary_dim, r.rotary_offset, r.stored_pairs) for r in m.rotated}
     if len(shapes) != 1:
-        return Why("q and k differ in head_dim or rotary_dim (one permutation for both)",
-                   "rope.head_shapes")
-    head_dim, rotary_dim = shapes.pop()
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        return Why(f"rotary_dim {rotary_dim} is odd or exceeds head_dim {head_dim}",
-                   "rope.rotary_dim")
+        return Why("q and k differ in head_dim, rotary span or stored pair order (one "
+                   "permutation for both)", "rope.head_shapes")
+    head_dim, rotary_dim, offset, _ = shapes.pop()
+    if rotary_dim % 2 or offset % 2 or offset + rotary_dim > head_dim:
+        return Why(f"the rotated features [{offset}, {offset + rotary_dim}) are odd or exceed "
+                   f"head_dim {head_dim}", "rope.rotary_dim")
     x = meta(m.proj.x)
     if m.form == "pairs":
         mt = meta(m.table)
@@ -315,7 +417,7 @@ def decide(m, program) -> Decision:
                      (*rotation.assumptions, *held,
                       "q and k keep the model's feature order (no permutation)"),
                      (*rotation.steps, *facts.steps), seen)
-    region = permuted_region([r.out for r in m.rotated])
+    region = region_of(m, [r.out for r in m.rotated])
     for n in region.nodes:  # an in-place update would land in the permuted order
         for u in n.users:
             if mutated_value(u) is n:
@@ -330,6 +432,8 @@ def decide(m, program) -> Decision:
         held.append("v joins the GEMM " + ("with frequency 0" if m.angle_source == "angles"
                                           else "under a 0 rotate flag") + ": " + ", ".join(
             describe(s.column_node) for s in m.passthrough))
+    if region.key_writes:
+        replay = functools.partial(_replay, program=program, key_order=True)
     seen = guarded(replay, m)
     if isinstance(seen, Rejection):
         return seen
@@ -350,7 +454,8 @@ def layout(m) -> tuple:
     for s in m.segments:
         lo, hi = s.columns
         if s.rotates and s.form == "half":
-            out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim, *s.member))
+            out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim, s.rotary_offset,
+                        int(s.stored_pairs), *s.member))
         else:
             out.append((lo, hi, 0, 0, 0, *s.member))
     return tuple(out)
@@ -371,9 +476,11 @@ def rotated_spans(m) -> tuple:
                  for s in m.segments)
 
 
-def _replay(m, program) -> str | Rejection:
+def _replay(m, program, key_order: bool = False) -> str | Rejection:
     """The matched rotations on random float64 inputs (one short sequence, the model's
-    heads), eager's nodes against the fused program + un-permutation."""
+    heads), eager's nodes against the fused program + un-permutation. ``key_order``
+    (multi-head latent attention): also q·k of the fused query against a key whose
+    rotated part has layouts.rope_permute's order, against eager's q·k."""
     gen = torch.Generator().manual_seed(2718)
     seq = min(_size(meta(m.proj.x).shape[1]), 5)
     k = min(_size(meta(m.proj.x).shape[-1]), 16)
@@ -456,7 +563,8 @@ def _replay(m, program) -> str | Rejection:
     elif m.angle_source == "table":
         rot = m.rotated[0]
         operands.append(layouts.rope_half_table_rows(cos, sin, x, rot.head_dim,
-                                                 rot.rotary_dim, m.angle.half_width).double())
+                                                     rot.rotary_dim, m.angle.half_width,
+                                                     rot.rotary_offset).double())
     if m.angle_source == "table" and m.passthrough:
         operands.append(layouts.rope_rotated_columns(rotated_spans(m), x))
     else:
@@ -469,8 +577,13 @@ def _replay(m, program) -> str | Rejection:
     for rot, ref in zip(m.rotated, want):
         got = fused[..., at:at + rot.n_heads * rot.head_dim].unflatten(
             -1, (rot.n_heads, rot.head_dim))
+        if key_order:
+            k = torch.randn(rot.head_dim, generator=gen, dtype=torch.float64)
+            lo = rot.rotary_offset
+            k_fused = torch.cat((k[:lo], layouts.rope_permute(k[lo:])))
+            err = max(err, rel_err(got @ k_fused, ref @ k))
         if rot.form == "half":
-            got = layouts.rope_unpermute(got, rot.head_dim, rot.rotary_dim)
+            got = layouts.rope_unpermute(got, rot.head_dim, rot.rotary_dim, rot.rotary_offset)
         err = max(err, rel_err(got, ref))
         at += rot.n_heads * rot.head_dim
     for s in m.passthrough:

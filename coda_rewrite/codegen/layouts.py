@@ -9,21 +9,27 @@ value kept between calls is the runtime's (kernels/).
     the norm's chain    fold_scale (a per-feature factor into W), distribute_bias (a shift)
     gated pairs         interleave_rows, interleave_halves
     RoPE                rope_segments (per-head permutation, q/k/v concatenated),
-                        rope_unpermute, rope_frequencies, rope_positions, rope_column_scale,
+                        segment, pair_order, half_order, rope_unpermute, rope_permute, rope_frequencies, rope_positions, rope_column_scale,
                         rope_rotated_columns, rope_table_rows, rope_half_table_rows,
                         rope_pair_table_rows
     cross-entropy       row_targets, cross_entropy_from_rows, unmaterialised_logits
 
-A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim[, groups, g, i0, i1,
-d]): rows [lo, hi) of a projection, per-head interleaved for the rotation (n_heads > 0),
-or kept as they are (n_heads == 0: v, frequency 0); with the last five, the projection's
-rows are groups [groups, g, d] and the segment is members [i0, i1) of each (GPT-NeoX's
-[q_h, k_h, v_h] per head; Falcon's heads), hi − lo its width.
+A RoPE segment layout is (lo, hi, n_heads, head_dim, rotary_dim[, rotary_offset,
+stored_pairs][, groups, g, i0, i1, d]) (segment() reads it): rows [lo, hi) of a
+projection, per-head interleaved for the rotation (n_heads > 0), or kept as they are
+(n_heads == 0: v, frequency 0). Each head rotates features [rotary_offset, rotary_offset
++ rotary_dim) (0 when left out: a prefix; multi-head latent attention rotates a suffix);
+stored_pairs = 1 where the projection's rows already hold each rotation pair adjacent
+(DeepSeek-V3's rope_interleave: its rotation reads x[0::2], x[1::2]), so nothing is
+permuted. With the last five, the projection's rows are groups [groups, g, d] and the
+segment is members [i0, i1) of each (GPT-NeoX's [q_h, k_h, v_h] per head; Falcon's
+heads), hi − lo its width.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -111,19 +117,69 @@ def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ---- RoPE: layouts, positions and frequencies of the fused q/k/v GEMM -------------------
-#
-# A segment layout is (lo, hi, n_heads, head_dim, rotary_dim): rows [lo, hi) of a
-# projection, per-head interleaved for the rotation (n_heads > 0), or kept as they are
-# (n_heads == 0: v, frequency 0).
 
-def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+class Segment(NamedTuple):
+    """One segment of a RoPE layout (the module docstring's tuple, decoded)."""
+    lo: int
+    hi: int
+    n_heads: int
+    head_dim: int
+    rotary_dim: int
+    rotary_offset: int = 0
+    stored_pairs: bool = False
+    member: tuple = ()
+
+    @property
+    def rotary(self) -> slice:
+        """The rotated features of each head."""
+        return slice(self.rotary_offset, self.rotary_offset + self.rotary_dim)
+
+
+def segment(entry: tuple) -> Segment:
+    """A layout entry (plain ints: the custom ops carry it as a string) decoded."""
+    if len(entry) in (5, 10):
+        head, member = entry[:5], entry[5:]
+        return Segment(*head, member=tuple(member))
+    if len(entry) in (7, 12):
+        head, member = entry[:7], entry[7:]
+        return Segment(*head[:6], bool(head[6]), tuple(member))
+    raise ValueError(f"a RoPE segment layout has 5, 7, 10 or 12 fields, not {entry}")
+
+
+def pair_order(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Features [x0 .. x_{h-1}, x_h .. x_{2h-1}] of ``dim`` as [x0, x_h, x1, x_h+1, ...]:
+    Hugging Face's rotation pair (f, f + h) made adjacent (2f, 2f + 1). A view where the
+    strides allow it."""
+    n = t.shape[dim]
+    return t.unflatten(dim, (2, n // 2)).transpose(dim, dim - 1 if dim < 0 else dim + 1) \
+        .flatten(dim - 1 if dim < 0 else dim, dim if dim < 0 else dim + 1)
+
+
+def half_order(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of pair_order on the last dim: adjacent pairs back to halves."""
+    n = t.shape[-1]
+    return t.unflatten(-1, (n // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+def rope_unpermute(t: torch.Tensor, head_dim: int, rotary_dim: int,
+                   rotary_offset: int = 0) -> torch.Tensor:
     """The inverse of rope_segments' per-head permutation on an activation's last dim
     (one head): eager's feature order, for a rotated q or k that flows where the order
-    shows."""
-    rot = t[..., :rotary_dim].unflatten(-1, (rotary_dim // 2, 2)).transpose(-1, -2).flatten(-2)
-    if rotary_dim < head_dim:
-        rot = torch.cat((rot, t[..., rotary_dim:]), -1)
-    return rot.contiguous()
+    shows. (A segment whose rows were stored in pairs has the same inverse: its rotation
+    writes the pairs as halves.)"""
+    lo, hi = rotary_offset, rotary_offset + rotary_dim
+    parts = [t[..., :lo]] if lo else []
+    parts.append(half_order(t[..., lo:hi]))
+    if hi < head_dim:
+        parts.append(t[..., hi:])
+    return (torch.cat(parts, -1) if len(parts) > 1 else parts[0]).contiguous()
+
+
+def rope_permute(t: torch.Tensor) -> torch.Tensor:
+    """A rotated value's whole last dim in the fused GEMM's pair order (pair_order): the
+    key side of multi-head latent attention, whose rotated part (one small head shared by
+    every query head) comes from another GEMM and must match the fused query's order."""
+    return pair_order(t).contiguous()
 
 
 def _as_row_words(out: torch.Tensor, tensors) -> tuple:
@@ -147,36 +203,39 @@ def _as_row_words(out: torch.Tensor, tensors) -> tuple:
 def rope_segments(layout: tuple, *tensors: torch.Tensor | None) -> torch.Tensor:
     """The fused GEMM's weight (or bias) from each segment's projection weight (or bias;
     None: zeros), recomputed from the live parameters on every call. A rotated segment's
-    rows are reordered per head to [x0, x_h, x1, x_h+1, ..., x_{h-1}, x_{2h-1}, pass-
-    through rows], h = rotary_dim / 2: Hugging Face's rotation pair (f, f + h) becomes
-    the adjacent pair (2f, 2f + 1). Each segment is
-    written once, in place into the result (one pass over the weights, where permuting
-    and then concatenating would make two; autograd scatters the gradient back)."""
+    rotary rows are reordered per head to [x0, x_h, x1, x_h+1, ..., x_{h-1}, x_{2h-1}]
+    (pair_order; rows stored in pairs stay), h = rotary_dim / 2, the head's other rows
+    in place: Hugging Face's rotation pair (f, f + h) becomes the adjacent pair (2f,
+    2f + 1). Each segment is written once, in place into the result (one pass over the
+    weights, where permuting and then concatenating would make two; autograd scatters
+    the gradient back)."""
     like = next(t for t in tensors if t is not None)
-    out = like.new_empty(sum(hi - lo for lo, hi, *_ in layout), *like.shape[1:])
+    segs = [segment(e) for e in layout]
+    out = like.new_empty(sum(s.hi - s.lo for s in segs), *like.shape[1:])
     dst_all, tensors = _as_row_words(out, tensors)
     at = 0
-    for (lo, hi, n_heads, head_dim, rotary_dim, *member), t in zip(layout, tensors):
-        dst = dst_all[at:at + hi - lo]
-        at += hi - lo
+    for s, t in zip(segs, tensors):
+        dst = dst_all[at:at + s.hi - s.lo]
+        at += s.hi - s.lo
         if t is None:
             dst.zero_()
-        elif not n_heads:
-            if member:
-                rows = _member_rows(t, member)
+        elif not s.n_heads:
+            if s.member:
+                rows = _member_rows(t, s.member)
                 dst.unflatten(0, rows.shape[:2]).copy_(rows)
             else:
-                dst.copy_(t[lo:hi])
+                dst.copy_(t[s.lo:s.hi])
+        elif s.stored_pairs:
+            dst.copy_(_member_rows(t, s.member).flatten(0, 1) if s.member else t[s.lo:s.hi])
         else:
             # a member's rows are whole heads in order (d may hold several: CodeGen)
-            src = _member_rows(t, member).flatten(0, 1).unflatten(0, (n_heads, head_dim)) \
-                if member else t[lo:hi].unflatten(0, (n_heads, head_dim))
-            heads = dst.unflatten(0, (n_heads, head_dim))
-            h = rotary_dim // 2
-            heads[:, :rotary_dim].unflatten(1, (h, 2)).copy_(
-                src[:, :rotary_dim].unflatten(1, (2, h)).transpose(1, 2))
-            if rotary_dim < head_dim:
-                heads[:, rotary_dim:].copy_(src[:, rotary_dim:])
+            src = _member_rows(t, s.member).flatten(0, 1).unflatten(0, (s.n_heads, s.head_dim)) \
+                if s.member else t[s.lo:s.hi].unflatten(0, (s.n_heads, s.head_dim))
+            heads = dst.unflatten(0, (s.n_heads, s.head_dim))
+            heads[:, s.rotary].copy_(pair_order(src[:, s.rotary], 1))
+            for keep in (slice(0, s.rotary_offset), slice(s.rotary.stop, s.head_dim)):
+                if keep.stop > keep.start:
+                    heads[:, keep].copy_(src[:, keep])
     return out
 
 
@@ -198,22 +257,26 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     lo = (t - hi.double()).float()
     pair = torch.stack((hi, lo), -1).flatten()
     parts = []
-    for lo_, hi_, n_heads, head_dim, rotary_dim, *_ in layout:
-        if n_heads:
-            head = F.pad(pair, (0, head_dim - pair.numel()))
-            parts.append(head.repeat(n_heads))
+    for s in map(segment, layout):
+        if s.n_heads:
+            head = F.pad(pair, (s.rotary_offset, s.head_dim - s.rotary_offset - pair.numel()))
+            parts.append(head.repeat(s.n_heads))
         else:
-            parts.append(pair.new_zeros(hi_ - lo_))
+            parts.append(pair.new_zeros(s.hi - s.lo))
     return torch.cat(parts)
 
 
 def rope_column_scale(scale, layout: tuple, like: torch.Tensor) -> torch.Tensor:
     """The attention scaling per output column (float32 [N]): ``scale`` (a number or a
-    0-d tensor) on rotated columns, 1 on pass-through ones."""
+    0-d tensor) on rotated columns, 1 on pass-through ones (v, and the features of a
+    partial rotary that the tables do not scale)."""
     parts = []
-    for lo, hi, n_heads, *_ in layout:
-        ones = torch.ones(hi - lo, dtype=torch.float32, device=like.device)
-        parts.append(ones * scale if n_heads else ones)
+    for s in map(segment, layout):
+        ones = torch.ones(s.hi - s.lo, dtype=torch.float32, device=like.device)
+        if s.n_heads:
+            heads = ones.unflatten(0, (s.n_heads, s.head_dim))
+            heads[:, s.rotary] = heads[:, s.rotary] * scale
+        parts.append(ones)
     return torch.cat(parts)
 
 
@@ -243,9 +306,20 @@ def rope_table_rows(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return rows.expand(b, -1, -1).reshape(b * s, -1).contiguous()
 
 
+def _head_rows(pairs: torch.Tensor, head_dim: int, rotary_offset: int) -> torch.Tensor:
+    """(cos, sin) pairs [.., rotary_dim] placed in a head's columns [.., head_dim]: the
+    features a partial rotary passes through get (1, 0), an identity."""
+    before, after = rotary_offset, head_dim - rotary_offset - pairs.shape[-1]
+    if not before and not after:
+        return pairs
+    ident = pairs.new_tensor([1.0, 0.0])
+    return torch.cat([ident.repeat(before // 2).expand(*pairs.shape[:-1], -1), pairs,
+                      ident.repeat(after // 2).expand(*pairs.shape[:-1], -1)], -1)
+
+
 def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
-                         head_dim: int, rotary_dim: int,
-                         half_width: bool = False) -> torch.Tensor:
+                         head_dim: int, rotary_dim: int, half_width: bool = False,
+                         rotary_offset: int = 0) -> torch.Tensor:
     """The (cos, sin) rows [B·S, head_dim] (float32) of Hugging Face-style tables
     cos/sin [Bp, S, rotary_dim] for the permuted heads: pair f of each head gets
     (cos[f], sin[f]); pass-through features of a partial rotary get (1, 0), an identity.
@@ -259,9 +333,7 @@ def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
         ok = (cos[..., :h] == cos[..., h:]).all() & (sin[..., :h] == sin[..., h:]).all()
         torch._assert_async(ok, "rope: cos/sin halves differ; the table is not cat(θ, θ)")
     pairs = torch.stack((cos[..., :h].float(), sin[..., :h].float()), -1).flatten(-2)
-    if rotary_dim < head_dim:
-        ident = pairs.new_tensor([1.0, 0.0]).repeat((head_dim - rotary_dim) // 2)
-        pairs = torch.cat((pairs, ident.expand(*pairs.shape[:-1], -1)), -1)
+    pairs = _head_rows(pairs, head_dim, rotary_offset)
     b, s = x.shape[0], x.shape[1]
     return pairs.reshape(-1, s, head_dim).expand(b, -1, -1).reshape(b * s, head_dim) \
         .contiguous()
@@ -281,9 +353,7 @@ def rope_pair_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
     torch._assert_async(ok, "rope: cos/sin differ within a pair; the table is not "
                             "repeat_interleave(θ, 2)")
     pairs = torch.stack((cos[..., 0::2].float(), sin[..., 0::2].float()), -1).flatten(-2)
-    if rotary_dim < head_dim:
-        ident = pairs.new_tensor([1.0, 0.0]).repeat((head_dim - rotary_dim) // 2)
-        pairs = torch.cat((pairs, ident.expand(*pairs.shape[:-1], -1)), -1)
+    pairs = _head_rows(pairs, head_dim, 0)
     return pairs.expand(b, -1, -1).reshape(b * s, head_dim).contiguous()
 
 

@@ -132,6 +132,10 @@ class Rotated:
                              # Falcon: one group of all heads) and this value is members
                              # [i0, i1) of each; columns are then positions in the
                              # members' order, [i0·groups·d, i1·groups·d)
+    rotary_offset: int = 0   # each head rotates [offset, offset + rotary_dim): a suffix
+                             # in multi-head latent attention (q = cat(q_pass, rope(q_rot)))
+    stored_pairs: bool = False   # "half" read from pairs stored adjacent (DeepSeek-V3's
+                             # rope_interleave: x[0::2], x[1::2]): no weight permutation
 
     @property
     def transposed(self) -> bool:
@@ -334,7 +338,21 @@ class NoAngle:
     as_table: bool
 
 
+def _first_half(node) -> fx.Node | None:
+    """x for ``x[..., :r/2]`` (x's last dim r)."""
+    sl = _last_dim_slice(node)
+    if sl is None or meta(sl[0]) is None:
+        return None
+    n = int(meta(sl[0]).shape[-1])
+    return sl[0] if n % 2 == 0 and _norm_slice(sl[1], sl[2], n) == (0, n // 2) else None
+
+
 def angle_of(cos_t, sin_t, half_width: bool = False) -> Angle | NoAngle:
+    if half_width and _first_half(cos_t) is not None and _first_half(sin_t) is not None:
+        # DeepSeek-V3: cos(cat(θ, θ))[..., :r/2] is cos(θ), one angle per pair
+        whole = angle_of(_first_half(cos_t), _first_half(sin_t))
+        if isinstance(whole, Angle):
+            return dataclasses.replace(whole, cos=cos_t, sin=sin_t, half_width=True)
     c, s = _table(cos_t), _table(sin_t)
     for t in (c, s):
         if isinstance(t, str):
@@ -469,7 +487,7 @@ def _unsqueezed(node) -> tuple[fx.Node, int] | None:
 
 def _rope_core(add: fx.Node):
     """(x, cos table, sin table, head axis, the rotation's own nodes, form, half-width
-    tables: False) for
+    tables: False, pairs stored adjacent: False) for
     x·C + rotate_half(x)·S ("half": C and S the [Bp, S, r] tables unsqueezed at the head
     axis) or x·C + rotate_pairs(x)·S ("interleaved": C and S the 4-d values the rotation
     multiplies by, whatever computed them: they are read as a table)."""
@@ -501,12 +519,12 @@ def _rope_core(add: fx.Node):
                     if axis is None:
                         return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast "
                                    "over the heads", "rope.table_broadcast")
-                    return x, c_t, s_t, axis, nodes, form, False
+                    return x, c_t, s_t, axis, nodes, form, False, False
                 cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
                 if cu is None or su is None or cu[1] != su[1]:
                     return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
                                "the heads", "rope.table_broadcast")
-                return x, cu[0], su[0], cu[1], nodes, form, False
+                return x, cu[0], su[0], cu[1], nodes, form, False, False
     return None
 
 
@@ -516,10 +534,13 @@ def _mul_args(node) -> tuple | None:
 
 
 def _written_rope_core(cat: fx.Node):
-    """(x, cos, sin, unsqueeze dim, nodes, "half", half-width tables) for gpt-oss's
-    written-out rotation: x1, x2 = chunk(x, 2, -1);  cat((x1·C − x2·S, x2·C + x1·S), -1)
-    with C, S = cos(θ), sin(θ) [Bp, S, r/2] unsqueezed at the head axis: the half-split
-    rotation (rotate_half) by another spelling."""
+    """(x, cos, sin, unsqueeze dim, nodes, "half", half-width tables, pairs stored
+    adjacent) for gpt-oss's written-out rotation: x1, x2 = chunk(x, 2, -1);
+    cat((x1·C − x2·S, x2·C + x1·S), -1) with C, S = cos(θ), sin(θ) [Bp, S, r/2]
+    unsqueezed at the head axis: the half-split rotation (rotate_half) by another
+    spelling. With x1, x2 = x[..., 0::2], x[..., 1::2] (DeepSeek-V3's rope_interleave,
+    C = cos(cat(θ, θ))[..., :r/2]) the pairs are read from adjacent features and written
+    as halves: the same rotation of a projection whose rows are stored in pair order."""
     parts = _cat_last(cat)
     if parts is None or len(parts) != 2 or not all(isinstance(p, fx.Node) for p in parts):
         return None
@@ -542,18 +563,15 @@ def _written_rope_core(cat: fx.Node):
             if None in got or sorted(map(len, map(set, got))) != [2, 2] or not (
                     all(any(set(g) == w for g in got) for w in want)):
                 continue
-            if _parity_of(x1) is not None:  # DeepSeek-V3's rope_interleave
-                return Why("the rotation reads its pairs interleaved (x[..., 0::2], "
-                           "x[..., 1::2]) and writes them as halves (DeepSeek-V3's "
-                           "rope_interleave): the epilogue writes each rotated pair "
-                           "adjacent, so eager's order would cost a copy on every reader; "
-                           "not fused", "rope.interleaved_to_halves")
+            # DeepSeek-V3's rope_interleave reads each pair from adjacent features and
+            # writes it as halves: the half-split rotation of rows stored in pair order
+            stored_pairs = _parity_of(x1) is not None
             cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
             if cu is None or su is None or cu[1] != su[1]:
                 return Why("cos/sin are not [batch, seq, rotary_dim / 2] tables broadcast "
                            "over the heads", "rope.table_broadcast")
             nodes = (cat, *parts, *lo.args, *hi.args, *h1[2], *h2[2])
-            return h1[0], cu[0], su[0], cu[1], nodes, "half", True
+            return h1[0], cu[0], su[0], cu[1], nodes, "half", True, stored_pairs
     return None
 
 
@@ -822,11 +840,25 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         return None
     if isinstance(core, str):
         return NoMatch(add, core)
-    x, cos_t, sin_t, unsq, nodes, form, half_width = core
-    out, rotary_part = add, x
+    x, cos_t, sin_t, unsq, nodes, form, half_width, stored_pairs = core
+    out, rotary_part, offset = add, x, 0
+    shared_key = _shared_latent_key(x)
+    if shared_key is not None:
+        return NoMatch(add, shared_key)
+    # multi-head latent attention: q_pass, q_rot = split(q, [p, r], -1); the head is
+    # cat((q_pass, rope(q_rot)), -1), a rotated suffix
+    suffix = _split_suffix(x)
+    sl = _last_dim_slice(x) if suffix is None else None
+    if suffix is not None:
+        heads, rest, fan, offset = suffix
+        users = list(add.users)
+        if len(users) != 1 or _cat_last(users[0]) != [rest, add]:
+            return NoMatch(add, Why("the rotated suffix of the head is not concatenated back "
+                                    "after the rest of the head", "rope.suffix_concat"))
+        out = users[0]
+        nodes = nodes + (x, rest, fan, out)
     # partial rotary: out = cat([rope(q[..., :r]), q[..., r:]]) over the head dim
-    sl = _last_dim_slice(x)
-    if sl is not None:
+    elif sl is not None:
         heads = sl[0]
         users = [u for u in add.users]
         whole = int(meta(heads).shape[-1]) if meta(heads) is not None else None
@@ -845,7 +877,7 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                     "rope.partial_rest"))
         out = users[0]
         nodes = nodes + (x, rest, out)
-    else:
+    if suffix is None and sl is None:
         heads = x
     # Cohere's q.float() before the rotation and .to(dtype) after it: the epilogue rotates
     # in float32 and writes the dtype of what the graph returns
@@ -904,7 +936,45 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
         return NoMatch(add, Why("cos/sin are not [batch, seq, rotary_dim] tables",
                                 "rope.table_shape"))
     return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
-                   rotary_dim, angle, nodes, member=member)
+                   rotary_dim, angle, nodes, member=member, rotary_offset=offset,
+                   stored_pairs=stored_pairs)
+
+
+def _split_suffix(x: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int] | None:
+    """(heads, the unrotated item, the split, its width) for x = ``torch.split(heads,
+    [p, r], dim=-1)[1]`` where the split's two items are read only here and by the
+    concatenation that puts the head back together (multi-head latent attention)."""
+    if not (_is(x, {operator.getitem}) and x.args[1] == 1 and _is(x.args[0], _TORCH_SPLIT)):
+        return None
+    fan = x.args[0]
+    src, sizes, dim = _args(fan, "tensor", "split_size_or_sections", "dim",
+                            defaults=(None, None, 0))
+    ms = meta(src) if isinstance(src, fx.Node) else None
+    if ms is None or not isinstance(sizes, (list, tuple)) or len(sizes) != 2 or \
+            not all(isinstance(v, int) and v > 0 for v in sizes) or \
+            dim not in (-1, ms.dim() - 1) or sum(sizes) != ms.shape[-1]:
+        return None
+    rest = [u for u in fan.users if u is not x]
+    if len(rest) != 1 or not (_is(rest[0], {operator.getitem}) and rest[0].args[1] == 0):
+        return None
+    return src, rest[0], fan, sizes[0]
+
+
+def _shared_latent_key(x: fx.Node) -> Why | None:
+    """Why a rotation of multi-head latent attention's shared key is left: x =
+    ``split(P, [c, r], -1)[1].view(B, 1, S, r)``, one r-wide head sliced off the
+    compressed kv projection and shared by every query head."""
+    if not (_is(x, _SPLIT) and meta(x) is not None and meta(x).dim() == 4 and
+            meta(x).shape[1] == 1):
+        return None
+    item = x.args[0]
+    if not (_is(item, {operator.getitem}) and _is(item.args[0], _TORCH_SPLIT)):
+        return None
+    return Why("the rotary part of multi-head latent attention's key: one small head "
+               "(tokens × rotary_dim, sliced off the compressed kv projection) shared by "
+               "every query head, left as graph ops; where the query's rotation is fused "
+               "the key gets the query's pair order where it is assembled "
+               "(algebra/rope.py)", "rope.latent_shared_key")
 
 
 # ---- the complex form: view_as_real(view_as_complex(q) · table) (TorchTitan) ------------------
@@ -969,6 +1039,13 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
             if split is not None and mr.shape[axis] == 1:
                 break
         else:
+            if _split_suffix(heads) is not None or _shared_latent_key(heads) is not None:
+                return NoMatch(vr, Why(
+                    "multi-head latent attention's rotation by a complex table (DeepSeek-V2): "
+                    "its rotated suffix would need a per-head table as wide as the head "
+                    "(nope + rope features, 192 for DeepSeek), which the table contract's "
+                    "tile widths (kernels/quack_path.TABLE_TILE_N) do not divide; left",
+                    "rope.latent_complex_table"))
             return NoMatch(vr, Why(f"the rotated value {describe(heads)} is not the head-split "
                                    "output of a projection", "rope.not_head_split"))
         col_value, split_nodes, n_heads, head_dim = split
@@ -1235,7 +1312,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             if m.form == "half":
                 angle = [graph.call_function(layouts.rope_half_table_rows, (
                     m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim,
-                    m.angle.half_width))]
+                    m.angle.half_width, rot.rotary_offset))]
             elif m.form == "interleaved":
                 angle = [graph.call_function(layouts.rope_pair_table_rows, (
                     m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
@@ -1278,15 +1355,17 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     for s in m.remainders:  # what else a packed projection held: its own GEMM
         with graph.inserting_before(s.column_node):
             s.column_node.replace_all_uses_with(column_gemm(graph, s))
-    region = rope_algebra.permuted_region(new_outs) if m.form == "half" else \
+    region = rope_algebra.region_of(m, new_outs) if m.form == "half" else \
         rope_algebra.Region(set(), [], [])
     rot = m.rotated[0]
     for consumer, value in region.unpermute:
         with graph.inserting_before(consumer):
             back = graph.call_function(layouts.rope_unpermute,
-                                       (value, rot.head_dim, rot.rotary_dim))
+                                       (value, rot.head_dim, rot.rotary_dim, rot.rotary_offset))
         same_meta(back, value)
         consumer.replace_input_with(value, back)
+    for reader, value in region.key_writes:  # MLA: the key's rotated part in q's order
+        permute_key_part(graph, reader, value)
     erase_if_dead(graph, [n for r in m.rotated for n in (r.out, *r.nodes, *r.split)]
                   + [n for s in (*m.segments, *m.remainders)
                      for n in (s.column_node, *s.split, *s.proj.nodes)])
@@ -1297,6 +1376,19 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"
             for c, v in region.unpermute]
     return shown
+
+
+def permute_key_part(graph: fx.Graph, reader: fx.Node, value: fx.Node) -> None:
+    """``reader`` (``key[..., offset:].copy_(value)``, or the key's concatenation) reads
+    ``rope_permute(value)`` instead; through the broadcast of the shared rotary head to
+    every head (``expand``), permuted before it: one small head, not all of them."""
+    user = reader
+    if _is(value, _BROADCAST) and len(value.users) == 1 and isinstance(value.args[0], fx.Node):
+        user, value = value, value.args[0]
+    with graph.inserting_before(user):
+        permuted = graph.call_function(layouts.rope_permute, (value,))
+    same_meta(permuted, value)
+    user.replace_input_with(value, permuted)
 
 
 def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
