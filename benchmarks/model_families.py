@@ -8,6 +8,9 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   (Llama) spelling of the same region;
 * packed q/k/v (GPT-NeoX's per-head [q, k, v], Falcon's grouped layout, CodeGen's
   blocks) -> RoPE -> SDPA: the member gathers of the fused GEMM against torch.compile;
+* multi-head latent attention at DeepSeek-V3's layer shapes ([2, 2048] tokens, 128 heads
+  of 128 + 64 features for q·k and 128 for v, q rank 1536, kv rank 512, hidden 7168):
+  q_b_proj -> rotated suffix -> cat, the shared rotary key head, the key buffer, SDPA;
 * LM head -> soft-capped cross-entropy (Gemma 2: 30·tanh(y / 30)), forward + backward,
   beside the uncapped loss, torch.compile and Liger's fused linear cross-entropy with
   its softcap (when installed); peak memory too;
@@ -17,7 +20,7 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   the norm: the epilogue could only emit sums of squares, a second pass reads the GEMM's
   output back). What a fusion could save is the difference.
 
-    source .gpu/setup.sh && python benchmarks/model_families.py [rope,packed,head,sandwich]
+    source .gpu/setup.sh && python benchmarks/model_families.py [rope,packed,mla,head,sandwich]
 """
 
 from __future__ import annotations
@@ -146,6 +149,46 @@ class PackedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek-V3's attention inputs as Hugging Face spells them (rope_interleave: pairs
+    read from adjacent features, written as halves), from the q_a norm's output ``xq``
+    and the layer input ``x`` (the kv_a norm left out: the region is about q)."""
+    HEADS, NOPE, ROPE, VDIM, QR, KVR, HID = 128, 128, 64, 128, 1536, 512, 7168
+
+    def __init__(self):
+        super().__init__()
+        n, d = self.HEADS, self.NOPE + self.ROPE
+        self.q_b = nn.Linear(self.QR, n * d, bias=False)
+        self.kv_a = nn.Linear(self.HID, self.KVR + self.ROPE, bias=False)
+        self.kv_b = nn.Linear(self.KVR, n * (self.NOPE + self.VDIM), bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (
+            torch.arange(0, self.ROPE, 2).float() / self.ROPE)))
+
+    def forward(self, xq, x):
+        b, s = x.shape[:2]
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), -1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q = self.q_b(xq).view(b, s, -1, self.NOPE + self.ROPE).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [self.NOPE, self.ROPE], dim=-1)
+        kv, k_rot = torch.split(self.kv_a(x), [self.KVR, self.ROPE], dim=-1)
+        k_rot = k_rot.view(b, 1, s, self.ROPE)
+        c, sn = cos[..., :self.ROPE // 2].unsqueeze(1), sin[..., :self.ROPE // 2].unsqueeze(1)
+
+        def rope(t):
+            t1, t2 = t[..., 0::2], t[..., 1::2]
+            return torch.cat([t1 * c - t2 * sn, t2 * c + t1 * sn], dim=-1)
+        q_rot, k_rot = rope(q_rot), rope(k_rot)
+        kv = self.kv_b(kv).view(b, s, -1, self.NOPE + self.VDIM).transpose(1, 2)
+        k_nope, v = torch.split(kv, [self.NOPE, self.VDIM], dim=-1)
+        query = torch.cat((q_pass, q_rot), dim=-1)
+        key = kv.new_empty(*kv.shape[:-1], self.NOPE + self.ROPE)
+        key[..., :self.NOPE].copy_(k_nope)
+        key[..., self.NOPE:].copy_(k_rot.expand(-1, self.HEADS, -1, -1))
+        return F.scaled_dot_product_attention(query, key, v, is_causal=True)
+
+
 def _peak(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -158,19 +201,21 @@ def _peak(fn) -> float:
 def _region_rows(name: str, region: nn.Module, x, bare) -> tuple[list, list]:
     """One attention-input region: optimize(), backend="coda", torch.compile, ``bare``
     (cuBLAS GEMMs + SDPA) and eager in alternating rounds, after checking that the RoPE
-    rewrite applied and what it computes against eager."""
+    rewrite applied and what it computes against eager. ``x``: the input, or a tuple of
+    them."""
+    xs = x if isinstance(x, tuple) else (x,)
     with torch.no_grad():
         fused = coda_rewrite.optimize(region)
         backend = torch.compile(region, backend="coda")
         compiled = torch.compile(region)
-        want, got = region(x), fused(x)
-        backend(x)
-        compiled(x)
+        want, got = region(*xs), fused(*xs)
+        backend(*xs)
+        compiled(*xs)
         assert fused.report.count(pattern="rope") == 1, str(fused.report)
         err = float((got.float() - want.float()).norm() / want.float().norm())
-        t = bench_rounds({"coda": lambda: fused(x), "coda backend": lambda: backend(x),
-                          "torch.compile": lambda: compiled(x), "bare cuBLAS": bare,
-                          "eager": lambda: region(x)})
+        t = bench_rounds({"coda": lambda: fused(*xs), "coda backend": lambda: backend(*xs),
+                          "torch.compile": lambda: compiled(*xs), "bare cuBLAS": bare,
+                          "eager": lambda: region(*xs)})
     rows = [(f"{name}: {variant}", "ms", ms) for variant, (ms, _) in t.items()]
     return rows, [(name, variant, ms, spread, err) for variant, (ms, spread) in t.items()]
 
@@ -211,6 +256,25 @@ def packed_rows():
         r, t = _region_rows(f"packed q,k,v ({layout}) -> RoPE", region, x, bare)
         rows, table = rows + r, table + t
     return rows, table
+
+
+def latent_rows():
+    """DeepSeek-V3's attention inputs (LatentAttention) beside torch.compile, the bare
+    GEMMs + SDPA (no rotation) and eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    region = LatentAttention().cuda().to(bf)
+    b, s, la = 2, 2048, LatentAttention
+    xq = torch.randn(b, s, la.QR, device="cuda", dtype=bf)
+    x = torch.randn(b, s, la.HID, device="cuda", dtype=bf)
+
+    def bare():
+        q = region.q_b(xq).view(b, s, -1, la.NOPE + la.ROPE).transpose(1, 2)
+        kv, _ = torch.split(region.kv_a(x), [la.KVR, la.ROPE], dim=-1)
+        kv = region.kv_b(kv).view(b, s, -1, la.NOPE + la.VDIM).transpose(1, 2)
+        k_nope, v = torch.split(kv, [la.NOPE, la.VDIM], dim=-1)
+        F.scaled_dot_product_attention(q, q, v, is_causal=True)
+    return _region_rows("MLA q_b_proj -> rotated suffix (DeepSeek-V3)", region, (xq, x), bare)
 
 
 def head_rows():
@@ -294,6 +358,8 @@ def main(which: set[str]):
     print(env_line(), flush=True)
     rows, table = attention_rows() if "rope" in which else ([], [])
     r1, t1 = packed_rows() if "packed" in which else ([], [])
+    rows, table = rows + r1, table + t1
+    r1, t1 = latent_rows() if "mla" in which else ([], [])
     rows, table = rows + r1, table + t1
     r2, t2 = head_rows() if "head" in which else ([], [])
     r3, t3, codes = sandwich_rows() if "sandwich" in which else ([], [], [])

@@ -1233,3 +1233,12 @@ def test_the_witness_checks_the_keys_order_against_the_querys(monkeypatch):
                "rope.latent_shared_key"]
     assert refused and not rope_records(fast.report), str(fast.report)
     assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+
+
+def test_table_head_widths_the_kernel_can_tile():
+    """A cos/sin table wraps every head_dim columns: the kernel's 64- and 128-wide table
+    tiles take heads of 64, 128, 256 ..., not DeepSeek's 192-wide q·k heads (such a
+    table rotation is left on the GPU: tests/gpu, rope.table_head_width)."""
+    from coda_rewrite.kernels.quack_path import table_head_fits
+    assert [h for h in (16, 32, 64, 96, 128, 192, 256, 384) if table_head_fits(h)] == \
+        [64, 128, 256, 384]

@@ -51,6 +51,15 @@ TABLE_TILE_N = 128
 # H200: head_dim 16 fails its "multiple of the epi tile N" check; 64 and 128 run)
 TABLE_MIN_HEAD = 64
 
+
+
+def table_head_fits(head_dim: int) -> bool:
+    """Whether a cos/sin table that wraps every ``head_dim`` columns meets the contract
+    below (_contract_failure): else every launch would run the reference path."""
+    return head_dim % TABLE_MIN_HEAD == 0 and (
+        TABLE_TILE_N % head_dim == 0 or head_dim % TABLE_TILE_N == 0)
+
+
 COMPILES: list[tuple[str, float]] = []  # (kernel, seconds of its first call)
 _seen: set = set()
 _lock = threading.Lock()

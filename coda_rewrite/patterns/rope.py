@@ -1255,11 +1255,32 @@ def plan_segments(m: Match) -> Match | str:
     return dataclasses.replace(m, passthrough=passthrough, remainders=remainders)
 
 
+def _table_misfit(m: Match) -> Why | None:
+    """Why the GPU kernel cannot read this match's cos/sin table (its width, head_dim,
+    fits none of the kernel's table tiles: kernels/quack_path.table_head_fits), so every
+    call would take the reference path: such a rewrite is not made. On the CPU (the
+    reference path anyway) there is no kernel to fit."""
+    from ..kernels.quack_path import table_head_fits
+    x = meta(m.proj.x)
+    head_dim = m.rotated[0].head_dim
+    if m.angle_source != "table" or x is None or x.device.type != "cuda" or \
+            table_head_fits(head_dim):
+        return None
+    why = "the complex form" if m.form == "pairs" else m.angle.why_table
+    return Why(f"the cos/sin are read as a table ({why}) whose heads are {head_dim} wide: the kernel's table tiles need a multiple of "
+               "64 that divides or is a multiple of 128, so every call would run the "
+               "reference path; left (cos/sin computed in the same graph, from positions "
+               "and frequencies, have no such limit)", "rope.table_head_width")
+
+
 def decide(m: Match, context: Context) -> Decided:
     planned = plan_segments(m)
     if isinstance(planned, str):
         return Decided.refuse(Rejection(planned, m.path))
     m = planned
+    misfit = _table_misfit(m)
+    if misfit is not None:
+        return Decided.refuse(Rejection(misfit, m.path))
     program = build_program(m)
     decision = rope_algebra.decide(m, program)
     if not decision.accepted:

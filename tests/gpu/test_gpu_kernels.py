@@ -514,18 +514,28 @@ def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_
             rel_err(x.float(), y.float())
 
 
+# DeepSeek-V3's head: 128 features without rotation, then 64 rotated; v 128
+MLA_HEADS = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+# both layers dense: routed experts on the eager loop break the graph, and the attention
+# graph then reads cos/sin as a table (test_latent_attention_table_too_wide_is_left)
+MLA_DENSE = dict(MLA_HEADS, first_k_dense_replace=2)
+
+
 @pytest.mark.parametrize("family,overrides", [
     ("gpt_neox", {}), ("falcon", dict(multi_query=True)),
     ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)), ("codegen", {}),
-    ("ernie4_5", {}), ("gpt_oss", {})],
+    ("ernie4_5", {}), ("gpt_oss", {}),
+    ("deepseek_v3", MLA_DENSE), ("deepseek_v3", dict(MLA_DENSE, rope_interleave=False)),
+    ("minicpm3", MLA_HEADS)],
     ids=["gpt_neox", "falcon_multi_query", "falcon_grouped", "codegen", "ernie4_5",
-         "gpt_oss"])
+         "gpt_oss", "deepseek_v3", "deepseek_v3_halves", "minicpm3"])
 def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     """The RoPE spellings rewritten on the CPU only so far (heads gathered per member out
     of a packed projection: GPT-NeoX, Falcon's multi-query and grouped layouts, CodeGen's
     blocks; Ernie's casts on both products; gpt-oss's written-out rotation, its experts
-    on the eager loop since grouped_mm has no float64 path) through the rotation kernels:
-    logits against a float64 copy, no worse than eager."""
+    on the eager loop since grouped_mm has no float64 path; multi-head latent
+    attention's rotated suffix at DeepSeek's head layout, 128 + 64) through the rotation
+    kernels: logits against a float64 copy, no worse than eager."""
     ids = torch.randint(0, 512, (2, 128), device=DEV)
 
     def rope_kernel_calls():
@@ -535,7 +545,7 @@ def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     def build(seed):
         model = hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512,
                          **overrides)
-        if family == "gpt_oss":
+        if family in ("gpt_oss", "deepseek_v3"):
             model.set_experts_implementation("eager")
         return model
     before = rope_kernel_calls()
@@ -545,3 +555,20 @@ def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     assert rope_kernel_calls() - before >= 3 * 2, ops.runtime_summary()
     print(f"{family} {overrides}: {res}")
     assert res["ok"], res
+
+
+def test_latent_attention_table_too_wide_is_left():
+    """DeepSeek-V3 with its experts on the eager loop: dynamo breaks the graph at the
+    routing, the attention's graph gets cos/sin as inputs, so the rotation would read a
+    table as wide as the head (128 + 64): no kernel table tile fits it, so the rewrite
+    is left with its reason (rope.table_head_width), not run on the reference path."""
+    model = hf_model("deepseek_v3", layers=2, hidden=256, vocab_size=512, **MLA_HEADS)
+    model = model.to(DEV, torch.bfloat16).eval()
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    torch._dynamo.reset()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():  # (bf16 routing may pick other experts than eager: no
+        fast(ids)           # logits bound here; the float32 survey checks the model)
+    codes = {r.code for r in fast.report.records if r.pattern == "rope"}
+    assert "rope.table_head_width" in codes and not fast.report.count(pattern="rope"), codes
