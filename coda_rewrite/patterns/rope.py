@@ -44,9 +44,17 @@ layer compiled alone, dynamic NTK rope's graph break; angles of another shape), 
 half-split form reads them as a table instead (algebra/rope.py: their halves are checked
 on the device at run time), v again passing through under a 0 flag.
 
+Multi-head latent attention (DeepSeek-V3, MiniCPM3, ...) rotates a suffix of each q head
+(``q_pass, q_rot = split(q, [p, r], -1)``, the head put back as ``cat((q_pass,
+rope(q_rot)), -1)``): the epilogue rotates that span (its rows permuted into pairs, or
+kept where DeepSeek-V3's rope_interleave stores them so) and the GEMM's output is the
+whole head. k's rotated part is one small head shared by all heads, from another GEMM:
+left as graph ops, it takes the query's pair order where the key is assembled
+(algebra/rope.py, _latent_key_write), so the query is never copied back.
+
 Left with the reason: q or k read before the rotation, a norm between the projection and
-the rotation (Qwen3, Gemma 3, OLMo 2), heads that interleave q, k and v (GPT-NeoX),
-differently rotated q and k.
+the rotation (Qwen3, Gemma 3, OLMo 2), differently rotated q and k, a complex-table
+rotation of a latent suffix (DeepSeek-V2), a table no kernel tile fits (on the GPU).
 """
 
 from __future__ import annotations
@@ -1077,11 +1085,13 @@ def _same_input(a: Projection, b: Projection) -> bool:
         (a.r is None or same_value(a.r, b.r))
 
 
-def _passthrough_candidates(group: list[Rotated], graph: fx.Graph) -> list[Passthrough]:
+def _passthrough_candidates(group: list[Rotated], graph: fx.Graph,
+                            rotated_elsewhere: set) -> list[Passthrough]:
     """Other GEMM outputs over the same input (and row scale): v, or the rest of a
-    packed projection. They join the GEMM with frequency 0."""
+    packed projection. They join the GEMM with frequency 0; not one another group
+    rotates (``rotated_elsewhere``: (projection, columns) pairs)."""
     p0 = group[0].proj
-    taken = {(r.proj.out, r.columns) for r in group}
+    taken = {(r.proj.out, r.columns) for r in group} | rotated_elsewhere
     out = []
     for r in group[:1]:  # a packed projection's other members (v)
         if not r.member:
@@ -1151,14 +1161,20 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
                 same_angle = a.emb is b.emb
             else:
                 same_angle = same_value(a.cos, b.cos) and same_value(a.sin, b.sin)
-            if _same_input(g[0].proj, r.proj) and same_angle:
+            # one permutation for the group: heads laid out alike (DeepSeek-V3.2's
+            # indexer reads the same input as the attention's q, with other heads)
+            same_heads = (g[0].head_dim, g[0].rotary_dim, g[0].rotary_offset,
+                          g[0].stored_pairs) == (r.head_dim, r.rotary_dim, r.rotary_offset,
+                                                 r.stored_pairs)
+            if _same_input(g[0].proj, r.proj) and same_angle and same_heads:
                 g.append(r)
                 break
         else:
             groups.append([r])
+    rotated = {(r.proj.out, r.columns) for r in found}
     for g in groups:
         # v joins at frequency 0 (angles) or under a 0 "rotate" flag (a table)
-        out.append(Match(g, _passthrough_candidates(g, graph)))
+        out.append(Match(g, _passthrough_candidates(g, graph, rotated)))
     return out
 
 
