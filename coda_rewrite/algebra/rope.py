@@ -269,9 +269,12 @@ def permuted_region(starts: list[fx.Node], head_dim: int = 0, offset: int = 0) -
 
 
 def region_of(m, starts: list[fx.Node]) -> Region:
-    """The permuted region of match ``m``'s rotated outputs ``starts``."""
+    """The permuted region of match ``m``'s rotated outputs ``starts``: with latent keys
+    where each head's rotated features are a suffix after others (multi-head latent
+    attention)."""
     rot = m.rotated[0]
-    return permuted_region(starts, rot.head_dim, rot.rotary_offset)
+    suffix = rot.rotary_offset and rot.rotary_offset + rot.rotary_dim == rot.head_dim
+    return permuted_region(starts, rot.head_dim, rot.rotary_offset if suffix else 0)
 
 
 # ---- side conditions ---------------------------------------------------------------------

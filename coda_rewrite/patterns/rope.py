@@ -564,8 +564,9 @@ def _written_rope_core(cat: fx.Node):
             continue
         for x2, s_t in (b, b[::-1]):
             h2 = _half_of(x2) or _parity_of(x2)
-            if h2 is None or h2[1] != 1 or h2[0] is not h1[0]:
-                continue
+            if h2 is None or h2[1] != 1 or h2[0] is not h1[0] or \
+                    (_parity_of(x1) is None) != (_parity_of(x2) is None):
+                continue  # both halves, or both parities: a mix is no rotation
             want = ({x2, c_t}, {x1, s_t})        # hi = x2·C + x1·S, in any order
             got = [_mul_args(n) for n in hi.args]
             if None in got or sorted(map(len, map(set, got))) != [2, 2] or not (
@@ -976,8 +977,12 @@ def _shared_latent_key(x: fx.Node) -> Why | None:
             meta(x).shape[1] == 1):
         return None
     item = x.args[0]
-    if not (_is(item, {operator.getitem}) and _is(item.args[0], _TORCH_SPLIT)):
+    if not (_is(item, {operator.getitem}) and item.args[1] == 1 and
+            _is(item.args[0], _TORCH_SPLIT)):
         return None
+    sizes = _args(item.args[0], "tensor", "split_size_or_sections")[1]
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2):
+        return None  # [compressed kv, rotary part]; a packed multi-query k has three
     return Why("the rotary part of multi-head latent attention's key: one small head "
                "(tokens × rotary_dim, sliced off the compressed kv projection) shared by "
                "every query head, left as graph ops; where the query's rotation is fused "
