@@ -788,10 +788,12 @@ class WrittenRotation(torch.nn.Module):
         self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
 
     def rotate(self, t, cos, sin):
-        a, b = torch.chunk(t, 2, dim=-1)
-        if self.variant in ("pairs", "mixed"):  # DeepSeek-V3's spelling; a half and a
-            a = t[..., 0::2]                    # parity, which is no rotation at all
-            b = t[..., 1::2] if self.variant == "pairs" else torch.chunk(t, 2, dim=-1)[1]
+        if self.variant == "pairs":  # DeepSeek-V3's spelling
+            a, b = t[..., 0::2], t[..., 1::2]
+        elif self.variant == "mixed":  # a parity and a half: no rotation at all
+            a, b = t[..., 0::2], t[..., t.shape[-1] // 2:]
+        else:
+            a, b = torch.chunk(t, 2, dim=-1)
         if self.variant == "sign":          # R(−θ)
             return torch.cat((a * cos + b * sin, b * cos - a * sin), dim=-1)
         if self.variant == "halves_swapped":  # the halves' roles exchanged: R(−θ) again,
