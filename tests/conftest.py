@@ -118,11 +118,12 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         "codegen": (tf.CodeGenConfig, tf.CodeGenForCausalLM),
         # multi-head latent attention: low-rank q and kv, the rotated part a suffix of
         # each q head, k's one shared head; DeepSeek-V3 reads its pairs interleaved
-        # (rope_interleave), MiniCPM3 rotates halves
+        # (rope_interleave), MiniCPM3 rotates halves, DeepSeek-V2 by a complex table
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "minicpm3": (tf.MiniCPM3Config, tf.MiniCPM3ForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),  # complex form
     }[family]
-    if family in ("deepseek_v3", "minicpm3"):
+    if family in ("deepseek_v3", "minicpm3", "deepseek_v2"):
         common.update(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
                       qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
                       n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -135,7 +136,7 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
                       n_positions=128, rotary_dim=hidden // 8, attn_implementation="eager",
                       bos_token_id=1, eos_token_id=2)  # its attention: eager's only
     if family in ("phi3", "glm", "helium", "cohere", "gpt_oss", "gpt_neox", "falcon",
-                  "ernie4_5", "deepseek_v3", "minicpm3"):
+                  "ernie4_5", "deepseek_v3", "minicpm3", "deepseek_v2"):
         # their default special token ids lie outside the small vocabulary
         common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family in ("gemma", "gemma2", "glm", "helium", "gpt_oss", "ernie4_5"):  # head_dim

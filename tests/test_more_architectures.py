@@ -75,14 +75,14 @@ MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim
 
 
 @pytest.mark.parametrize("cfg,cls,ropes,rope_code", [
-    ("DeepseekV2Config", "DeepseekV2ForCausalLM", 0, "rope.latent_complex_table"),
+    ("DeepseekV2Config", "DeepseekV2ForCausalLM", 2, "rope.latent_shared_key"),
     ("DeepseekV3Config", "DeepseekV3ForCausalLM", 2, "rope.latent_shared_key")])
 def test_multi_head_latent_attention_training_step_stays_exact(cfg, cls, ropes, rope_code):
     """DeepSeek's multi-head latent attention (low-rank q and kv with their own norms, the
     rotary part of each head split off after the rest, k's from the compressed kv): the
-    norms, MLPs, attention and loss are rewritten around it; V3's query rotation is fused
-    (tests/test_rope.py has the details), V2's complex-table one left with its reason, as
-    is the key's shared rotary part. Loss within 1e-5, every gradient within 1e-4 of
+    norms, MLPs, attention and loss are rewritten around it, and the query's rotation
+    (V2: by a complex table, V3: pairs read interleaved; tests/test_rope.py has the
+    details); the key's shared rotary part is left with its reason. Loss within 1e-5, every gradient within 1e-4 of
     eager."""
     import copy
     torch.manual_seed(0)

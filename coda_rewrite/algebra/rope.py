@@ -306,7 +306,7 @@ def _side_conditions(m, held) -> str | None:
         return Why(f"the rotated features [{offset}, {offset + rotary_dim}) are odd or exceed "
                    f"head_dim {head_dim}", "rope.rotary_dim")
     x = meta(m.proj.x)
-    if m.form == "pairs":
+    if m.form == "pairs" and m.angle_source == "table":
         mt = meta(m.table)
         if mt.requires_grad:
             return Why(f"the table {describe(m.table)} requires grad",
@@ -456,7 +456,9 @@ def layout(m) -> tuple:
     out = []
     for s in m.segments:
         lo, hi = s.columns
-        if s.rotates and s.form == "half":
+        if s.rotates and (s.form == "half" or m.angle_source == "angles"):
+            # (the complex form's pairs are stored adjacent: recomputed angles need
+            # each pair's frequency, and nothing is permuted)
             out.append((lo, hi, s.n_heads, s.head_dim, s.rotary_dim, s.rotary_offset,
                         int(s.stored_pairs), *s.member))
         else:
@@ -539,8 +541,8 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         if rot.form == "pairs":  # the table broadcast the way the graph broadcasts it
             shape = [1, 1, 1, 1]
             shape[3 - unsq] = seq
-            shape[3] = rot.head_dim // 2
-            env[rot.table_view] = table.reshape(shape)
+            shape[3] = rot.rotary_dim // 2
+            env[rot.table_view] = table.reshape(shape) * scale
         elif rot.form == "interleaved":  # the values the rotation multiplies by
             for node, t in ((rot.angle.cos, pair_cos), (rot.angle.sin, pair_sin)):
                 env[node] = t[..., :rot.rotary_dim].unsqueeze(unsq)
@@ -557,7 +559,7 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     b = layouts.rope_segments(lay, *(biases[s.proj.out] for s in m.segments)) \
         if m.has_bias else None
     operands = ([r] if m.proj.r is not None else []) + ([b] if b is not None else [])
-    if m.form == "pairs":
+    if m.form == "pairs" and m.angle_source == "table":
         operands.append(layouts.rope_table_rows(table, x))
     elif m.form == "interleaved":
         rot = m.rotated[0]

@@ -129,7 +129,9 @@ class Rotated:
     n_heads: int
     head_dim: int
     rotary_dim: int
-    angle: Angle | None      # "half": cos/sin of pos ⊗ inv_freq
+    angle: Angle | None      # "half": cos/sin of pos ⊗ inv_freq (or tables); "pairs":
+                             # the complex table's angles where it is polar(1, θ) in
+                             # this graph, else None (the table is read)
     nodes: tuple[fx.Node, ...]   # the rotation's own nodes (erased once dead)
     form: str = "half"       # "half" (rotate_half) | "pairs" (complex, adjacent pairs)
                              # | "interleaved" (real, adjacent pairs: rotate_every_two)
@@ -194,7 +196,7 @@ class Match:
     @property
     def angle_source(self) -> str:
         """"angles" (recomputed from positions and frequencies) or "table"."""
-        return "table" if self.form == "pairs" else self.angle.source
+        return "table" if self.angle is None else self.angle.source
 
     @property
     def segments(self) -> list[Rotated | Passthrough]:
@@ -986,8 +988,8 @@ def _shared_latent_key(x: fx.Node) -> Why | None:
     return Why("the rotary part of multi-head latent attention's key: one small head "
                "(tokens × rotary_dim, sliced off the compressed kv projection) shared by "
                "every query head, left as graph ops; where the query's rotation is fused "
-               "the key gets the query's pair order where it is assembled "
-               "(algebra/rope.py)", "rope.latent_shared_key")
+               "and leaves it in pair order, the key gets that order where it is "
+               "assembled (algebra/rope.py)", "rope.latent_shared_key")
 
 
 # ---- the complex form: view_as_real(view_as_complex(q) · table) (TorchTitan) ------------------
@@ -1010,6 +1012,18 @@ def _unit_dims_of(node) -> fx.Node | None:
     return node
 
 
+def _under_moves(node, casts: bool = False):
+    """The value under device moves (``.to(q.device)``: DeepSeek-V2's table), views that
+    only add or drop unit dims (_unit_dims_of) and, with ``casts``, dtype casts."""
+    while True:
+        node = _unit_dims_of(through_casts(node)[0] if casts else node)
+        if _is(node, {"to"}) and len(node.args) == 2 and \
+                isinstance(node.args[1], torch.device) and not node.kwargs:
+            node = node.args[0]
+            continue
+        return node
+
+
 def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
     if not _is(vr, {torch.view_as_real}):
         return None
@@ -1030,7 +1044,7 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
         if mh is None or mp is None or mh.dim() != 4 or \
                 tuple(mp.shape) != (*mh.shape[:-1], mh.shape[-1] // 2, 2):
             continue
-        table = _unit_dims_of(rot)
+        table = _under_moves(rot)
         mt, mr = meta(table), meta(rot)
         if mt is None or not mt.is_complex() or mr.dim() != 4:
             return NoMatch(vr, Why(
@@ -1046,24 +1060,40 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
         while len(out.users) == 1 and _is_cast(next(iter(out.users))):
             out = next(iter(out.users))
             after.append(out)
+        shared_key = _shared_latent_key(heads)
+        if shared_key is not None:
+            return NoMatch(vr, shared_key)
+        rotated_width, offset, suffix = int(mh.shape[-1]), 0, _split_suffix(heads)
+        if suffix is not None:  # DeepSeek-V2: cat((q_nope, q_pe), -1) of the rotated q_pe
+            after.append(heads)
+            heads, rest, fan, offset = suffix
+            cat = next(iter(out.users)) if len(out.users) == 1 else None
+            if cat is None or _cat_last(cat) != [rest, out]:
+                return NoMatch(vr, Why("the rotated suffix of the head is not concatenated "
+                                       "back after the rest of the head",
+                                       "rope.suffix_concat"))
+            after += [rest, fan, cat]
+            out = cat
         # the head axis is where the table has a unit dim and the heads do not
         for axis in (2, 1):
             split = _head_split(heads, axis)
             if split is not None and mr.shape[axis] == 1:
                 break
         else:
-            if _split_suffix(heads) is not None or _shared_latent_key(heads) is not None:
-                return NoMatch(vr, Why(
-                    "multi-head latent attention's rotation by a complex table (DeepSeek-V2): "
-                    "its rotated suffix would need a per-head table as wide as the head "
-                    "(nope + rope features, 192 for DeepSeek), which the table contract's "
-                    "tile widths (kernels/quack_path.TABLE_TILE_N) do not divide; left",
-                    "rope.latent_complex_table"))
             return NoMatch(vr, Why(f"the rotated value {describe(heads)} is not the head-split "
                                    "output of a projection", "rope.not_head_split"))
         col_value, split_nodes, n_heads, head_dim = split
+        angle = _polar_angle(table)
+        if suffix is not None and angle is None:
+            return NoMatch(vr, Why(
+                "multi-head latent attention's rotation by a complex table from outside "
+                "this graph: its rotated suffix would need a per-head table as wide as the "
+                "head (nope + rope features, 192 for DeepSeek), which the kernel's table "
+                "tiles do not fit; left (a table computed in the graph as polar(1, θ) is "
+                "recomputed from positions and frequencies instead)",
+                "rope.latent_complex_table"))
         seq_axis = 1 if axis == 2 else 2
-        if mr.shape[seq_axis] != mh.shape[seq_axis] or mr.shape[-1] != head_dim // 2 or \
+        if mr.shape[seq_axis] != mh.shape[seq_axis] or mr.shape[-1] != rotated_width // 2 or \
                 mt.shape[-2] != mh.shape[seq_axis] or mt.dim() not in (2, 3) or \
                 (mt.dim() == 3 and mt.shape[0] not in (1, mh.shape[0])):
             return NoMatch(vr, Why(
@@ -1079,8 +1109,30 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
                                    "q/k/v merge would gather the weights)", "rope.sharded"))
         nodes = (*casts, pairs, xc, vr.args[0], vr, flat, *after)
         return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
-                       head_dim, None, nodes, form="pairs", table=table, table_view=rot)
+                       rotated_width, angle, nodes, form="pairs", table=table, table_view=rot,
+                       rotary_offset=offset, stored_pairs=True)
     return None
+
+
+def _polar_angle(table: fx.Node) -> Angle | None:
+    """The angles of a complex table computed in this graph as ``polar(ones_like(θ), θ)
+    (· s)`` with θ = pos ⊗ inv_freq (DeepSeek-V2's freqs_cis): the epilogue recomputes
+    them, as for the half-split form; None for any other table (read as a table)."""
+    node, scale = _under_moves(table, casts=True), 1.0
+    found = _scalar_scale(node)
+    if found is not None:
+        node, scale = found
+    node = _under_moves(node, casts=True)
+    if not _is(node, {torch.polar}) or len(node.args) != 2:
+        return None
+    ones, theta = node.args
+    if not (_is(ones, {torch.ones_like}) and ones.args[0] is theta):
+        return None
+    outer = _outer(theta)
+    if outer is None:
+        return None
+    return Angle(theta, outer[0], outer[1], scale, table, table,
+                 why_table="")
 
 
 # ---- grouping: q and k (and v) over one input ---------------------------------------------
@@ -1322,8 +1374,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     # inside the rotation of q, after v's reshape) are moved up if they are pure
     p = m.proj
     reads = [p.x, p.r, *(s.proj.weight for s in m.segments), *(s.proj.bias for s in m.segments),
-             *((m.table,) if m.form == "pairs" else (m.angle.cos, m.angle.sin)
-               if m.angle_source == "table" else (m.angle.inv_freq, m.angle.pos))]
+             *((m.angle.inv_freq, m.angle.pos) if m.angle_source == "angles" else
+               (m.table,) if m.form == "pairs" else (m.angle.cos, m.angle.sin))]
     # the head split (view, transpose) is rebuilt on the fused GEMM's output: its other
     # arguments (sizes, symbolic under dynamic shapes) must be defined before it too
     rebuilt = [*m.rotated, *(seg for seg in m.passthrough if seg.member)]
