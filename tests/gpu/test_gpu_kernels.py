@@ -526,9 +526,9 @@ MLA_DENSE = dict(MLA_HEADS, first_k_dense_replace=2)
     ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)), ("codegen", {}),
     ("ernie4_5", {}), ("gpt_oss", {}),
     ("deepseek_v3", MLA_DENSE), ("deepseek_v3", dict(MLA_DENSE, rope_interleave=False)),
-    ("minicpm3", MLA_HEADS)],
+    ("minicpm3", MLA_HEADS), ("deepseek_v2", MLA_DENSE)],
     ids=["gpt_neox", "falcon_multi_query", "falcon_grouped", "codegen", "ernie4_5",
-         "gpt_oss", "deepseek_v3", "deepseek_v3_halves", "minicpm3"])
+         "gpt_oss", "deepseek_v3", "deepseek_v3_halves", "minicpm3", "deepseek_v2"])
 def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     """The RoPE spellings rewritten on the CPU only so far (heads gathered per member out
     of a packed projection: GPT-NeoX, Falcon's multi-query and grouped layouts, CodeGen's
@@ -545,7 +545,7 @@ def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     def build(seed):
         model = hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512,
                          **overrides)
-        if family in ("gpt_oss", "deepseek_v3"):
+        if family in ("gpt_oss", "deepseek_v3", "deepseek_v2"):
             model.set_experts_implementation("eager")
         return model
     before = rope_kernel_calls()
