@@ -186,13 +186,14 @@ def grads_match(model, ref, tol: float = 1e-4) -> None:
         assert rel_err(p.grad, q.grad) <= tol, (name, rel_err(p.grad, q.grad))
 
 
-def step_matches_eager(family: str, layers: int = 2, **options):
-    """One training forward + backward of ``family`` through optimize(**options) against
+def step_matches_eager(family: str, layers: int = 2, model=None, **options):
+    """One training forward + backward of ``family`` (``model``: this one, built with
+    config overrides, instead of build(family)) through optimize(**options) against
     eager: the loss within 1e-5, every gradient within 1e-4. Returns the report."""
     import copy
 
     import coda_rewrite
-    model = build(family, layers=layers).train()
+    model = (model if model is not None else build(family, layers=layers)).train()
     ref_model = copy.deepcopy(model)
     ids = tokens()
     fast = coda_rewrite.optimize(model, **options)

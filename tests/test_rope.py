@@ -909,17 +909,9 @@ def test_falcon_heads_indexed_out_of_the_packed_projection(layout):
     overrides = {"multi_query": dict(multi_query=True),
                  "per_head": dict(multi_query=False, num_kv_heads=4),
                  "grouped": dict(new_decoder_architecture=True, num_kv_heads=2)}[layout]
-    model = hf_model("falcon", layers=2, **overrides).train()
-    ref = copy.deepcopy(model)
-    ids = tokens()
-    fast = coda_rewrite.optimize(model)
-    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
-    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
-    loss.backward()
-    want.backward()
-    grads_match(model, ref)
-    done = rope_records(fast.report)
-    assert len(done) == 2, str(fast.report)
+    report = step_matches_eager("falcon", model=hf_model("falcon", layers=2, **overrides))
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
     for r in done:
         assert any("frequency 0" in c for c in r.consumers), r.consumers  # v joins
 
@@ -1139,23 +1131,15 @@ def test_latent_attention_query_rotation_fused_key_takes_its_order(family, overr
     rotated part (left as graph ops) takes the query's pair order where the key buffer is
     written (V2's pairs are in eager's order already: nothing to do), so no copy of the
     query is made. The training step against eager (loss 1e-5, every gradient 1e-4)."""
-    model = hf_model(family, layers=2, **overrides).train()
-    ref = copy.deepcopy(model)
-    ids = tokens()
-    fast = coda_rewrite.optimize(model)
-    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
-    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
-    loss.backward()
-    want.backward()
-    grads_match(model, ref)
-    done = rope_records(fast.report)
-    assert len(done) == 2, str(fast.report)
-    assert unpermuted(fast.report) == []
+    report = step_matches_eager(family, model=hf_model(family, layers=2, **overrides))
+    done = rope_records(report)
+    assert len(done) == 2, str(report)
+    assert unpermuted(report) == []
     if family != "deepseek_v2":
         assert all("key's rotated part" in r.decision.render() for r in done)
     else:
         assert all(r.programs[0].name == "rowscale_rope" for r in done)  # angles, no table
-    left = [r.code for r in fast.report.records if r.pattern == "rope" and r.status != "rewritten"]
+    left = [r.code for r in report.records if r.pattern == "rope" and r.status != "rewritten"]
     assert left == ["rope.latent_shared_key"] * 2, left
 
 

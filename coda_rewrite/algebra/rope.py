@@ -107,18 +107,24 @@ def _cat_in_region(node: fx.Node, region: set) -> bool | None:
     return all(t in region for t in live)
 
 
+def _sdpa_inputs(u: fx.Node) -> tuple:
+    """(query, key, the nodes among its other arguments) of an SDPA call."""
+    q = u.args[0] if u.args else u.kwargs.get("query")
+    k = u.args[1] if len(u.args) > 1 else u.kwargs.get("key")
+    rest = [a for i, a in enumerate(u.args) if i >= 2] + \
+        [v for name, v in u.kwargs.items() if name not in ("query", "key")]
+    nodes: list[fx.Node] = []
+    fx.node.map_arg(rest, nodes.append)
+    return q, k, nodes
+
+
 def _invariant_attention(u: fx.Node, region: set) -> bool:
     """An attention whose region inputs are exactly its query and key: it reads them
     only through q·kᵀ, a sum over the head dim."""
     if u.target not in _SDPA:
         return False
-    q = u.args[0] if u.args else u.kwargs.get("query")
-    k = u.args[1] if len(u.args) > 1 else u.kwargs.get("key")
-    rest = [a for i, a in enumerate(u.args) if i >= 2] + \
-        [v for name, v in u.kwargs.items() if name not in ("query", "key")]
-    nodes_in_rest: list[fx.Node] = []
-    fx.node.map_arg(rest, nodes_in_rest.append)
-    return q in region and k in region and not any(a in region for a in nodes_in_rest)
+    q, k, rest = _sdpa_inputs(u)
+    return q in region and k in region and not any(a in region for a in rest)
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
@@ -152,13 +158,8 @@ def _attention_key(u: fx.Node, q: fx.Node, region: set) -> fx.Node | None:
     """The key of an attention ``u`` whose query is ``q`` and which reads nothing else
     from the region: SDPA's key, or k of eager attention's ``q @ k.transpose(-2, -1)``."""
     if u.target in _SDPA:
-        query = u.args[0] if u.args else u.kwargs.get("query")
-        key = u.args[1] if len(u.args) > 1 else u.kwargs.get("key")
-        rest = [a for i, a in enumerate(u.args) if i >= 2] + \
-            [v for name, v in u.kwargs.items() if name not in ("query", "key")]
-        nodes: list[fx.Node] = []
-        fx.node.map_arg(rest, nodes.append)
-        ok = query is q and key not in region and not any(a in region for a in nodes)
+        query, key, rest = _sdpa_inputs(u)
+        ok = query is q and key not in region and not any(a in region for a in rest)
         return key if ok else None
     if u.target in MATMUL and len(u.args) == 2 and u.args[0] is q:
         kt = u.args[1]
