@@ -19,7 +19,10 @@ in the region); where a region value meets anything else, the permutation would 
   eager order back on that edge (codegen/layouts.rope_unpermute, a copy of that value only).
 
 So every value outside the region is eager's, and inside it only an invariant
-contraction reads the permuted order: the rewrite is exact wherever it is applied.
+contraction reads the permuted order: the rewrite is exact wherever it is applied. It is
+made only where some attention keeps the permuted order (a speed decision, not a legal
+one: with none, every rotated value would be copied back, a pass over q and k as costly
+as the unfused rotation it replaces; code ``rope.no_invariant_reader``).
 """
 
 from __future__ import annotations
@@ -269,6 +272,12 @@ def permuted_region(starts: list[fx.Node], head_dim: int = 0, offset: int = 0) -
     return Region(region, invariant, unpermute, key_writes)
 
 
+def keeps_order(region: Region) -> bool:
+    """Whether some attention reads the permuted q and k as they are: else every rotated
+    value is copied back, and the fusion gains nothing (decide leaves it)."""
+    return bool(region.invariant)
+
+
 def region_of(m, starts: list[fx.Node]) -> Region:
     """The permuted region of match ``m``'s rotated outputs ``starts``: with latent keys
     where each head's rotated features are a suffix after others (multi-head latent
@@ -428,6 +437,12 @@ def decide(m, program) -> Decision:
                 return Rejection(Why(f"{describe(n)} is updated in place by {describe(u)} "
                                      "(a permuted value must only be read)",
                                      "rope.permuted_in_place"), m.path)
+    if not keeps_order(region):  # legal, but a speed decision: nothing would be gained
+        return Rejection(Why(
+            "no attention reads the permuted q and k together (" + region.describe() +
+            "): every reader would get eager's order back by a copy, which costs the pass "
+            "over q and k the fused rotation saves; left", "rope.no_invariant_reader"),
+            m.path)
     interleave = statements.prove_rope_interleave()
     invariance = statements.prove_permutation_invariance()
     facts = statements.prove_rotation_facts()

@@ -23,7 +23,8 @@ q and k then stay in the permuted order: attention scores are sums over the head
 invariant when q and k carry the same permutation. Where a rotated value flows anywhere
 else (a returned KV cache, a cache concatenation with earlier keys, an attention that is
 not a q·k contraction), the rewrite puts the eager order back on that edge
-(algebra/rope.py proves which edges need it).
+(algebra/rope.py proves which edges need it); where no attention keeps the permuted
+order at all (a decode step's keys are concatenated with cached ones), it is left.
 
 Spellings: separate q/k/v projections (Llama, Qwen2 with biases, Mistral, Gemma) or one
 packed projection sliced into q, k, v (Phi-3); full or partial rotary (Phi-style
