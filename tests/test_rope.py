@@ -1281,3 +1281,45 @@ def test_two_rotated_queries_over_one_input_each_get_their_gemm():
     found = codes(fast.report, "rope")  # the indexers' queries: their scores read an
     assert "rope.call_read" not in found and "rope.no_invariant_reader" in found, found
     # unrotated key, so eager's order would be copied back: left
+
+
+class ScaledQuery(torch.nn.Module):
+    """q rotated, then scaled before the attention (Ministral 3's per-position
+    ``q · s[:, None, :, None]``) and its look-alikes: a per-feature scale (the
+    permutation would show), and q as a divisor."""
+
+    def __init__(self, scale: str):
+        super().__init__()
+        self.scale = scale
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)))
+        self.register_buffer("per_feature", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        cos, sin = hf_tables(self.inv_freq, x, 1)
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if self.scale == "per_position":
+            q = q * (1 + torch.arange(s, device=x.device).float() / s)[None, None, :, None]
+        elif self.scale == "per_feature":
+            q = q * self.per_feature
+        else:  # "divisor"
+            q = 1.0 / (q * q + 1.0) * q
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("scale", ["per_position", "per_feature", "divisor"])
+def test_a_scale_the_same_for_every_feature_keeps_the_permutation(scale):
+    """q · c with c the same for every feature of a head keeps the permuted order inside
+    the region (rewritten, no copy back); a per-feature scale or any other op on q would
+    show the permutation: q gets eager's order back there, so no attention keeps the
+    order and the rotation is left (rope.no_invariant_reader). Against eager."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(ScaledQuery(scale), torch.randn(2, 6, 32))
+    if scale == "per_position":
+        assert len(rope_records(report)) == 1 and not unpermuted(report), str(report)
+    else:
+        assert not rope_records(report) and \
+            "rope.no_invariant_reader" in codes(report, "rope"), str(report)

@@ -8,8 +8,8 @@ passes a pair through (v in the same GEMM); R(−θ) undoes R(θ) (the backward)
 Escape analysis. The fused GEMM leaves q and k in the permuted order. Starting from the
 rotated values, the *permuted region* grows through ops that act on the head dim as a
 whole (views and reshapes that keep it last, transposes of other dims, expand, casts,
-index ops that leave it alone, concatenation along another dim of values that are all
-in the region); where a region value meets anything else, the permutation would show:
+index ops that leave it alone, a scale that is the same for every feature of a head,
+concatenation along another dim of values that are all in the region); where a region value meets anything else, the permutation would show:
 
 * a scaled_dot_product_attention whose query and key both come from the region, or an
   eager attention's ``q @ k.transpose(-2, -1)`` with both from it, sums over the head
@@ -95,6 +95,23 @@ def _last_dim_kept(node: fx.Node, src: fx.Node) -> bool:
     if c is not None and c.name == "cast":
         return True
     return t in _SHAPE  # same last dim size: rows of the head dim stay whole (C order)
+
+
+def _uniform_scale(node: fx.Node, src: fx.Node, region: set) -> bool:
+    """``node`` = src·c or src / c with c the same for every feature of a head (a number,
+    or a tensor outside the region whose last dim is 1: Ministral 3's per-position query
+    scale ``q · s[:, None, :, None]``): it keeps the permutation, as a view does."""
+    c = canon(node)
+    if c is None or c.name not in ("mul", "div") or src not in c.args[:2]:
+        return False
+    other = c.args[1] if c.args[0] is src else c.args[0]
+    if c.name == "div" and c.args[0] is not src:
+        return False
+    if not isinstance(other, fx.Node):
+        return isinstance(other, (int, float))
+    mo, mn, ms = meta(other), meta(node), meta(src)
+    return other not in region and mo is not None and mn is not None and ms is not None \
+        and (mo.dim() == 0 or mo.shape[-1] == 1) and mn.shape == ms.shape
 
 
 def _cat_in_region(node: fx.Node, region: set) -> bool | None:
@@ -237,8 +254,9 @@ def permuted_region(starts: list[fx.Node], head_dim: int = 0, offset: int = 0) -
                     continue
                 cat = _cat_in_region(u, region)
                 if cat is None:
-                    ok = len([a for a in u.all_input_nodes if a in region]) == 1 \
-                        and u.args and u.args[0] is n and _last_dim_kept(u, n)
+                    ok = len([a for a in u.all_input_nodes if a in region]) == 1 and (
+                        _uniform_scale(u, n, region) or
+                        (u.args and u.args[0] is n and _last_dim_kept(u, n)))
                 else:
                     ok = cat
                 if ok:
