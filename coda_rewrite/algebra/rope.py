@@ -200,6 +200,8 @@ def _latent_key_write(u: fx.Node, q: fx.Node, region: set, head_dim: int,
     k_rot). Giving k_rot the query's pair order keeps q·kᵀ exact, with no copy of the
     query. Else None."""
     key = _attention_key(u, q, region)
+    if key is None:
+        return None
     reader = u if u.target in _SDPA else u.args[1]
     while isinstance(key, fx.Node) and key.target not in _EMPTY and key.target not in _CAT:
         if not (key.args and isinstance(key.args[0], fx.Node) and len(key.users) == 1
