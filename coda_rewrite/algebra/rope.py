@@ -114,6 +114,20 @@ def _uniform_scale(node: fx.Node, src: fx.Node, region: set) -> bool:
         and (mo.dim() == 0 or mo.shape[-1] == 1) and mn.shape == ms.shape
 
 
+def _order_keeping_input(node: fx.Node, region: set) -> fx.Node | None:
+    """The input whose head-dim order ``node`` keeps (a view, cast or uniform scale of
+    it: what the region grows through), or None."""
+    if node.args and isinstance(node.args[0], fx.Node) and \
+            len(node.all_input_nodes) == 1 and _last_dim_kept(node, node.args[0]):
+        return node.args[0]
+    c = canon(node)
+    if c is not None and c.name in ("mul", "div"):
+        for a in c.args[:2]:
+            if isinstance(a, fx.Node) and _uniform_scale(node, a, region):
+                return a
+    return None
+
+
 def _cat_in_region(node: fx.Node, region: set) -> bool | None:
     """For a concatenation: whether it joins the region (None: not a concatenation)."""
     if node.target not in _CAT:
@@ -204,10 +218,10 @@ def _latent_key_write(u: fx.Node, q: fx.Node, region: set, head_dim: int,
         return None
     reader = u if u.target in _SDPA else u.args[1]
     while isinstance(key, fx.Node) and key.target not in _EMPTY and key.target not in _CAT:
-        if not (key.args and isinstance(key.args[0], fx.Node) and len(key.users) == 1
-                and len(key.all_input_nodes) == 1 and _last_dim_kept(key, key.args[0])):
+        src = _order_keeping_input(key, region)
+        if src is None or len(key.users) != 1:
             return None
-        reader, key = key, key.args[0]
+        reader, key = key, src
     mk = meta(key) if isinstance(key, fx.Node) else None
     if mk is None or mk.dim() == 0 or mk.shape[-1] != head_dim:
         return None
