@@ -27,7 +27,8 @@ def env_line() -> str:
     except Exception:
         qv = "-"
     return (f"{datetime.date.today()} | {torch.cuda.get_device_name(0)} | torch {torch.__version__}"
-            f" | transformers {v('transformers')} | quack {qv} | cutlass-dsl {v('nvidia-cutlass-dsl')}")
+            f" | transformers {v('transformers')} | quack {qv}"
+            f" | cutlass-dsl {v('nvidia-cutlass-dsl')}")
 
 
 def write_csv(figure: str, rows: list[tuple[str, str, float]]) -> str:

@@ -8,8 +8,9 @@ Every tensor autograd saves goes through ``torch.autograd.graph.saved_tensors_ho
 bytes are counted once per storage (views share it), split into the decoder layers and
 the LM head + loss (a model of 2 layers against one of 1 layer: the difference is one
 layer), and into what grows with the tokens and what does not (two token counts: a
-re-laid-out weight copy kept for the backward is the part that does not). Variants: eager, torch.compile, backend="coda", optimize(), each with the default
-options and, for coda, materialize_logits=False.
+re-laid-out weight copy kept for the backward is the part that does not). Variants:
+eager, torch.compile, backend="coda", optimize(), each with the default options and, for
+coda, materialize_logits=False.
 
     python benchmarks/saved_memory.py [tokens per sequence, default 256] [variants]
     python benchmarks/saved_memory.py --breakdown [tokens] [variants]

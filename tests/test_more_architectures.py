@@ -82,8 +82,8 @@ def test_multi_head_latent_attention_training_step_stays_exact(cfg, cls, ropes, 
     rotary part of each head split off after the rest, k's from the compressed kv): the
     norms, MLPs, attention and loss are rewritten around it, and the query's rotation
     (V2: by a complex table, V3: pairs read interleaved; tests/test_rope.py has the
-    details); the key's shared rotary part is left with its reason. Loss within 1e-5, every gradient within 1e-4 of
-    eager."""
+    details); the key's shared rotary part is left with its reason. Loss within 1e-5,
+    every gradient within 1e-4 of eager."""
     import copy
     torch.manual_seed(0)
     model = getattr(tf, cls)(getattr(tf, cfg)(**{**COMMON, **MLA})).train()

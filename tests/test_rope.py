@@ -923,13 +923,30 @@ def test_falcon_heads_indexed_out_of_the_packed_projection(layout):
         assert any("frequency 0" in c for c in r.consumers), r.consumers  # v joins
 
 
+def witness_refuses(model, skip: tuple = (), **call) -> None:
+    """optimize(model) computes eager's logits, and every RoPE match (but those left with
+    a code in ``skip``) is refused by the float64 replay: a pass bug provoked on purpose
+    is caught by the witness, not let through."""
+    ids = tokens()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(fast(ids, **call).logits, model(ids, **call).logits) <= 1e-5
+    refused = [r for r in fast.report.records if r.pattern == "rope" and r.code not in skip]
+    assert refused and not rope_records(fast.report), str(fast.report)
+    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+
+
 @pytest.mark.provokes_pass_bug
-def test_the_witness_checks_a_member_gather_against_the_models_own_split(monkeypatch):
+@pytest.mark.parametrize("family,split_name,call", [
+    ("gpt_neox", "_member_split", {}), ("codegen", "_block_split", {"use_cache": False})])
+def test_the_witness_checks_a_gather_against_the_models_own_split(family, split_name, call,
+                                                                   monkeypatch):
     """The witness takes eager's q, k, v through the model's own split nodes, not
-    through the pattern's reading of them: a misread member (here q read as k) is
-    refused by the float64 replay, and the model computes what eager computes."""
+    through the pattern's reading of them: a misread member of GPT-NeoX's per-head
+    [q, k, v] or of CodeGen's blocks (each item read as the next one) is refused by the
+    float64 replay, and the model computes what eager computes."""
     from coda_rewrite.patterns import rope as rope_pattern
-    split = rope_pattern._member_split
+    split = getattr(rope_pattern, split_name)
 
     def misread(heads, unsq):
         found = split(heads, unsq)
@@ -937,15 +954,8 @@ def test_the_witness_checks_a_member_gather_against_the_models_own_split(monkeyp
             return None
         *rest, (groups, g, i0, i1, d) = found
         return (*rest, (groups, g, (i0 + 1) % g, (i0 + 1) % g + 1, d))
-    monkeypatch.setattr(rope_pattern, "_member_split", misread)
-    model = build("gpt_neox", layers=1).eval()
-    ids = tokens()
-    fast = coda_rewrite.optimize(copy.deepcopy(model))
-    with torch.no_grad():
-        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
-    refused = [r for r in fast.report.records if r.pattern == "rope"]
-    assert refused and not rope_records(fast.report), str(fast.report)
-    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+    monkeypatch.setattr(rope_pattern, split_name, misread)
+    witness_refuses(build(family, layers=1).eval(), **call)
 
 
 def test_falcon_grouped_decoding_with_past_key_values_matches_eager():
@@ -1097,32 +1107,6 @@ def test_member_split_replay_refuses_a_node_it_does_not_know():
         rope_algebra._through_model_split(member, torch.randn(1, 4, 16), 4)
 
 
-@pytest.mark.provokes_pass_bug
-def test_the_witness_checks_a_block_gather_against_the_models_own_split(monkeypatch):
-    """As for GPT-NeoX's members: a block split misread (q taken as v) is refused by the
-    float64 replay through CodeGen's own split nodes, and the model computes what eager
-    computes."""
-    from coda_rewrite.patterns import rope as rope_pattern
-    split = rope_pattern._block_split
-
-    def misread(heads, unsq):
-        found = split(heads, unsq)
-        if found is None:
-            return None
-        *rest, (groups, g, i0, i1, d) = found
-        return (*rest, (groups, g, (i0 + 1) % g, (i0 + 1) % g + 1, d))
-    monkeypatch.setattr(rope_pattern, "_block_split", misread)
-    model = build("codegen", layers=1).eval()
-    ids = tokens()
-    fast = coda_rewrite.optimize(copy.deepcopy(model))
-    with torch.no_grad():
-        assert rel_err(fast(ids, use_cache=False).logits,
-                       model(ids, use_cache=False).logits) <= 1e-5
-    refused = [r for r in fast.report.records if r.pattern == "rope"]
-    assert refused and not rope_records(fast.report), str(fast.report)
-    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
-
-
 # ---- multi-head latent attention: a rotated suffix, a key assembled from a shared part -----
 
 MLA = [("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False}), ("minicpm3", {}),
@@ -1237,15 +1221,7 @@ def test_the_witness_checks_the_keys_order_against_the_querys(monkeypatch):
     rope_permute's order: a key permutation that does not match the query's (here none
     at all) is refused, and the model computes what eager computes."""
     monkeypatch.setattr(layouts, "rope_permute", lambda t: t.contiguous())
-    model = hf_model("deepseek_v3", layers=1).eval()
-    ids = tokens()
-    fast = coda_rewrite.optimize(copy.deepcopy(model))
-    with torch.no_grad():
-        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
-    refused = [r for r in fast.report.records if r.pattern == "rope" and r.code !=
-               "rope.latent_shared_key"]
-    assert refused and not rope_records(fast.report), str(fast.report)
-    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+    witness_refuses(hf_model("deepseek_v3", layers=1).eval(), skip=("rope.latent_shared_key",))
 
 
 def test_table_head_widths_the_kernel_can_tile():
@@ -1323,3 +1299,88 @@ def test_a_scale_the_same_for_every_feature_keeps_the_permutation(scale):
     else:
         assert not rope_records(report) and \
             "rope.no_invariant_reader" in codes(report, "rope"), str(report)
+
+
+class ComplexInGraph(torch.nn.Module):
+    """The complex rotation (TorchTitan's spelling) with its table computed in the graph:
+    ``polar(ones_like(θ), θ)`` (DeepSeek-V2's freqs_cis), times an attention scaling, or
+    a look-alike whose factors are not unit-modulus (``polar(2·ones, θ)``: a rotation
+    and a scaling by 2, still what the model multiplies by)."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = torch.arange(s, device=x.device)[None].float()
+        th = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
+        modulus = torch.ones_like(th) * 2 if self.variant == "not_unit" else torch.ones_like(th)
+        table = torch.polar(modulus, th)
+        if self.variant == "scaled":
+            table = table * 0.75
+        table = table[:, None]  # [1, 1, S, 4]: broadcast over the heads
+
+        def rot(t):
+            c = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(c * table).flatten(3).type_as(t)
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return torch.nn.functional.scaled_dot_product_attention(rot(q), rot(k), v,
+                                                                is_causal=True)
+
+
+@pytest.mark.parametrize("variant", ["unit", "scaled", "not_unit"])
+def test_a_complex_table_made_in_the_graph_has_its_angles_recomputed(variant):
+    """polar(1, θ) (· s) in the graph: the angles are recomputed in the epilogue (the
+    rope program, s a per-column scale); a table that is not polar(ones_like(θ), θ) is
+    read as it is (rope_table). Outputs and gradients against eager."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(ComplexInGraph(variant), torch.randn(2, 6, 32))
+    (done,) = rope_records(report)
+    want = "rope_table" if variant == "not_unit" else "rope"
+    assert done.programs[0].name == want, str(report)
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_witness_computes_a_complex_table_with_the_models_own_nodes(monkeypatch):
+    """The replay builds the table the rotation reads from the model's own nodes (polar,
+    its scale, moves and views) on its angles, not from the pattern's reading of them: a
+    misread scale is refused, and the module computes what eager computes."""
+    import dataclasses as dc
+
+    from coda_rewrite.patterns import rope as rope_pattern
+    read = rope_pattern._polar_angle
+
+    def misread(table):
+        angle = read(table)
+        return None if angle is None else dc.replace(angle, scale=0.5)
+    monkeypatch.setattr(rope_pattern, "_polar_angle", misread)
+    torch.manual_seed(0)
+    m = ComplexInGraph("unit")
+    x = torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(copy.deepcopy(m))
+    with torch.no_grad():
+        assert rel_err(fast(x), m(x)) <= 1e-6
+    refused = rope_records(fast.report, status="rejected")
+    assert refused and not rope_records(fast.report), str(fast.report)
+    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_witness_computes_cos_sin_with_the_models_own_nodes(monkeypatch):
+    """Likewise for the half-split form: the replay runs the model's rotary nodes (cat(θ,
+    θ), cos/sin, the rope type's scaling, casts) on its angles, so a misread angle or
+    scale is refused rather than checked against itself."""
+    import dataclasses as dc
+
+    from coda_rewrite.patterns import rope as rope_pattern
+    read = rope_pattern.angle_of
+
+    def misread(cos_t, sin_t, half_width=False):
+        angle = read(cos_t, sin_t, half_width)
+        return dc.replace(angle, scale=0.5) if isinstance(angle, rope_pattern.Angle) else angle
+    monkeypatch.setattr(rope_pattern, "angle_of", misread)
+    witness_refuses(hf_model("llama", layers=1).eval())

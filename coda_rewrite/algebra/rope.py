@@ -9,7 +9,8 @@ Escape analysis. The fused GEMM leaves q and k in the permuted order. Starting f
 rotated values, the *permuted region* grows through ops that act on the head dim as a
 whole (views and reshapes that keep it last, transposes of other dims, expand, casts,
 index ops that leave it alone, a scale that is the same for every feature of a head,
-concatenation along another dim of values that are all in the region); where a region value meets anything else, the permutation would show:
+concatenation along another dim of values that are all in the region); where a region
+value meets anything else, the permutation would show:
 
 * a scaled_dot_product_attention whose query and key both come from the region, or an
   eager attention's ``q @ k.transpose(-2, -1)`` with both from it, sums over the head
@@ -576,6 +577,8 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     cos, sin = emb.cos() * scale, emb.sin() * scale
     if m.form == "half" and m.angle.half_width:  # tables of θ itself (gpt-oss)
         cos, sin = theta.cos() * scale, theta.sin() * scale
+    if m.form == "half" and m.angle_source == "angles":  # the model's own, from θ
+        cos, sin = _from_angles(m.angle, theta, (m.angle.cos, m.angle.sin), scale)
     table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
     # the interleaved form's: each pair's angle on both of its features
     pair_cos, pair_sin = (t.repeat_interleave(2, -1) * scale for t in (theta.cos(), theta.sin()))
@@ -588,11 +591,15 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         if rot.transposed:
             heads, unsq = heads.transpose(1, 2), 1
         env[rot.heads] = heads
-        if rot.form == "pairs":  # the table broadcast the way the graph broadcasts it
+        if rot.form == "pairs" and m.angle_source == "angles":
+            # the model's own nodes from θ to the table (polar(1, θ) · s, moves, views):
+            # the replay checks what the pattern read off them, angles and scale
+            env[rot.table_view], = _from_angles(rot.angle, theta, (rot.table_view,), scale)
+        elif rot.form == "pairs":  # the table broadcast the way the graph broadcasts it
             shape = [1, 1, 1, 1]
             shape[3 - unsq] = seq
             shape[3] = rot.rotary_dim // 2
-            env[rot.table_view] = table.reshape(shape) * scale
+            env[rot.table_view] = table.reshape(shape)
         elif rot.form == "interleaved":  # the values the rotation multiplies by
             for node, t in ((rot.angle.cos, pair_cos), (rot.angle.sin, pair_sin)):
                 env[node] = t[..., :rot.rotary_dim].unsqueeze(unsq)
@@ -646,6 +653,41 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         err = max(err, rel_err(fused[..., at:at + n], columns(s)))
         at += n
     return verdict(err, f"1 × {seq} tokens, {len(m.segments)} segments", m.path)
+
+
+def _from_angles(angle, theta: torch.Tensor, targets: tuple, scale) -> list:
+    """``targets`` (the tables the rotation reads) computed by the model's own nodes from
+    the replay's angles θ [1, S, h] in place of the graph's θ, and the replay's ``scale``
+    in place of a run-time attention scaling: the replay then checks what the pattern
+    read off those nodes (cat(θ, θ), cos/sin or polar, the scale, moves and views)
+    instead of trusting it. Casts keep float64, as in the rotation's own replay. A node
+    on the way that reads anything else: no witness (_Unreplayable)."""
+    emb = angle.emb
+    parts = emb.args[0] if emb.target in _CAT and emb.args else None
+    root = parts[0] if isinstance(parts, (list, tuple)) and len(parts) == 2 and \
+        parts[0] is parts[1] else emb  # θ itself under cat(θ, θ)
+    env = {root: theta}
+    if isinstance(angle.scale, fx.Node):
+        env[angle.scale] = torch.tensor(scale, dtype=torch.float64)
+    nodes, todo = set(), list(targets)
+    while todo:
+        n = todo.pop()
+        if n in env or n in nodes:
+            continue
+        if n.op not in ("call_function", "call_method"):
+            raise _Unreplayable(f"the rotation's tables read {n.name}, not only the angles")
+        nodes.add(n)
+        todo.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(emb.graph.nodes)}
+    for node in sorted(nodes, key=order.__getitem__):
+        if _is_cast_node(node):
+            env[node] = env[node.args[0]]
+            continue
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        env[node] = getattr(args[0], node.target)(*args[1:], **kwargs) \
+            if node.op == "call_method" else node.target(*args, **kwargs)
+    return [env[t] for t in targets]
 
 
 def _transposed(s) -> bool:

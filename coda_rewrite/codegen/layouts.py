@@ -9,7 +9,8 @@ value kept between calls is the runtime's (kernels/).
     the norm's chain    fold_scale (a per-feature factor into W), distribute_bias (a shift)
     gated pairs         interleave_rows, interleave_halves
     RoPE                rope_segments (per-head permutation, q/k/v concatenated),
-                        segment, pair_order, half_order, rope_unpermute, rope_permute, rope_frequencies, rope_positions, rope_column_scale,
+                        segment, pair_order, half_order, rope_unpermute, rope_permute,
+                        rope_frequencies, rope_positions, rope_column_scale,
                         rope_rotated_columns, rope_table_rows, rope_half_table_rows,
                         rope_pair_table_rows
     cross-entropy       row_targets, cross_entropy_from_rows, unmaterialised_logits

@@ -126,10 +126,11 @@ gemm_epilogue = torch.ops.coda.gemm_epilogue.default
 # inference graph under Inductor): the autograd formula above is a Python kernel that
 # runs on every call, even under no_grad, and costs more host time than the rest of the
 # boundary (measured on a 2-core CPU: 5.9 µs over a direct call with it, 2.3 without; the
-# op costs 17–33 µs over a direct call on the H200's host, formula included). Without a formula the autograd key falls through
-# to PyTorch's C++ fallback, which would only warn if a gradient were asked for: so the
-# op refuses a call where one can be (_needs_grad; grad mode below that fallback is the
-# caller's), and fused_linear picks it only where none can be. Dynamo guards on grad
+# op costs 17–33 µs over a direct call on the H200's host, formula included). Without a
+# formula the autograd key falls through to PyTorch's C++ fallback, which would only warn
+# if a gradient were asked for: so the op refuses a call where one can be (_needs_grad;
+# grad mode below that fallback is the caller's), and fused_linear picks it only where
+# none can be. Dynamo guards on grad
 # mode and on the inputs' requires_grad, so a graph is retraced if either changes.
 _lib.define("gemm_epilogue_nograd(str program, Tensor? a, Tensor? b, Tensor[] operands) "
             "-> Tensor[]")

@@ -52,10 +52,10 @@ TABLE_TILE_N = 128
 TABLE_MIN_HEAD = 64
 
 
-
 def table_head_fits(head_dim: int) -> bool:
-    """Whether a cos/sin table that wraps every ``head_dim`` columns meets the contract
-    below (_contract_failure): else every launch would run the reference path."""
+    """Whether a cos/sin table that wraps every ``head_dim`` columns fits the kernel's
+    table tiles (the contract checks it before a launch; the RoPE pattern before a
+    rewrite, so that no rewrite is made whose every call would run the reference path)."""
     return head_dim % TABLE_MIN_HEAD == 0 and (
         TABLE_TILE_N % head_dim == 0 or head_dim % TABLE_TILE_N == 0)
 
@@ -164,8 +164,8 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
             continue
         if spec.kind == Kind.COS_SIN:
             hd = t.shape[-1] if t.dim() == 2 else 0
-            if t.dim() != 2 or t.shape[0] != m or hd % TABLE_MIN_HEAD or n % max(hd, 1) or \
-                    (TABLE_TILE_N % hd and hd % TABLE_TILE_N):
+            if t.dim() != 2 or t.shape[0] != m or not hd or n % hd or \
+                    not table_head_fits(hd):
                 return (f"cos/sin table {spec.name} of shape {tuple(t.shape)}: needs [M, hd] "
                         f"with hd a multiple of {TABLE_MIN_HEAD} dividing N, and dividing or "
                         f"a multiple of {TABLE_TILE_N} (the kernel's tile width)")
@@ -310,7 +310,7 @@ class Launch:
     its memory pool untracked (which cudagraph trees refuse)."""
 
     __slots__ = ("ks", "plan", "c_index", "kwargs", "outs", "sinks", "m", "n", "device",
-                 "out_dtypes", "scratch", "norm_stage", "finalise", "config")
+                 "out_dtypes", "scratch", "finalise", "config")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
@@ -328,7 +328,6 @@ class Launch:
         width = {o.value: self.n // 2 if o.kind == Kind.PAIR else self.n for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
                      for value, name in ks.contract.tile_outputs]
-        self.norm_stage = ks.norm_stage
         self.finalise = _rms_final_reduce() if ks.norm_stage is not None else None
         self.config = config or config_for(prog, self.m, self.n)
         t0 = time.perf_counter()
@@ -367,8 +366,8 @@ class Launch:
         ks, m = self.ks, self.m
         env: dict[str, torch.Tensor] = {value: out[name] for value, name
                                         in ks.contract.tile_outputs}
-        if self.norm_stage is not None:  # the norm's rstd: QuACK's kernel, no torch ops
-            sink, value, scale, eps = self.norm_stage
+        if ks.norm_stage is not None:  # the norm's rstd: QuACK's kernel, no torch ops
+            sink, value, scale, eps = ks.norm_stage
             partials = scratch[sink]
             env[value] = self.finalise(partials.reshape(m, partials.shape[-1]), scale,
                                        eps).reshape(m, 1)

@@ -20,8 +20,8 @@ inside the op nothing else can reach it.
 
 Graphs that compute gradients always recompute (their weights change every step, and a
 kept copy would be saved for the backward as well). What the cache cannot see: writes
-through ``param.data``. That, and the memory of one more copy of every re-laid-out weight (which also
-travels with the parameter object: ``copy.deepcopy`` and pickling the whole module carry
+through ``param.data``. That, and the memory of one more copy of every re-laid-out weight
+(which also travels with the parameter object: ``copy.deepcopy`` and pickling the whole module carry
 it; ``state_dict()`` does not), is why it is opt-in: for serving, where weights do not
 change and the per-call cost is pure overhead.
 """

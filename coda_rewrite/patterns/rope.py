@@ -38,7 +38,10 @@ The complex form (TorchTitan: ``view_as_real(view_as_complex(q.float().reshape(.
 2)) * freqs_cis).flatten(3).type_as(q)``) already rotates adjacent pairs: no permutation,
 q/k/v in one GEMM whose epilogue reads (cos, sin) from the model's own table (QuACK's
 rotary_cos_sin_load; the table repeats every head_dim columns, so a per-column 0/1 flag
-says which columns it rotates: v's pass through).
+says which columns it rotates: v's pass through). A table computed in the graph as
+``polar(ones_like(θ), θ)`` (· s) with θ = pos ⊗ inv_freq (DeepSeek-V2, Llama 4) has its
+angles recomputed instead, as the half-split form's are: the pairs are stored adjacent,
+nothing is permuted.
 
 When cos/sin are not an outer product computed in this graph (graph inputs: a decoder
 layer compiled alone, dynamic NTK rope's graph break; angles of another shape), the
@@ -54,8 +57,9 @@ left as graph ops, it takes the query's pair order where the key is assembled
 (algebra/rope.py, _latent_key_write), so the query is never copied back.
 
 Left with the reason: q or k read before the rotation, a norm between the projection and
-the rotation (Qwen3, Gemma 3, OLMo 2), differently rotated q and k, a complex-table
-rotation of a latent suffix (DeepSeek-V2), a table no kernel tile fits (on the GPU).
+the rotation (Qwen3, Gemma 3, OLMo 2), differently rotated q and k, a latent suffix
+rotated by a complex table from outside the graph, a table no kernel tile fits (on the
+GPU), no attention keeping the permuted order.
 """
 
 from __future__ import annotations
@@ -1341,10 +1345,11 @@ def _table_misfit(m: Match) -> Why | None:
             table_head_fits(head_dim):
         return None
     why = "the complex form" if m.form == "pairs" else m.angle.why_table
-    return Why(f"the cos/sin are read as a table ({why}) whose heads are {head_dim} wide: the kernel's table tiles need a multiple of "
-               "64 that divides or is a multiple of 128, so every call would run the "
-               "reference path; left (cos/sin computed in the same graph, from positions "
-               "and frequencies, have no such limit)", "rope.table_head_width")
+    return Why(f"the cos/sin are read as a table ({why}) whose heads are {head_dim} wide: "
+               "the kernel's table tiles need a multiple of 64 that divides or is a "
+               "multiple of 128, so every call would run the reference path; left "
+               "(cos/sin computed in the same graph, from positions and frequencies, "
+               "have no such limit)", "rope.table_head_width")
 
 
 def decide(m: Match, context: Context) -> Decided:
