@@ -8,7 +8,13 @@ The GPU is kept busy ahead of the timed loop (torch.cuda._sleep), so a call neve
 for the launch queue and the figure is the host's own work. Per program (captured from
 a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones):
 
-    direct          what a graph optimize() runs calls under no_grad: no op boundary
+    graph call      what a graph optimize() runs calls under no_grad: fused_linear on the
+                    model's [batch, tokens, K] activations (flatten, launch, outputs back
+                    to the model's shapes): the whole cost of one match
+    direct          the same without the reshapes (kernels/ops.execute: route lookup by
+                    tensor metadata, then the prepared launch)
+    launch          the prepared launch alone (quack_path.Launch: allocations, QuACK's
+                    planned GEMM launch, the finaliser)
     op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
                     Inductor calls (no autograd formula)
     op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
@@ -30,8 +36,8 @@ import torch
 from common import env_line, write_csv
 
 import coda_rewrite
-from coda_rewrite.codegen.program import parse
-from coda_rewrite.kernels import ops
+from coda_rewrite.codegen.program import Kind, parse
+from coda_rewrite.kernels import ops, quack_path
 from coda_rewrite.models import Llama, LlamaArgs
 
 bf = torch.bfloat16
@@ -73,29 +79,65 @@ def captured_calls(model, x):
 
 def per_program(calls) -> list[tuple[str, str, float]]:
     rows = []
-    print(f"{'program':<34} {'family':<18} {'M,N,K':<18} {'direct':>8} {'nograd':>8} "
-          f"{'op':>8} {'op,grad':>8} {'F.linear':>9}  µs/call")
+    print(f"{'program':<34} {'family':<18} {'M,N,K':<16} {'graph':>7} {'direct':>7} "
+          f"{'launch':>7} {'nograd':>7} {'op':>7} {'op,grad':>8} {'F.linear':>9}  µs/call")
     for program, (a, b, operands) in calls.items():
         prog = parse(program)
         if not prog.gemm:
             continue
         a_g, b_g = a.detach().requires_grad_(), b.detach().requires_grad_()
+        x = a.reshape(1, *a.shape)  # the model's [batch, tokens, K]
+        lifted = [t.reshape(1, *t.shape) if spec.kind == Kind.TILE else
+                  t.reshape(1, -1, 1) if spec.kind == Kind.PER_ROW else t
+                  for spec, t in zip(prog.operands, operands)]
         with torch.no_grad():
+            ops.execute(program, a, b, operands)
+            route = ops._routes[(program, quack_path.metadata_key(a, b, operands))]
+            graph = host_us(lambda: ops.fused_linear(program, x, b, *lifted))
             direct = host_us(lambda: ops.execute(program, a, b, operands))
+            launch = host_us(lambda: route(a, b, operands)) \
+                if isinstance(route, quack_path.Launch) else float("nan")
             nograd = host_us(lambda: ops.gemm_epilogue_nograd(program, a, b, operands))
             op = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands))
-            linear = host_us(lambda: torch.nn.functional.linear(a, b))
+            linear = host_us(lambda: torch.nn.functional.linear(x, b))
         try:  # an inference-only program (no saved pre-activation) has no backward
             grad = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a_g, b_g, operands))
         except Exception:
             grad = float("nan")
         shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
-        print(f"{prog.key:<34} {prog.family:<18} {shape:<18} {direct:8.1f} {nograd:8.1f} "
-              f"{op:8.1f} {grad:8.1f} {linear:9.1f}")
-        for variant, us in (("direct", direct), ("op, nograd", nograd), ("op", op),
-                            ("op, grad", grad), ("F.linear", linear)):
+        print(f"{prog.key:<34} {prog.family:<18} {shape:<16} {graph:7.1f} {direct:7.1f} "
+              f"{launch:7.1f} {nograd:7.1f} {op:7.1f} {grad:8.1f} {linear:9.1f}")
+        for variant, us in (("graph call", graph), ("direct", direct), ("launch", launch),
+                            ("op, nograd", nograd), ("op", op), ("op, grad", grad),
+                            ("F.linear", linear)):
             rows.append((f"{prog.family} {variant}", "host us/call", us))
+        if isinstance(route, quack_path.Launch) and route.norm is not None:
+            rows += launch_parts(route, a, b, operands)
     return rows
+
+
+def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
+    """Where a norm producer's launch spends its host time: the allocations (outputs,
+    partials, rstd), QuACK's planned GEMM launch on buffers made once, the rstd kernel."""
+    out = route._alloc()
+    scratch = {name: torch.empty(shape, device=a.device, dtype=dtype)
+               for name, shape, dtype in route.scratch}
+    values = {**route._operands(operands), **scratch, **out}
+    sink, shape, scale, eps = route.norm
+    rstd = torch.empty(route.m, device=a.device, dtype=torch.float32)
+    partials = scratch[sink].view(shape)
+    with torch.no_grad():
+        parts = {
+            "torch.empty (one buffer)": host_us(
+                lambda: torch.empty(route.m, device=a.device, dtype=torch.float32)),
+            "QuACK planned launch": host_us(lambda: quack_path.run_gemm_epi_plan(
+                route.gemm_plan, a, b.t(), out.get("D"), route._c(operands), values)),
+            "rstd kernel (compiled, direct)": host_us(
+                lambda: route.row_rstd(partials, rstd, scale, eps)),
+        }
+    for name, us in parts.items():
+        print(f"    norm producer, {name:<32} {us:7.1f} µs")
+    return [(f"residual_rmsnorm part: {name}", "host us/call", us) for name, us in parts.items()]
 
 
 def per_layer(model, x) -> list[tuple[str, str, float]]:

@@ -2,6 +2,7 @@
 Inductor's fused epilogue, at M ∈ {1 … 4096} rows and the 1B and 8B layer shapes.
 
     source .gpu/setup.sh && python benchmarks/small_m.py [1b|8b ...] [--rows 1,8,...] [--static]
+                                                         [--picked]
 
 The programs and their operands are captured from a one-layer Llama of each shape with
 its LM head and loss (optimize(), every GEMM fused), run at batch 1 and M tokens, so each
@@ -49,6 +50,7 @@ ROWS = (1, 8, 16, 64, 256, 1024, 4096)
 STATIC = "--static" in sys.argv  # the unfused baseline compiled per M (Inductor's best
 # epilogue kernel for that size, at a compile per family and M) instead of once with
 # dynamic shapes
+PICKED = "--picked" in sys.argv  # only the config the pass picks (no candidate sweep)
 
 
 def candidates() -> dict:
@@ -141,6 +143,8 @@ def sweep(shape: str, rows_list, configs: dict) -> list:
                 times[name] = bench(lambda: launch(a, b, operands))
             picked = quack_path.prepare(*kernel, a, b, operands)
             times["picked"] = bench(lambda: picked(a, b, operands))
+            errors["picked"] = worst_error(picked(a, b, operands),
+                                           [w for w, o in zip(want, prog.outputs)])
             ok = {k: t for k, t in times.items() if k in errors and errors[k] < 2e-2}
             best = min(ok, key=ok.get) if ok else None
             print(f"{shape} {family:<16} M={rows:5d} N={b.shape[0]:6d} K={a.shape[1]:5d} "
@@ -168,13 +172,13 @@ def _name(cfg) -> str:
 
 def main():
     print(env_line())
-    args = [a for a in sys.argv[1:] if a != "--static"]
+    args = [a for a in sys.argv[1:] if a not in ("--static", "--picked")]
     rows = ROWS
     if "--rows" in args:
         i = args.index("--rows")
         rows = tuple(int(r) for r in args[i + 1].split(","))
         del args[i:i + 2]
-    configs = candidates()
+    configs = {} if PICKED else candidates()
     table = []
     for shape in args or list(SHAPES):
         table += sweep(shape, rows, configs)

@@ -45,13 +45,15 @@ class Options:
     # rewritten graph. torch.compile(m, backend="coda", mode=...) sets it.
     mode: str | None = None
     # CUDA GEMMs with fewer rows (tokens) than this are left to cuBLAS, their epilogue as
-    # graph ops (Inductor fuses them): at decode and short-prompt sizes QuACK's fused GEMM
-    # on its default config is slower than cuBLAS + a fused elementwise kernel (measured
-    # on the H200, BENCHMARKS.md "small M"). A dynamic row count is fused (its size is
-    # not known when the rewrite is decided); on CPU (the reference path: no speed to
-    # win or lose) every size is. 0: always fuse. Default: $CODA_MIN_FUSED_ROWS or 4096.
-    min_fused_rows: int = dataclasses.field(default_factory=lambda: int(
-        os.environ.get("CODA_MIN_FUSED_ROWS", "4096")))
+    # graph ops (Inductor fuses them). None (the default): each family's measured
+    # threshold (size_policy.py: at decode and short-prompt sizes a fused GEMM can lose to
+    # cuBLAS + a fused elementwise kernel, at a size that depends on the family; measured
+    # on the H200, BENCHMARKS.md "small M"); a number: that threshold for every family;
+    # 0: always fuse. A dynamic row count is fused (its size is not known when the
+    # rewrite is decided); on CPU (the reference path: no speed to win or lose) every size
+    # is. Default: $CODA_MIN_FUSED_ROWS, else None.
+    min_fused_rows: int | None = dataclasses.field(default_factory=lambda: _rows_from_env(
+        os.environ.get("CODA_MIN_FUSED_ROWS")))
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":
@@ -80,3 +82,10 @@ class Options:
 
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _rows_from_env(value: str | None) -> int | None:
+    """$CODA_MIN_FUSED_ROWS: unset or empty for each family's threshold, else a count."""
+    if value is None or not value.strip():
+        return None
+    return int(value)

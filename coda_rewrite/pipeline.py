@@ -36,7 +36,7 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
                  texts[1] + f"\n# checkpointed region {name} (recomputed in the backward)\n"
                  + sub[1])
     return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0,
-                       *_rank())
+                       *_rank(), min_fused_rows=options.min_fused_rows)
 
 
 def _rank() -> tuple[int | None, int | None]:

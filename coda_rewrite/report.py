@@ -23,6 +23,7 @@ from .algebra.decision import Decision, RejectionKind
 from .codegen.program import EpilogueProgram
 from .kernels.ops import runtime_summary
 from .kernels.quack_path import row_class_lines
+from .size_policy import threshold_lines
 
 REWRITTEN, REJECTED, NOT_MATCHED = "rewritten", "rejected", "not matched"
 
@@ -97,6 +98,8 @@ class GraphReport:
     # its own graphs (their shapes and placements may differ), and reports them
     rank: int | None = None
     world_size: int | None = None
+    # options.min_fused_rows as this graph was rewritten with (None: each family's own)
+    min_fused_rows: int | None = None
 
     @property
     def where(self) -> str:
@@ -132,8 +135,10 @@ class GraphReport:
             out.append("\nlayout contracts (generated kernel sources: the dump's kernels.txt):")
             out += [kernel_text(p).split("\n\n")[0] for p in self.programs.values()]
             if any(p.gemm for p in self.programs.values()):
-                out.append("\nGEMM tile configs by problem size (kernels/quack_path.py; "
-                           "fewer rows than min_fused_rows stay unfused):")
+                out.append("\nfused GEMMs by problem size (size_policy.py: fewer static rows "
+                           "stay unfused, on CUDA):")
+                out += ["  " + line for line in threshold_lines(self.min_fused_rows)]
+                out.append("GEMM tile configs by problem size (kernels/quack_path.py):")
                 out += ["  " + line for line in row_class_lines()]
         if with_code:
             out.append("\nrewritten graph:")

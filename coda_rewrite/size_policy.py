@@ -5,9 +5,19 @@ tiles, cluster 2) leaves most of the H200's 132 SMs idle and loses to cuBLAS plu
 elementwise kernel from Inductor; measured on the 4-layer forward from CUDA graphs, all
 fused against torch.compile: 0.54x at 128 rows, 0.92x at 1024, 0.98x at 2048, 1.07x at
 4096 (BENCHMARKS.md, "small M"). Tile configs by row class (kernels/quack_path.config_for)
-moved that to 0.89x at 512 rows and 1.00x at 1024 (BENCHMARKS.md, fourth session): even,
-not a gain, below 4096. So a match whose GEMMs all run on fewer static rows than
-``options.min_fused_rows`` is left to them, with the reason (code ``shape.small_m``).
+moved that to 0.89x at 512 rows and 1.00x at 1024 (BENCHMARKS.md, fourth session).
+
+Each family's fused GEMM stops paying at its own size. Against cuBLAS plus Inductor's
+epilogue compiled for that M (benchmarks/small_m.py --static, the 1B and 8B layer shapes,
+H200; BENCHMARKS.md, sixth session) the gated pair's GEMM holds from 16 rows, the LM head
+(+ loss) from 64, the RoPE GEMM from 1024 and the norm producer (its finaliser is a second
+launch) from 4096 at the 1B shape; but in a whole forward (inference.py small_m) the gated
+pair fused below 1024 rows made it slower (0.76x torch.compile at 128 rows), and every
+family fused runs 1.01x at 1024 rows and 1.07x at 2048. So each family says from how many
+rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the larger of the two
+measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
+epilogue as graph ops, with the reason (code ``shape.small_m``).
+``options.min_fused_rows`` overrides every family's threshold (0: always fuse).
 """
 
 from __future__ import annotations
@@ -18,18 +28,30 @@ from . import canonical
 from .graph_utils import graph_nodes_of
 
 
-def too_few_rows(family, match, min_rows: int) -> str:
+def fused_from_rows(family, override: int | None) -> int:
+    """The fewest rows a match of ``family`` fuses at: the option where set, else the
+    family's measured threshold (0 for a family that fuses no GEMM)."""
+    if not getattr(family, "FUSES_GEMMS", False):
+        return 0
+    return family.FUSED_FROM_ROWS if override is None else override
+
+
+def too_few_rows(family, match, override: int | None) -> str:
     """Why a GEMM-fusing match is left to cuBLAS at this size ("" where it is not): every
-    GEMM it would fuse has a static row count below ``min_rows``."""
-    if not getattr(family, "FUSES_GEMMS", False) or min_rows <= 0:
+    GEMM it would fuse has a static row count below the family's threshold
+    (``fused_from_rows``; ``override`` is options.min_fused_rows)."""
+    min_rows = fused_from_rows(family, override)
+    if min_rows <= 0:
         return ""
     counts = [static_rows(n) for n in graph_nodes_of(match)
               if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
     if not counts or any(c is None or c >= min_rows for c in counts):
         return ""
+    limit = (f"min_fused_rows = {min_rows}" if override is not None else
+             f"the {family.NAME} fusion's measured threshold, {min_rows} rows")
     return (f"the GEMM{'s' if len(counts) > 1 else ''} would run on {max(counts)} rows, fewer "
-            f"than min_fused_rows = {min_rows}: at this size cuBLAS with the epilogue as "
-            "graph ops is faster than the fused GEMM (left unfused)")
+            f"than {limit}: at this size cuBLAS with the epilogue as graph ops is faster "
+            "than the fused GEMM (left unfused)")
 
 
 def static_rows(linear: fx.Node) -> int | None:
@@ -44,3 +66,13 @@ def static_rows(linear: fx.Node) -> int | None:
             return None
         rows *= s
     return rows
+
+
+def threshold_lines(override: int | None = None) -> list[str]:
+    """The size policy as the report shows it: from how many rows each family fuses."""
+    from .patterns.registry import FAMILIES
+    if override is not None:
+        return [f"every family fuses from {override} rows (options.min_fused_rows)"]
+    return [f"{f.NAME} fuses from {f.FUSED_FROM_ROWS} rows" for f in FAMILIES
+            if getattr(f, "FUSES_GEMMS", False)] + [
+        "(options.min_fused_rows sets one threshold for every family; 0 fuses every size)"]

@@ -239,7 +239,8 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from coda_rewrite.patterns import attention, gated_mlp
+    from coda_rewrite.patterns import (attention, cross_entropy, gated_mlp,
+                                       residual_rmsnorm, rope)
     from coda_rewrite.size_policy import too_few_rows
 
     graph = torch.fx.Graph()
@@ -261,6 +262,37 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
         x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
         assert "128 rows, fewer than min_fused_rows = 512" in \
             too_few_rows(gated_mlp, [lin], 512)
+        # no override: each family's measured threshold (size_policy.py) decides
+        def fused(rows):
+            x.meta["example_value"] = torch.empty(2, rows // 2, 32, device="cuda")
+            return {f.NAME: not too_few_rows(f, [lin], None)
+                    for f in (gated_mlp, rope, residual_rmsnorm, cross_entropy)}
+        assert fused(128) == {gated_mlp.NAME: False, rope.NAME: False,
+                              residual_rmsnorm.NAME: False, cross_entropy.NAME: True}
+        assert fused(1024) == {gated_mlp.NAME: True, rope.NAME: True,
+                               residual_rmsnorm.NAME: False, cross_entropy.NAME: True}
+        assert all(fused(2048).values()) and not any(fused(32).values())
+        assert "the rope fusion's measured threshold, 1024 rows" in \
+            too_few_rows(rope, [lin], None)
+
+
+def test_size_policy_from_the_environment_and_in_the_report(monkeypatch):
+    """$CODA_MIN_FUSED_ROWS: unset or empty leaves each family's threshold, a number sets
+    one for all; the report says which applied."""
+    from coda_rewrite.options import Options
+    from coda_rewrite.size_policy import threshold_lines
+    monkeypatch.setenv("CODA_MIN_FUSED_ROWS", "")
+    assert Options().min_fused_rows is None
+    monkeypatch.setenv("CODA_MIN_FUSED_ROWS", "256")
+    assert Options().min_fused_rows == 256
+    monkeypatch.delenv("CODA_MIN_FUSED_ROWS")
+    assert Options().min_fused_rows is None
+    assert "rope fuses from 1024 rows" in threshold_lines(None)
+    assert threshold_lines(0) == ["every family fuses from 0 rows (options.min_fused_rows)"]
+    model = hf_model("llama", layers=1)
+    fast = coda_rewrite.optimize(model, min_fused_rows=0)
+    fast(tokens())
+    assert "every family fuses from 0 rows" in str(fast.report)
 
 
 def test_inductor_inference_graphs_call_the_op_without_autograd(monkeypatch):

@@ -526,3 +526,59 @@ def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):
     assert lines == [f"kernel {launch.ks.program.key}: QuACK's default config (128 x 192 "
                      "tiles, cluster 2) for M x N in 64 x 4096, 8192 x 4096"], lines
     assert lines[0] in ops.runtime_summary()
+
+
+def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatch):
+    """A launch's host side without a GPU (the plan and both kernels stubbed): the norm
+    producer's partials and rstd share one allocation, the rstd first (the output a graph
+    sees starts its storage: Inductor addresses views of a buffer from its start) and the
+    partials 512-byte aligned after it; the outputs come back in the program's order, the
+    rstd as computed by the finaliser from those partials; a rowscale launch returns its
+    one tile output."""
+    from coda_rewrite.kernels import quack_path
+    calls = []
+
+    def fake_gemm(plan, a, b, d, c, values):  # writes z and h2, and the partials
+        calls.append(sorted(values))
+        d.fill_(1.0)
+        for name, fill in (("out1_h2", 2.0), ("red0_ss", 3.0)):
+            if name in values:
+                values[name].fill_(fill)
+
+    def fake_rstd(partials, rstd, scale, eps):
+        rstd.copy_(partials.sum(-1) * scale + eps)
+
+    monkeypatch.setattr(quack_path, "run_gemm_epi_plan", fake_gemm)
+
+    def launch_of(program, m, n, scratch, norm):
+        launch = object.__new__(quack_path.Launch)
+        launch.ks = generate(program)
+        launch.m, launch.n, launch.device = m, n, torch.device("cpu")
+        launch.out_dtypes = {o.value: torch.float32 if o.dtype == "float32"
+                             else torch.bfloat16 for o in program.outputs}
+        launch.outs = [(name, (m, n), launch.out_dtypes[value])
+                       for value, name in launch.ks.contract.tile_outputs]
+        launch.scratch, launch.norm, launch.row_rstd = scratch, norm, fake_rstd
+        launch.kwargs, launch.c_index, launch.sinks = [], None, []
+        launch.gemm_plan, launch.plan = object(), None
+        launch.results = launch._result_sources()
+        return launch
+
+    m, n, tiles = 5, 48, 3
+    norm = launch_of(residual_rmsnorm(), m, n, [("red0_ss", torch.Size([m, tiles]),
+                                                torch.float32)],
+                     ("red0_ss", (m, tiles), 0.5, 0.25))
+    a, b = torch.zeros(m, 8), torch.zeros(n, 8)
+    z, h2, r = norm(a, b, [])
+    assert calls[-1] == ["D", "out1_h2", "red0_ss"]
+    assert z.shape == h2.shape == (m, n) and (z == 1).all() and (h2 == 2).all()
+    assert r.shape == (m,) and r.storage_offset() == 0 and r.dtype == torch.float32
+    assert torch.equal(r, torch.full((m,), 3.0 * tiles * 0.5 + 0.25))
+    scratch = norm._scratch()
+    partials, rstd = scratch["red0_ss"], scratch[quack_path._RSTD]
+    assert partials.untyped_storage().data_ptr() == rstd.untyped_storage().data_ptr()
+    assert partials.storage_offset() * 4 % 512 == 0 and partials.storage_offset() >= m
+    plain = launch_of(rowscale_bias(), m, n, [], None)
+    (y,) = plain(a, b, [torch.ones(m), torch.ones(n)])
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16 and (y == 1).all()
+    assert calls[-1] == ["D"]

@@ -48,19 +48,23 @@ def real(tensors) -> bool:
 # ---- leading dims ------------------------------------------------------------------------
 
 def flatten_operands(prog, operands):
+    """The op's 2-D contract: tile operands [M, N], per-row operands [M] (a tensor already
+    in that form passes as it is: a view per call is host time a decode step pays)."""
     flat = []
     for spec, t in zip(prog.operands, operands):
-        if spec.kind == Kind.TILE:
+        if spec.kind == Kind.TILE and t.dim() != 2:
             t = t.reshape(-1, t.shape[-1])
-        elif spec.kind == Kind.PER_ROW:
+        elif spec.kind == Kind.PER_ROW and t.dim() != 1:
             t = t.reshape(-1)
         flat.append(t)
     return flat
 
 
 def unflatten_outputs(prog, outs, lead):
-    return tuple(o.reshape(*lead, o.shape[-1]) if spec.kind in (Kind.TILE, Kind.PAIR)
-                 else o.reshape(*lead, 1)
+    """Tile outputs back to [*lead, N], per-row ones to [*lead, 1]."""
+    lead = tuple(lead)
+    return tuple(o if len(lead) == 1 else o.reshape(lead + (o.shape[-1],))
+                 if spec.kind in (Kind.TILE, Kind.PAIR) else o.reshape(lead + (1,))
                  for spec, o in zip(prog.outputs, outs))
 
 

@@ -204,13 +204,17 @@ def select(program: EpilogueProgram, program_text: str, a, b, operands):
         return None, f"not lowerable: {e}"
 
 
-def _rms_final_reduce():
-    """QuACK's rsqrt(Σ_tiles partials · scale + eps) per row (quack_source.norm_row_stage):
-    the norm's rstd in one kernel where the generic finaliser runs a torch op per
-    instruction (measured on the H200 at M = 64: 75 → 53 µs of host time per producer
-    call). Resolved once per launch, not imported on every call."""
-    from quack.rms_final_reduce import rms_final_reduce
-    return rms_final_reduce
+def _row_rstd_kernel(partials_shape, dtype=torch.float32):
+    """QuACK's rsqrt(Σ_tiles partials · scale + eps) per row (quack_source.norm_row_stage),
+    compiled for this partial width, called as ``fn(partials, rstd, scale, eps)``: the
+    norm's rstd in one kernel where the generic finaliser ran a torch op per instruction
+    (measured on the H200 at M = 64: 75 → 53 µs of host time per producer call). The
+    compiled function is resolved once per launch: ``rms_final_reduce`` itself looks the
+    kernel up through a custom op, a dtype map and a cache key on every call, host time a
+    decode step pays per layer."""
+    from quack import rms_final_reduce as final
+    from quack.cute_dsl_utils import torch2cute_dtype_map
+    return final._compile_rms_final_reduce(torch2cute_dtype_map[dtype], partials_shape[-1])
 
 
 def _config(tile_m: int, tile_n: int, cluster_m: int):
@@ -300,17 +304,23 @@ def metadata_key(*tensors) -> tuple:
 
 class Launch:
     """One program on one tensor-metadata class, prepared once: which operand binds
-    where, the output buffers' shapes and dtypes, and QuACK's EpiPlan (``EpiMod.plan``:
-    config and compiled kernel resolved; ``EpiPlan.run`` makes no host decision). A call
+    where, the output buffers' shapes and dtypes, and QuACK's GEMM plan (``EpiMod.plan``:
+    config and compiled kernel resolved, so a call makes no host decision). A call
     allocates the outputs, launches, and folds the reductions' per-tile partials.
 
     The reductions' per-tile partial buffers are allocated by each call, like its
     outputs, not kept with the plan: a buffer the plan kept would be shared by calls on
     different streams, and one allocated while a CUDA graph tree warms up would live in
-    its memory pool untracked (which cudagraph trees refuse)."""
+    its memory pool untracked (which cudagraph trees refuse).
 
-    __slots__ = ("ks", "plan", "c_index", "kwargs", "outs", "sinks", "m", "n", "device",
-                 "out_dtypes", "scratch", "finalise", "config")
+    A call's host work is what a decode step pays per fused GEMM, so everything that
+    depends only on the metadata class is decided here, and ``__call__`` is the
+    allocations, the launch (QuACK's ``run_gemm_epi_plan`` on the plan's resolved GEMM:
+    ``EpiPlan.run`` without its per-call dict building and B relabel, which Hopper never
+    needs) and the finaliser (benchmarks/host_overhead.py measures it against F.linear)."""
+
+    __slots__ = ("ks", "plan", "gemm_plan", "c_index", "kwargs", "outs", "sinks", "m", "n",
+                 "device", "out_dtypes", "scratch", "row_rstd", "norm", "config", "results")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
@@ -328,15 +338,29 @@ class Launch:
         width = {o.value: self.n // 2 if o.kind == Kind.PAIR else self.n for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
                      for value, name in ks.contract.tile_outputs]
-        self.finalise = _rms_final_reduce() if ks.norm_stage is not None else None
         self.config = config or config_for(prog, self.m, self.n)
         t0 = time.perf_counter()
         mod = module.epilogue
         self.plan = mod.plan(a, b.t(), self._c(operands), out=self._alloc(),
                              config=self.config, **self._operands(operands))
+        # Hopper takes B as the (k, n) view plan() saw and nothing is swapped; any other
+        # plan goes through EpiPlan.run, which knows how to relabel it
+        direct = self.plan.b_kn and not self.plan.swapped
+        self.gemm_plan = self.plan.gemm_plan if direct else None
         self.sinks = [(r, mod.sinks[r.sink]) for r in ks.contract.reductions]
         self.scratch = [(name, buf.shape, buf.dtype) for name, buf in self.plan.scratch.items()]
         self.plan.scratch = {}
+        self.row_rstd = self.norm = None
+        if ks.norm_stage is not None:  # (partials name, 2-D shape, 1/d, eps)
+            sink, _value, scale, eps = ks.norm_stage
+            (name, shape, dtype), = self.scratch  # the norm's sum of squares, nothing else
+            if name != sink or dtype != torch.float32 or shape.numel() != self.m * shape[-1]:
+                raise RuntimeError(f"norm producer {prog.key}: QuACK planned partials "
+                                   f"{name} {tuple(shape)} {dtype}, expected {sink}, float32 "
+                                   f"[{self.m}, tiles]")
+            self.norm = (sink, (self.m, shape[-1]), scale, eps)
+            self.row_rstd = _row_rstd_kernel(shape)
+        self.results = self._result_sources()
         first = ks.module_name not in _seen
         if first:
             with _lock:
@@ -344,6 +368,24 @@ class Launch:
                 COMPILES.append((prog.key, time.perf_counter() - t0))
             log.info("coda_rewrite: kernel %s ready in %.1f s (first plan: compile or "
                      "disk-cache load)", prog.key, time.perf_counter() - t0)
+
+    def _result_sources(self):
+        """Where each program output comes from when no per-row stage runs but the norm's
+        (None otherwise): a kernel output buffer by name, or the norm's rstd."""
+        ks = self.ks
+        if ks.row_stage and ks.norm_stage is None:
+            return None
+        tile = dict(ks.contract.tile_outputs)
+        sources = []
+        for o in ks.program.outputs:
+            if o.value in tile:
+                sources.append(tile[o.value])
+            elif ks.norm_stage is not None and o.value == ks.norm_stage[1] and \
+                    self.out_dtypes[o.value] == torch.float32:
+                sources.append(None)
+            else:
+                return None
+        return sources
 
     def _c(self, operands):
         return None if self.c_index is None else operands[self.c_index]
@@ -357,22 +399,48 @@ class Launch:
         return {name: torch.empty(shape, device=self.device, dtype=dtype)
                 for name, shape, dtype in self.outs}
 
+    def _scratch(self) -> dict:
+        """The reductions' partial buffers. With the norm's rstd, one float32 allocation
+        holds both (an allocation costs ~5 µs of host time on the H200's host, a third of
+        the launch: host_overhead.py): the rstd first, so the output a graph sees starts
+        its storage (Inductor addresses a buffer's views from the storage's start), then
+        the partials at the next 512-byte boundary, aligned like a fresh allocation."""
+        if self.norm is None:
+            return {name: torch.empty(shape, device=self.device, dtype=dtype)
+                    for name, shape, dtype in self.scratch}
+        (name, shape, _dtype), = self.scratch
+        start = -(-self.m // 128) * 128
+        buf = torch.empty(start + shape.numel(), device=self.device, dtype=torch.float32)
+        return {name: buf[start:].view(shape), _RSTD: buf[:self.m]}
+
     def __call__(self, a, b, operands) -> list[torch.Tensor]:
         out = self._alloc()
-        scratch = {name: torch.empty(shape, device=self.device, dtype=dtype)
-                   for name, shape, dtype in self.scratch}
-        self.plan.run(a, b.t(), self._c(operands), out=out, scratch=scratch,
-                      **self._operands(operands))
+        scratch = self._scratch()
+        rstd = scratch.pop(_RSTD, None)
+        if self.gemm_plan is not None:
+            values = self._operands(operands)
+            values.update(scratch)
+            values.update(out)
+            run_gemm_epi_plan(self.gemm_plan, a, b.t(), out.get("D"), self._c(operands),
+                              values)
+        else:
+            self.plan.run(a, b.t(), self._c(operands), out=out, scratch=scratch,
+                          **self._operands(operands))
+        if self.norm is not None:  # the norm's rstd: one QuACK kernel, no torch ops
+            sink, shape, scale, eps = self.norm
+            self.row_rstd(scratch[sink].view(shape), rstd, scale, eps)
+            if self.results is not None:
+                return [rstd if s is None else out[s] for s in self.results]
+            return self._outputs(out, {self.ks.norm_stage[1]: rstd.view(self.m, 1)})
+        if self.results is not None and not self.sinks:
+            return [out[s] for s in self.results]
+        return self._outputs(out, self._fold(a, operands, scratch))
+
+    def _fold(self, a, operands, scratch) -> dict:
+        """The reductions' per-row values from their per-tile partials, and the per-row
+        stage (reference ops) where the program has one."""
         ks, m = self.ks, self.m
-        env: dict[str, torch.Tensor] = {value: out[name] for value, name
-                                        in ks.contract.tile_outputs}
-        if ks.norm_stage is not None:  # the norm's rstd: QuACK's kernel, no torch ops
-            sink, value, scale, eps = ks.norm_stage
-            partials = scratch[sink]
-            env[value] = self.finalise(partials.reshape(m, partials.shape[-1]), scale,
-                                       eps).reshape(m, 1)
-            return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
-                    if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]
+        env: dict[str, torch.Tensor] = {}
         for r, op in self.sinks:
             partials = scratch[r.sink]
             folded = op.host_finalize(partials) if getattr(op, "host_finalize", None) \
@@ -389,5 +457,22 @@ class Launch:
                     env[spec.name] = t.float().reshape(-1, 1) if spec.kind == Kind.PER_ROW \
                         else t.float()
             reference.eval_body(ks.row_stage, env, torch.float32)
+        return env
+
+    def _outputs(self, out, env) -> list[torch.Tensor]:
+        ks, m = self.ks, self.m
+        env.update({value: out[name] for value, name in ks.contract.tile_outputs})
         return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
                 if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]
+
+
+_RSTD = "coda.rstd"  # the norm's rstd in a norm producer's scratch (not a kernel operand)
+
+
+def run_gemm_epi_plan(*args, **kwargs):
+    """QuACK's planned launch (quack.gemm_runtime.host), imported on first use: this
+    module loads on machines without QuACK."""
+    global run_gemm_epi_plan
+    from quack.gemm_runtime.host import run_gemm_epi_plan as launch
+    run_gemm_epi_plan = launch
+    return launch(*args, **kwargs)

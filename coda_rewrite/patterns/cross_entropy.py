@@ -55,8 +55,13 @@ from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
 
 NAME = "lm_head_cross_entropy"
-# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+# its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
+# ... from this many rows (size_policy.py; benchmarks/small_m.py --static and
+# inference.py small_m on the H200, BENCHMARKS.md sixth session):
+# the LM head (+ loss): 1.07–1.11x at 16 rows, 0.94–0.98x from 64 (no weight
+# re-layout)
+FUSED_FROM_ROWS = 64
 
 _CE = {F.cross_entropy, torch.nn.functional.cross_entropy}
 _VIEWS = {"view", "reshape", "flatten", torch.reshape, torch.flatten}

@@ -49,8 +49,15 @@ from .family import Context, Decided
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "gated_mlp"
-# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+# its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
+# ... from this many rows (size_policy.py; benchmarks/small_m.py --static and
+# inference.py small_m on the H200, BENCHMARKS.md sixth session):
+# the gated pair: its GEMM alone is ≤ 1.03x of cuBLAS + Inductor's epilogue from 16
+# rows, but a forward with it fused from 16 rows ran 0.76x torch.compile at 128 rows and
+# 0.91x at 512 (4-layer model from CUDA graphs; 1.01x at 1024): the per-call gate/up
+# weight interleave, a pass over the weights, is the likely cost (not profiled)
+FUSED_FROM_ROWS = 1024
 
 _SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
 _GELU = {F.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default, "gelu"}

@@ -50,8 +50,14 @@ from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from .family import Context, Decided
 
 NAME = "residual_rmsnorm_gemm"
-# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+# its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
+# ... from this many rows (size_policy.py; benchmarks/small_m.py --static and
+# inference.py small_m on the H200, BENCHMARKS.md sixth session):
+# the norm producer: its finaliser is a second launch, 1.05x at 1024 rows of the 1B
+# shape (N = 2048), 1.16–1.19x below; every family fused, the 4-layer forward runs 1.07x
+# torch.compile at 2048 rows
+FUSED_FROM_ROWS = 2048
 _CHAIN_DEPTH = 4
 
 

@@ -88,8 +88,14 @@ from .gated_mlp import Projection, projection_of
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "rope"
-# its rewrites replace GEMMs by fused ones: subject to options.min_fused_rows
+# its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
+# ... from this many rows (size_policy.py; benchmarks/small_m.py --static and
+# inference.py small_m on the H200, BENCHMARKS.md sixth session):
+# the RoPE GEMM: 1.19x at 256 rows of the 8B shape (q/k/v, N = 6144; 0.97x at the 1B
+# shape), 0.88–0.94x from 1024; its per-call q/k/v weight permutation is a pass over the
+# weights too
+FUSED_FROM_ROWS = 1024
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _COS = {torch.cos, "cos"}
