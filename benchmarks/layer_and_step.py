@@ -12,6 +12,7 @@ CODA_BENCH_TOP=1 also prints each variant's top kernels)
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -99,6 +100,14 @@ def step():
         "coda-no-rope": lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
             coda_rewrite.Options(patterns=tuple(
                 p for p in coda_rewrite.Options().patterns if p != "rope")))),
+        # training_policy.py's ablation: every family fused in training (the policy off),
+        # the attention rewrite alone, and with the LM head + loss on top
+        "coda-every-family": lambda: torch.compile(model, backend=coda_backend(
+            fuse_in_training=True)),
+        "coda-attention": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs",))),
+        "coda-attention-ce": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs", "lm_head_cross_entropy"), fuse_in_training=True)),
         # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches
         # transformers' Llama module globally, so it runs last
         "Liger 0.8.5": lambda: liger(model),
@@ -126,9 +135,32 @@ def step():
             print(f"step {name}: top kernels\n{kernel_top(lambda: run(m))}", flush=True)
         model.zero_grad(set_to_none=True)
         rows.append((name, ms, mem, float(loss), first, split))
+        print(f"step {name}: {what_was_rewritten()}", flush=True)
         print(f"step {name}: {ms:.1f} ms, peak {mem:.0f} MiB, loss {float(loss):.4f}, "
               f"first call {first:.0f} s | {split}", flush=True)
     return rows
+
+
+def what_was_rewritten() -> str:
+    """The reports' records since the last call (the "coda" backend's session report and
+    every CodaBackend's), by pattern and outcome (rewritten, or the code it was left
+    with): which families a variant fused."""
+    from coda_rewrite.backend import SESSION_REPORT
+    from coda_rewrite.report import REWRITTEN
+    seen = collections.Counter()
+    for report in [SESSION_REPORT] + [b.report for b in BACKENDS]:
+        seen.update((r.pattern, "rewritten" if r.status == REWRITTEN else r.code or r.status)
+                    for r in report.records)
+        report.graphs.clear()
+    return ", ".join(f"{p} {s} x{n}" for (p, s), n in sorted(seen.items()))
+
+
+BACKENDS: list = []
+
+
+def coda_backend(**options):
+    BACKENDS.append(coda_rewrite.CodaBackend(coda_rewrite.Options(**options)))
+    return BACKENDS[-1]
 
 
 def main():
@@ -146,8 +178,8 @@ def main():
     if srows:
         print("Llama-3.2-1B training step, bf16, 2 x 4096 tokens (fwd + bwd + loss)")
         for name, ms, mem, loss, first, split in srows:
-            print(f"  {name:16s} {ms:7.1f} ms  {8192 / ms * 1e3:8.0f} tok/s  peak {mem / 1024:5.1f} GiB"
-                  f"  loss {loss:.4f}  | {split}")
+            print(f"  {name:16s} {ms:7.1f} ms  {8192 / ms * 1e3:8.0f} tok/s  "
+                  f"peak {mem / 1024:5.1f} GiB  loss {loss:.4f}  | {split}")
     if lrows:
         write_csv("Llama-3-8B layer forward, 2 x 4096", [(r[0], "ms", r[1]) for r in lrows])
     if srows:

@@ -55,6 +55,14 @@ class Options:
     min_fused_rows: int | None = dataclasses.field(default_factory=lambda: _rows_from_env(
         os.environ.get("CODA_MIN_FUSED_ROWS")))
 
+    # Fuse in training graphs (those whose fused GEMMs compute a gradient). None (the
+    # default): each family where it pays for itself in a training step, measured on the
+    # H200 (training_policy.py; the cross-entropy rewrite also when materialize_logits is
+    # False); True: every family; False: none. Default: $CODA_FUSE_IN_TRAINING ("1" / "0"),
+    # else None.
+    fuse_in_training: bool | None = dataclasses.field(default_factory=lambda: _flag_from_env(
+        os.environ.get("CODA_FUSE_IN_TRAINING")))
+
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":
         merged = {**(options or {}), **kw}
@@ -89,3 +97,12 @@ def _rows_from_env(value: str | None) -> int | None:
     if value is None or not value.strip():
         return None
     return int(value)
+
+
+def _flag_from_env(value: str | None) -> bool | None:
+    """$CODA_FUSE_IN_TRAINING: unset or empty for the measured policy, "1" or "0"."""
+    if value is None or not value.strip():
+        return None
+    if value.strip() not in ("0", "1"):
+        raise ValueError(f"CODA_FUSE_IN_TRAINING={value!r}: expected 1, 0 or unset")
+    return value.strip() == "1"

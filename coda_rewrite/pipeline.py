@@ -2,11 +2,12 @@
 (patterns/registry.py), find → decide → apply, recording every candidate.
 
 The protocol each family implements is patterns/family.py. Everything shared lives here:
-the match records (the report), options.patterns, a checker that raises (it costs the
-rewrite, never the compile, and is recorded as the pass's own bug; a graph surgery that
-raises after changing the graph undoes every rewrite of that graph), the nodes rewrites
-replace (a later match may name them: Context.current), graphs eager rejects, and
-activation-checkpointed regions (rewritten inside).
+the match records (the report), options.patterns, the speed policies (size_policy.py,
+training_policy.py: where a fusion does not pay, it is left, with the reason), a checker
+that raises (it costs the rewrite, never the compile, and is recorded as the pass's own
+bug; a graph surgery that raises after changing the graph undoes every rewrite of that
+graph), the nodes rewrites replace (a later match may name them: Context.current),
+graphs eager rejects, and activation-checkpointed regions (rewritten inside).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import torch.fx as fx
 
-from . import canonical, size_policy
+from . import canonical, size_policy, training_policy
 from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
@@ -166,6 +167,10 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
         small = size_policy.too_few_rows(family, m, context.options.min_fused_rows)
         if small:
             record.reject(RejectionKind.CONDITION, small, "shape.small_m")
+            continue
+        unpaid = training_policy.not_paying_in_training(family, m, context.options)
+        if unpaid:
+            record.reject(RejectionKind.CONDITION, unpaid, "training.does_not_pay")
             continue
         try:
             decided = family.decide(m, context)

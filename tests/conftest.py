@@ -14,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the tests' models are small: every GEMM is fused on the GPU too (the size threshold,
 # options.min_fused_rows, is a speed decision, tested on its own)
 os.environ.setdefault("CODA_MIN_FUSED_ROWS", "0")
+# ... and every family in training graphs, whose backward rules the tests check (whether a
+# family pays in a training step, options.fuse_in_training, is tested on its own)
+os.environ.setdefault("CODA_FUSE_IN_TRAINING", "1")
 if ROOT not in sys.path:  # the GPU image runs the tests from the source tree
     sys.path.insert(0, ROOT)
 

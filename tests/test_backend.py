@@ -276,6 +276,50 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
             too_few_rows(rope, [lin], None)
 
 
+def test_training_graphs_fuse_only_the_families_that_pay_there(monkeypatch):
+    """options.fuse_in_training: in a graph whose CUDA GEMMs compute a gradient, a family
+    that does not pay for itself in a training step (training_policy.py) is left, with
+    the reason; the cross-entropy rewrite stays where the user asked for the logits-free
+    loss (materialize_logits=False); True fuses every family, False none; inference
+    graphs, CPU graphs and families without a GEMM are not affected."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_rewrite.options import Options
+    from coda_rewrite.patterns import (attention, cross_entropy, gated_mlp,
+                                       residual_rmsnorm, rope)
+    from coda_rewrite.training_policy import not_paying_in_training
+
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    lin = graph.call_function(torch.nn.functional.linear, (x, w))
+    gemm_families = (gated_mlp, rope, residual_rmsnorm, cross_entropy)
+
+    def left(grad, device="cuda", **options):
+        with FakeTensorMode():
+            lin.meta["example_value"] = torch.empty(8, 4, device=device, requires_grad=grad)
+        opts = Options(**options)
+        return {f: bool(not_paying_in_training(f, [lin], opts)) for f in gemm_families}
+
+    monkeypatch.delenv("CODA_FUSE_IN_TRAINING", raising=False)
+    assert Options().fuse_in_training is None
+    assert all(left(True).values())  # none pays in a training step yet (measured)
+    assert not left(True, materialize_logits=False)[cross_entropy]
+    assert not any(left(False).values()) and not any(left(True, "cpu").values())
+    assert not any(left(True, fuse_in_training=True).values())
+    assert all(left(True, fuse_in_training=False, materialize_logits=False).values())
+    with FakeTensorMode():
+        lin.meta["example_value"] = torch.empty(8, 4, device="cuda", requires_grad=True)
+    assert not not_paying_in_training(attention, [lin], Options())
+    why = not_paying_in_training(rope, [lin], Options())
+    assert "the rope fusion does not yet pay for itself in a training step" in why
+    for value, want in (("1", True), ("0", False), ("", None)):
+        monkeypatch.setenv("CODA_FUSE_IN_TRAINING", value)
+        assert Options().fuse_in_training is want
+    monkeypatch.setenv("CODA_FUSE_IN_TRAINING", "yes")
+    with pytest.raises(ValueError, match="CODA_FUSE_IN_TRAINING"):
+        Options()
+
+
 def test_size_policy_from_the_environment_and_in_the_report(monkeypatch):
     """$CODA_MIN_FUSED_ROWS: unset or empty leaves each family's threshold, a number sets
     one for all; the report says which applied."""

@@ -1,0 +1,48 @@
+"""Which fusions run in a training graph: a speed decision, not a legality one.
+
+A fused GEMM pays in training only if its backward does too: the forward saves a read and
+a write of an activation, and the backward must not give it back (re-layouts made again,
+row statistics recomputed, gradient scatters). Measured on the H200 (Llama-3.2-1B shape,
+2 × 4096 tokens, forward + loss + backward; BENCHMARKS.md, issue #16's ablation and the
+sixth session): against the attention-inputs rewrite alone (124.8–127.8 ms/step) the
+residual + RMSNorm producer adds 4.3 ms and 1.8 GiB, the gated MLP 2.8 ms and 1.0 GiB, RoPE
+1.4 ms and 0.7 GiB, the LM head + loss (logits written) 0.5 ms and 1.8 GiB; every family
+together 136.9 ms and 22.6 GiB, this policy 126.6 ms and 20.3 GiB (torch.compile: 167.0 ms,
+21.3 GiB). Their backward rules are correct (tested against eager) but not yet fused the
+CODA way (issue #16: backward epilogues).
+
+So each GEMM-fusing family says whether it pays in a training step
+(``PAYS_IN_TRAINING`` in its pattern module); a match whose GEMMs compute a gradient is left
+to eager's ops under Inductor when its family does not, with the reason (code
+``training.does_not_pay``). ``options.fuse_in_training`` overrides (True: every family;
+False: none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's
+memory request (the logits never written): it is kept whatever its family says. Graphs
+without gradients (inference) and CPU graphs (the reference path: no speed to win or
+lose) are not affected.
+"""
+
+from __future__ import annotations
+
+from . import canonical
+from .graph_utils import graph_nodes_of
+
+
+def not_paying_in_training(family, match, options) -> str:
+    """Why a GEMM-fusing match in a training graph is left unfused ("" where it is not)."""
+    if not getattr(family, "FUSES_GEMMS", False) or options.fuse_in_training is True:
+        return ""
+    asked = getattr(family, "asked_for_in_training", None)
+    if options.fuse_in_training is None and (family.PAYS_IN_TRAINING or
+                                             (asked is not None and asked(options))):
+        return ""
+    gemms = [canonical.meta(n) for n in graph_nodes_of(match)
+             if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
+    if not any(g is not None and g.device.type == "cuda" and g.requires_grad for g in gemms):
+        return ""
+    if options.fuse_in_training is False:
+        return ("a training graph and options.fuse_in_training=False: left to eager's ops "
+                "under Inductor")
+    return (f"a training graph: the {family.NAME} fusion does not yet pay for itself in a "
+            "training step (its backward is not fused; measured on the H200, "
+            "training_policy.py): left to eager's ops under Inductor; "
+            "options.fuse_in_training=True fuses it anyway")
