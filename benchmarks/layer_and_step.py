@@ -6,7 +6,9 @@ memory, and the kernel-time split of the training step.
 
     source .gpu/setup.sh && python benchmarks/layer_and_step.py [layer|step|both] [variants]
 
-(variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``;
+(variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``,
+or ``ablation``: the families added one at a time; the step's variants run in
+alternating rounds; CODA_STEP_SHAPE=4x8192 for CODA's own benchmark shape;
 CODA_BENCH_TOP=1 also prints each variant's top kernels)
 """
 
@@ -73,72 +75,126 @@ def liger(model):
     return model
 
 
+# The training-step ablation (issue #16): the families added one at a time on top of the
+# attention rewrite, each fused in training (fuse_in_training=True: training_policy.py
+# leaves them by default, which is the "backend=\"coda\"" variant)
+ABLATION = (("coda +attention", ("attention_inputs",)),
+            ("coda +norm", ("attention_inputs", "residual_rmsnorm_gemm")),
+            ("coda +gated", ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp")),
+            ("coda +rope", ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
+                            "rope")),
+            ("coda +ce", ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp", "rope",
+                          "lm_head_cross_entropy")))
+
+
 def step():
+    """The 1B training step: every requested variant compiled and warmed up first, then
+    timed in alternating rounds (the order reversed every other round; $CODA_STEP_ROUNDS
+    rounds of $CODA_STEP_STEPS steps, default 3 × 3): median ms/step with the spread
+    between rounds; then each variant's peak memory, kernel split and what it fused.
+    Shape: $CODA_STEP_SHAPE, batch x tokens (default 2x4096; CODA's own benchmark shape is
+    4x8192). Liger patches the model's modules, so it runs after the rounds, alone."""
+    import statistics
+
     from transformers import LlamaConfig, LlamaForCausalLM
+    batch, seq = (int(v) for v in os.environ.get("CODA_STEP_SHAPE", "2x4096").split("x"))
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, rope_theta=500000.0,
+                      max_position_embeddings=max(8192, seq), rope_theta=500000.0,
                       tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).cuda().to(bf)
-    ids = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
     def run(m):
         out = m(input_ids=ids, labels=ids)
         out.loss.backward()
         return out.loss.detach()
 
-    rows = []
     variants = {
         "eager": lambda: model, "torch.compile": lambda: torch.compile(model),
         "optimize()": lambda: coda_rewrite.optimize(model),
         'backend="coda"': lambda: torch.compile(model, backend="coda"),
         # a loop that reads only the loss: the logits are never written
-        'coda-no-logits': lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
-            coda_rewrite.Options(materialize_logits=False))),
-        # the same without the RoPE rewrite: what RoPE changes in a training step
-        "coda-no-rope": lambda: torch.compile(model, backend=coda_rewrite.CodaBackend(
-            coda_rewrite.Options(patterns=tuple(
-                p for p in coda_rewrite.Options().patterns if p != "rope")))),
-        # training_policy.py's ablation: every family fused in training (the policy off),
-        # the attention rewrite alone, and with the LM head + loss on top
+        'coda-no-logits': lambda: torch.compile(model, backend=coda_backend(
+            materialize_logits=False)),
+        # every family fused in training (the training policy off)
         "coda-every-family": lambda: torch.compile(model, backend=coda_backend(
             fuse_in_training=True)),
-        "coda-attention": lambda: torch.compile(model, backend=coda_backend(
-            patterns=("attention_inputs",))),
         "coda-attention-ce": lambda: torch.compile(model, backend=coda_backend(
             patterns=("attention_inputs", "lm_head_cross_entropy"), fuse_in_training=True)),
+        **{name: (lambda pats=pats: torch.compile(model, backend=coda_backend(
+            patterns=pats, fuse_in_training=True))) for name, pats in ABLATION},
         # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches
-        # transformers' Llama module globally, so it runs last
+        # transformers' Llama modules, so it runs after the others
         "Liger 0.8.5": lambda: liger(model),
     }
-    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)
-    for name in names:
-        torch._dynamo.reset()
-        m = variants[name]()
-        t0 = time.time()
-        loss = run(m)
+    asked = sys.argv[2] if len(sys.argv) > 2 else "torch.compile,backend=\"coda\""
+    names = [n for n, _ in ABLATION] if asked == "ablation" else asked.split(",")
+    names = [n for n in names if n != "Liger 0.8.5"] + \
+        (["Liger 0.8.5"] if "Liger 0.8.5" in names else [])
+    # every variant stays compiled for the alternating rounds: dynamo keeps an entry per
+    # backend for the model's forward, more than its default limit of 8
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    rounds = int(os.environ.get("CODA_STEP_ROUNDS", "3"))
+    per_round = int(os.environ.get("CODA_STEP_STEPS", "3"))
+    compiled, first, losses, fused = {}, {}, {}, {}
+    times = collections.defaultdict(list)
+
+    def timed(name):
+        m = compiled[name]
         torch.cuda.synchronize()
-        first = time.time() - t0
-        for _ in range(2):
+        t0 = time.time()
+        for _ in range(per_round):
             run(m)
         torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        times[name].append((time.time() - t0) / per_round * 1e3)
+
+    def prepare(name):
+        if name == "Liger 0.8.5":
+            torch._dynamo.reset()
+        compiled[name] = variants[name]()
         t0 = time.time()
-        n = 5
-        for _ in range(n):
-            run(m)
+        losses[name] = float(run(compiled[name]))
         torch.cuda.synchronize()
-        ms = (time.time() - t0) / n * 1e3
+        first[name] = time.time() - t0
+        run(compiled[name])
+        model.zero_grad(set_to_none=True)
+        fused[name] = what_was_rewritten()
+
+    alternating = [n for n in names if n != "Liger 0.8.5"]
+    for name in alternating:
+        prepare(name)
+    for i in range(rounds):
+        for name in (alternating if i % 2 == 0 else alternating[::-1]):
+            timed(name)
+    rows = []
+
+    def report(name):
+        m = compiled[name]
         mem = peak_mib(lambda: run(m))
         split = kernel_split(lambda: run(m))
         if os.environ.get("CODA_BENCH_TOP"):  # the kernels behind the split, per variant
             print(f"step {name}: top kernels\n{kernel_top(lambda: run(m))}", flush=True)
         model.zero_grad(set_to_none=True)
-        rows.append((name, ms, mem, float(loss), first, split))
-        print(f"step {name}: {what_was_rewritten()}", flush=True)
-        print(f"step {name}: {ms:.1f} ms, peak {mem:.0f} MiB, loss {float(loss):.4f}, "
-              f"first call {first:.0f} s | {split}", flush=True)
-    return rows
+        ts = times[name]
+        ms = statistics.median(ts)
+        spread = (max(ts) - min(ts)) / ms
+        rows.append((name, ms, mem, losses[name], first[name], split, spread))
+        print(f"step {name}: {ms:.1f} ms (spread {spread:.1%} over {len(ts)} rounds), peak "
+              f"{mem:.0f} MiB, loss {losses[name]:.4f}, first call {first[name]:.0f} s | "
+              f"{split} | {fused[name]}", flush=True)
+    for name in alternating:
+        report(name)
+    if "Liger 0.8.5" in names:  # alone, after the others: it patches the model
+        prepare("Liger 0.8.5")
+        for _ in range(rounds):
+            timed("Liger 0.8.5")
+        report("Liger 0.8.5")
+    return rows, f"{batch} x {seq}"
 
 
 def what_was_rewritten() -> str:
@@ -167,7 +223,7 @@ def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "both"
     print(env_line(), flush=True)
     lrows = layer() if which in ("layer", "both") else []
-    srows = step() if which in ("step", "both") else []
+    srows, shape = step() if which in ("step", "both") else ([], "")
     print("\nruntime:", *ops.runtime_summary()[:12], sep="\n  ")
     print(f"\n{env_line()}")
     if lrows:
@@ -176,14 +232,15 @@ def main():
             print(f"  {name:16s} {ms:8.3f} ms  {8192 / ms * 1e3:10.0f} tok/s  rel diff {err:.1e}"
                   f"  | {split}")
     if srows:
-        print("Llama-3.2-1B training step, bf16, 2 x 4096 tokens (fwd + bwd + loss)")
-        for name, ms, mem, loss, first, split in srows:
-            print(f"  {name:16s} {ms:7.1f} ms  {8192 / ms * 1e3:8.0f} tok/s  "
+        print(f"Llama-3.2-1B training step, bf16, {shape} tokens (fwd + bwd + loss)")
+        batch, seq = (int(v) for v in shape.split(" x "))
+        for name, ms, mem, loss, first, split, spread in srows:
+            print(f"  {name:18s} {ms:7.1f} ms ({spread:5.1%})  {batch * seq / ms * 1e3:8.0f} tok/s  "
                   f"peak {mem / 1024:5.1f} GiB  loss {loss:.4f}  | {split}")
     if lrows:
         write_csv("Llama-3-8B layer forward, 2 x 4096", [(r[0], "ms", r[1]) for r in lrows])
     if srows:
-        write_csv("Llama-3.2-1B training step, 2 x 4096",
+        write_csv(f"Llama-3.2-1B training step, {shape}",
                   [(r[0], "ms", r[1]) for r in srows] +
                   [(r[0], "peak GiB", r[2] / 1024) for r in srows])
 

@@ -18,7 +18,10 @@ to eager's ops under Inductor when its family does not, with the reason (code
 False: none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's
 memory request (the logits never written): it is kept whatever its family says. Graphs
 without gradients (inference) and CPU graphs (the reference path: no speed to win or
-lose) are not affected.
+lose) are not affected. A graph is told by whether its fused GEMMs' outputs require grad
+where dynamo traced them, so a forward run with gradients enabled counts as training:
+inference belongs under torch.no_grad() or torch.inference_mode() (generate() and serving
+stacks do so), where every family fuses by size alone.
 """
 
 from __future__ import annotations
