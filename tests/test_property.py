@@ -14,6 +14,12 @@ Seed 20261201 (100 examples), run against the code before the reliability fixes
   consumer's program, with PROVED in the report: rel. error 0.59.
 It passes on the fixed code. test_found_counterexamples keeps them as fixed cases; the
 module docstring of tests/test_reliability.py gives the root causes.
+
+Seed 11 (300 examples, 2026-12-01) found the bf16 round trip of a bfloat16 model (an
+identity there) refused as a witness disagreement (the float64 replay rounded at the
+cast; fixed in algebra/witness._identity_cast, see tests/test_property_gated.py) and,
+once rewritten, measured against a float64 copy that rounded there too: the float64 copy
+now keeps the model's identity an identity.
 """
 
 from __future__ import annotations
@@ -46,7 +52,10 @@ CHAIN_OPS = {
     "g*": lambda s, h: s.g * h,
     "*c": lambda s, h: h * 1.5,
     "/c": lambda s, h: h / 3.0,
-    "bf16 round trip": lambda s, h: h.to(torch.bfloat16).to(h.dtype),
+    # an identity in a bfloat16 model, and so in its float64 copy (the truth the bf16
+    # numerics are measured against): there it would round where the model does not
+    "bf16 round trip": lambda s, h: h if h.dtype == torch.float64 and
+    s.case["dtype"] == torch.bfloat16 else h.to(torch.bfloat16).to(h.dtype),
     "fp16 round trip": lambda s, h: h.half().to(h.dtype),
     "to fp32 and back": lambda s, h: h.float().to(h.dtype),
     "rows 1:": lambda s, h: h[:, 1:],

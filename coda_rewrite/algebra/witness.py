@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..canonical import meta
+from ..canonical import canon, meta
 from ..codegen import layouts
 from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
@@ -46,11 +46,27 @@ def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
         # a DTensor layout op the match crosses is the identity on the global value
         # (side condition (e), checked before the witness runs); the replay is global
         return arg(node.args[0])
+    if _identity_cast(node):
+        # ``.to(torch.bfloat16)`` of a bfloat16 value does nothing in the model; replayed
+        # on float64 it would round, and the witness would refuse a correct rewrite as
+        # the pass's own bug (found by tests/test_property_gated.py). A cast that changes
+        # the dtype in the model is replayed as it is: a real rounding the rewrite must
+        # keep (or refuse) shows up as a disagreement.
+        return arg(node.args[0])
     args = fx.node.map_arg(node.args, arg)
     kwargs = fx.node.map_arg(node.kwargs, arg)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     return node.target(*args, **kwargs)
+
+
+def _identity_cast(node: fx.Node) -> bool:
+    """A dtype cast whose input already has that dtype in the model (what dynamo traced)."""
+    c = canon(node)
+    if c is None or c.name != "cast":
+        return False
+    src = meta(c.args[0])
+    return src is not None and src.dtype == c.args[1]
 
 
 def _random_like(n: fx.Node, env: dict) -> torch.Tensor:

@@ -72,11 +72,20 @@ def _run_reference(program, a, b, operands):
 
 def _fresh(outs, inputs):
     """Custom-op outputs may alias neither an input nor each other (a program may store
-    an operand unchanged, or one value twice)."""
+    an operand unchanged, or one value twice), and may not be views: autograd marks a
+    view returned by a multi-output op as one that no in-place op may touch, so a model
+    that updates the fused output in place (``p.mul_(s)``, valid in eager) would fail
+    (found by tests/test_property_gated.py: the reference's outputs are expand/reshape
+    views of its values). A view that covers its whole base gives the base back."""
     taken = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
     fresh = []
     for o in outs:
-        if o.untyped_storage().data_ptr() in taken or not o.is_contiguous():
+        base = o._base
+        if base is not None and base.shape == o.shape and base.stride() == o.stride() \
+                and base.storage_offset() == o.storage_offset() and base.dtype == o.dtype:
+            o = base
+        if o.untyped_storage().data_ptr() in taken or not o.is_contiguous() or \
+                o._base is not None:
             o = o.clone(memory_format=torch.contiguous_format)
         taken.add(o.untyped_storage().data_ptr())
         fresh.append(o)
