@@ -4,7 +4,9 @@ Under tracing, Hugging Face models build the causal mask as a tensor from positi
 comparisons (``kv_idx <= q_idx``, optionally ``& kv_idx > q_idx - window`` and
 ``& padding[b, kv_idx]``) and pass it to SDPA. Each node is evaluated symbolically:
 ``torch.arange(n)`` becomes an index symbol with range [0, n) placed on one dim,
-arithmetic and comparisons become sympy expressions, ``&``/``|``/``~`` become logic, a
+arithmetic and comparisons become sympy expressions (a strict comparison of integers read
+as the non-strict one it equals), tril / triu of a boolean grid of ones or of a float
+grid cut by k ≤ q + d / k ≥ q + d, ``&``/``|``/``~`` become logic, a
 gather from a graph input becomes an opaque function of its indices (a padding mask
 whose values are unknown at compile time), and shape-only ops move the symbols between
 dims. The result is the mask as a formula in the query index q and key index k.
@@ -174,6 +176,11 @@ class MaskInterpreter:
         if n.op == "call_function" and t in (torch.zeros, torch.zeros_like) or \
                 n.op == "call_method" and t == "new_zeros" and kw.get("dtype") != torch.bool:
             return self._grid(n, sp.true)
+        if (n.op == "call_function" and t in (torch.ones, torch.ones_like) or
+                n.op == "call_method" and t == "new_ones") and \
+                meta(n) is not None and meta(n).dtype == torch.bool:
+            # a boolean grid of True: attend everywhere (what tril / triu then cut)
+            return Sym(sp.true, (None,) * meta(n).dim(), additive=False)
         if name in ("triu", "tril"):
             a = self._placed(args[0], self.value(args[0]))
             d = args[1] if len(args) > 1 else kw.get("diagonal", 0)
@@ -393,7 +400,7 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
                          "bottom-right", describe(mask), code="mask.cache_offset")
     n = interp.ranges[qs]
     terms = sp.And.make_args(m.expr)
-    causal = [t for t in terms if _equivalent(t, sp.Le(ks, qs))]
+    causal = [t for t in terms if _equivalent(_nonstrict(t), sp.Le(ks, qs))]
     if not causal:
         return Rejection(f"the mask {sp.sstr(m.expr)} has no k ≤ q term: not causal",
                          describe(mask), code="mask.not_causal")
@@ -421,6 +428,18 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
                      "diagonal is kept), so softmax(s + mask) = softmax over k ≤ q")
     return Proof("mask[q, k] ⟺ k ≤ q on [0, n)², n = q_len = kv_len: SDPA's is_causal",
                  tuple(given), tuple(steps))
+
+
+def _nonstrict(t):
+    """An integer comparison a < b as a ≤ b − 1 (a > b as a ≥ b + 1): the same set of
+    index pairs (a − b is an integer), and the form the causal term is compared in, so
+    that ``k < q + 1`` is recognised as ``k ≤ q`` (found by tests/test_property_mask.py).
+    A comparison sympy cannot prove integral is left as it is."""
+    if isinstance(t, sp.StrictLessThan) and (t.lhs - t.rhs).is_integer:
+        return sp.Le(t.lhs, t.rhs - 1)
+    if isinstance(t, sp.StrictGreaterThan) and (t.lhs - t.rhs).is_integer:
+        return sp.Ge(t.lhs, t.rhs + 1)
+    return t
 
 
 def _equivalent(a, b) -> bool:
