@@ -15,7 +15,9 @@ the attention-inputs family, which runs next, then turns a causal mask into
 
 Left as is, with the reason: the weights read elsewhere (returned as attentions), an
 active dropout, a scale that is a tensor (SDPA takes a number), a softmax over another
-dim, mixed dtypes. Legality and the float64 witness: algebra/explicit_attention.py.
+dim, mixed dtypes, scores that are not (q·kᵀ)·s [+ mask] (a soft-cap, a masked_fill).
+kᵀ may be spelled transpose / swapaxes / swapdims of the last two dims, ``mT`` or
+``permute(0, 1, 3, 2)``. Legality and the float64 witness: algebra/explicit_attention.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ NAME = "explicit_attention"
 
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"}
 _DROPOUT = {F.dropout, torch.dropout, "dropout"}
-_TRANSPOSE = {"transpose", torch.transpose}
+_TRANSPOSE = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims",
+              torch.swapdims}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +76,26 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 
 
 def _kt(node) -> fx.Node | None:
-    """k when ``node`` is kᵀ over the last two dims of a 4-d k."""
-    if not _is(node, _TRANSPOSE) or meta(node) is None or meta(node).dim() != 4:
+    """k when ``node`` is kᵀ over the last two dims of a 4-d k: ``transpose`` /
+    ``swapaxes`` / ``swapdims`` of dims 2 and 3, ``k.mT``, or ``permute(0, 1, 3, 2)`` (the
+    last three found missing by tests/test_property_explicit_attention.py)."""
+    if not isinstance(node, fx.Node) or meta(node) is None or meta(node).dim() != 4:
         return None
-    dims = sorted(d % 4 for d in (_arg(node, 1, "dim0"), _arg(node, 2, "dim1")))
-    return node.args[0] if dims == [2, 3] else None
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("mT",):
+        return node.args[0]
+    if node.op == "call_method" and node.target == "permute":
+        order = node.args[1] if len(node.args) == 2 else \
+            node.args[1:] if len(node.args) > 2 else node.kwargs.get("dims", ())
+        ok = all(isinstance(d, int) for d in order) and len(order) == 4 and \
+            [d % 4 for d in order] == [0, 1, 3, 2]
+        return node.args[0] if ok else None
+    if not _is(node, _TRANSPOSE):
+        return None
+    names = ("axis0", "axis1") if "swapaxes" in str(node.target) else ("dim0", "dim1")
+    dims = [_arg(node, 1, names[0]), _arg(node, 2, names[1])]
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return node.args[0] if sorted(d % 4 for d in dims) == [2, 3] else None
 
 
 def _number(x) -> float | None:
@@ -127,13 +145,19 @@ def _match(out: fx.Node) -> Match | NoMatch | None:
         a, b = c.args
         scores_side = [x for x in (a, b) if _scores(x) is not None]
         if len(scores_side) != 1:
-            return None
+            return _unrecognised(out, s)
         mask = b if scores_side[0] is a else a
+        if not isinstance(mask, fx.Node) or meta(mask) is None:
+            # a number added to the scores (the softmax's shift invariance would drop it,
+            # up to rounding): not a mask SDPA takes (found by the explicit-attention
+            # adversary: it reached the checker as a mask and raised there)
+            return NoMatch(out, Why(f"{mask!r} is added to the scores, not a mask tensor",
+                                    "explicit_attention.scores"))
         nodes.append(s)
         s = scores_side[0]
     found = _scores(s)
     if found is None:
-        return None
+        return _unrecognised(out, s)
     q, k, scale, score_nodes = found
     if isinstance(scale, str):
         return NoMatch(out, Why(scale, "explicit_attention.scale_tensor"))
@@ -141,6 +165,15 @@ def _match(out: fx.Node) -> Match | NoMatch | None:
     order = {n: i for i, n in enumerate(out.graph.nodes)}
     return Match(out, q, k, v, scale, mask, softmax,
                  tuple(sorted(set(nodes), key=order.__getitem__)))
+
+
+def _unrecognised(out: fx.Node, s) -> NoMatch:
+    """softmax(·, keys) @ v whose scores are not (q·kᵀ)·s [+ mask]: said in the report
+    (a soft-cap, a masked_fill, a bias applied otherwise), not passed over in silence."""
+    what = describe(s) if isinstance(s, fx.Node) else repr(s)
+    return NoMatch(out, Why(f"the softmax's input {what} is not (q·kᵀ)·s [+ mask] (a "
+                            "soft-cap, a masked_fill or a bias applied otherwise)",
+                            "explicit_attention.scores"))
 
 
 def _scores(s):
