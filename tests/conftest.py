@@ -229,6 +229,19 @@ def codes(report, pattern: str | None = None) -> set[str]:
         d.code for r in recs for _, d, _ in r.consumer_decisions if not d.accepted}
 
 
+def adversary_records(report, pattern: str, must_rewrite: bool, note) -> bool:
+    """What every adversary (tests/test_property_*.py) checks of the report: each match of
+    ``pattern`` left as is carries a reason code, and a spelling the rewrite must take
+    was taken; ``note`` (hypothesis' event) records the outcome. True if rewritten."""
+    records = [r for r in report.records if r.pattern == pattern]
+    done = any(r.status == "rewritten" for r in records)
+    note(f"rewritten: {done}")
+    assert all(r.code for r in records if r.status != "rewritten"), str(report)
+    if must_rewrite:
+        assert done, str(report)
+    return done
+
+
 def module_step_matches_eager(model, x, out_tol: float = 1e-5, grad_tol: float = 1e-4):
     """optimize(model) against a copy of it, eager: the output, the input's gradient and
     every parameter's (None where eager's is None) under a squared-sum loss. Returns the

@@ -34,6 +34,8 @@ from hypothesis import strategies as st
 import coda_rewrite
 from coda_rewrite.numerics import rel_err
 
+from conftest import adversary_records
+
 D, I = 32, 48
 
 # the activation of the gate: (fn, the epilogue has it)
@@ -161,12 +163,7 @@ def _run(case, note=event):
         got, want = fast(x), ref(x)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
-    records = [r for r in fast.report.records if r.pattern == "gated_mlp"]
-    done = [r for r in records if r.status == "rewritten"]
-    note(f"rewritten: {bool(done)}")
-    assert all(r.code for r in records if r.status != "rewritten"), str(fast.report)
-    if _canonical(case):
-        assert done, (case, str(fast.report))
+    adversary_records(fast.report, "gated_mlp", _canonical(case), note)
     # bf16: the epilogue computes in float32 where eager rounds each step; no worse than
     # eager is checked on the GPU and in test_gated; here a loose sanity bound
     low = case["dtype"] == torch.bfloat16
