@@ -86,7 +86,8 @@ def _kt(node) -> fx.Node | None:
     if node.op == "call_method" and node.target == "permute":
         order = node.args[1] if len(node.args) == 2 else \
             node.args[1:] if len(node.args) > 2 else node.kwargs.get("dims", ())
-        ok = all(isinstance(d, int) for d in order) and len(order) == 4 and \
+        ok = isinstance(order, (list, tuple)) and len(order) == 4 and \
+            all(isinstance(d, int) for d in order) and \
             [d % 4 for d in order] == [0, 1, 3, 2]
         return node.args[0] if ok else None
     if not _is(node, _TRANSPOSE):
