@@ -43,8 +43,7 @@ def too_few_rows(family, match, override: int | None) -> str:
     min_rows = fused_from_rows(family, override)
     if min_rows <= 0:
         return ""
-    counts = [static_rows(n) for n in graph_nodes_of(match)
-              if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
+    counts = [static_rows(n) for n in gemms_of(match)]
     if not counts or any(c is None or c >= min_rows for c in counts):
         return ""
     limit = (f"min_fused_rows = {min_rows}" if override is not None else
@@ -52,6 +51,13 @@ def too_few_rows(family, match, override: int | None) -> str:
     return (f"the GEMM{'s' if len(counts) > 1 else ''} would run on {max(counts)} rows, fewer "
             f"than {limit}: at this size cuBLAS with the epilogue as graph ops is faster "
             "than the fused GEMM (left unfused)")
+
+
+def gemms_of(match) -> list[fx.Node]:
+    """The GEMM (linear) nodes a match holds: what a fusing family would replace, and
+    what both speed policies (this one, training_policy.py) look at."""
+    return [n for n in graph_nodes_of(match)
+            if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
 
 
 def static_rows(linear: fx.Node) -> int | None:

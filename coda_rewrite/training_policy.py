@@ -27,7 +27,7 @@ stacks do so), where every family fuses by size alone.
 from __future__ import annotations
 
 from . import canonical
-from .graph_utils import graph_nodes_of
+from .size_policy import gemms_of
 
 
 def not_paying_in_training(family, match, options) -> str:
@@ -38,9 +38,7 @@ def not_paying_in_training(family, match, options) -> str:
     if options.fuse_in_training is None and (family.PAYS_IN_TRAINING or
                                              (asked is not None and asked(options))):
         return ""
-    gemms = [canonical.meta(n) for n in graph_nodes_of(match)
-             if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
-    if not any(g is not None and g.device.type == "cuda" and g.requires_grad for g in gemms):
+    if not computes_gradients(match):
         return ""
     if options.fuse_in_training is False:
         return ("a training graph and options.fuse_in_training=False: left to eager's ops "
@@ -49,3 +47,11 @@ def not_paying_in_training(family, match, options) -> str:
             "training step (its backward is not fused; measured on the H200, "
             "training_policy.py): left to eager's ops under Inductor; "
             "options.fuse_in_training=True fuses it anyway")
+
+
+def computes_gradients(match) -> bool:
+    """Whether some GEMM of the match runs on CUDA and its output requires grad where
+    dynamo traced it (a training graph; CPU graphs run the reference path and are left
+    to the families' own choice)."""
+    outs = [canonical.meta(n) for n in gemms_of(match)]
+    return any(g is not None and g.device.type == "cuda" and g.requires_grad for g in outs)

@@ -230,7 +230,7 @@ def codes(report, pattern: str | None = None) -> set[str]:
 
 
 def adversary_records(report, pattern: str, must_rewrite: bool, note) -> bool:
-    """What every adversary (tests/test_property_*.py) checks of the report: each match of
+    """What an adversary (tests/test_property_*.py) checks of the report: each match of
     ``pattern`` left as is carries a reason code, and a spelling the rewrite must take
     was taken; ``note`` (hypothesis' event) records the outcome. True if rewritten."""
     records = [r for r in report.records if r.pattern == pattern]

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import coda_rewrite
 from coda_rewrite.numerics import rel_err
 
-from conftest import ROOT, hf_model, plain_llama, tokens
+from conftest import ROOT, hf_model, plain_llama, step_matches_eager, tokens
 
 _SNIPPET = """
 import sys, torch
@@ -318,6 +318,31 @@ def test_training_graphs_fuse_only_the_families_that_pay_there(monkeypatch):
     monkeypatch.setenv("CODA_FUSE_IN_TRAINING", "yes")
     with pytest.raises(ValueError, match="CODA_FUSE_IN_TRAINING"):
         Options()
+
+
+@pytest.mark.parametrize("options,fused", [
+    ({}, set()),
+    ({"materialize_logits": False}, {"lm_head_cross_entropy"}),
+    ({"fuse_in_training": True}, {"residual_rmsnorm_gemm", "gated_mlp", "rope",
+                                  "lm_head_cross_entropy"}),
+])
+def test_a_training_step_under_the_policy_matches_eager(monkeypatch, options, fused):
+    """The pipeline wired to the training policy: a Llama training step (its GEMMs taken
+    for CUDA ones, as the policy leaves CPU graphs alone) fuses only what the options
+    ask, says ``training.does_not_pay`` for the rest, and computes eager's loss and
+    gradients either way."""
+    from coda_rewrite import training_policy
+    monkeypatch.delenv("CODA_FUSE_IN_TRAINING", raising=False)
+    monkeypatch.setattr(training_policy, "computes_gradients", lambda m: any(
+        meta.requires_grad for meta in (
+            n.meta.get("example_value") for n in training_policy.gemms_of(m))
+        if meta is not None))
+    report = step_matches_eager("llama", **options)
+    gemm_families = {"residual_rmsnorm_gemm", "gated_mlp", "rope", "lm_head_cross_entropy"}
+    done = {r.pattern for r in report.records if r.status == "rewritten"} & gemm_families
+    left = {r.pattern for r in report.records if r.code == "training.does_not_pay"}
+    assert done == fused, str(report)
+    assert left == gemm_families - fused, str(report)
 
 
 def test_size_policy_from_the_environment_and_in_the_report(monkeypatch):

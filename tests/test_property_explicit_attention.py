@@ -58,7 +58,9 @@ class Attention(nn.Module):
         kt = {"transpose": lambda: k.transpose(-1, -2),
               "transpose(2,3)": lambda: k.transpose(2, 3),
               "mT": lambda: k.mT, "permute": lambda: k.permute(0, 1, 3, 2),
-              "swapaxes": lambda: k.swapaxes(-1, -2)}[c["kt"]]()
+              "swapaxes": lambda: k.swapaxes(-1, -2),
+              # a look-alike: kᵀ's shape, not its values
+              "reshape": lambda: k.reshape(b, H, HD, S)}[c["kt"]]()
         scores = q @ kt
         if c["scale"] == "scores*s":
             scores = scores * s
@@ -89,7 +91,8 @@ class Attention(nn.Module):
 
 cases = st.fixed_dictionaries({
     "dtype": st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
-    "kt": st.sampled_from(["transpose", "transpose(2,3)", "mT", "permute", "swapaxes"]),
+    "kt": st.sampled_from(["transpose", "transpose(2,3)", "mT", "permute", "swapaxes",
+                           "reshape"]),
     "scale": st.sampled_from(["scores*s", "scores/sqrt", "q*s", "none", "scores*s",
                               "tensor"]),
     "add": st.sampled_from(["none", "float causal", "float causal", "masked_fill", "alibi"]),
@@ -108,7 +111,8 @@ def _canonical(case) -> bool:
     scores, which SDPA would need as an additive mask built beside them; a bias the
     prover cannot show leaves every row something to attend to, as an ALiBi buffer: the
     explicit softmax and SDPA differ on a fully masked row.)"""
-    return case["scale"] != "tensor" and case["between"] == "none" and \
+    return case["kt"] != "reshape" and case["scale"] != "tensor" and \
+        case["between"] == "none" and \
         case["softmax_dim"] == "last" and case["dropout"] == 0 and \
         not case["return_weights"] and case["add"] not in ("masked_fill", "alibi")
 
@@ -137,7 +141,7 @@ def _run(case, note=event):
         if case["dtype"] == torch.float32:
             assert rel_err(a, w) <= 1e-5, (case, rel_err(a, w), str(fast.report))
         else:
-            assert rel_err(a, t) <= 1.5 * rel_err(w, t) + 1e-3, (case, str(fast.report))
+            assert rel_err(a, t) <= 1.5 * rel_err(w, t), (case, str(fast.report))
 
 
 @seed(20261201)
@@ -160,6 +164,12 @@ def test_found_key_transposes(kt):
     seen = []
     _run({**BASE, "kt": kt}, note=seen.append)
     assert seen == ["rewritten: True"]
+
+
+def test_a_reshape_of_the_keys_is_no_transpose():
+    seen = []
+    _run({**BASE, "kt": "reshape"}, note=seen.append)
+    assert seen == ["rewritten: False"]
 
 
 def test_unrecognised_scores_are_reported():

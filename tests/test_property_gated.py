@@ -54,7 +54,10 @@ PATH_OPS = {
     "+c": lambda s, v: v + 0.25,
     "clamp": lambda s, v: v.clamp(-2.0, 2.0),            # gpt-oss clamps its gate
     "float": lambda s, v: v.float(),
-    "bf16 round trip": lambda s, v: v.to(torch.bfloat16).to(v.dtype),
+    # an identity in a bfloat16 model, and so in its float64 copy (the truth its numerics
+    # are measured against), where it would round where the model does not
+    "bf16 round trip": lambda s, v: v if v.dtype == torch.float64 and
+    s.case["dtype"] == torch.bfloat16 else v.to(torch.bfloat16).to(v.dtype),
     "*t": lambda s, v: v * s.t,
     "contiguous": lambda s, v: v.contiguous(),
 }
@@ -156,21 +159,26 @@ def _run(case, note=event):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Region(case).to(case["dtype"]).train(case["train"])
-    ref = copy.deepcopy(model)
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     x = torch.randn(2, 5, D, dtype=case["dtype"])
     fast = coda_rewrite.optimize(model)
     with torch.set_grad_enabled(case["train"]):
         got, want = fast(x), ref(x)
-    got = got if isinstance(got, tuple) else (got,)
-    want = want if isinstance(want, tuple) else (want,)
+    with torch.no_grad():
+        truth = exact(x.double())
+    got, want, truth = ((t if isinstance(t, tuple) else (t,)) for t in (got, want, truth))
     adversary_records(fast.report, "gated_mlp", _canonical(case), note)
-    # bf16: the epilogue computes in float32 where eager rounds each step; no worse than
-    # eager is checked on the GPU and in test_gated; here a loose sanity bound
     low = case["dtype"] == torch.bfloat16
-    tol, gtol = (3e-2, 6e-2) if low else (1e-5, 1e-4)
-    for o, w in zip(got, want):
+    for o, w, t in zip(got, want, truth):
         assert o.shape == w.shape and o.dtype == w.dtype
-        assert rel_err(o, w) <= tol, case
+        if low:  # no worse than eager against float64 (one draw: 1.5x, not the median's)
+            assert rel_err(o, t) <= 1.5 * rel_err(w, t), (case, rel_err(o, t), rel_err(w, t))
+        else:
+            assert rel_err(o, w) <= 1e-5, case
+    # bf16 gradients: the backward's float32 steps against eager's rounded ones; no worse
+    # than eager is checked in test_gated (median over seeds) and on the GPU; here a loose
+    # sanity bound that a wrong gradient (a swapped gate and up, say) still breaks
+    gtol = 6e-2 if low else 1e-4
     if not case["train"]:
         return
     sum(o.float().sum() for o in got).backward()

@@ -59,6 +59,9 @@ class Attention(nn.Module):
         c = self.case
         q = (torch.arange(s) + p)[:, None]
         k = torch.arange(s + p)[None, :]
+        if c["tril"] == "float":  # a look-alike: tril of float ones is an additive 0/1
+            grid = torch.tril(torch.ones(s + p, s + p))  # bias, not a mask
+            return grid[p:] if p else grid
         if c["tril"] is not None:
             allowed = torch.tril(torch.ones(s + p, s + p, dtype=torch.bool),
                                  diagonal=c["tril"])
@@ -91,7 +94,7 @@ cases = st.fixed_dictionaries({
                        st.lists(st.sampled_from(sorted(TERMS)), min_size=1, max_size=3)),
     "negate": st.sets(st.integers(0, 2), max_size=1),
     "join": st.sampled_from(["and", "and", "or"]),
-    "tril": st.one_of(st.none(), st.none(), st.sampled_from([0, 1, -1])),
+    "tril": st.one_of(st.none(), st.none(), st.sampled_from([0, 1, -1, "float"])),
     "additive": st.sampled_from([None, None, "-inf", "finfo.min"]),
     "cache": st.sampled_from([False, False, True]),
     "seq": st.sampled_from([1, 3, 6]),
@@ -151,6 +154,7 @@ def test_found_causal_spellings(change):
 
 
 @pytest.mark.parametrize("change", [{"terms": ["k<q"]}, {"tril": 1}, {"tril": -1},
+                                    {"tril": "float"},
                                     {"tril": 0, "cache": True}, {"terms": ["k<=q+1"]}])
 def test_their_look_alikes_keep_the_mask(change):
     seen = []

@@ -399,24 +399,10 @@ class Launch:
         return {name: torch.empty(shape, device=self.device, dtype=dtype)
                 for name, shape, dtype in self.outs}
 
-    def _scratch(self) -> dict:
-        """The reductions' partial buffers. With the norm's rstd, one float32 allocation
-        holds both (an allocation costs ~5 µs of host time on the H200's host, a third of
-        the launch: host_overhead.py): the rstd first, so the output a graph sees starts
-        its storage (Inductor addresses a buffer's views from the storage's start), then
-        the partials at the next 512-byte boundary, aligned like a fresh allocation."""
-        if self.norm is None:
-            return {name: torch.empty(shape, device=self.device, dtype=dtype)
-                    for name, shape, dtype in self.scratch}
-        (name, shape, _dtype), = self.scratch
-        start = -(-self.m // 128) * 128
-        buf = torch.empty(start + shape.numel(), device=self.device, dtype=torch.float32)
-        return {name: buf[start:].view(shape), _RSTD: buf[:self.m]}
-
     def __call__(self, a, b, operands) -> list[torch.Tensor]:
         out = self._alloc()
-        scratch = self._scratch()
-        rstd = scratch.pop(_RSTD, None)
+        scratch = {name: torch.empty(shape, device=self.device, dtype=dtype)
+                   for name, shape, dtype in self.scratch}
         if self.gemm_plan is not None:
             values = self._operands(operands)
             values.update(scratch)
@@ -428,6 +414,7 @@ class Launch:
                           **self._operands(operands))
         if self.norm is not None:  # the norm's rstd: one QuACK kernel, no torch ops
             sink, shape, scale, eps = self.norm
+            rstd = torch.empty(self.m, device=self.device, dtype=torch.float32)
             self.row_rstd(scratch[sink].view(shape), rstd, scale, eps)
             if self.results is not None:
                 return [rstd if s is None else out[s] for s in self.results]
@@ -464,9 +451,6 @@ class Launch:
         env.update({value: out[name] for value, name in ks.contract.tile_outputs})
         return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
                 if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]
-
-
-_RSTD = "coda.rstd"  # the norm's rstd in a norm producer's scratch (not a kernel operand)
 
 
 def run_gemm_epi_plan(*args, **kwargs):

@@ -40,8 +40,10 @@ NAME = "explicit_attention"
 
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, "softmax"}
 _DROPOUT = {F.dropout, torch.dropout, "dropout"}
-_TRANSPOSE = {"transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims",
-              torch.swapdims}
+# the spellings of a two-dim transpose, with the names of their two dim arguments
+_TRANSPOSE = {"transpose": ("dim0", "dim1"), torch.transpose: ("dim0", "dim1"),
+              "swapdims": ("dim0", "dim1"), torch.swapdims: ("dim0", "dim1"),
+              "swapaxes": ("axis0", "axis1"), torch.swapaxes: ("axis0", "axis1")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +94,8 @@ def _kt(node) -> fx.Node | None:
         return node.args[0] if ok else None
     if not _is(node, _TRANSPOSE):
         return None
-    names = ("axis0", "axis1") if "swapaxes" in str(node.target) else ("dim0", "dim1")
-    dims = [_arg(node, 1, names[0]), _arg(node, 2, names[1])]
+    first, second = _TRANSPOSE[node.target]
+    dims = [_arg(node, 1, first), _arg(node, 2, second)]
     if not all(isinstance(d, int) for d in dims):
         return None
     return node.args[0] if sorted(d % 4 for d in dims) == [2, 3] else None
