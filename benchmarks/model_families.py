@@ -14,13 +14,18 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
 * LM head -> soft-capped cross-entropy (Gemma 2: 30·tanh(y / 30)), forward + backward,
   beside the uncapped loss, torch.compile and Liger's fused linear cross-entropy with
   its softcap (when installed); peak memory too;
+* QK-norm (Qwen3-8B-like: hidden 4096, 32 q / 8 kv heads of 128, an RMSNorm over each
+  head of q and k before the rotation) -> RoPE -> SDPA at 8192, 2048, 1024, 256 and 64
+  tokens (the rewrite forced at every size: min_fused_rows=0), beside torch.compile, the
+  bare GEMMs + SDPA and eager: where the norm + rotation in the GEMM's epilogue pays;
 * post-sublayer ("sandwich") norm: GEMM -> RMSNorm -> + residual, under torch.compile,
   against the GEMM alone and against the GEMM + the one pass a fused epilogue would
   still need (the norm's statistic spans the whole row, and the residual is added after
   the norm: the epilogue could only emit sums of squares, a second pass reads the GEMM's
   output back). What a fusion could save is the difference.
 
-    source .gpu/setup.sh && python benchmarks/model_families.py [rope,packed,mla,head,sandwich]
+    source .gpu/setup.sh && python benchmarks/model_families.py \
+        [rope,packed,mla,head,sandwich,qknorm]
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import bench_rounds, env_line, write_csv
+from common import bench_graphed, bench_rounds, env_line, write_csv
 
 import coda_rewrite
 
@@ -189,6 +194,71 @@ class LatentAttention(nn.Module):
         return F.scaled_dot_product_attention(query, key, v, is_causal=True)
 
 
+class QkNormAttention(nn.Module):
+    """Qwen3's attention inputs: q, k, v -> RMSNorm over each head of q and k (float32
+    statistic, weight after the cast back) -> RoPE -> causal SDPA (GQA)."""
+
+    EPS = 1e-6
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(H, n, bias=False) for n in (Q, KV, KV))
+        self.q_norm, self.k_norm = (nn.Parameter(1 + 0.1 * torch.randn(HEAD))
+                                    for _ in range(2))
+        self.register_buffer("inv_freq",
+                             1.0 / (1000000.0 ** (torch.arange(0, HEAD, 2).float() / HEAD)))
+
+    def norm(self, x, w):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.EPS)
+        return w * h.to(x.dtype)
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        cos, sin = tables(self.inv_freq, x)
+        q = self.norm(self.q(x).view(b, s, -1, HEAD), self.q_norm).transpose(1, 2)
+        k = self.norm(self.k(x).view(b, s, -1, HEAD), self.k_norm).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, HEAD).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def qknorm_rows():
+    """The QK-norm region at several token counts, the rewrite forced at every size."""
+    rows, table = [], []
+    for b, s in ((4, 2048), (1, 2048), (1, 1024), (1, 256), (1, 64)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        region = QkNormAttention().cuda().to(bf)
+        x = torch.randn(b, s, H, device="cuda", dtype=bf)
+        ws = [region.q.weight, region.k.weight, region.v.weight]
+
+        def bare(x=x, ws=ws, b=b, s=s):
+            q, k, v = (torch.mm(x.view(b * s, H), w.t()).view(b, s, -1, HEAD).transpose(1, 2)
+                       for w in ws)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        name = f"QK-norm q,k,v -> RoPE, {b * s} tokens"
+        r, t = _region_rows(name, region, x, bare, min_fused_rows=0)
+        rows, table = rows + r, table + t
+        # the device time alone (a CUDA graph's replay): at a few hundred tokens the
+        # plain loop above times the host's launches
+        with torch.no_grad():
+            backend = torch.compile(region, backend="coda", options={"min_fused_rows": 0})
+            compiled = torch.compile(region)
+            graphed = {"coda backend": lambda: backend(x),
+                       "torch.compile": lambda: compiled(x), "bare cuBLAS": bare}
+            seen = {k: [] for k in graphed}
+            for i in range(3):
+                for k in (list(graphed) if i % 2 == 0 else list(graphed)[::-1]):
+                    seen[k].append(bench_graphed(graphed[k]))
+        for k, ts in seen.items():
+            ms = sorted(ts)[1]
+            rows.append((f"{name}: {k} (CUDA graph)", "ms", ms))
+            table.append((name, f"{k}, CUDA graph", ms, (max(ts) - min(ts)) / ms,
+                          float("nan")))
+    return rows, table
+
+
 def _peak(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -198,15 +268,15 @@ def _peak(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
 
 
-def _region_rows(name: str, region: nn.Module, x, bare) -> tuple[list, list]:
+def _region_rows(name: str, region: nn.Module, x, bare, **options) -> tuple[list, list]:
     """One attention-input region: optimize(), backend="coda", torch.compile, ``bare``
     (cuBLAS GEMMs + SDPA) and eager in alternating rounds, after checking that the RoPE
     rewrite applied and what it computes against eager. ``x``: the input, or a tuple of
-    them."""
+    them; ``options``: the pass's, for both coda variants."""
     xs = x if isinstance(x, tuple) else (x,)
     with torch.no_grad():
-        fused = coda_rewrite.optimize(region)
-        backend = torch.compile(region, backend="coda")
+        fused = coda_rewrite.optimize(region, **options)
+        backend = torch.compile(region, backend="coda", options=options)
         compiled = torch.compile(region)
         want, got = region(*xs), fused(*xs)
         backend(*xs)
@@ -363,6 +433,8 @@ def main(which: set[str]):
     rows, table = rows + r1, table + t1
     r2, t2 = head_rows() if "head" in which else ([], [])
     r3, t3, codes = sandwich_rows() if "sandwich" in which else ([], [], [])
+    r4, t4 = qknorm_rows() if "qknorm" in which else ([], [])
+    r3, t3 = r3 + r4, t3 + t4
     path = write_csv("model families (#19)", rows + r2 + r3)
     print(f"rows appended to {path}")
     if codes:

@@ -28,19 +28,24 @@ from . import canonical
 from .graph_utils import graph_nodes_of
 
 
-def fused_from_rows(family, override: int | None) -> int:
+def fused_from_rows(family, override: int | None, match=None) -> int:
     """The fewest rows a match of ``family`` fuses at: the option where set, else the
-    family's measured threshold (0 for a family that fuses no GEMM)."""
+    family's measured threshold (0 for a family that fuses no GEMM); a family whose
+    matches differ in what the fusion saves says so per match (``fused_from_rows_of``:
+    RoPE with a QK-norm in the same GEMM pays from fewer rows than without)."""
     if not getattr(family, "FUSES_GEMMS", False):
         return 0
-    return family.FUSED_FROM_ROWS if override is None else override
+    if override is not None:
+        return override
+    per_match = getattr(family, "fused_from_rows_of", None)
+    return per_match(match) if per_match is not None else family.FUSED_FROM_ROWS
 
 
 def too_few_rows(family, match, override: int | None) -> str:
     """Why a GEMM-fusing match is left to cuBLAS at this size ("" where it is not): every
     GEMM it would fuse has a static row count below the family's threshold
     (``fused_from_rows``; ``override`` is options.min_fused_rows)."""
-    min_rows = fused_from_rows(family, override)
+    min_rows = fused_from_rows(family, override, match)
     if min_rows <= 0:
         return ""
     counts = [static_rows(n) for n in gemms_of(match)]
@@ -79,6 +84,7 @@ def threshold_lines(override: int | None = None) -> list[str]:
     from .patterns.registry import FAMILIES
     if override is not None:
         return [f"every family fuses from {override} rows (options.min_fused_rows)"]
-    return [f"{f.NAME} fuses from {f.FUSED_FROM_ROWS} rows" for f in FAMILIES
-            if getattr(f, "FUSES_GEMMS", False)] + [
+    return [f"{f.NAME} fuses from {f.FUSED_FROM_ROWS} rows" + "".join(
+        f"; {what}: from {rows}" for what, rows in getattr(f, "FUSED_FROM_ROWS_FOR", {}).items())
+        for f in FAMILIES if getattr(f, "FUSES_GEMMS", False)] + [
         "(options.min_fused_rows sets one threshold for every family; 0 fuses every size)"]

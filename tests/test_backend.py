@@ -275,6 +275,14 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
         assert "the rope fusion's measured threshold, 1024 rows" in \
             too_few_rows(rope, [lin], None)
 
+        class QkNormMatch(list):  # a RoPE match with a QK-norm in the same GEMM
+            head_norm = (128, 1e-6)
+        x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
+        assert too_few_rows(rope, [lin], None) and not too_few_rows(rope, QkNormMatch([lin]),
+                                                                    None)
+        x.meta["example_value"] = torch.empty(2, 16, 32, device="cuda")
+        assert "64 rows" in too_few_rows(rope, QkNormMatch([lin]), None)
+
 
 def test_training_graphs_fuse_only_the_families_that_pay_there(monkeypatch):
     """options.fuse_in_training: in a graph whose CUDA GEMMs compute a gradient, a family
@@ -356,7 +364,7 @@ def test_size_policy_from_the_environment_and_in_the_report(monkeypatch):
     assert Options().min_fused_rows == 256
     monkeypatch.delenv("CODA_MIN_FUSED_ROWS")
     assert Options().min_fused_rows is None
-    assert "rope fuses from 1024 rows" in threshold_lines(None)
+    assert "rope fuses from 1024 rows; with a QK-norm: from 64" in threshold_lines(None)
     assert threshold_lines(0) == ["every family fuses from 0 rows (options.min_fused_rows)"]
     model = hf_model("llama", layers=1)
     fast = coda_rewrite.optimize(model, min_fused_rows=0)

@@ -19,15 +19,16 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 # (config, model, extra config, at least this many norms rewritten, RoPE rewrites)
 ARCHS = [
     ("Phi3Config", "Phi3ForCausalLM", {}, 5, 2),                # packed qkv / gate_up
-    ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 5, 0),  # q/k norms over heads
+    ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 5, 2),  # q/k norms over heads
     ("GraniteConfig", "GraniteForCausalLM", {}, 5, 2),          # residual multiplier
     ("MixtralConfig", "MixtralForCausalLM",
      {"num_local_experts": 4, "num_experts_per_tok": 2}, 3, 2),  # MoE MLP: routed GEMMs
-    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, 1, 0),  # sandwich norms
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, 1, 2),  # sandwich norms,
+                                                                        # QK-norm
     ("CohereConfig", "CohereForCausalLM", {}, 0, 2),            # LayerNorm, parallel block,
                                                                 # RoPE on interleaved pairs
     ("Starcoder2Config", "Starcoder2ForCausalLM", {}, 0, 2),    # LayerNorm with bias
-    ("Exaone4Config", "Exaone4ForCausalLM", {}, 1, 0),
+    ("Exaone4Config", "Exaone4ForCausalLM", {}, 1, 2),       # QK-norm, sandwich norms
     ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}, 0, 2),
     ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, 0, 2),
     ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}, 0, 2),  # q/k/v per head

@@ -409,6 +409,19 @@ def _side_conditions(m, held) -> str | None:
                 mp.shape[0] not in (1, x.shape[0]):
             return Why("the GEMM input is not [batch, seq, hidden] matching the positions",
                        "rope.input_shape")
+    normed = [r for r in m.rotated if r.norm is not None]
+    if normed:
+        if len({r.norm.idiom.eps for r in normed}) != 1:
+            return Why("the QK-norms of q and k have different eps (the kernel's per-head "
+                       "statistic has one)", "rope.qk_norm_eps")
+        if any(r.member for r in normed):
+            return Why("a QK-norm over the heads of a per-head packed projection (not "
+                       "implemented)", "rope.qk_norm_packed")
+        held.append(f"the QK-norm ({', '.join(describe(r.norm.idiom.output) for r in normed)}"
+                    f") normalises each head's {head_dim} features with eps "
+                    f"{normed[0].norm.idiom.eps:g}, before the rotation, as eager does: its "
+                    "statistic is formed in the epilogue from the GEMM's output, the weight "
+                    "applied per column")
     private = set(_private(m))
     for r in m.rotated:
         if r.columns[1] - r.columns[0] != r.n_heads * r.head_dim:
@@ -454,6 +467,7 @@ def decide(m, program) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     replay = functools.partial(_replay, program=program)
+    norm = [statements.prove_head_norm_permutation()] if m.head_norm is not None else []
     if m.form in ("pairs", "interleaved"):  # already adjacent pairs: nothing is permuted
         rotation = statements.prove_complex_rotation() if m.form == "pairs" else \
             statements.prove_pair_rotation()
@@ -461,10 +475,10 @@ def decide(m, program) -> Decision:
         seen = guarded(replay, m)
         if isinstance(seen, Rejection):
             return seen
-        return Proof(f"{rotation.statement};  {facts.statement}",
+        return Proof("  ;".join(p.statement for p in (rotation, facts, *norm)),
                      (*rotation.assumptions, *held,
                       "q and k keep the model's feature order (no permutation)"),
-                     (*rotation.steps, *facts.steps), seen)
+                     tuple(step for p in (rotation, facts, *norm) for step in p.steps), seen)
     region = region_of(m, [r.out for r in m.rotated])
     for n in region.nodes:  # an in-place update would land in the permuted order
         for u in n.users:
@@ -492,9 +506,10 @@ def decide(m, program) -> Decision:
     if isinstance(seen, Rejection):
         return seen
     return Proof(
-        f"{interleave.statement};  {invariance.statement};  {facts.statement}",
-        (*interleave.assumptions, *held),
+        ";  ".join(p.statement for p in (interleave, invariance, facts, *norm)),
+        (*interleave.assumptions, *held, *(a for p in norm for a in p.assumptions)),
         (*interleave.steps, *invariance.steps, *facts.steps,
+         *(step for p in norm for step in p.steps),
          "every edge out of the permuted region is an invariant q·k contraction or gets "
          "eager's order back"),
         seen)
@@ -582,6 +597,10 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
     # the interleaved form's: each pair's angle on both of its features
     pair_cos, pair_sin = (t.repeat_interleave(2, -1) * scale for t in (theta.cos(), theta.sin()))
+    # each QK-norm's weight: random, the same on both sides
+    norm_weights = {r.norm.idiom.weight: torch.randn(r.head_dim, generator=gen,
+                                                     dtype=torch.float64)
+                    for r in m.rotated if r.norm is not None and r.norm.idiom.weight is not None}
     want = []
     for rot in m.rotated:
         env = {}
@@ -590,7 +609,12 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         unsq = 2
         if rot.transposed:
             heads, unsq = heads.transpose(1, 2), 1
-        env[rot.heads] = heads
+        if rot.norm is None:
+            env[rot.heads] = heads
+        else:  # the model's norm nodes run from the head split (before a transpose after it)
+            idiom = rot.norm.idiom
+            env[idiom.input] = heads.transpose(1, 2) if rot.norm.after else heads
+            env.update(norm_weights)
         if rot.form == "pairs" and m.angle_source == "angles":
             # the model's own nodes from θ to the table (polar(1, θ) · s, moves, views):
             # the replay checks what the pattern read off them, angles and scale
@@ -616,6 +640,13 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     b = layouts.rope_segments(lay, *(biases[s.proj.out] for s in m.segments)) \
         if m.has_bias else None
     operands = ([r] if m.proj.r is not None else []) + ([b] if b is not None else [])
+    if m.head_norm is not None:
+        norms = [getattr(s, "norm", None) for s in m.segments]
+        offsets = tuple(None if n is None else n.idiom.weight_offset for n in norms)
+        operands.append(layouts.rope_norm_weight(lay, offsets, x, *(
+            None if n is None else norm_weights.get(n.idiom.weight) for n in norms)))
+        if None in offsets:
+            operands.append(layouts.rope_norm_keep(lay, offsets, x))
     if m.form == "pairs" and m.angle_source == "table":
         operands.append(layouts.rope_table_rows(table, x))
     elif m.form == "interleaved":

@@ -289,6 +289,56 @@ def prove_permutation_invariance() -> Proof:
 
 
 @functools.cache
+def prove_head_norm_permutation() -> Proof:
+    """A per-head RMSNorm commutes with a permutation of the head's features (the pair
+    order RoPE's re-layout gives each head), its weight permuted alike; and a statistic
+    over any other grouping of the columns is a different function."""
+    for d in (2, 4, 6, 8, 12, 16):  # every head width's pair order, exactly
+        h = d // 2
+        xs = sp.symbols(f"x0:{d}", real=True)
+        gs = sp.symbols(f"g0:{d}", real=True)
+        eps = sp.Symbol("eps", positive=True)
+        order = [q for f in range(h) for q in (f, f + h)]  # y[2f] = x[f], y[2f+1] = x[f+h]
+        stat = sp.Add(*(x ** 2 for x in xs)) / d + eps
+        stat_permuted = sp.Add(*(xs[q] ** 2 for q in order)) / d + eps
+        _require(stat_permuted - stat, f"per-head statistic under the pair order (d={d})")
+        for p, q in enumerate(order):  # feature p of the fused head is eager's feature q
+            _require(xs[q] * gs[q] / sp.sqrt(stat_permuted) - xs[q] * gs[q] / sp.sqrt(stat),
+                     f"normalised feature {p} (d={d})")
+    x0, x1, x2, x3 = sp.symbols("x0:4", real=True)  # two heads of 2 vs one group of 4
+    _refute((x0 ** 2 + x1 ** 2) / 2 - (x0 ** 2 + x1 ** 2 + x2 ** 2 + x3 ** 2) / 4,
+            "a statistic over two heads equal to one head's")
+
+    def num(seed):
+        from ..codegen import layouts, op_table
+        mm, heads, h = _shape(seed, (1, 6), (1, 4), (1, 8))
+        d = 2 * h
+        g = _gen(seed)
+        x = torch.randn(mm, heads * d, generator=g, dtype=torch.float64) * 3
+        gamma = torch.randn(d, generator=g, dtype=torch.float64)
+        eps = 1e-6
+        xh = x.unflatten(-1, (heads, d))
+        eager = xh * torch.rsqrt(xh.square().mean(-1, keepdim=True) + eps) * gamma
+        permuted = layouts.pair_order(xh).flatten(-2)
+        fused = permuted * op_table.head_rstd(permuted, d, eps) * \
+            layouts.pair_order(gamma).repeat(heads)
+        return rel_err(fused, layouts.pair_order(eager).flatten(-2))
+
+    return Proof(
+        "rms_head(x·P)·(γ·P) = (rms_head(x)·γ)·P for a permutation P within each head, "
+        "rms_head(x) = x / sqrt(mean over the head's d features of x² + eps)",
+        ("P permutes features within a head, never across heads",
+         "the statistic's groups are exactly the heads (the tile holds whole heads)",
+         "the norm's weight is permuted with the features"),
+        ("a sum of squares over a head is the same sum in any order (checked exactly for "
+         "the pair order at d = 2 … 16)",
+         "each normalised feature is its own value over the shared statistic, times its own "
+         "weight: it moves with the permutation",
+         "a statistic over another grouping (two heads as one) differs: refuted"),
+        _witness("per-head norm under the pair order", num))
+
+
+@functools.cache
 def prove_rope_interleave() -> Proof:
     """Half-split RoPE conjugated by the interleave permutation = RoPE on adjacent pairs."""
     x, c, s = sp.IndexedBase("x"), sp.IndexedBase("cos"), sp.IndexedBase("sin")
@@ -540,6 +590,7 @@ def all_statements() -> list[tuple[str, Proof]]:
     out += [("log-sum-exp merge", prove_lse_merge()),
             ("permutation invariance", prove_permutation_invariance()),
             ("RoPE interleave", prove_rope_interleave()),
+            ("per-head norm under a permutation", prove_head_norm_permutation()),
             ("rotation facts", prove_rotation_facts()),
             ("complex rotation", prove_complex_rotation()),
             ("interleaved rotation", prove_pair_rotation()),

@@ -285,6 +285,32 @@ def rope_column_scale(scale, layout: tuple, like: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def rope_norm_weight(layout: tuple, offsets: tuple, like: torch.Tensor,
+                     *weights: torch.Tensor | None) -> torch.Tensor:
+    """A QK-norm's weight per fused column (float32 [N]; float64 for a float64 weight):
+    each normed segment's head
+    weight plus its offset (Gemma's 1 + w; 1 for a norm without a weight) repeated per
+    head, in the segment's pair order (rope_segments, as its weight rows); 0 on the
+    columns of a segment without a norm (``offsets[i]`` None: v). From the live
+    parameters on every call (autograd takes the gradient back to them)."""
+    per_segment = []
+    for s, offset, w in zip(map(segment, layout), offsets, weights):
+        if offset is None:
+            per_segment.append(None)
+            continue
+        head = w.to(torch.float64 if w.dtype == torch.float64 else torch.float32) + offset \
+            if w is not None else torch.ones(s.head_dim, dtype=torch.float32,
+                                             device=like.device)
+        per_segment.append(F.pad(head.repeat(s.n_heads), (s.lo, 0)))  # rows [lo, hi)
+    return rope_segments(layout, *per_segment)
+
+
+def rope_norm_keep(layout: tuple, offsets: tuple, like: torch.Tensor) -> torch.Tensor:
+    """1 on the fused columns no QK-norm scales (float32 [N]), 0 on normed ones."""
+    return torch.cat([torch.full((s.hi - s.lo,), float(offset is None), device=like.device)
+                      for s, offset in zip(map(segment, layout), offsets)])
+
+
 def rope_rotated_columns(spans: tuple, like: torch.Tensor) -> torch.Tensor:
     """A table rotation's per-column flag (float32 [N]) from the segments' (width,
     rotated) spans: 1 on rotated columns, 0 on pass-through ones (v)."""

@@ -37,6 +37,7 @@ ACC = "acc"  # the accumulator's reserved value name
 
 ELEMENTWISE_CLASS, PAIRWISE_CLASS, ROTARY_CLASS, STATEFUL_CLASS, REDUCTION_CLASS = (
     "elementwise", "pairwise", "rotary", "stateful", "reduction")
+GROUPED_CLASS = "grouped"  # a statistic over groups of adjacent columns, inside a tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,17 @@ def rotate_pairs_by_table(x: torch.Tensor, cs: torch.Tensor,
         c, s = on * c + (1 - on), on * s
     x1, x2 = x[:, 0::2], x[:, 1::2]
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def head_rstd(x: torch.Tensor, width, eps) -> torch.Tensor:
+    """``head_rstd(x, w, eps)``: rsqrt(mean(x², over each group of w adjacent columns) +
+    eps), broadcast back over the group's columns (x [M, N], N a multiple of w): the
+    per-head RMSNorm statistic of a QK-norm, heads being groups of head_dim columns."""
+    m, n = x.shape
+    w = int(width)
+    groups = x.reshape(m, n // w, w)
+    r = torch.rsqrt(groups.square().mean(-1, keepdim=True) + eps)
+    return r.expand(m, n // w, w).reshape(m, n)
 
 
 def _select_column(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -148,6 +160,12 @@ _SPECS = {
                  reference=lambda a, ins, cd: rotate_pairs(*a)),
     "rope_table": dict(klass=ROTARY_CLASS, arity=(2, 3),
                        reference=lambda a, ins, cd: rotate_pairs_by_table(*a)),
+    # a statistic per row and group of w adjacent columns, broadcast over the group:
+    # head_rstd(x, w, eps) (literal w and eps). Tile-local where a tile holds whole
+    # groups (the layout contract: w divides the tile width and N); QuACK's HeadRstd,
+    # its sum of squares folded in the accumulator prepass, deterministically
+    "head_rstd": dict(klass=GROUPED_CLASS, arity=(3,),
+                      reference=lambda a, ins, cd: head_rstd(*a)),
     # stateful row reductions (online across tiles)
     "row_logsumexp": dict(klass=STATEFUL_CLASS, arity=(1,),
                           reference=lambda a, ins, cd: torch.logsumexp(a[0], 1, keepdim=True)),
@@ -209,6 +227,14 @@ def kind_of(program, ins, kinds: list[tuple[Kind, bool]]) -> tuple[Kind, bool]:
         if k != Kind.TILE or final:
             raise ProgramError(f"{name}: {ins.op} pairs up the columns of a tile")
         return Kind.PAIR, False
+    if op.klass == GROUPED_CLASS:
+        if k != Kind.TILE or final:
+            raise ProgramError(f"{name}: {ins.op} reads the columns of a tile")
+        w, eps = ins.args[1:]
+        if isinstance(w, str) or isinstance(eps, str) or float(w) != int(w) or w < 1 \
+                or not eps >= 0:
+            raise ProgramError(f"{name}: {ins.op} takes a literal group width and eps")
+        return Kind.TILE, False
     if op.klass == ROTARY_CLASS:
         if k != Kind.TILE or final:
             raise ProgramError(f"{name}: {ins.op} rotates column pairs of a tile")

@@ -56,6 +56,13 @@ The primitive classes of DESIGN.md, and where each lives here:
                             per-feature operand rot is 1 and passes columns where it is
                             0 through (v beside q and k): cos' = rot·cos + (1 − rot),
                             sin' = rot·sin, exact for rot in {0, 1}.
+    5' group statistic      ``head_rstd(x, w, eps)`` = rsqrt(mean(x²) + eps) over each
+                            group of w adjacent columns (a head of head_dim features),
+                            broadcast over the group: a TILE value, tile-local because
+                            the layout contract puts whole groups in a tile (QK-norm:
+                            QuACK's HeadRstd, folded in the accumulator prepass). Its
+                            argument is computed from the accumulator and vectors only
+                            (the prepass sees no tile operand).
     6 stateful reduction    ``row_logsumexp`` keeps a per-row online (max, sum-exp) state,
                             merged across tiles by the proved LSE merge
                             (algebra/statements.py); ``select_column(x, idx)`` picks
@@ -77,8 +84,8 @@ import hashlib
 import json
 from typing import Union
 
-from .op_table import (ACC, ELEMENTWISE_CLASS, PAIRWISE_CLASS, REDUCTION_CLASS, ROTARY_CLASS,
-                       STATEFUL_CLASS, Kind, ProgramError, kind_of, of_class)
+from .op_table import (ACC, ELEMENTWISE_CLASS, GROUPED_CLASS, PAIRWISE_CLASS, REDUCTION_CLASS,
+                       ROTARY_CLASS, STATEFUL_CLASS, Kind, ProgramError, kind_of, of_class)
 
 Arg = Union[str, float]  # a value name, or a literal constant
 
@@ -90,6 +97,7 @@ PAIRWISE = {n: op.gate_activation for n, op in of_class(PAIRWISE_CLASS).items()}
 ROTARY = {n: op.arity for n, op in of_class(ROTARY_CLASS).items()}
 STATEFUL = {n: op.arity[0] for n, op in of_class(STATEFUL_CLASS).items()}
 REDUCTIONS = {n: op.combine for n, op in of_class(REDUCTION_CLASS).items()}
+GROUPED = {n: op.arity for n, op in of_class(GROUPED_CLASS).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +305,7 @@ class ProgramBuilder:
 
     def __getattr__(self, op: str):
         if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE or op in STATEFUL \
-                or op in ROTARY:
+                or op in ROTARY or op in GROUPED:
             return functools.partial(self.emit, op)
         raise AttributeError(op)
 

@@ -37,7 +37,8 @@ import hashlib
 import re
 
 from .op_table import ELEMENTWISE_CLASS, OPS
-from .program import ACC, PAIRWISE, REDUCTIONS, ROTARY, STATEFUL, EpilogueProgram, Instr, Kind
+from .program import (ACC, GROUPED, PAIRWISE, REDUCTIONS, ROTARY, STATEFUL, EpilogueProgram,
+                      Instr, Kind)
 
 GENERATOR_VERSION = "3"
 
@@ -104,6 +105,13 @@ class KernelSource:
     row_stage: tuple[Instr, ...]   # the finaliser, run after the kernel
     # (sink, value, 1/d, eps) where the row stage is a norm's rstd (norm_row_stage)
     norm_stage: tuple | None = None
+    # (kernel argument, int) the launch passes as they are: a group statistic's width
+    constants: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def group_widths(self) -> tuple[int, ...]:
+        """The column-group widths a tile must hold whole (head_rstd's heads)."""
+        return tuple(w for _, w in self.constants)
 
 
 # elementwise lowerings (QuACK expressions) and f(0) = 0, from the op table
@@ -142,6 +150,44 @@ def zero_on_padding(program: EpilogueProgram) -> dict[str, bool]:
     return zero
 
 
+def _prepass_lines(program: EpilogueProgram, grouped: list[Instr], arg
+                   ) -> list[str]:
+    """The accumulator prepass of the group statistics: each statistic's argument
+    recomputed from acc and vectors (the elementwise instructions it depends on, in
+    program order), squared under the statistic's sink name. QuACK runs it element by
+    element over the raw accumulator before any store, so it sees no pair, no rotation
+    and no tile operand: a program whose statistic needs one is not lowerable."""
+    defs = {i.out: i for i in program.body}
+    operand_kind = {o.name: o.kind for o in program.operands}
+    needed: set[str] = set()
+    todo = [g.args[0] for g in grouped]
+    while todo:
+        v = todo.pop()
+        if not isinstance(v, str) or v == ACC or v in needed:
+            continue
+        if v in operand_kind:
+            if operand_kind[v] not in (Kind.PER_ROW, Kind.PER_FEATURE, Kind.SCALAR):
+                raise Unlowerable(f"a group statistic reads the {operand_kind[v].value} "
+                                  f"operand {v!r} (QuACK's prepass sees the accumulator and "
+                                  "vectors only)")
+            continue
+        ins = defs[v]
+        if ins.op not in _LOWER:
+            raise Unlowerable(f"a group statistic's argument goes through {ins.op} (the "
+                              "prepass runs elementwise ops only)")
+        needed.add(v)
+        todo.extend(ins.args)
+    lines = [f"{arg(i.out)} = {_LOWER[i.op].format(*(arg(a) for a in i.args))}"
+             for i in program.body if i.out in needed]
+    ret = ", ".join(f'"{_group_sink(k, g)}": {arg(g.args[0])} * {arg(g.args[0])}'
+                    for k, g in enumerate(grouped))
+    return lines + ["return {" + ret + "}"]
+
+
+def _group_sink(k: int, ins: Instr) -> str:
+    return f"grp{k}_{ins.out}"
+
+
 def generate(program: EpilogueProgram) -> KernelSource:
     if not program.gemm:
         raise Unlowerable("no GEMM: a row-wise program runs as plain torch ops")
@@ -160,6 +206,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
     row_stage = tuple(i for i in program.body
                       if i.op not in REDUCTIONS and i.op not in STATEFUL and kinds[i.out][1])
     reductions_ir = [i for i in program.body if i.op in REDUCTIONS]
+    grouped = [i for i in program.body if i.op in GROUPED]
 
     # operands
     bindings, first_tile = [], True
@@ -228,6 +275,11 @@ def generate(program: EpilogueProgram) -> KernelSource:
         reductions.append(Reduction(r.out, sink, "lse" if r.op == "row_logsumexp"
                                     else "select", False))
 
+    # group statistics: QuACK's HeadRstd per (row, group), whose value port the function
+    # reads like an operand (a dense multiplier over the group's columns)
+    group_sinks = {g.out: _group_sink(k, g) for k, g in enumerate(grouped)}
+    prepass = _prepass_lines(program, grouped, _arg) if grouped else []
+
     # tile outputs: the first is D, the others auxiliary TileStores
     tile_outputs, returned, d_pairs = [], [], []
     for k, o in enumerate(o for o in program.outputs if o.kind == Kind.TILE):
@@ -269,6 +321,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
                              f"{args[2]}))")
             rhs = (f"pack({o}_x1 * {o}_cos - {o}_x2 * {o}_sin, "
                    f"{o}_x1 * {o}_sin + {o}_x2 * {o}_cos)")
+        elif i.op in GROUPED:
+            rhs = group_sinks[i.out]
         elif i.op in _LOWER:
             rhs = _LOWER[i.op].format(*args)
         else:
@@ -280,10 +334,14 @@ def generate(program: EpilogueProgram) -> KernelSource:
     lines.append("return {" + ", ".join(ret) + "}")
 
     body_src = "\n".join(lines)
-    params = ["acc"] + [b.param for b in bindings if _used(b.param, body_src)
-                        and b.name not in program.index_operands]
+    prepass_src = "\n".join(prepass)
+    params = ["acc"] + [b.param for b in bindings if _used(b.param, body_src + prepass_src)
+                        and b.name not in program.index_operands] + list(group_sinks.values())
+    prepass_params = ["acc"] + [p for p in params[1:] if _used(p, prepass_src)
+                                and p not in group_sinks.values()]
     pins = [f'"{b.param}": {b.quack_op}' for b in bindings
             if b.param != "c" and b.param in params]
+    pins += [f'"{sink}": _{sink}' for sink in group_sinks.values()]
     aux = [name for _, name in tile_outputs if name != "D"]
     reduces = [f'"{r.sink}": ColVecReduce("{r.sink}"'
                + (", scaled=True" if r.scaled else "")
@@ -300,6 +358,10 @@ def generate(program: EpilogueProgram) -> KernelSource:
         decorator.append(f"    outs={{{', '.join(stateful)}}},")
     if companions:
         decorator.append(f"    extra_ops=({', '.join(f'_index_{c}' for c in companions)},),")
+    if grouped:
+        decorator.append("    prepass=prepass,")
+        outs = "".join(repr(s) + ", " for s in group_sinks.values())
+        decorator.append(f"    prepass_outs=({outs}),")
     if pair_mode:
         decorator.append('    mode="acc_pair",')
     decorator.append(")")
@@ -328,6 +390,12 @@ def generate(program: EpilogueProgram) -> KernelSource:
           if any(i.op == "tanh" for i in program.body) else []),
         *(f'_index_{c} = ColVecLoad("{c}")' for c in companions),
         *([""] if companions else []),
+        *(["from quack.epilogue.head_rmsnorm import HeadRstd", ""] if grouped else []),
+        *(f'_{group_sinks[g.out]} = HeadRstd("{group_sinks[g.out]}", eps={float(g.args[2])!r})'
+          for g in grouped),
+        *([""] if grouped else []),
+        *([f"def prepass({', '.join(prepass_params)}):",
+           *("    " + ln for ln in prepass), ""] if grouped else []),
         "",
         *decorator,
         f"def epilogue({', '.join(params)}):",
@@ -355,9 +423,14 @@ def generate(program: EpilogueProgram) -> KernelSource:
             f"{i.args[1]}: float32 [M, head_dim], (cos, sin) of pair p at (2p, 2p+1); head_dim "
             "must divide tile_n or be a multiple of it"
             + (f"; {i.args[2]}: float32 [N], 1 on rotated columns, 0 on pass-through ones"
-               if len(i.args) == 3 else "") for i in program.body if i.op in ROTARY))
+               if len(i.args) == 3 else "") for i in program.body if i.op in ROTARY) + tuple(
+            f"{i.out}: rsqrt(mean({i.args[0]}²) + {float(i.args[2]):g}) per row and group of "
+            f"{int(i.args[1])} columns (QuACK's HeadRstd '{group_sinks[i.out]}', from the "
+            f"accumulator prepass); {int(i.args[1])} must divide the tile width and N"
+            for i in grouped))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
-                        row_stage, norm_row_stage(row_stage, reductions, program.outputs))
+                        row_stage, norm_row_stage(row_stage, reductions, program.outputs),
+                        tuple((group_sinks[g.out], int(g.args[1])) for g in grouped))
 
 
 def norm_row_stage(stage, reductions, outputs) -> tuple | None:

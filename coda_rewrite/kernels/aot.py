@@ -76,6 +76,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
             c = by_name[bnd.name]
         elif bnd.param in params or bnd.name in prog.index_operands:
             kwargs[bnd.param] = by_name[bnd.name]
+    kwargs.update(ks.constants)
     out_dtype = {o.value: dtype_from_name(o.dtype) for o in prog.outputs}
     width = {o.value: n // 2 if o.kind == Kind.PAIR else n for o in prog.outputs}
     out = {name: torch.empty(m, width[value], dtype=out_dtype[value])

@@ -60,6 +60,24 @@ def table_head_fits(head_dim: int) -> bool:
         TABLE_TILE_N % head_dim == 0 or head_dim % TABLE_TILE_N == 0)
 
 
+# A per-head statistic (QK-norm: QuACK's HeadRstd) needs whole heads in a tile: its
+# width must divide the tile's. Heads of 64, 128 or 256 features fit the tiles below
+# (a 128- or 256-wide head sets the tile width to its own where the row class's does
+# not hold it); QuACK also needs each thread's run of an epilogue subtile inside one
+# group, which narrower heads do not give.
+GROUP_WIDTHS = (64, 128, 256)
+
+
+def group_fits(width: int) -> bool:
+    """Whether heads ``width`` features wide fit the kernel's tiles (the contract checks
+    it before a launch; the RoPE pattern before a QK-norm rewrite on the GPU)."""
+    return width in GROUP_WIDTHS
+
+
+def _group_widths(prog: EpilogueProgram) -> set[int]:
+    return {int(i.args[1]) for i in prog.body if i.op == "head_rstd"}
+
+
 COMPILES: list[tuple[str, float]] = []  # (kernel, seconds of its first call)
 _seen: set = set()
 _lock = threading.Lock()
@@ -183,6 +201,10 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
             return f"operand {spec.name} has shape {tuple(t.shape)}, expected {want}"
         if not _aligned(t):
             return f"operand {spec.name} is not unit-stride and 16-byte aligned"
+    for w in _group_widths(program):
+        if n % w or not group_fits(w):
+            return (f"a per-head statistic over {w} columns with N={n}: the kernel's tiles "
+                    f"hold whole heads of {', '.join(map(str, GROUP_WIDTHS))} features")
     for o in program.outputs:
         if reference.dtype_from_name(o.dtype) not in _STORE_DTYPES:
             return f"output {o.value} stored as {o.dtype}"
@@ -246,10 +268,20 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
     columns, so table programs keep a tile width of 64 or TABLE_TILE_N (the contract
     checks head_dim against both)."""
     table = any(o.kind == Kind.COS_SIN for o in prog.operands)
+    groups = _group_widths(prog)
     for rows, widest, (tile_m, tile_n, cluster_m) in ROW_CLASSES:
         if m <= rows and (widest is None or n <= widest):
-            return _config(tile_m, min(tile_n, TABLE_TILE_N) if table else tile_n, cluster_m)
-    return _config(128, TABLE_TILE_N, 2) if table else None
+            tile_n = min(tile_n, TABLE_TILE_N) if table else tile_n
+            return _config(tile_m, _holding(groups, tile_n), cluster_m)
+    if table:
+        return _config(128, _holding(groups, TABLE_TILE_N), 2)
+    return _config(128, _holding(groups, 192), 2) if groups - {64} else None
+
+
+def _holding(groups: set[int], tile_n: int) -> int:
+    """``tile_n``, or the widest group width where it does not hold whole groups (the
+    contract has checked each width is one of GROUP_WIDTHS, which divide one another)."""
+    return tile_n if all(tile_n % w == 0 for w in groups) else max(groups)
 
 
 def configs_of(prog: EpilogueProgram) -> list:
@@ -391,9 +423,12 @@ class Launch:
         return None if self.c_index is None else operands[self.c_index]
 
     def _operands(self, operands) -> dict:
-        # a scalar goes by device pointer: no host sync, safe in CUDA graphs
-        return {param: operands[i].float().reshape(1) if scalar else operands[i]
-                for param, i, scalar in self.kwargs}
+        # a scalar goes by device pointer: no host sync, safe in CUDA graphs; a group
+        # statistic's width is a constant the kernel is compiled with
+        values = {param: operands[i].float().reshape(1) if scalar else operands[i]
+                  for param, i, scalar in self.kwargs}
+        values.update(self.ks.constants)
+        return values
 
     def _alloc(self) -> dict:
         return {name: torch.empty(shape, device=self.device, dtype=dtype)

@@ -137,9 +137,10 @@ def _why_no_consumer(norm: RmsNorm, readers: list[fx.Node]) -> Why:
                    "BENCHMARKS.md, the sandwich norm)", "row_scale.post_sublayer")
     if _over_projection(norm):
         return Why(f"a norm over a projection's output ({describe(norm.input)}: a QK-norm, "
-                   "say) that no GEMM reads: its statistic belongs in that projection's "
-                   "epilogue, with what follows it (a rotation), which is not fused yet",
-                   "row_scale.over_projection")
+                   "say) that no GEMM reads: nothing to defer its row scale into; a "
+                   "per-head QK-norm before a rotation goes into the projection's epilogue "
+                   "with the rotation (the rope family's record for this attention says "
+                   "whether it did)", "row_scale.over_projection")
     what = ", ".join(describe(n) for n in readers) or "nothing"
     return Why(f"no GEMM reads the normalised value (read by {what}): nothing to defer the "
                "row scale into", "row_scale.no_consumer_gemm")

@@ -56,10 +56,22 @@ whole head. k's rotated part is one small head shared by all heads, from another
 left as graph ops, it takes the query's pair order where the key is assembled
 (algebra/rope.py, _latent_key_write), so the query is never copied back.
 
-Left with the reason: q or k read before the rotation, a norm between the projection and
-the rotation (Qwen3, Gemma 3, OLMo 2), differently rotated q and k, a latent suffix
-rotated by a complex table from outside the graph, a table no kernel tile fits (on the
-GPU), no attention keeping the permuted order.
+QK-norm (Qwen3, Gemma 3: an RMSNorm over each head of q and k between the head split and
+the rotation) goes into the same epilogue, before the rotation:
+
+    epilogue:  y = r[i]·acc[i, :] (+ b);  y ← y·(n·g_j + keep_j),  n = rsqrt(mean over
+               the head's d columns of y² + eps)      (QuACK's HeadRstd, from the prepass)
+
+g_j: the norm's weight (Gemma's 1 + w) in the head's pair order; keep_j: 1 on columns no
+norm scales (v), so v still shares the GEMM. The statistic is a sum over the head, the
+same in the permuted order (algebra/statements.prove_head_norm_permutation), and a tile
+holds whole heads (the kernel's tile width is a multiple of head_dim).
+
+Left with the reason: q or k read before the rotation (or before its norm), a norm over
+the whole projection before the head split (OLMo 2: its statistic spans tiles), QK-norms
+with different eps, a run-time eps, differently rotated q and k, a latent suffix rotated
+by a complex table from outside the graph, a table or QK-norm head no kernel tile fits
+(on the GPU), no attention keeping the permuted order.
 """
 
 from __future__ import annotations
@@ -83,6 +95,7 @@ from ..graph_utils import (CHUNK, MATMUL, chunk_half, copy_meta, erase_if_dead,
                            fused_linear_call, hoist_before, results, same_meta, same_value,
                            shared_call, through_casts)
 from ..kernels import ops, versioned
+from ..rmsnorm_idiom import RmsNorm, find_rms_norms
 from .family import Context, Decided
 from .gated_mlp import Projection, projection_of
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
@@ -96,6 +109,19 @@ FUSES_GEMMS = True
 # shape), 0.88–0.94x from 1024; its per-call q/k/v weight permutation is a pass over the
 # weights too
 FUSED_FROM_ROWS = 1024
+# ... but with a QK-norm in the same GEMM (the norm's pass over q and k saved too) the
+# region (q/k/v + QK-norm + RoPE + SDPA at Qwen3-8B shapes, from CUDA graphs) beats
+# torch.compile's at every size measured: 1.02x at 64 tokens, 1.11x at 256, 1.06x at
+# 1024, 1.18x at 2048, 1.12x at 8192 (benchmarks/model_families.py qknorm; BENCHMARKS.md,
+# seventh session)
+QK_NORM_FUSED_FROM_ROWS = 64
+FUSED_FROM_ROWS_FOR = {"with a QK-norm": QK_NORM_FUSED_FROM_ROWS}
+
+
+def fused_from_rows_of(match) -> int:
+    """size_policy.fused_from_rows for one match: a QK-norm's from fewer rows."""
+    return QK_NORM_FUSED_FROM_ROWS if getattr(match, "head_norm", None) is not None \
+        else FUSED_FROM_ROWS
 # ... and in a training step (training_policy.py; +1.4 ms and
 # +0.7 GiB per 1B step)
 PAYS_IN_TRAINING = False
@@ -131,6 +157,22 @@ class Angle:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadNorm:
+    """An RMSNorm over each head's features between the projection and the rotation
+    (QK-norm: Qwen3's ``q_norm(q_proj(x).view(..., H, d)).transpose(1, 2)``, Gemma 3's
+    norm after the transpose): the epilogue forms each head's statistic from the
+    accumulator and scales by it and the norm's weight before rotating."""
+    idiom: RmsNorm
+    after: tuple[fx.Node, ...] = ()  # the heads' transpose between the norm and the rotation
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        """The norm's nodes and a transpose after it: what the fused GEMM replaces (and
+        what the witness replays, in graph order, from the head split)."""
+        return (*self.idiom.nodes, *self.after)
+
+
+@dataclasses.dataclass(frozen=True)
 class Rotated:
     """One rotated projection (q or k): out = rope(split(GEMM columns [lo, hi)))."""
     rotates: ClassVar[bool] = True
@@ -160,6 +202,7 @@ class Rotated:
                              # in multi-head latent attention (q = cat(q_pass, rope(q_rot)))
     stored_pairs: bool = False   # "half" read from pairs stored adjacent (DeepSeek-V3's
                              # rope_interleave: x[0::2], x[1::2]): no weight permutation
+    norm: HeadNorm | None = None  # a QK-norm between the head split and the rotation
 
     @property
     def transposed(self) -> bool:
@@ -220,6 +263,13 @@ class Match:
     @property
     def has_bias(self) -> bool:
         return any(s.proj.bias is not None for s in self.segments)
+
+    @property
+    def head_norm(self) -> tuple[int, float] | None:
+        """(head_dim, eps) of the QK-norm the epilogue applies (the side conditions hold
+        every normed segment to one eps), None without one."""
+        normed = [r for r in self.rotated if r.norm is not None]
+        return (normed[0].head_dim, normed[0].norm.idiom.eps) if normed else None
 
     @property
     def scaled(self) -> bool:
@@ -645,7 +695,12 @@ def _head_split(heads: fx.Node, unsq_dim: int):
     found = _past_head_transpose(heads, unsq_dim)
     if found is None:
         return None
-    node, split = found
+    return _view_split(*found)
+
+
+def _view_split(node: fx.Node, split: list):
+    """(column value [B, S, H·d], split nodes, H, d) for node = view(P, (B, S, H, d)),
+    ``split`` the nodes after it (a transpose)."""
     if not _is(node, _SPLIT) and not _is(node, {"unflatten"}):
         return None
     split.append(node)
@@ -655,6 +710,33 @@ def _head_split(heads: fx.Node, unsq_dim: int):
             or ms.shape[2] != mv.shape[2] * mv.shape[3]:
         return None
     return src, tuple(split), int(mv.shape[2]), int(mv.shape[3])
+
+
+def _normed_head_split(heads: fx.Node, unsq_dim: int, norms: dict):
+    """(column value, split nodes, H, d, HeadNorm) for heads that are an RMSNorm over the
+    head dim of a projection's head split: ``norm(P.view(B, S, H, d)).transpose(1, 2)``
+    (Qwen3), ``norm(P.view(B, S, H, d).transpose(1, 2))`` (Gemma 3), or untransposed;
+    None for anything else. ``norms``: the graph's RMSNorms by their output."""
+    after = None
+    if heads not in norms and _is(heads, _TRANSPOSE) and heads.args[0] in norms:
+        after, heads = heads, heads.args[0]
+    norm = norms.get(heads)
+    if norm is None:
+        return None
+    inner, split = norm.input, []
+    if after is not None:
+        if _past_head_transpose(after, unsq_dim) is None or _is(inner, _TRANSPOSE):
+            return None
+        split = [after]
+    else:
+        found = _past_head_transpose(inner, unsq_dim)
+        if found is None:
+            return None
+        inner, split = found
+    got = _view_split(inner, split)
+    if got is None or norm.dim != got[3]:
+        return None
+    return (*got, HeadNorm(norm, (after,) if after is not None else ()))
 
 
 def _member_split(heads: fx.Node, unsq_dim: int):
@@ -857,7 +939,9 @@ def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
     return dataclasses.replace(p, nodes=p.nodes + (value,)), cols
 
 
-def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
+def _rotated(add: fx.Node, norms: dict) -> Rotated | NoMatch | None:
+    """The rotation anchored at ``add`` (its last add or cat), or why it is left; None
+    where ``add`` is no rotation. ``norms``: the graph's RMSNorms by output (QK-norm)."""
     core = _rope_core(add)
     if core is None:
         core = _written_rope_core(add)
@@ -912,7 +996,15 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
     while len(out.users) == 1 and _is_cast(next(iter(out.users))):
         out = next(iter(out.users))
         nodes += (out,)
-    split, member = _head_split(heads, unsq), ()
+    split, member, norm = _head_split(heads, unsq), (), None
+    if split is None:
+        split = _normed_head_split(heads, unsq, norms)
+        if split is not None:
+            *split, norm = split
+            why = _head_norm_misfit(norm)
+            if why is not None:
+                return NoMatch(add, why)
+            nodes = nodes + norm.nodes
     if split is None:
         split = _member_split(heads, unsq) or _indexed_split(heads, unsq) or \
             _block_split(heads, unsq)
@@ -923,6 +1015,12 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                 "output of a projection", "rope.not_head_split"))
     col_value, split_nodes, n_heads, head_dim = split
     cols = columns_of(col_value)
+    if cols is None and col_value in norms:
+        return NoMatch(add, Why(
+            f"a norm over the whole projection ({describe(col_value)}, OLMo 2's QK-norm) "
+            "before the head split: its statistic spans every head, across the GEMM's "
+            "tiles, so the rotation after it would need a finishing pass over q and k; "
+            "not fused", "rope.norm_over_projection"))
     if cols is None:
         return NoMatch(add, Why(f"the rotated heads are not a GEMM's output columns "
                                 f"({describe(col_value)} is computed in between: a norm over q "
@@ -946,7 +1044,7 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                     "rope.angle_requires_grad"))
         return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
                        int(meta(rotary_part).shape[-1]), angle, nodes, form=form,
-                       member=member)
+                       member=member, norm=norm)
     angle = angle_of(cos_t, sin_t, half_width)
     if isinstance(angle, NoAngle):
         if not angle.as_table:
@@ -962,7 +1060,20 @@ def _rotated(add: fx.Node) -> Rotated | NoMatch | None:
                                 "rope.table_shape"))
     return Rotated(out, heads, split_nodes, proj, columns, col_value, n_heads, head_dim,
                    rotary_dim, angle, nodes, member=member, rotary_offset=offset,
-                   stored_pairs=stored_pairs)
+                   stored_pairs=stored_pairs, norm=norm)
+
+
+def _head_norm_misfit(norm: HeadNorm) -> Why | None:
+    """Why a QK-norm cannot go into the epilogue (None: it can). The kernel's statistic
+    has one eps, compiled in: a run-time eps (dynamic=True) is left."""
+    idiom = norm.idiom
+    if not isinstance(idiom.eps, float):
+        return Why(f"the QK-norm's eps {describe(idiom.eps)} is known only at run time (the "
+                   "kernel's per-head statistic compiles its eps in)", "rope.qk_norm_eps")
+    if idiom.weight is not None and meta(idiom.weight).dim() != 1:
+        return Why("the QK-norm's weight is not one value per head feature",
+                   "rope.qk_norm_weight")
+    return None
 
 
 def _split_suffix(x: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int] | None:
@@ -1207,11 +1318,27 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph,
     return out
 
 
+def _norms_by_output(graph: fx.Graph) -> dict[fx.Node, RmsNorm]:
+    """The graph's RMSNorms by their output, and by the value under the output's own
+    trailing casts (Gemma's ``.type_as(x)``: the rotation reads past casts)."""
+    out = {}
+    for n in find_rms_norms(graph):
+        if not isinstance(n, RmsNorm):
+            continue
+        node = n.output
+        out[node] = n
+        while _is_cast(node) and node.args[0] in n.nodes:
+            node = node.args[0]
+            out[node] = n
+    return out
+
+
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     found: list[Rotated] = []
     out: list[Match | NoMatch] = []
+    norms = _norms_by_output(graph)
     for node in list(graph.nodes):
-        r = _rotated(node)
+        r = _rotated(node, norms)
         if r is None:
             r = _complex_rotated(node)
         if isinstance(r, NoMatch):
@@ -1251,13 +1378,33 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 # ---- the program ----------------------------------------------------------------------------
 
-def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype
-                 ) -> EpilogueProgram:
-    """y = acc (· r) (+ b) (· s_j); out = rope(y, pos, freq) -> out (tile). s_j: the
-    attention scaling on rotated columns, 1 on pass-through ones (a per-feature operand:
-    v stays in the GEMM, and a scale known only at run time needs no recompile)."""
-    p = ProgramBuilder("rowscale_rope" if has_r else "rope", gemm=True, family="rope")
-    v = p.scaled_acc(has_r, has_bias)
+def _head_normed(p: ProgramBuilder, v: str, norm: tuple | None) -> str:
+    """The QK-norm stage, norm = (head_dim, eps, keep) or None: y · (n·g + keep) with
+    n = head_rstd(y, head_dim, eps) (each head's rsqrt(mean(y²) + eps)), g the norm's
+    weight per column (0 where no norm scales: v), keep 1 where no norm scales, else 0;
+    without unnormed columns, y · n · g."""
+    if norm is None:
+        return v
+    head_dim, eps, keep = norm
+    n = p.head_rstd(v, head_dim, eps, name="n")
+    s = p.mul(n, p.operand("g", Kind.PER_FEATURE), name="n_g")
+    if keep:
+        s = p.add(s, p.operand("keep", Kind.PER_FEATURE), name="s")
+    return p.mul(v, s, name="y_n")
+
+
+def _program_name(base: str, has_r: bool, norm) -> str:
+    return ("rowscale_" if has_r else "") + ("qknorm_" if norm else "") + base
+
+
+def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype,
+                 norm: tuple | None = None) -> EpilogueProgram:
+    """y = acc (· r) (+ b) [QK-norm] (· s_j); out = rope(y, pos, freq) -> out (tile). s_j:
+    the attention scaling on rotated columns, 1 on pass-through ones (a per-feature
+    operand: v stays in the GEMM, and a scale known only at run time needs no recompile).
+    norm: (head_dim, eps, keep), the QK-norm stage (_head_normed)."""
+    p = ProgramBuilder(_program_name("rope", has_r, norm), gemm=True, family="rope")
+    v = _head_normed(p, p.scaled_acc(has_r, has_bias), norm)
     if scaled:
         v = p.mul(v, p.operand("colscale", Kind.PER_FEATURE), name="y_s")
     pos = p.operand("pos", Kind.PER_ROW)
@@ -1267,13 +1414,14 @@ def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype
 
 
 def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype,
-                       passthrough: bool = False) -> EpilogueProgram:
-    """y = acc (· r) (+ b); out = rope_table(y, cs [, on]) -> out (tile). A table repeats
-    every head_dim columns and cannot tell v's heads from q's: with pass-through columns
-    a per-feature flag ``on`` (1 rotate, 0 pass through) keeps v in the GEMM."""
-    p = ProgramBuilder("rowscale_rope_table" if has_r else "rope_table", gemm=True,
-                       family="rope")
-    v = p.scaled_acc(has_r, has_bias)
+                       passthrough: bool = False, norm: tuple | None = None
+                       ) -> EpilogueProgram:
+    """y = acc (· r) (+ b) [QK-norm]; out = rope_table(y, cs [, on]) -> out (tile). A
+    table repeats every head_dim columns and cannot tell v's heads from q's: with
+    pass-through columns a per-feature flag ``on`` (1 rotate, 0 pass through) keeps v in
+    the GEMM."""
+    p = ProgramBuilder(_program_name("rope_table", has_r, norm), gemm=True, family="rope")
+    v = _head_normed(p, p.scaled_acc(has_r, has_bias), norm)
     angle = [p.operand("cs", Kind.COS_SIN)]
     if passthrough:
         angle.append(p.operand("on", Kind.PER_FEATURE))
@@ -1287,11 +1435,15 @@ def trains(m: Match) -> bool:
 
 
 def build_program(m: Match) -> EpilogueProgram:
+    norm = None
+    if m.head_norm is not None:
+        unnormed = any(getattr(s, "norm", None) is None for s in m.segments)
+        norm = (*m.head_norm, unnormed)
     if m.angle_source == "table":
         return rope_table_program(m.proj.r is not None, m.has_bias,
-                                  meta(m.rotated[0].out).dtype, bool(m.passthrough))
+                                  meta(m.rotated[0].out).dtype, bool(m.passthrough), norm)
     return rope_program(m.proj.r is not None, m.has_bias, m.scaled,
-                        meta(m.rotated[0].out).dtype)
+                        meta(m.rotated[0].out).dtype, norm)
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -1361,12 +1513,30 @@ def _table_misfit(m: Match) -> Why | None:
                "have no such limit)", "rope.table_head_width")
 
 
+def _norm_misfit(m: Match) -> Why | None:
+    """Why the GPU kernel cannot hold this match's QK-norm heads whole in a tile
+    (kernels/quack_path.group_fits; every call would take the reference path), None
+    where it can, or on the CPU (the reference path anyway)."""
+    from ..kernels.quack_path import GROUP_WIDTHS, group_fits
+    x = meta(m.proj.x)
+    if m.head_norm is None or x is None or x.device.type != "cuda":
+        return None
+    head_dim = m.head_norm[0]
+    n = sum(s.columns[1] - s.columns[0] for s in m.segments)
+    if group_fits(head_dim) and n % head_dim == 0:
+        return None
+    return Why(f"a QK-norm over heads of {head_dim} features in a fused GEMM of {n} columns: "
+               "the kernel's per-head statistic needs whole heads of "
+               f"{', '.join(map(str, GROUP_WIDTHS))} features in a tile, so every call "
+               "would run the reference path; left", "rope.qk_norm_head_width")
+
+
 def decide(m: Match, context: Context) -> Decided:
     planned = plan_segments(m)
     if isinstance(planned, str):
         return Decided.refuse(Rejection(planned, m.path))
     m = planned
-    misfit = _table_misfit(m)
+    misfit = _table_misfit(m) or _norm_misfit(m)
     if misfit is not None:
         return Decided.refuse(Rejection(misfit, m.path))
     program = build_program(m)
@@ -1396,6 +1566,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     rebuilt = [*m.rotated, *(seg for seg in m.passthrough if seg.member)]
     reads += [a for s in rebuilt for node in s.split for a in node.all_input_nodes
               if a is not node.args[0]]
+    reads += [r.norm.idiom.weight for r in m.rotated if r.norm is not None]
     reads = [n for n in reads if isinstance(n, fx.Node)]
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]
@@ -1431,6 +1602,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                 spans = rope_algebra.rotated_spans(m)
                 angle.append(shared_call(graph, layouts.rope_rotated_columns, (spans, x), anchor,
                                           lambda n: n.args[0] == spans))
+        if m.head_norm is not None:  # the QK-norm's weight (and unnormed columns' flag)
+            angle = _norm_operands(graph, m, lay, x) + angle
         r = [p.r] if p.r is not None else []
         weights = tuple(s.proj.weight for s in m.segments)
         call = relaid_gemm(graph, plan.cache_relayouts, plan.program.to_text(), p.out, p.x,
@@ -1485,6 +1658,18 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"
             for c, v in region.unpermute]
     return shown
+
+
+def _norm_operands(graph: fx.Graph, m: Match, lay: tuple, x: fx.Node) -> list[fx.Node]:
+    """The QK-norm program's per-feature operands: g (each norm's weight, its offset,
+    per column in the fused order) and, where some columns have no norm (v), keep."""
+    norms = [getattr(s, "norm", None) for s in m.segments]
+    offsets = tuple(None if n is None else n.idiom.weight_offset for n in norms)
+    weights = tuple(None if n is None else n.idiom.weight for n in norms)
+    out = [graph.call_function(rope_norm_weight, (lay, offsets, x, *weights))]
+    if None in offsets:
+        out.append(graph.call_function(rope_norm_keep, (lay, offsets, x)))
+    return out
 
 
 def permute_key_part(graph: fx.Graph, reader: fx.Node, value: fx.Node) -> None:
@@ -1582,3 +1767,37 @@ def rope_frequencies(inv_freq: torch.Tensor, layout: tuple) -> torch.Tensor:
     holder = inv_freq if inv_freq._base is None else inv_freq._base
     return versioned.kept(holder, _FREQUENCIES, [inv_freq], layout,
                           lambda: layouts.rope_frequencies(inv_freq, layout))[0]
+
+
+_NORM_WEIGHT = "_coda_rope_norm_weight"  # attribute of a QK-norm weight: its memo
+
+
+def rope_norm_weight(layout: tuple, offsets: tuple, like: torch.Tensor,
+                     *weights: torch.Tensor | None) -> torch.Tensor:
+    """codegen/layouts.rope_norm_weight, kept between calls where that is safe: run
+    eagerly it is some twenty tiny ops per call (~80 µs of host time on the CPU) for a
+    value that changes only with the norms' weights, so outside autograd it is kept on
+    the first weight, keyed by the weights' version counters (kernels/versioned.py, as
+    rope_frequencies). Where a gradient flows to the weights it is made on every call
+    (autograd takes the gradient back through it)."""
+    present = [w for w in weights if w is not None]
+    if not present or (torch.is_grad_enabled() and any(w.requires_grad for w in present)):
+        return layouts.rope_norm_weight(layout, offsets, like, *weights)
+    return versioned.kept(present[0], _NORM_WEIGHT, present, (layout, offsets, like.device),
+                          lambda: layouts.rope_norm_weight(layout, offsets, like,
+                                                           *weights))[0]
+
+
+_keep_columns: dict = {}  # (layout, offsets, device) -> the flag vector, made once
+
+
+def rope_norm_keep(layout: tuple, offsets: tuple, like: torch.Tensor) -> torch.Tensor:
+    """codegen/layouts.rope_norm_keep, made once per layout and device: it depends on
+    nothing else (not kept while tracing or under CUDA-graph capture, where a value made
+    outside would not be the trace's)."""
+    key = (layout, offsets, like.device)
+    if not layouts.real([like]) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return layouts.rope_norm_keep(layout, offsets, like)
+    if key not in _keep_columns:
+        _keep_columns[key] = layouts.rope_norm_keep(layout, offsets, like)
+    return _keep_columns[key]

@@ -572,3 +572,49 @@ def test_latent_attention_table_too_wide_is_left():
         fast(ids)           # logits bound here; the float32 survey checks the model)
     codes = {r.code for r in fast.report.records if r.pattern == "rope"}
     assert "rope.table_head_width" in codes and not fast.report.count(pattern="rope"), codes
+
+
+def _qk_norm_programs():
+    """The RoPE pattern's QK-norm programs: the angles form with v passing through (heads
+    of 128) and the table form (heads of 64, v under a 0 flag)."""
+    from coda_rewrite.patterns.rope import rope_program, rope_table_program
+    return [(rope_program(True, False, False, torch.bfloat16, norm=(128, 1e-6, True)), 128),
+            (rope_program(False, True, True, torch.bfloat16, norm=(128, 1e-5, False)), 128),
+            (rope_table_program(True, False, torch.bfloat16, passthrough=True,
+                                norm=(64, 1e-6, True)), 64)]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 640), (8, 4096, 1536),
+                                   (4096, 2048, 3072)], ids=lambda s: "x".join(map(str, s)))
+def test_qk_norm_kernels(which, shape):
+    """QuACK's per-head statistic (HeadRstd, from the accumulator prepass) before the
+    rotation, at row counts of every tile class: against the reference and float64."""
+    prog, head = _qk_norm_programs()[which]
+    m, k, n = shape
+    n = -(-n // head) * head
+    _check_kernel(prog, m, k, n, seed=m + n + which)
+
+
+def _qk_norm_model(family):
+    def make(seed):
+        return hf_model(family, layers=2, hidden=256, seed=seed, vocab_size=512, head_dim=128)
+    return make
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_qk_norm_models_bf16_on_gpu(family):
+    """Qwen3 and Gemma 3 (head_dim 128) with the QK-norm in the rotating GEMM: logits
+    against float64, no worse than eager."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    before = _kernel_calls("rowscale_qknorm_rope#")
+
+    def rewrite(model):
+        torch._dynamo.reset()
+        return coda_rewrite.optimize(model)
+
+    res = low_precision_errors(_qk_norm_model(family), (ids,), rewrite, seeds=(0, 1, 2),
+                               device=DEV)
+    assert _kernel_calls("rowscale_qknorm_rope#") - before >= 3 * 2, ops.runtime_summary()
+    print(f"{family} QK-norm: {res}")
+    assert res["ok"], res

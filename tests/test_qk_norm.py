@@ -1,0 +1,194 @@
+"""QK-norm (an RMSNorm over each head of q and k before the rotation: Qwen3, Gemma 3) in
+the q/k/v GEMM's epilogue with the rotation: the models that spell it, through optimize()
+and the backend, in inference and training; the program, its kernel source and backward;
+the witness on a wrong weight layout."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import coda_rewrite
+from coda_rewrite.numerics import rel_err
+from conftest import grads_match, hf_model, step_matches_eager, tokens
+
+FAMILIES = ("qwen3", "gemma3")
+
+
+def rope_records(report, status="rewritten"):
+    return [r for r in report.records if r.pattern == "rope" and r.status == status]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qk_norm_goes_into_the_rotating_gemm(family):
+    model = hf_model(family, head_dim=16).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    done = rope_records(fast.report)
+    assert len(done) == 2, str(fast.report)
+    for r in done:
+        assert r.programs[0].name == "rowscale_qknorm_rope", r.programs[0].name
+        assert len(r.consumers) == 3 and "frequency 0" in r.consumers[2]  # v in the GEMM
+        text = r.decision.render()
+        assert "rms_head(x·P)" in text and "QK-norm" in text and "witness replay" in text
+    # the norms' own records point at the rotation's
+    left = [r for r in fast.report.records if r.code == "row_scale.over_projection"]
+    assert len(left) == 4 and all("rope family" in r.reason for r in left)
+    code = "\n".join(g.rewritten_code for g in fast.report.graphs)
+    sandwich = [r for r in fast.report.records if r.code == "row_scale.post_sublayer"]
+    assert code.count("torch.rsqrt(") == len(sandwich)  # no QK-norm left as graph ops
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_matches_eager(family):
+    report = step_matches_eager(family, model=hf_model(family, head_dim=16))
+    assert len(rope_records(report)) == 2, str(report)
+
+
+def test_backend_training_step_matches_eager():
+    torch._dynamo.reset()
+    model = hf_model("qwen3", head_dim=16).train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    compiled = torch.compile(model, backend="coda")
+    loss, want = compiled(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    loss.backward()
+    want.backward()
+    grads_match(model, ref)
+    report = coda_rewrite.last_report()
+    assert any(r.programs and "qknorm" in r.programs[0].name
+               for r in rope_records(report)), str(report)
+
+
+def test_decoding_with_a_cache_matches_eager():
+    from conftest import decode_matches_eager
+    model = hf_model("qwen3", head_dim=16).eval()
+    decode_matches_eager(model, coda_rewrite.optimize(model), tokens())
+
+
+def test_norm_over_the_whole_projection_is_left_with_its_reason():
+    """OLMo 2 normalises all of q before the head split: a statistic across tiles."""
+    report = coda_rewrite.explain(hf_model("olmo2").eval(), tokens(), use_cache=False)
+    left = [r for r in report.records if r.pattern == "rope"]
+    assert left and {r.code for r in left} == {"rope.norm_over_projection"}, str(report)
+
+
+def test_norm_eps_differs_between_q_and_k():
+    model = hf_model("qwen3", head_dim=16).eval()
+    for layer in model.model.layers:
+        layer.self_attn.k_norm.variance_epsilon = 1e-3
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    codes = {r.code for r in fast.report.records if r.pattern == "rope"}
+    assert codes == {"rope.qk_norm_eps"}, str(fast.report)
+
+
+@pytest.mark.provokes_pass_bug
+def test_witness_catches_a_weight_in_the_wrong_order(monkeypatch):
+    """The replay compares the model's own norm nodes with the program: a norm weight
+    laid out in eager's order instead of the pair order is refused, not rewritten."""
+    from coda_rewrite.codegen import layouts
+
+    def unpermuted_weight(layout, offsets, like, *weights):
+        parts = []
+        for s, off, w in zip(map(layouts.segment, layout), offsets, weights):
+            n = s.hi - s.lo
+            parts.append(torch.zeros(n, dtype=torch.float64) if off is None else
+                         (w.double() + off).repeat(s.n_heads))
+        return torch.cat(parts)
+
+    monkeypatch.setattr(layouts, "rope_norm_weight", unpermuted_weight)
+    report = coda_rewrite.explain(hf_model("qwen3", head_dim=16).eval(), tokens(),
+                                  use_cache=False)
+    codes = {r.code for r in report.records if r.pattern == "rope"}
+    assert codes == {"witness.disagrees"}, str(report)
+
+
+def test_program_kernel_source_and_backward():
+    """The program lowers to a HeadRstd prepass (the statistic of the value the norm
+    reads: r·acc + bias) before the rotation; the family's backward equals autograd
+    through the reference."""
+    from coda_rewrite.codegen import reference
+    from coda_rewrite.codegen.quack_source import generate
+    from coda_rewrite.kernels import backward
+    from coda_rewrite.patterns.rope import rope_program
+
+    prog = rope_program(True, True, True, torch.float64, norm=(8, 1e-5, True))
+    ks = generate(prog)
+    assert "HeadRstd(" in ks.source and "prepass=prepass" in ks.source
+    assert "def prepass(acc, o_r, o_bias):" in ks.source
+    assert ks.constants == (("grp0_n", 8),) and ks.group_widths == (8,)
+    assert "must divide the tile width and N" in ks.contract.render()
+    torch.manual_seed(0)
+    m, k, n = 6, 12, 32
+    a, b = torch.randn(m, k, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
+    values = {"r": torch.rand(m, dtype=torch.float64) + 0.5,
+              "pos": torch.arange(m, dtype=torch.float32) * 3,
+              "freq": torch.rand(n, dtype=torch.float32) * 0.1,
+              "keep": torch.cat([torch.zeros(24), torch.ones(8)]).double()}
+    operands = [values.get(o.name, torch.randn(n, dtype=torch.float64))
+                for o in prog.operands]
+    outs = reference.run_program(prog, a, b, operands)
+    dout = [torch.randn_like(outs[0])]
+    got = backward.vjp(prog, a, b, operands, outs, dout)
+    want = backward._general_vjp(prog, a, b, operands, outs, dout)
+    assert rel_err(got[0], want[0]) <= 1e-12 and rel_err(got[1], want[1]) <= 1e-12
+    for spec, g, w in zip(prog.operands, got[2], want[2]):
+        if spec.name in ("r", "bias", "g"):  # the rest are data: no gradient asked
+            assert rel_err(g, w) <= 1e-12, spec.name
+
+
+def test_group_statistic_reference_and_kind_rules():
+    from coda_rewrite.codegen.op_table import head_rstd
+    from coda_rewrite.codegen.program import Kind, ProgramBuilder, ProgramError
+    x = torch.randn(3, 12, dtype=torch.float64)
+    r = head_rstd(x, 4, 1e-6)
+    want = torch.rsqrt(x.view(3, 3, 4).square().mean(-1) + 1e-6)
+    assert torch.equal(r.view(3, 3, 4)[..., 0], want) and r.shape == x.shape
+    p = ProgramBuilder("bad", gemm=True)
+    p.output(p.head_rstd("acc", p.operand("w", Kind.PER_FEATURE), 1e-6), Kind.TILE,
+             "float32")
+    with pytest.raises(ProgramError, match="literal group width"):
+        p.build()
+    p = ProgramBuilder("bad", gemm=True)
+    total = p.row_sum("acc")
+    p.output(p.head_rstd(total, 4, 1e-6), Kind.PER_ROW, "float32")
+    with pytest.raises(ProgramError, match="reads the columns of a tile"):
+        p.build()
+
+
+def test_config_holds_whole_heads():
+    from coda_rewrite.kernels.quack_path import config_for
+    from coda_rewrite.patterns.rope import rope_program
+    pytest.importorskip("quack")
+    prog = rope_program(True, False, False, torch.bfloat16, norm=(128, 1e-6, True))
+    for m in (1, 16, 64, 256, 1024, 8192):
+        cfg = config_for(prog, m, 6144)
+        assert cfg is not None and cfg.tile_n % 128 == 0, (m, cfg)
+    prog = rope_program(True, False, False, torch.bfloat16, norm=(256, 1e-6, True))
+    assert all(config_for(prog, m, 8192).tile_n == 256 for m in (64, 256, 8192))
+
+
+def test_norm_weights_kept_between_calls_follow_an_update():
+    """Outside autograd the fused norm weight is kept between calls (on the weight, keyed
+    by its version): an in-place update of a norm's weight is seen at the next call."""
+    from coda_rewrite.patterns import rope
+    model = hf_model("qwen3", head_dim=16).eval()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    norm = model.model.layers[0].self_attn.q_norm.weight
+    with torch.no_grad():
+        fast(ids)
+        kept = getattr(norm, rope._NORM_WEIGHT)[1]
+        fast(ids)
+        assert getattr(norm, rope._NORM_WEIGHT)[1] is kept  # a hit: not made again
+        norm.mul_(1.5)
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+        assert getattr(norm, rope._NORM_WEIGHT)[1] is not kept
