@@ -194,6 +194,17 @@ def rope_table_qkv():
     return rope_table_program(True, True, torch.bfloat16, passthrough=True)
 
 
+def qk_norm_programs():
+    """The RoPE pattern's QK-norm programs (heads of 128): before the rotation (Qwen3,
+    Gemma 3) and after it, by angles and by a table."""
+    from coda_rewrite.patterns.rope import rope_program, rope_table_program
+    bf = torch.bfloat16
+    return [rope_program(True, False, False, bf, norm=(128, 1e-6, True, False)),
+            rope_program(False, True, True, bf, norm=(128, 1e-5, False, True)),
+            rope_table_program(True, False, bf, passthrough=True, norm=(128, 1e-6, True, False)),
+            rope_table_program(True, False, bf, passthrough=True, norm=(128, 1e-6, True, True))]
+
+
 # Pair mode and stateful sinks: N must be even (pairs) and the index operand is an int
 PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, gated_training, geglu_erf_plain,
                      lse_target, ce_logits_kept, ce_no_logits, rope_qkv, rope_bias_scaled,
@@ -398,7 +409,8 @@ def _model_programs() -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("quack") is None,
                     reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
-    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL]
+    texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL] + \
+        [p.to_text() for p in qk_norm_programs()]
     kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would

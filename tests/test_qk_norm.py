@@ -120,7 +120,7 @@ def test_program_kernel_source_and_backward():
     from coda_rewrite.kernels import backward
     from coda_rewrite.patterns.rope import rope_program
 
-    prog = rope_program(True, True, True, torch.float64, norm=(8, 1e-5, True))
+    prog = rope_program(True, True, True, torch.float64, norm=(8, 1e-5, True, False))
     ks = generate(prog)
     assert "HeadRstd(" in ks.source and "prepass=prepass" in ks.source
     assert "def prepass(acc, o_r, o_bias):" in ks.source
@@ -168,11 +168,11 @@ def test_config_holds_whole_heads():
     from coda_rewrite.kernels.quack_path import config_for
     from coda_rewrite.patterns.rope import rope_program
     pytest.importorskip("quack")
-    prog = rope_program(True, False, False, torch.bfloat16, norm=(128, 1e-6, True))
+    prog = rope_program(True, False, False, torch.bfloat16, norm=(128, 1e-6, True, False))
     for m in (1, 16, 64, 256, 1024, 8192):
         cfg = config_for(prog, m, 6144)
         assert cfg is not None and cfg.tile_n % 128 == 0, (m, cfg)
-    prog = rope_program(True, False, False, torch.bfloat16, norm=(256, 1e-6, True))
+    prog = rope_program(True, False, False, torch.bfloat16, norm=(256, 1e-6, True, False))
     assert all(config_for(prog, m, 8192).tile_n == 256 for m in (64, 256, 8192))
 
 
@@ -192,3 +192,28 @@ def test_norm_weights_kept_between_calls_follow_an_update():
         norm.mul_(1.5)
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
         assert getattr(norm, rope._NORM_WEIGHT)[1] is not kept
+
+
+@pytest.mark.parametrize("norm_at", ["heads", "transposed", "after_rotation"])
+def test_each_order_of_norm_and_rotation_in_training(norm_at):
+    """The norm before the heads' transpose (Qwen3), after it (Gemma 3) or after the
+    rotation: one program each, the output and every gradient eager's."""
+    from conftest import module_step_matches_eager
+    from test_property_qk_norm import HID, Attention
+    case = {"norm_at": norm_at, "normed": "both", "weight": "gemma", "eps_k": "same",
+            "upcast": True, "bias": True, "second": "none"}
+    class Output(torch.nn.Module):  # the attention's output alone
+        def __init__(self):
+            super().__init__()
+            self.inner = Attention(case)
+
+        def forward(self, x):
+            return self.inner(x)[0]
+
+    torch.manual_seed(0)
+    report = module_step_matches_eager(Output().train(), torch.randn(2, 6, HID))
+    (done,) = rope_records(report)
+    want = "rope_qknorm" if norm_at == "after_rotation" else "qknorm_rope"
+    assert done.programs[0].name == want, done.programs[0].name
+    if norm_at == "after_rotation":
+        assert "rms_head(R(θ)·x) = rms_head(x)" in done.decision.render()

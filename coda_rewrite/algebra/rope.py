@@ -414,14 +414,20 @@ def _side_conditions(m, held) -> str | None:
         if len({r.norm.idiom.eps for r in normed}) != 1:
             return Why("the QK-norms of q and k have different eps (the kernel's per-head "
                        "statistic has one)", "rope.qk_norm_eps")
+        if len({r.norm.after_rotation for r in normed}) != 1:
+            return Why("q is normalised before its rotation and k after it, or the other way "
+                       "round (the epilogue has one order)", "rope.qk_norm_order")
         if any(r.member for r in normed):
             return Why("a QK-norm over the heads of a per-head packed projection (not "
                        "implemented)", "rope.qk_norm_packed")
         held.append(f"the QK-norm ({', '.join(describe(r.norm.idiom.output) for r in normed)}"
                     f") normalises each head's {head_dim} features with eps "
-                    f"{normed[0].norm.idiom.eps:g}, before the rotation, as eager does: its "
-                    "statistic is formed in the epilogue from the GEMM's output, the weight "
-                    "applied per column")
+                    f"{normed[0].norm.idiom.eps:g}, "
+                    + ("after the rotation: its statistic is formed from the value the "
+                       "rotation reads, the weight applied to the rotated columns"
+                       if normed[0].norm.after_rotation else
+                       "before the rotation, as eager does: its statistic is formed in the "
+                       "epilogue from the GEMM's output, the weight applied per column"))
     private = set(_private(m))
     for r in m.rotated:
         if r.columns[1] - r.columns[0] != r.n_heads * r.head_dim:
@@ -467,7 +473,8 @@ def decide(m, program) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     replay = functools.partial(_replay, program=program)
-    norm = [statements.prove_head_norm_permutation()] if m.head_norm is not None else []
+    norm = [] if m.head_norm is None else [statements.prove_head_norm_permutation()] + (
+        [statements.prove_head_norm_through_rotation()] if m.head_norm[2] else [])
     if m.form in ("pairs", "interleaved"):  # already adjacent pairs: nothing is permuted
         rotation = statements.prove_complex_rotation() if m.form == "pairs" else \
             statements.prove_pair_rotation()
@@ -609,12 +616,12 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         unsq = 2
         if rot.transposed:
             heads, unsq = heads.transpose(1, 2), 1
-        if rot.norm is None:
+        env.update(norm_weights)
+        if rot.norm is None or rot.norm.after_rotation:
             env[rot.heads] = heads
         else:  # the model's norm nodes run from the head split (before a transpose after it)
             idiom = rot.norm.idiom
             env[idiom.input] = heads.transpose(1, 2) if rot.norm.after else heads
-            env.update(norm_weights)
         if rot.form == "pairs" and m.angle_source == "angles":
             # the model's own nodes from θ to the table (polar(1, θ) · s, moves, views):
             # the replay checks what the pattern read off them, angles and scale

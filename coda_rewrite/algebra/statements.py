@@ -339,6 +339,39 @@ def prove_head_norm_permutation() -> Proof:
 
 
 @functools.cache
+def prove_head_norm_through_rotation() -> Proof:
+    """A per-head RMSNorm after a rotation of the head's feature pairs has the statistic
+    of the unrotated head: each pair's rotation keeps its sum of squares."""
+    x1, x2, th = sp.symbols("x1 x2 theta", real=True)
+    c, s_ = sp.cos(th), sp.sin(th)
+    _require(sp.trigsimp((x1 * c - x2 * s_) ** 2 + (x1 * s_ + x2 * c) ** 2 - x1 ** 2 - x2 ** 2),
+             "a rotated pair's sum of squares")
+    _refute((x1 * c - x2 * s_) ** 2 - x1 ** 2, "one rotated feature's square")
+
+    def num(seed):
+        from ..codegen import op_table
+        mm, heads, h = _shape(seed, (1, 6), (1, 4), (1, 8))
+        d = 2 * h
+        g = _gen(seed)
+        x = torch.randn(mm, heads * d, generator=g, dtype=torch.float64)
+        pos = torch.arange(mm, dtype=torch.float64)[:, None] * 5 + 1
+        freq = torch.rand(1, heads * d, generator=g, dtype=torch.float64)
+        rot = op_table.rotate_pairs(x, pos, freq)
+        return rel_err(op_table.head_rstd(rot, d, 1e-6), op_table.head_rstd(x, d, 1e-6))
+
+    return Proof(
+        "rms_head(R(θ)·x) = rms_head(x) for a rotation R(θ) of each adjacent feature pair "
+        "of a head: a norm after the rotation takes the statistic of what the rotation "
+        "reads",
+        ("the rotation's pairs lie within a head",
+         "features the rotation passes through (a partial rotary) are unchanged"),
+        ("(x1·cos θ − x2·sin θ)² + (x1·sin θ + x2·cos θ)² = x1² + x2²",
+         "one rotated feature's square alone differs: refuted",
+         "the norm's weight then multiplies the rotated features in their (pair) order"),
+        _witness("per-head statistic through a rotation", num))
+
+
+@functools.cache
 def prove_rope_interleave() -> Proof:
     """Half-split RoPE conjugated by the interleave permutation = RoPE on adjacent pairs."""
     x, c, s = sp.IndexedBase("x"), sp.IndexedBase("cos"), sp.IndexedBase("sin")
@@ -591,6 +624,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("permutation invariance", prove_permutation_invariance()),
             ("RoPE interleave", prove_rope_interleave()),
             ("per-head norm under a permutation", prove_head_norm_permutation()),
+            ("per-head norm through a rotation", prove_head_norm_through_rotation()),
             ("rotation facts", prove_rotation_facts()),
             ("complex rotation", prove_complex_rotation()),
             ("interleaved rotation", prove_pair_rotation()),

@@ -164,6 +164,7 @@ class HeadNorm:
     accumulator and scales by it and the norm's weight before rotating."""
     idiom: RmsNorm
     after: tuple[fx.Node, ...] = ()  # the heads' transpose between the norm and the rotation
+    after_rotation: bool = False     # the norm reads the rotated heads instead
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
@@ -265,11 +266,13 @@ class Match:
         return any(s.proj.bias is not None for s in self.segments)
 
     @property
-    def head_norm(self) -> tuple[int, float] | None:
-        """(head_dim, eps) of the QK-norm the epilogue applies (the side conditions hold
-        every normed segment to one eps), None without one."""
+    def head_norm(self) -> tuple[int, float, bool] | None:
+        """(head_dim, eps, after the rotation) of the QK-norm the epilogue applies (the
+        side conditions hold every normed segment to one eps and one order), None
+        without one."""
         normed = [r for r in self.rotated if r.norm is not None]
-        return (normed[0].head_dim, normed[0].norm.idiom.eps) if normed else None
+        return (normed[0].head_dim, normed[0].norm.idiom.eps,
+                normed[0].norm.after_rotation) if normed else None
 
     @property
     def scaled(self) -> bool:
@@ -939,9 +942,9 @@ def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
     return dataclasses.replace(p, nodes=p.nodes + (value,)), cols
 
 
-def _rotated(add: fx.Node, norms: dict) -> Rotated | NoMatch | None:
+def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
     """The rotation anchored at ``add`` (its last add or cat), or why it is left; None
-    where ``add`` is no rotation. ``norms``: the graph's RMSNorms by output (QK-norm)."""
+    where ``add`` is no rotation. ``norms``: the graph's RMSNorms (QK-norm)."""
     core = _rope_core(add)
     if core is None:
         core = _written_rope_core(add)
@@ -993,18 +996,31 @@ def _rotated(add: fx.Node, norms: dict) -> Rotated | NoMatch | None:
     while _is_cast(heads):
         nodes += (heads,)
         heads = heads.args[0]
-    while len(out.users) == 1 and _is_cast(next(iter(out.users))):
+    norm_after = norms.by_input.get(out)  # a QK-norm of the rotated heads (casts in it)
+    while norm_after is None and len(out.users) == 1 and _is_cast(next(iter(out.users))):
         out = next(iter(out.users))
         nodes += (out,)
     split, member, norm = _head_split(heads, unsq), (), None
     if split is None:
-        split = _normed_head_split(heads, unsq, norms)
+        split = _normed_head_split(heads, unsq, norms.by_output)
         if split is not None:
             *split, norm = split
             why = _head_norm_misfit(norm)
             if why is not None:
                 return NoMatch(add, why)
             nodes = nodes + norm.nodes
+    if norm_after is not None:
+        if norm is not None:
+            return NoMatch(add, Why("a QK-norm both before and after the rotation (the "
+                                    "epilogue has one)", "rope.qk_norm_twice"))
+        if norm_after.dim != int(meta(out).shape[-1]):
+            norm_after = None  # a norm over something else than the head: not this match's
+    if norm_after is not None:
+        norm = HeadNorm(norm_after, after_rotation=True)
+        why = _head_norm_misfit(norm)
+        if why is not None:
+            return NoMatch(add, why)
+        out, nodes = norm_after.output, nodes + norm.nodes
     if split is None:
         split = _member_split(heads, unsq) or _indexed_split(heads, unsq) or \
             _block_split(heads, unsq)
@@ -1015,7 +1031,7 @@ def _rotated(add: fx.Node, norms: dict) -> Rotated | NoMatch | None:
                                 "output of a projection", "rope.not_head_split"))
     col_value, split_nodes, n_heads, head_dim = split
     cols = columns_of(col_value)
-    if cols is None and col_value in norms:
+    if cols is None and col_value in norms.by_output:
         return NoMatch(add, Why(
             f"a norm over the whole projection ({describe(col_value)}, OLMo 2's QK-norm) "
             "before the head split: its statistic spans every head, across the GEMM's "
@@ -1318,25 +1334,32 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph,
     return out
 
 
-def _norms_by_output(graph: fx.Graph) -> dict[fx.Node, RmsNorm]:
-    """The graph's RMSNorms by their output, and by the value under the output's own
-    trailing casts (Gemma's ``.type_as(x)``: the rotation reads past casts)."""
-    out = {}
-    for n in find_rms_norms(graph):
-        if not isinstance(n, RmsNorm):
-            continue
-        node = n.output
-        out[node] = n
-        while _is_cast(node) and node.args[0] in n.nodes:
-            node = node.args[0]
-            out[node] = n
-    return out
+@dataclasses.dataclass(frozen=True)
+class _Norms:
+    """The graph's RMSNorms: by their output, and by the value under the output's own
+    trailing casts (Gemma's ``.type_as(x)``: the rotation reads past casts); by input."""
+    by_output: dict
+    by_input: dict
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> "_Norms":
+        by_output, by_input = {}, {}
+        for n in find_rms_norms(graph):
+            if not isinstance(n, RmsNorm):
+                continue
+            by_input.setdefault(n.input, n)
+            node = n.output
+            by_output[node] = n
+            while _is_cast(node) and node.args[0] in n.nodes:
+                node = node.args[0]
+                by_output[node] = n
+        return cls(by_output, by_input)
 
 
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     found: list[Rotated] = []
     out: list[Match | NoMatch] = []
-    norms = _norms_by_output(graph)
+    norms = _Norms.of(graph)
     for node in list(graph.nodes):
         r = _rotated(node, norms)
         if r is None:
@@ -1378,55 +1401,72 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 # ---- the program ----------------------------------------------------------------------------
 
-def _head_normed(p: ProgramBuilder, v: str, norm: tuple | None) -> str:
-    """The QK-norm stage, norm = (head_dim, eps, keep) or None: y · (n·g + keep) with
-    n = head_rstd(y, head_dim, eps) (each head's rsqrt(mean(y²) + eps)), g the norm's
+def _norm_multiplier(p: ProgramBuilder, v: str, norm: tuple) -> str:
+    """The QK-norm's per-element multiplier n·g + keep, norm = (head_dim, eps, keep, ...):
+    n = head_rstd(v, head_dim, eps) (each head's rsqrt(mean(v²) + eps)), g the norm's
     weight per column (0 where no norm scales: v), keep 1 where no norm scales, else 0;
-    without unnormed columns, y · n · g."""
-    if norm is None:
-        return v
-    head_dim, eps, keep = norm
+    without unnormed columns, n·g. (Operands g and keep declared by the caller.)"""
+    head_dim, eps, keep = norm[:3]
     n = p.head_rstd(v, head_dim, eps, name="n")
-    s = p.mul(n, p.operand("g", Kind.PER_FEATURE), name="n_g")
-    if keep:
-        s = p.add(s, p.operand("keep", Kind.PER_FEATURE), name="s")
-    return p.mul(v, s, name="y_n")
+    s = p.mul(n, "g", name="n_g")
+    return p.add(s, "keep", name="s") if keep else s
 
 
 def _program_name(base: str, has_r: bool, norm) -> str:
-    return ("rowscale_" if has_r else "") + ("qknorm_" if norm else "") + base
+    name = base if not norm else f"{base}_qknorm" if norm[3] else f"qknorm_{base}"
+    return ("rowscale_" if has_r else "") + name
+
+
+def _rotation_program(name: str, has_r: bool, has_bias: bool, scaled: bool, dtype,
+                      norm: tuple | None, rotate) -> EpilogueProgram:
+    """y = acc (· r) (+ b), then the QK-norm before the rotation (y · (n·g + keep)), the
+    attention scaling (· s_j), the rotation ``rotate(p, y)``, or the QK-norm after it
+    (rot · (n·g + keep), n from the value the rotation reads: a rotation keeps each
+    pair's sum of squares, so each head's)."""
+    p = ProgramBuilder(_program_name(name, has_r, norm), gemm=True, family="rope")
+    v = p.scaled_acc(has_r, has_bias)
+    if norm is not None:  # operands in one order either way: r, bias, g, keep, the angle's
+        p.operand("g", Kind.PER_FEATURE)
+        if norm[2]:
+            p.operand("keep", Kind.PER_FEATURE)
+    before, after = (norm, None) if norm is not None and not norm[3] else (None, norm)
+    if before is not None:
+        v = p.mul(v, _norm_multiplier(p, v, before), name="y_n")
+    if scaled:
+        v = p.mul(v, p.operand("colscale", Kind.PER_FEATURE), name="y_s")
+    s = _norm_multiplier(p, v, after) if after is not None else None
+    out = rotate(p, v)
+    if s is not None:
+        out = p.mul(out, s, name="rot_n")
+    p.output(out, Kind.TILE, dtype_name(dtype))
+    return p.build()
 
 
 def rope_program(has_r: bool, has_bias: bool, scaled: bool, dtype: torch.dtype,
                  norm: tuple | None = None) -> EpilogueProgram:
-    """y = acc (· r) (+ b) [QK-norm] (· s_j); out = rope(y, pos, freq) -> out (tile). s_j:
-    the attention scaling on rotated columns, 1 on pass-through ones (a per-feature
-    operand: v stays in the GEMM, and a scale known only at run time needs no recompile).
-    norm: (head_dim, eps, keep), the QK-norm stage (_head_normed)."""
-    p = ProgramBuilder(_program_name("rope", has_r, norm), gemm=True, family="rope")
-    v = _head_normed(p, p.scaled_acc(has_r, has_bias), norm)
-    if scaled:
-        v = p.mul(v, p.operand("colscale", Kind.PER_FEATURE), name="y_s")
-    pos = p.operand("pos", Kind.PER_ROW)
-    freq = p.operand("freq", Kind.PER_FEATURE)
-    p.output(p.rope(v, pos, freq, name="rot"), Kind.TILE, dtype_name(dtype))
-    return p.build()
+    """y = acc (· r) (+ b) [QK-norm] (· s_j); out = rope(y, pos, freq) [QK-norm] -> out
+    (tile). s_j: the attention scaling on rotated columns, 1 on pass-through ones (a
+    per-feature operand: v stays in the GEMM, and a scale known only at run time needs
+    no recompile). norm: (head_dim, eps, keep, after the rotation) (_rotation_program)."""
+    def rotate(p, v):
+        pos = p.operand("pos", Kind.PER_ROW)
+        return p.rope(v, pos, p.operand("freq", Kind.PER_FEATURE), name="rot")
+    return _rotation_program("rope", has_r, has_bias, scaled, dtype, norm, rotate)
 
 
 def rope_table_program(has_r: bool, has_bias: bool, dtype: torch.dtype,
                        passthrough: bool = False, norm: tuple | None = None
                        ) -> EpilogueProgram:
-    """y = acc (· r) (+ b) [QK-norm]; out = rope_table(y, cs [, on]) -> out (tile). A
-    table repeats every head_dim columns and cannot tell v's heads from q's: with
-    pass-through columns a per-feature flag ``on`` (1 rotate, 0 pass through) keeps v in
-    the GEMM."""
-    p = ProgramBuilder(_program_name("rope_table", has_r, norm), gemm=True, family="rope")
-    v = _head_normed(p, p.scaled_acc(has_r, has_bias), norm)
-    angle = [p.operand("cs", Kind.COS_SIN)]
-    if passthrough:
-        angle.append(p.operand("on", Kind.PER_FEATURE))
-    p.output(p.rope_table(v, *angle, name="rot"), Kind.TILE, dtype_name(dtype))
-    return p.build()
+    """y = acc (· r) (+ b) [QK-norm]; out = rope_table(y, cs [, on]) [QK-norm] -> out
+    (tile). A table repeats every head_dim columns and cannot tell v's heads from q's:
+    with pass-through columns a per-feature flag ``on`` (1 rotate, 0 pass through) keeps
+    v in the GEMM."""
+    def rotate(p, v):
+        angle = [p.operand("cs", Kind.COS_SIN)]
+        if passthrough:
+            angle.append(p.operand("on", Kind.PER_FEATURE))
+        return p.rope_table(v, *angle, name="rot")
+    return _rotation_program("rope_table", has_r, has_bias, False, dtype, norm, rotate)
 
 
 def trains(m: Match) -> bool:
@@ -1438,7 +1478,8 @@ def build_program(m: Match) -> EpilogueProgram:
     norm = None
     if m.head_norm is not None:
         unnormed = any(getattr(s, "norm", None) is None for s in m.segments)
-        norm = (*m.head_norm, unnormed)
+        head_dim, eps, after = m.head_norm
+        norm = (head_dim, eps, unnormed, after)
     if m.angle_source == "table":
         return rope_table_program(m.proj.r is not None, m.has_bias,
                                   meta(m.rotated[0].out).dtype, bool(m.passthrough), norm)

@@ -575,16 +575,21 @@ def test_latent_attention_table_too_wide_is_left():
 
 
 def _qk_norm_programs():
-    """The RoPE pattern's QK-norm programs: the angles form with v passing through (heads
-    of 128) and the table form (heads of 64, v under a 0 flag)."""
+    """The RoPE pattern's QK-norm programs, (head_dim, eps, unnormed columns, after the
+    rotation): the angles form with v passing through (heads of 128), the table form
+    (heads of 64, v under a 0 flag), each with the norm before and after the rotation."""
     from coda_rewrite.patterns.rope import rope_program, rope_table_program
-    return [(rope_program(True, False, False, torch.bfloat16, norm=(128, 1e-6, True)), 128),
-            (rope_program(False, True, True, torch.bfloat16, norm=(128, 1e-5, False)), 128),
-            (rope_table_program(True, False, torch.bfloat16, passthrough=True,
-                                norm=(64, 1e-6, True)), 64)]
+    bf = torch.bfloat16
+    return [(rope_program(True, False, False, bf, norm=(128, 1e-6, True, False)), 128),
+            (rope_program(False, True, True, bf, norm=(128, 1e-5, False, False)), 128),
+            (rope_table_program(True, False, bf, passthrough=True,
+                                norm=(64, 1e-6, True, False)), 64),
+            (rope_program(True, False, True, bf, norm=(128, 1e-6, True, True)), 128),
+            (rope_table_program(True, False, bf, passthrough=True,
+                                norm=(64, 1e-6, True, True)), 64)]
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("which", range(5))
 @pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 640), (8, 4096, 1536),
                                    (4096, 2048, 3072)], ids=lambda s: "x".join(map(str, s)))
 def test_qk_norm_kernels(which, shape):
