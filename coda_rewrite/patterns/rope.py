@@ -996,7 +996,11 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
     while _is_cast(heads):
         nodes += (heads,)
         heads = heads.args[0]
-    norm_after = norms.by_input.get(out)  # a QK-norm of the rotated heads (casts in it)
+    norm_after = norms.by_input.get(out)  # a QK-norm of the rotated heads (casts in it),
+    if norm_after is not None and (  # when only it reads them, over the head dim
+            not set(out.users) <= set(norm_after.nodes) or meta(out) is None or
+            norm_after.dim != int(meta(out).shape[-1])):
+        norm_after = None
     while norm_after is None and len(out.users) == 1 and _is_cast(next(iter(out.users))):
         out = next(iter(out.users))
         nodes += (out,)
@@ -1009,12 +1013,9 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
             if why is not None:
                 return NoMatch(add, why)
             nodes = nodes + norm.nodes
-    if norm_after is not None:
-        if norm is not None:
-            return NoMatch(add, Why("a QK-norm both before and after the rotation (the "
-                                    "epilogue has one)", "rope.qk_norm_twice"))
-        if norm_after.dim != int(meta(out).shape[-1]):
-            norm_after = None  # a norm over something else than the head: not this match's
+    if norm_after is not None and norm is not None:
+        return NoMatch(add, Why("a QK-norm both before and after the rotation (the "
+                                "epilogue has one)", "rope.qk_norm_twice"))
     if norm_after is not None:
         norm = HeadNorm(norm_after, after_rotation=True)
         why = _head_norm_misfit(norm)
@@ -1035,8 +1036,10 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
         return NoMatch(add, Why(
             f"a norm over the whole projection ({describe(col_value)}, OLMo 2's QK-norm) "
             "before the head split: its statistic spans every head, across the GEMM's "
-            "tiles, so the rotation after it would need a finishing pass over q and k; "
-            "not fused", "rope.norm_over_projection"))
+            "tiles, and its row scale cannot be deferred into the attention (a per-row "
+            "scale of q or k changes the softmax), so a fused GEMM would still need a pass "
+            "over q and k to apply it: the same traffic as torch.compile's one kernel "
+            "after the GEMM; not fused", "rope.norm_over_projection"))
     if cols is None:
         return NoMatch(add, Why(f"the rotated heads are not a GEMM's output columns "
                                 f"({describe(col_value)} is computed in between: a norm over q "
