@@ -107,6 +107,7 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         # after the heads' transpose, with (1 + w) and sandwich norms)
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "hunyuan": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),  # after RoPE
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         # interleaved-pair RoPE (x[..., 0::2] / x[..., 1::2]); GLM's is partial, Cohere's
         # casts q to float32 around it and has LayerNorm, GPT-J has rotary_dim < head_dim

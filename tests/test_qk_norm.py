@@ -217,3 +217,12 @@ def test_each_order_of_norm_and_rotation_in_training(norm_at):
     assert done.programs[0].name == want, done.programs[0].name
     if norm_at == "after_rotation":
         assert "rms_head(R(θ)·x) = rms_head(x)" in done.decision.render()
+
+
+def test_hunyuan_norms_after_the_rotation():
+    """HunYuan (dense v1) normalises q and k after the rotation: the other order's
+    program, and a training step through it, against eager."""
+    report = step_matches_eager("hunyuan", model=hf_model("hunyuan", head_dim=16))
+    done = rope_records(report)
+    assert len(done) == 2 and all(r.programs[0].name == "rowscale_rope_qknorm"
+                                  for r in done), str(report)

@@ -607,12 +607,14 @@ def _qk_norm_model(family):
     return make
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "hunyuan"])
 def test_qk_norm_models_bf16_on_gpu(family):
-    """Qwen3 and Gemma 3 (head_dim 128) with the QK-norm in the rotating GEMM: logits
-    against float64, no worse than eager."""
+    """Qwen3, Gemma 3 (the norm before the rotation) and HunYuan (after it), head_dim
+    128, with the QK-norm in the rotating GEMM: logits against float64, no worse than
+    eager."""
     ids = torch.randint(0, 512, (2, 128), device=DEV)
-    before = _kernel_calls("rowscale_qknorm_rope#")
+    program = "rowscale_rope_qknorm#" if family == "hunyuan" else "rowscale_qknorm_rope#"
+    before = _kernel_calls(program)
 
     def rewrite(model):
         torch._dynamo.reset()
@@ -620,6 +622,6 @@ def test_qk_norm_models_bf16_on_gpu(family):
 
     res = low_precision_errors(_qk_norm_model(family), (ids,), rewrite, seeds=(0, 1, 2),
                                device=DEV)
-    assert _kernel_calls("rowscale_qknorm_rope#") - before >= 3 * 2, ops.runtime_summary()
+    assert _kernel_calls(program) - before >= 3 * 2, ops.runtime_summary()
     print(f"{family} QK-norm: {res}")
     assert res["ok"], res
