@@ -27,6 +27,7 @@ size_policy's threshold and the row classes are decided from.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -51,6 +52,9 @@ STATIC = "--static" in sys.argv  # the unfused baseline compiled per M (Inductor
 # epilogue kernel for that size, at a compile per family and M) instead of once with
 # dynamic shapes
 PICKED = "--picked" in sys.argv  # only the config the pass picks (no candidate sweep)
+# $CODA_SMALL_M_FAMILIES: a comma-separated subset of the program families (rope, gated,
+# residual_rmsnorm, cross_entropy, rowscale); unset: every family
+FAMILIES = set(filter(None, os.environ.get("CODA_SMALL_M_FAMILIES", "").split(",")))
 
 
 def candidates() -> dict:
@@ -60,7 +64,10 @@ def candidates() -> dict:
         return GemmConfig(tile_m=m, tile_n=n, cluster_m=cm, cluster_n=cn, pingpong=pingpong,
                           is_dynamic_persistent=False)
     return {"default": None, "128x128 c2": cfg(128, 128, 2), "128x64 c1": cfg(128, 64),
-            "64x128 c1": cfg(64, 128), "64x256 c1": cfg(64, 256)}
+            "64x128 c1": cfg(64, 128), "64x256 c1": cfg(64, 256),
+            # a wave of the H200's 132 SMs at 256 rows of the 8B q/k/v (N = 6144):
+            # 4 x 32 tiles of 64 x 192
+            "64x192 c1": cfg(64, 192), "128x192 c1": cfg(128, 192)}
 
 
 class WithLoss(nn.Module):
@@ -113,6 +120,8 @@ def sweep(shape: str, rows_list, configs: dict) -> list:
     for rows in rows_list:
         for family, (program, a, b, operands) in capture(fast, model.args.vocab_size,
                                                          rows).items():
+            if FAMILIES and family not in FAMILIES:
+                continue
             prog = parse(program)
             kernel, why = quack_path.select(prog, program, a, b, operands)
             if kernel is None:

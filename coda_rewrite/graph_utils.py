@@ -201,18 +201,65 @@ def erase_if_dead(graph: fx.Graph, nodes) -> None:
         todo.extend(inputs)
 
 
+def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool | None]:
+    """The grad mode each node runs in, as the graph itself sets it (dynamo records a
+    ``torch.no_grad()`` block inside the captured code as torch._C._set_grad_enabled
+    calls, the last of them putting back the mode it was traced in: the caller's): the
+    argument of the last such call before the node; before any, the caller's mode (the
+    last call's argument; None in a graph that sets none)."""
+    toggles = [n for n in graph.nodes
+               if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    mode = bool(toggles[-1].args[0]) if toggles else None
+    out = {}
+    for n in graph.nodes:
+        out[n] = mode
+        if n in toggles:
+            mode = bool(n.args[0])
+    return out
+
+
+def anchor_in_mode_of(anchor: fx.Node, limit: fx.Node | None, like: fx.Node) -> fx.Node:
+    """The first node from ``anchor`` on, up to ``limit`` (inclusive; None: the graph's
+    end), that runs in ``like``'s grad mode: a node inserted before it is computed as
+    ``like`` was. A fused op placed inside a ``no_grad`` block the model opened for
+    something else (Hugging Face's cache bookkeeping) would compute no gradient: silent
+    wrong gradients. NotPlaceable where no such node is in reach."""
+    modes = grad_modes(anchor.graph)
+    node = anchor
+    while True:
+        if modes[node] == modes[like]:
+            return node
+        if node is limit or node.op == "output":
+            raise NotPlaceable(f"no place after the values it reads runs in the grad mode "
+                               f"{describe(like)} is computed in (a no_grad block in "
+                               "between)")
+        node = node.next
+
+
+def _reads_grad(node: fx.Node) -> bool:
+    """Whether moving ``node`` into another grad mode could change its result: an input
+    requires grad (or its metadata is unknown)."""
+    for a in node.all_input_nodes:
+        m = meta(a)
+        if m is None or getattr(m, "requires_grad", False):
+            return True
+    return False
+
+
 def hoist_before(first: fx.Node, needed: list[fx.Node]) -> None:
     """Move the ``needed`` values that are computed at or after ``first``, with what they
     are computed from, to just before it (graph order kept among them). Only pure nodes
     move; anything else raises NotPlaceable before the graph is touched."""
     order = {n: i for i, n in enumerate(first.graph.nodes)}
+    modes = grad_modes(first.graph)
     late, stack = set(), [n for n in needed if order[n] >= order[first]]
     while stack:
         n = stack.pop()
         if n in late:
             continue
         if n is first or n.op not in ("call_function", "call_method", "get_attr") or \
-                n.is_impure() or mutated_value(n) is not None:
+                n.is_impure() or mutated_value(n) is not None or \
+                (modes[n] != modes[first] and _reads_grad(n)):
             raise NotPlaceable(f"the fused GEMM reads {describe(n)}, which is computed after "
                              f"{describe(first)} reads its outputs and cannot move up")
         late.add(n)

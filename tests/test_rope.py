@@ -1384,3 +1384,38 @@ def test_the_witness_computes_cos_sin_with_the_models_own_nodes(monkeypatch):
         return dc.replace(angle, scale=0.5) if isinstance(angle, rope_pattern.Angle) else angle
     monkeypatch.setattr(rope_pattern, "angle_of", misread)
     witness_refuses(hf_model("llama", layers=1).eval())
+
+
+class NoGradAngles(torch.nn.Module):
+    """The angles computed under torch.no_grad() (bookkeeping a model does without
+    gradients, as Hugging Face's cache code does): the fused GEMM, placed after the last
+    value it reads, must not land inside that block."""
+
+    def __init__(self, late: bool):
+        super().__init__()
+        self.late = late
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        with torch.no_grad():
+            pos = torch.arange(s, device=x.device)[None].float()
+            th = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
+            if self.late:  # more of the block after the last value the GEMM reads
+                th = th + 0.0
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        emb = torch.cat((th, th), -1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_fused_gemm_is_not_placed_in_a_no_grad_block(late):
+    """Found by the architecture survey (Exaone 4): the GEMM inside the model's no_grad
+    block computed no gradient for q, k, v (the loss right, the weights' gradients None)."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(NoGradAngles(late).train(), torch.randn(2, 6, 32))
+    assert len(rope_records(report)) == 1, str(report)

@@ -91,7 +91,8 @@ from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
-from ..graph_utils import (CHUNK, MATMUL, chunk_half, copy_meta, erase_if_dead,
+from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, chunk_half, copy_meta,
+                           erase_if_dead,
                            fused_linear_call, hoist_before, results, same_meta, same_value,
                            shared_call, through_casts)
 from ..kernels import ops, versioned
@@ -1614,11 +1615,17 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     reads = [n for n in reads if isinstance(n, fx.Node)]
     readers = [u for r in m.rotated for u in r.out.users] + \
         [u for s in m.passthrough for u in s.column_node.users]
-    if readers:
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        hoist_before(min(readers, key=order.__getitem__), reads)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    anchor = max(reads, key=order.__getitem__).next
+    first = min(readers, key=order.__getitem__) if readers else None
+    last_read = max(reads, key=order.__getitem__)
+    # right after the last value it reads (once those read late are moved up before the
+    # first reader), in the grad mode eager computed the rotation in: checked before the
+    # graph changes
+    anchor = first if first is not None and order[last_read] >= order[first] else \
+        last_read.next
+    anchor = anchor_in_mode_of(anchor, first, m.rotated[0].out)
+    if first is not None:
+        hoist_before(first, reads)
     if m.angle_source == "angles":
         freq = shared_call(graph, rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
