@@ -1,7 +1,7 @@
 """Inference figures (#15's bars): the TorchTitan-style 4-layer Llama forward and
 Hugging Face decode, each variant timed in alternating rounds.
 
-    source .gpu/setup.sh && python benchmarks/inference.py [forward] [small_m] [decode]
+    source .gpu/setup.sh && python benchmarks/inference.py [forward] [small_m] [decode] [qwen3]
 
 forward: the plain Llama (dim 2048, 16 / 8 heads, ffn 5632, vocab 32768, complex RoPE,
 bf16), no_grad, at 2 x 2048 and 2 x 64 tokens: eager, torch.compile, backend="coda",
@@ -16,6 +16,9 @@ own compile of the decode step (Hugging Face's recipe: mode="reduce-overhead") w
 Inductor and with backend="coda"; tokens/s (median of $CODA_DECODE_ROUNDS alternating
 rounds, default 5; before, each variant's runs came one after another, so the 3% gap
 measured at batch 8 may be drift) and how many tokens agree with eager.
+
+qwen3: a Hugging Face Qwen3 at Qwen3-8B widths (QK-norm), 2 layers, the forward at 2 x
+2048 and 1 x 256 tokens: eager, torch.compile, backend="coda".
 """
 
 from __future__ import annotations
@@ -164,10 +167,46 @@ def decode() -> list:
     return rows
 
 
+def qwen3() -> list:
+    """Hugging Face Qwen3 at Qwen3-8B widths (hidden 4096, 32 / 8 heads of 128 with
+    QK-norm, ffn 12288, vocab 151936), 2 layers, bf16, no_grad forward (logits) at
+    2 x 2048 and 1 x 256 tokens: eager, torch.compile, backend="coda", alternating rounds."""
+    import transformers as tf
+    cfg = tf.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(cfg).cuda().to(bf).eval()
+    rows = []
+    for b, s in ((2, 2048), (1, 256)):
+        torch._dynamo.reset()
+        ids = torch.randint(0, cfg.vocab_size, (b, s), device="cuda")
+        compiled = torch.compile(model)
+        backend = torch.compile(model, backend="coda")
+        with torch.no_grad():
+            want = model(ids, use_cache=False).logits.float()
+            for f in (compiled, backend):
+                got = f(ids, use_cache=False).logits.float()
+                print(f"qwen3 {b}x{s}: rel. err vs eager "
+                      f"{float((got - want).norm() / want.norm()):.1e}", flush=True)
+            report = coda_rewrite.last_report()
+            fused = [p.name for r in report.records if r.status == "rewritten"
+                     for p in r.programs]
+            print(f"qwen3 {b}x{s}: fused programs {sorted(set(fused))}", flush=True)
+            t = bench_rounds({"eager": lambda: model(ids, use_cache=False),
+                              "torch.compile": lambda: compiled(ids, use_cache=False),
+                              'backend="coda"': lambda: backend(ids, use_cache=False)})
+        for name, (ms, spread) in t.items():
+            print(f"qwen3 {b}x{s} {name:<16} {ms:8.3f} ms (spread {spread:.1%})", flush=True)
+            rows.append((f"qwen3 {b}x{s} {name}", "ms", ms))
+    return rows
+
+
 def main():
     print(env_line())
     what = sys.argv[1:] or ["forward", "small_m", "decode"]
-    rows = [row for part in (forward, small_m, decode) if part.__name__ in what
+    rows = [row for part in (forward, small_m, decode, qwen3) if part.__name__ in what
             for row in part()]
     print("csv:", write_csv("inference", rows))
 
