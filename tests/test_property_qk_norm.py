@@ -2,8 +2,9 @@
 RMSNorm sits around the rotation (over each head before the heads' transpose, as Qwen3;
 after it, as Gemma 3; after the rotation; over the whole projection before the head split,
 as OLMo 2), which of q and k it normalises, its weight (none, w, Gemma's 1 + w), its eps
-(q's and k's equal or not), an upcast around it, a bias on the projections and a second
-reader (the raw, the normalised or the rotated q returned), and checks in training that the output
+(q's and k's equal or not), an upcast around it, a bias on the projections a second
+reader (the raw, the normalised or the rotated q returned) and a no_grad block around the
+angles, and checks in training that the output
 and every gradient are eager's, that the rotation takes the norm exactly where it must,
 and that every match left carries a reason."""
 
@@ -65,8 +66,9 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         c = self.case
-        pos = torch.arange(s, device=x.device)[None].float()
-        th = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
+        with torch.set_grad_enabled(not c["angles_no_grad"] and torch.is_grad_enabled()):
+            pos = torch.arange(s, device=x.device)[None].float()
+            th = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
         emb = torch.cat((th, th), -1)
         cos, sin = emb.cos()[:, None], emb.sin()[:, None]
         extra = []
@@ -107,6 +109,9 @@ cases = st.fixed_dictionaries({
     "upcast": st.booleans(),
     "bias": st.booleans(),
     "second": st.sampled_from(["none", "none", "raw", "normed", "rotated"]),
+    # the angles in a no_grad block before the projections (Hugging Face's cache code
+    # opens one): the fused GEMM must not be placed inside it
+    "angles_no_grad": st.booleans(),
 })
 
 
