@@ -247,6 +247,32 @@ def adversary_records(report, pattern: str, must_rewrite: bool, note) -> bool:
     return done
 
 
+def outputs_step_matches_eager(model, x, what=None, out_tol: float = 1e-5,
+                               grad_tol: float = 1e-4):
+    """optimize(model) against a deep copy of it, eager, for a module returning a tuple of
+    tensors (or one): every output, then every parameter's gradient under a squared-sum
+    loss over them (None where eager's is None: a parameter the module does not use).
+    ``what`` goes into the failure messages. Returns the report."""
+    import copy
+
+    import coda_rewrite
+    from coda_rewrite.numerics import rel_err
+    ref = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(x), ref(x)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= out_tol, what
+    sum(t.square().sum() for t in got).backward()
+    sum(t.square().sum() for t in want).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, (name, what)
+            continue
+        assert rel_err(p.grad, q.grad) <= grad_tol, (name, what)
+    return fast.report
+
+
 def module_step_matches_eager(model, x, out_tol: float = 1e-5, grad_tol: float = 1e-4):
     """optimize(model) against a copy of it, eager: the output, the input's gradient and
     every parameter's (None where eager's is None) under a squared-sum loss. Returns the
