@@ -232,20 +232,19 @@ def test_dynamic_true_runtime_eps_is_left_with_its_reason():
     """Under dynamic=True dynamo passes the norms' eps as a run-time scalar; the kernel's
     per-head statistic compiles its eps in, so the rotation is left with the reason.
     Automatic dynamic shapes (a recompile for a new length) keep the eps a constant."""
-    torch._dynamo.reset()
+    from coda_rewrite import CodaBackend
     model = hf_model("qwen3", head_dim=16).eval()
-    compiled = torch.compile(model, backend="coda")
-    with torch.no_grad():
-        for length in (8, 12):  # the second compile has symbolic sizes
-            compiled(torch.randint(1, 256, (2, length)), use_cache=False)
-    assert {r.status for r in coda_rewrite.last_report().records
-            if r.pattern == "rope"} == {"rewritten"}
-    torch._dynamo.reset()
-    model = hf_model("qwen3", head_dim=16).eval()
-    compiled = torch.compile(model, backend="coda", dynamic=True)
-    ids = tokens()
-    with torch.no_grad():
-        assert rel_err(compiled(ids, use_cache=False).logits,
-                       model(ids, use_cache=False).logits) <= 1e-5
-    codes = {r.code for r in coda_rewrite.last_report().records if r.pattern == "rope"}
-    assert codes == {"rope.qk_norm_eps"}, codes
+
+    def rope_codes(**compile_kw):
+        torch._dynamo.reset()
+        backend = CodaBackend()
+        compiled = torch.compile(model, backend=backend, **compile_kw)
+        with torch.no_grad():
+            for length in (8, 12):  # automatic dynamic: the second compile is symbolic
+                ids = torch.randint(1, 256, (2, length))
+                assert rel_err(compiled(ids, use_cache=False).logits,
+                               model(ids, use_cache=False).logits) <= 1e-5
+        return {r.code for r in backend.report.graphs[-1].records if r.pattern == "rope"}
+
+    assert rope_codes() == {""}  # rewritten
+    assert rope_codes(dynamic=True) == {"rope.qk_norm_eps"}
