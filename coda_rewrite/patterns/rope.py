@@ -56,8 +56,8 @@ whole head. k's rotated part is one small head shared by all heads, from another
 left as graph ops, it takes the query's pair order where the key is assembled
 (algebra/rope.py, _latent_key_write), so the query is never copied back.
 
-QK-norm (Qwen3, Gemma 3: an RMSNorm over each head of q and k between the head split and
-the rotation) goes into the same epilogue, before the rotation:
+QK-norm (Qwen3, Gemma 3, Exaone 4: an RMSNorm over each head of q and k between the head
+split and the rotation) goes into the same epilogue, before the rotation:
 
     epilogue:  y = r[i]·acc[i, :] (+ b);  y ← y·(n·g_j + keep_j),  n = rsqrt(mean over
                the head's d columns of y² + eps)      (QuACK's HeadRstd, from the prepass)
@@ -65,7 +65,10 @@ the rotation) goes into the same epilogue, before the rotation:
 g_j: the norm's weight (Gemma's 1 + w) in the head's pair order; keep_j: 1 on columns no
 norm scales (v), so v still shares the GEMM. The statistic is a sum over the head, the
 same in the permuted order (algebra/statements.prove_head_norm_permutation), and a tile
-holds whole heads (the kernel's tile width is a multiple of head_dim).
+holds whole heads (the kernel's tile width is a multiple of head_dim). A norm after the
+rotation (HunYuan) is the same program in the other order: the rotation keeps each pair's
+sum of squares, so n is formed from the value the rotation reads
+(prove_head_norm_through_rotation) and out = rot·(n·g_j + keep_j).
 
 Left with the reason: q or k read before the rotation (or before its norm), a norm over
 the whole projection before the head split (OLMo 2: its statistic spans tiles), QK-norms
@@ -92,9 +95,8 @@ from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, chunk_half, copy_meta,
-                           erase_if_dead,
-                           fused_linear_call, hoist_before, results, same_meta, same_value,
-                           shared_call, through_casts)
+                           erase_if_dead, fused_linear_call, hoist_before, results,
+                           same_meta, same_value, shared_call, through_casts)
 from ..kernels import ops, versioned
 from ..rmsnorm_idiom import RmsNorm, find_rms_norms
 from .family import Context, Decided
@@ -117,15 +119,15 @@ FUSED_FROM_ROWS = 1024
 # seventh session)
 QK_NORM_FUSED_FROM_ROWS = 64
 FUSED_FROM_ROWS_FOR = {"with a QK-norm": QK_NORM_FUSED_FROM_ROWS}
+# ... and in a training step (training_policy.py; +1.4 ms and
+# +0.7 GiB per 1B step)
+PAYS_IN_TRAINING = False
 
 
 def fused_from_rows_of(match) -> int:
     """size_policy.fused_from_rows for one match: a QK-norm's from fewer rows."""
     return QK_NORM_FUSED_FROM_ROWS if getattr(match, "head_norm", None) is not None \
         else FUSED_FROM_ROWS
-# ... and in a training step (training_policy.py; +1.4 ms and
-# +0.7 GiB per 1B step)
-PAYS_IN_TRAINING = False
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _COS = {torch.cos, "cos"}
@@ -161,8 +163,9 @@ class Angle:
 class HeadNorm:
     """An RMSNorm over each head's features between the projection and the rotation
     (QK-norm: Qwen3's ``q_norm(q_proj(x).view(..., H, d)).transpose(1, 2)``, Gemma 3's
-    norm after the transpose): the epilogue forms each head's statistic from the
-    accumulator and scales by it and the norm's weight before rotating."""
+    norm after the transpose), or of the rotated heads (HunYuan): the epilogue forms each
+    head's statistic from the accumulator and scales by it and the norm's weight before
+    rotating (after it)."""
     idiom: RmsNorm
     after: tuple[fx.Node, ...] = ()  # the heads' transpose between the norm and the rotation
     after_rotation: bool = False     # the norm reads the rotated heads instead
@@ -204,7 +207,7 @@ class Rotated:
                              # in multi-head latent attention (q = cat(q_pass, rope(q_rot)))
     stored_pairs: bool = False   # "half" read from pairs stored adjacent (DeepSeek-V3's
                              # rope_interleave: x[0::2], x[1::2]): no weight permutation
-    norm: HeadNorm | None = None  # a QK-norm between the head split and the rotation
+    norm: HeadNorm | None = None  # a QK-norm before the rotation (or after it)
 
     @property
     def transposed(self) -> bool:
