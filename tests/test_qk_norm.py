@@ -201,7 +201,7 @@ def test_each_order_of_norm_and_rotation_in_training(norm_at):
     from conftest import module_step_matches_eager
     from test_property_qk_norm import HID, Attention
     case = {"norm_at": norm_at, "normed": "both", "weight": "gemma", "eps_k": "same",
-            "upcast": True, "bias": True, "second": "none"}
+            "upcast": True, "bias": True, "second": "none", "angles_no_grad": False}
     class Output(torch.nn.Module):  # the attention's output alone
         def __init__(self):
             super().__init__()
@@ -248,3 +248,71 @@ def test_dynamic_true_runtime_eps_is_left_with_its_reason():
 
     assert rope_codes() == {""}  # rewritten
     assert rope_codes(dynamic=True) == {"rope.qk_norm_eps"}
+
+
+def _rotate_half(t):
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+class _HeadNorm(torch.nn.Module):  # Qwen3's spelling
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width) * 0.3 + 1)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class PartialRotary(torch.nn.Module):
+    """QK-norm over the whole head, the rotation over its first ``rot`` features (the
+    rest passed through, concatenated back); separate or packed q/k/v projections."""
+
+    H, KV, D, HID = 4, 2, 16, 32
+
+    def __init__(self, packed: bool, rot: int):
+        super().__init__()
+        self.packed, self.rot = packed, rot
+        widths = (self.H * self.D, self.KV * self.D, self.KV * self.D)
+        if packed:
+            self.qkv = torch.nn.Linear(self.HID, sum(widths), bias=False)
+        else:
+            self.q, self.k, self.v = (torch.nn.Linear(self.HID, w, bias=False) for w in widths)
+        self.q_norm, self.k_norm = _HeadNorm(self.D), _HeadNorm(self.D)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, rot, 2) / rot)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        if self.packed:  # Phi-3's slices (a torch.split of the columns is not read yet)
+            qkv, q_end = self.qkv(x), self.H * self.D
+            q, k, v = qkv[..., :q_end], qkv[..., q_end:q_end + self.KV * self.D], \
+                qkv[..., q_end + self.KV * self.D:]
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = self.q_norm(q.view(b, s, self.H, self.D)).transpose(1, 2)
+        k = self.k_norm(k.view(b, s, self.KV, self.D)).transpose(1, 2)
+        v = v.view(b, s, self.KV, self.D).transpose(1, 2)
+        pos = torch.arange(s)[None].float()
+        th = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
+        emb = torch.cat((th, th), -1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+
+        def rope(t):
+            rotated, rest = t[..., :self.rot], t[..., self.rot:]
+            return torch.cat([rotated * cos + _rotate_half(rotated) * sin, rest], -1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_partial_rotary_with_a_norm_over_the_whole_head(packed):
+    """The statistic runs over the whole head (rotated and pass-through features), the
+    rotation over its first half: one program, the step eager's."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(PartialRotary(packed, 8).train(),
+                                       torch.randn(2, 6, PartialRotary.HID))
+    (done,) = rope_records(report)
+    assert done.programs[0].name == "qknorm_rope", done.programs[0].name
