@@ -316,3 +316,21 @@ def test_partial_rotary_with_a_norm_over_the_whole_head(packed):
                                        torch.randn(2, 6, PartialRotary.HID))
     (done,) = rope_records(report)
     assert done.programs[0].name == "qknorm_rope", done.programs[0].name
+
+
+def test_a_norm_after_the_rotation_with_a_run_time_eps_says_so():
+    """Under dynamic=True (a run-time eps) a norm after the rotation cannot join the
+    epilogue; left as a graph op its weight would read the permuted heads, so the
+    rotation alone would not pay either: the record says why (the eps), the output is
+    eager's."""
+    from coda_rewrite import CodaBackend
+    torch._dynamo.reset()
+    model = hf_model("hunyuan", head_dim=16).eval()
+    backend = CodaBackend()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    ids = tokens()
+    with torch.no_grad():
+        assert rel_err(compiled(ids, use_cache=False).logits,
+                       model(ids, use_cache=False).logits) <= 1e-5
+    codes = {r.code for r in backend.report.records if r.pattern == "rope"}
+    assert codes == {"rope.qk_norm_eps"}, codes

@@ -1023,8 +1023,8 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
     if norm_after is not None:
         norm = HeadNorm(norm_after, after_rotation=True)
         why = _head_norm_misfit(norm)
-        if why is not None:
-            return NoMatch(add, why)
+        if why is not None:  # (the rotation alone would not pay either: the norm's weight
+            return NoMatch(add, why)  # reads the permuted heads, so no attention keeps them)
         out, nodes = norm_after.output, nodes + norm.nodes
     if split is None:
         split = _member_split(heads, unsq) or _indexed_split(heads, unsq) or \
