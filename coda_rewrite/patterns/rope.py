@@ -114,9 +114,9 @@ FUSES_GEMMS = True
 FUSED_FROM_ROWS = 1024
 # ... but with a QK-norm in the same GEMM (the norm's pass over q and k saved too) the
 # region (q/k/v + QK-norm + RoPE + SDPA at Qwen3-8B shapes, from CUDA graphs) beats
-# torch.compile's at every size measured: 1.02x at 64 tokens, 1.11x at 256, 1.06x at
-# 1024, 1.18x at 2048, 1.12x at 8192 (benchmarks/model_families.py qknorm; BENCHMARKS.md,
-# seventh session)
+# torch.compile's from 32 rows: 1.04x at 32, 1.02x at 64 tokens, 1.11x at 256, 1.06x at
+# 1024, 1.18x at 2048, 1.12x at 8192; at decode sizes it loses (0.73x at 1 row, 0.87x at
+# 16) (benchmarks/model_families.py qknorm; BENCHMARKS.md, seventh session)
 QK_NORM_FUSED_FROM_ROWS = 64
 FUSED_FROM_ROWS_FOR = {"with a QK-norm": QK_NORM_FUSED_FROM_ROWS}
 # ... and in a training step (training_policy.py; +1.4 ms and
