@@ -236,6 +236,9 @@ class EpilogueProgram:
                 rhs = rhs.format(*(_fmt_arg(a) for a in ins.args))
             elif ins.op == "cast":
                 rhs = f"round_{ins.dtype}({args})"
+            elif ins.op in GROUPED:  # the group's width is a count
+                rhs = f"{ins.op}({ins.args[0]}, width={int(ins.args[1])}, " \
+                      f"eps={float(ins.args[2]):g})"
             else:
                 rhs = f"{ins.op}({args})"
             note = "   # per-tile partials, merged" if ins.op in REDUCTIONS or \

@@ -17,7 +17,10 @@ new kernel code. The program splits in two stages:
                from a cos/sin table (its rotary_cos_sin_load, staged by TMA);
                row reductions become ColVecReduce sinks
                (``scaled=True`` with the two factors when the reduced value is a
-               product, so the fold is one FMA and the product is never rounded).
+               product, so the fold is one FMA and the product is never rounded);
+               a group statistic (head_rstd: a QK-norm's per-head rstd) is QuACK's
+               HeadRstd, fed by a generated accumulator prepass that recomputes its
+               argument from acc and vectors, its value read like an operand.
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
                the norm's rstd is QuACK's rms_final_reduce, one kernel over the raw
                per-tile partials (norm_row_stage); any other stage is a few per-row
@@ -107,11 +110,6 @@ class KernelSource:
     norm_stage: tuple | None = None
     # (kernel argument, int) the launch passes as they are: a group statistic's width
     constants: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def group_widths(self) -> tuple[int, ...]:
-        """The column-group widths a tile must hold whole (head_rstd's heads)."""
-        return tuple(w for _, w in self.constants)
 
 
 # elementwise lowerings (QuACK expressions) and f(0) = 0, from the op table
