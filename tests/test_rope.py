@@ -1419,3 +1419,23 @@ def test_fused_gemm_is_not_placed_in_a_no_grad_block(late):
     torch.manual_seed(0)
     report = module_step_matches_eager(NoGradAngles(late).train(), torch.randn(2, 6, 32))
     assert len(rope_records(report)) == 1, str(report)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kept_values_from_inference_mode_do_not_reach_a_training_step(family):
+    """RoPE's frequencies and a QK-norm's weights are kept between calls; kept under
+    torch.inference_mode() they are inference tensors, which autograd cannot save: an
+    evaluation there followed by a training step failed in the backward."""
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    model = hf_model(family, **extra).eval()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    with torch.inference_mode():
+        fast(ids)
+    model.train(), ref.train()
+    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    loss.backward()
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    grads_match(model, ref)

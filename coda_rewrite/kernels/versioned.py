@@ -11,7 +11,10 @@ hit from a new tensor at a recycled address.
 Nothing is kept where the key would mean nothing: traced (fake or functional) tensors,
 a CUDA-graph capture in progress (a replay cannot look at versions), inference tensors
 (no version counter; inference mode may update them in place unseen). Writes through
-``t.data`` go unseen (a separate version counter), as they do by autograd.
+``t.data`` go unseen (a separate version counter), as they do by autograd. A value made
+under torch.inference_mode() is an inference tensor, which autograd refuses to save: it
+is handed out only inside inference mode, and made again outside it (an evaluation under
+inference_mode followed by a training step would otherwise fail in the backward).
 """
 
 from __future__ import annotations
@@ -35,8 +38,15 @@ def kept(holder: torch.Tensor, slot: str, tensors, extra, compute):
     key = (extra, tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
                         for t in tensors))
     cache = getattr(holder, slot, None)
-    if cache is not None and cache[0] == key:
+    if cache is not None and cache[0] == key and usable_here(cache[1]):
         return cache[1], "hit"
     out = compute()
     setattr(holder, slot, (key, out))
     return out, "miss"
+
+
+def usable_here(value) -> bool:
+    """Whether a kept value may be handed out in the current mode: an inference tensor
+    only inside inference mode (outside it autograd cannot save it)."""
+    return not (isinstance(value, torch.Tensor) and value.is_inference()
+                and not torch.is_inference_mode_enabled())

@@ -1848,10 +1848,11 @@ _keep_columns: dict = {}  # (layout, offsets, device) -> the flag vector, made o
 def rope_norm_keep(layout: tuple, offsets: tuple, like: torch.Tensor) -> torch.Tensor:
     """codegen/layouts.rope_norm_keep, made once per layout and device: it depends on
     nothing else (not kept while tracing or under CUDA-graph capture, where a value made
-    outside would not be the trace's)."""
+    outside would not be the trace's; one made under inference mode is made again outside
+    it, as kernels/versioned.py does)."""
     key = (layout, offsets, like.device)
     if not layouts.real([like]) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
         return layouts.rope_norm_keep(layout, offsets, like)
-    if key not in _keep_columns:
+    if key not in _keep_columns or not versioned.usable_here(_keep_columns[key]):
         _keep_columns[key] = layouts.rope_norm_keep(layout, offsets, like)
     return _keep_columns[key]
