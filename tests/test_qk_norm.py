@@ -201,7 +201,8 @@ def test_each_order_of_norm_and_rotation_in_training(norm_at):
     from conftest import module_step_matches_eager
     from test_property_qk_norm import HID, Attention
     case = {"norm_at": norm_at, "normed": "both", "weight": "gemma", "eps_k": "same",
-            "upcast": True, "bias": True, "second": "none", "angles_no_grad": False}
+            "upcast": True, "bias": True, "second": "none", "angles_no_grad": False,
+            "stat": "features"}
     class Output(torch.nn.Module):  # the attention's output alone
         def __init__(self):
             super().__init__()

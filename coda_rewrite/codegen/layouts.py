@@ -288,11 +288,10 @@ def rope_column_scale(scale, layout: tuple, like: torch.Tensor) -> torch.Tensor:
 def rope_norm_weight(layout: tuple, offsets: tuple, like: torch.Tensor,
                      *weights: torch.Tensor | None) -> torch.Tensor:
     """A QK-norm's weight per fused column (float32 [N]; float64 for a float64 weight):
-    each normed segment's head
-    weight plus its offset (Gemma's 1 + w; 1 for a norm without a weight) repeated per
-    head, in the segment's pair order (rope_segments, as its weight rows); 0 on the
-    columns of a segment without a norm (``offsets[i]`` None: v). From the live
-    parameters on every call (autograd takes the gradient back to them)."""
+    each normed segment's head weight plus its offset (Gemma's 1 + w; 1 for a norm
+    without a weight) repeated per head, in the segment's pair order (rope_segments, as
+    its weight rows); 0 on the columns of a segment without a norm (``offsets[i]`` None:
+    v). From the live parameters (autograd takes the gradient back to them)."""
     per_segment = []
     for s, offset, w in zip(map(segment, layout), offsets, weights):
         if offset is None:
