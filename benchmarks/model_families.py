@@ -18,6 +18,11 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   head of q and k before the rotation) -> RoPE -> SDPA at 8192, 2048, 1024, 256 and 64
   tokens (the rewrite forced at every size: min_fused_rows=0), beside torch.compile, the
   bare GEMMs + SDPA and eager: where the norm + rotation in the GEMM's epilogue pays;
+* LayerNorm (GPT-NeoX-like: Pythia-6.9B widths, hidden 4096, MLP 16384 with GELU;
+  vocab 50432): z = x + residual -> LayerNorm -> up projection -> GELU, and the final
+  LayerNorm -> LM head, at 8192, 2048, 1024 and 256 tokens (forced at every size), beside
+  torch.compile, the bare GEMMs and eager, from CUDA graphs too; and the MLP block's
+  forward + backward (training): where the deferred norm pays;
 * post-sublayer ("sandwich") norm: GEMM -> RMSNorm -> + residual, under torch.compile,
   against the GEMM alone and against the GEMM + the one pass a fused epilogue would
   still need (the norm's statistic spans the whole row, and the residual is added after
@@ -25,7 +30,7 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   output back). What a fusion could save is the difference.
 
     source .gpu/setup.sh && python benchmarks/model_families.py \
-        [rope,packed,mla,head,sandwich,qknorm]
+        [rope,packed,mla,head,sandwich,qknorm,layernorm]
 """
 
 from __future__ import annotations
@@ -259,6 +264,110 @@ def qknorm_rows():
     return rows, table
 
 
+LN_H, LN_FFN, LN_VOCAB = 4096, 16384, 50432
+
+
+class LayerNormUp(nn.Module):
+    """GPT-NeoX's MLP input: the residual add, the post-attention LayerNorm, the up
+    projection and GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(LN_H)
+        self.up = nn.Linear(LN_H, LN_FFN)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x, residual):
+        return F.gelu(self.up(self.ln(x + residual)))
+
+
+class LayerNormHead(nn.Module):
+    """The final LayerNorm and the LM head (logits, inference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(LN_H)
+        self.head = nn.Linear(LN_H, LN_VOCAB, bias=False)
+
+    def forward(self, x):
+        return self.head(self.ln(x))
+
+
+def layernorm_rows():
+    """The LayerNorm regions at several token counts, the rewrite forced at every size."""
+    rows, table = [], []
+    opts = {"min_fused_rows": 0}
+    for tokens in (8192, 2048, 1024, 256):
+        for make in (LayerNormUp, LayerNormHead):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            region = make().cuda().to(bf)
+            xs = (torch.randn(1, tokens, LN_H, device="cuda", dtype=bf) + 2.0,)
+            if make is LayerNormUp:
+                xs += (torch.randn(1, tokens, LN_H, device="cuda", dtype=bf),)
+                w = region.up.weight
+
+                def bare(xs=xs, w=w):
+                    torch.mm(xs[0].view(-1, LN_H), w.t())
+            else:
+                w = region.head.weight
+
+                def bare(xs=xs, w=w):
+                    torch.mm(xs[0].view(-1, LN_H), w.t())
+            name = f"{make.__name__}, {tokens} tokens"
+            with torch.no_grad():
+                fused = coda_rewrite.optimize(region, **opts)
+                backend = torch.compile(region, backend="coda", options=opts)
+                compiled = torch.compile(region)
+                want, got = region(*xs), fused(*xs)
+                backend(*xs)
+                compiled(*xs)
+                done = [r for r in fused.report.records if r.pattern == "layernorm_gemm"]
+                assert done and done[0].status == "rewritten", str(fused.report)
+                err = float((got.float() - want.float()).norm() / want.float().norm())
+                variants = {"coda": lambda: fused(*xs), "coda backend": lambda: backend(*xs),
+                            "torch.compile": lambda: compiled(*xs), "bare cuBLAS": bare,
+                            "eager": lambda: region(*xs)}
+                t = bench_rounds(variants)
+                rows += [(f"{name}: {v}", "ms", ms) for v, (ms, _) in t.items()]
+                table += [(name, v, ms, spread, err) for v, (ms, spread) in t.items()]
+                seen = {k: [] for k in ("coda backend", "torch.compile", "bare cuBLAS")}
+                for i in range(3):
+                    for k in (list(seen) if i % 2 == 0 else list(seen)[::-1]):
+                        seen[k].append(bench_graphed(variants[k]))
+            for k, ts in seen.items():
+                ms = sorted(ts)[1]
+                rows.append((f"{name}: {k} (CUDA graph)", "ms", ms))
+                table.append((name, f"{k}, CUDA graph", ms, (max(ts) - min(ts)) / ms, err))
+    # training: the MLP input's forward + backward at 8192 tokens
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    region = LayerNormUp().cuda().to(bf)
+    xs = [(torch.randn(1, 8192, LN_H, device="cuda", dtype=bf) + 2.0).requires_grad_(),
+          torch.randn(1, 8192, LN_H, device="cuda", dtype=bf).requires_grad_()]
+    backend = torch.compile(region, backend="coda",
+                            options={**opts, "fuse_in_training": True})
+    compiled = torch.compile(region)
+
+    def step(fn):
+        def run():
+            fn(*xs).float().square().mean().backward()
+        return run
+    fns = {"coda backend (train)": step(backend), "torch.compile (train)": step(compiled),
+           "eager (train)": step(region)}
+    for f in fns.values():
+        f()
+    t = bench_rounds(fns)
+    name = "LayerNormUp fwd+bwd, 8192 tokens"
+    rows += [(f"{name}: {v}", "ms", ms) for v, (ms, _) in t.items()]
+    table += [(name, v, ms, spread, float("nan")) for v, (ms, spread) in t.items()]
+    for v, f in fns.items():
+        table.append((name, f"{v} peak GiB", _peak(f), 0.0, float("nan")))
+    return rows, table
+
+
 def _peak(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -434,6 +543,8 @@ def main(which: set[str]):
     r2, t2 = head_rows() if "head" in which else ([], [])
     r3, t3, codes = sandwich_rows() if "sandwich" in which else ([], [], [])
     r4, t4 = qknorm_rows() if "qknorm" in which else ([], [])
+    r3, t3 = r3 + r4, t3 + t4
+    r4, t4 = layernorm_rows() if "layernorm" in which else ([], [])
     r3, t3 = r3 + r4, t3 + t4
     path = write_csv("model families (#19)", rows + r2 + r3)
     print(f"rows appended to {path}")

@@ -125,9 +125,11 @@ class GraphReport:
 
     def render(self, with_code: bool = True) -> str:
         out = [self.summary()]
-        if not any(r.pattern in ("residual_rmsnorm_gemm", "graph") for r in self.records):
+        if not any(r.pattern in ("residual_rmsnorm_gemm", "layernorm_gemm", "graph")
+                   for r in self.records):
             out.append("    nothing matched: no RMSNorm (mean of squares over the last dim, "
-                       "rsqrt, scale) with a GEMM reading its output was found in this graph")
+                       "rsqrt, scale) or LayerNorm with a GEMM reading its output was found "
+                       "in this graph")
         out += [r.render(i) for i, r in enumerate(self.records)]
         if self.programs:
             out.append("\nepilogue programs:")

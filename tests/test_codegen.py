@@ -18,6 +18,7 @@ import coda_rewrite
 from coda_rewrite.codegen.program import ACC, Kind, ProgramBuilder, ProgramError
 from coda_rewrite.codegen.quack_source import Unlowerable, generate
 from coda_rewrite.kernels.quack_path import contract_violation
+from coda_rewrite.patterns.layernorm import centred_program
 
 from conftest import ROOT, hf_model, plain_llama, tokens
 
@@ -410,7 +411,8 @@ def _model_programs() -> list[str]:
                     reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL] + \
-        [p.to_text() for p in qk_norm_programs()]
+        [p.to_text() for p in qk_norm_programs()] + \
+        [centred_program(bias, "bfloat16").to_text() for bias in (True, False)]
     kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would

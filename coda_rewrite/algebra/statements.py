@@ -151,6 +151,61 @@ def prove_bias_distribution() -> Proof:
         _witness("bias distribution", num))
 
 
+@functools.cache
+def prove_layernorm_centring() -> Proof:
+    """LN(z)·Wᵀ + b = r·(z·W'ᵀ − μ·s) + b' (patterns/layernorm.py), and the backward's
+    W' gradient: (r·dy)ᵀ·z plus s's share −(r·μ·dy)ᵀ·1 is (r·dy)ᵀ·(z − μ)."""
+    z, mu, beta, dy = (sp.IndexedBase(n) for n in ("z", "mu", "beta", "dy"))
+    ln = (z[i, k] - mu[i]) * r[i] * g_[k] + beta[k]
+    w_fold = g_[k] * W[j, k]
+    s = _gemm(w_fold)
+    lhs = _gemm(ln * W[j, k]) + b_[j]
+    rhs = r[i] * (_gemm(z[i, k] * w_fold) - mu[i] * s) + (_gemm(beta[k] * W[j, k]) + b_[j])
+    _require(sp.expand(lhs - rhs).doit(), "LayerNorm centring")
+    # the sum must be of the folded weights: s from the unfolded W is another function
+    s_unfolded = _gemm(W[j, k])
+    _refute(sp.expand(lhs - (r[i] * (_gemm(z[i, k] * w_fold) - mu[i] * s_unfolded)
+                             + _gemm(beta[k] * W[j, k]) + b_[j])).doit(),
+            "centring with s summed from the unfolded weights")
+    # a mean that varies along the contracted features does not leave the sum
+    _refute(sp.expand(_gemm((z[i, k] - mu[k]) * w_fold)
+                      - (_gemm(z[i, k] * w_fold) - mu[k] * s)).doit(),
+            "centring by a per-feature value")
+    # backward: d/dW'[j, k] of Σ_ij dy·r·(Σ_k z·W' − μ·Σ_k W'), summed over rows i
+    rows = sp.Symbol("M", integer=True, positive=True)
+    grad_direct = Sum(dy[i, j] * r[i] * z[i, k], (i, 0, rows - 1))
+    grad_through_s = -Sum(dy[i, j] * r[i] * mu[i], (i, 0, rows - 1))
+    _require(sp.expand(grad_direct + grad_through_s
+                       - Sum(dy[i, j] * r[i] * (z[i, k] - mu[i]), (i, 0, rows - 1))).doit(),
+             "the centred weight gradient")
+
+    def num(seed):
+        mm, kk, nn = _shape(seed, (1, 9), (1, 9), (1, 9))
+        g = _gen(seed)
+        zz = 3.0 + torch.randn(mm, kk, generator=g, dtype=torch.float64)
+        gg, bb = (torch.randn(kk, generator=g, dtype=torch.float64) for _ in range(2))
+        ww = torch.randn(nn, kk, generator=g, dtype=torch.float64)
+        b0 = torch.randn(nn, generator=g, dtype=torch.float64)
+        eps = 1e-5
+        want = torch.nn.functional.layer_norm(zz, (kk,), gg, bb, eps) @ ww.T + b0
+        var, mean = torch.var_mean(zz, -1, keepdim=True, correction=0)
+        wf = ww * gg
+        got = torch.rsqrt(var + eps) * (zz @ wf.T - mean * wf.sum(-1)) + (bb @ ww.T + b0)
+        return rel_err(got, want)
+
+    return Proof(
+        "Σ_k LN(z)[i,k]·W[j,k] + b[j] = r[i]·(Σ_k z[i,k]·W'[j,k] − μ[i]·s[j]) + b'[j]",
+        ("μ and r are one scalar each per row (constant in k)",
+         "W' = W∘γ, s_j = Σ_k W'[j,k] from the same (rounded) W', b' = β·Wᵀ + b, all "
+         "recomputed from the live parameters (or kept while none changed)"),
+        (f"{sp.sstr(lhs)} − {sp.sstr(rhs)} simplifies to 0",
+         "with s summed from the unfolded W, or a mean that varies along k, the "
+         "difference does not vanish: refused",
+         "backward: W'’s gradient through acc and through s sums to (r·dy)ᵀ·(z − μ), "
+         "the form the backward rule computes (no cancellation of two mean-sized terms)"),
+        _witness("LayerNorm centring", num))
+
+
 # ---- reductions -----------------------------------------------------------------------
 
 _a, _b, _c = sp.symbols("a b c", real=True)
@@ -617,7 +672,8 @@ def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
            ("per-feature folding", prove_per_feature_fold()),
-           ("bias distribution", prove_bias_distribution())]
+           ("bias distribution", prove_bias_distribution()),
+           ("LayerNorm centring", prove_layernorm_centring())]
     out += [(f"{kind} decomposition", prove_reduction_decomposition(kind))
             for kind in REDUCTIONS]
     out += [("log-sum-exp merge", prove_lse_merge()),

@@ -7,6 +7,7 @@ value kept between calls is the runtime's (kernels/).
 
     leading dims        flatten_operands / unflatten_outputs / rows_like
     the norm's chain    fold_scale (a per-feature factor into W), distribute_bias (a shift)
+    LayerNorm           layernorm_statistics (r, μ), layernorm_weights (W', s, b')
     gated pairs         interleave_rows, interleave_halves
     RoPE                rope_segments (per-head permutation, q/k/v concatenated),
                         segment, pair_order, half_order, rope_unpermute, rope_permute,
@@ -99,6 +100,95 @@ def distribute_bias(shift, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         shift = torch.full((weight.shape[1],), float(shift), dtype=weight.dtype,
                            device=weight.device)
     return F.linear(shift.reshape(-1).to(weight.dtype), weight, bias)
+
+
+class _LayerNormStatistics(torch.autograd.Function):
+    """(r, μ) from the GPU's one-pass Welford kernel, with the analytic backward.
+
+    ``torch.batch_norm_stats`` over z viewed as [1, rows, K] is a per-row mean and
+    rsqrt(biased variance + eps) in float32 from a 16-bit z: one read of z, two float32
+    vectors written (var_mean of z.float() would first write a float32 copy of z, and
+    var_mean of z itself rounds μ to 16 bits, which the correction μ·s cannot afford).
+    It has no derivative, hence this Function: dz = dμ/K − dr·r³·(z − μ)/K."""
+
+    @staticmethod
+    def forward(ctx, z, eps):
+        flat = z.reshape(1, -1, z.shape[-1])
+        mu, r = torch.batch_norm_stats(flat, eps)
+        shape = (*z.shape[:-1], 1)
+        ctx.save_for_backward(z, r, mu)
+        return r.reshape(shape), mu.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dr, dmu):
+        z, r, mu = ctx.saved_tensors
+        k, wide = z.shape[-1], r.dtype
+        r, mu = r.reshape(*z.shape[:-1], 1), mu.reshape(*z.shape[:-1], 1)
+        dz = torch.zeros_like(z, dtype=wide)
+        if dmu is not None:
+            dz = dz + dmu.to(wide) / k
+        if dr is not None:
+            dz = dz - dr.to(wide) * r.pow(3) * (z.to(wide) - mu) / k
+        return dz.to(z.dtype), None
+
+
+def layernorm_statistics(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LayerNorm's row statistics over the last dim, each [..., 1]: r = rsqrt(biased
+    variance + eps) and the mean μ, in float32 (float64 for a float64 z). The variance
+    is a Welford / two-pass one, never E[z²] − μ², which cancels when |μ| ≫ σ.
+    Differentiable. On the GPU with a 16-bit z: one kernel (_LayerNormStatistics); under
+    tracing (Inductor), var_mean of the upcast, which Inductor fuses with what makes z."""
+    if real([z]) and z.is_cuda and z.dtype in (torch.bfloat16, torch.float16):
+        return _LayerNormStatistics.apply(z, float(eps))
+    zc = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
+    var, mu = torch.var_mean(zc, dim=-1, keepdim=True, correction=0)
+    return torch.rsqrt(var + eps), mu
+
+
+def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
+                      gamma: torch.Tensor | None, beta: torch.Tensor | None,
+                      scale=None, shift=None):
+    """(W', s, b') for a GEMM reading LN(z)·scale + shift (scale, shift: what stands
+    between the norm and the GEMM, composed by row_scale.replay_chain; None where
+    nothing does):
+
+        W' = W ∘ (γ·scale), rounded once to W's dtype     (what the GEMM multiplies z by)
+        s_j = Σ_k W'[j, k], float32 from those rounded values
+        b' = (β·scale + shift)·Wᵀ + b, float32; None where there is nothing to add
+
+    s is summed from the very values the GEMM multiplies, so z·W'ᵀ − μ·s = (z − μ)·W'ᵀ
+    holds for the rounded weights too (each product of two 16-bit values is exact in
+    float32). s is detached: the program's backward rule (kernels/backward/centred.py)
+    returns W'’s whole gradient, s's part included, as (r·dy)ᵀ·(z − μ)."""
+    wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    factor = None
+    for f in (gamma, scale):
+        if f is None:
+            continue
+        f = f.to(wide) if isinstance(f, torch.Tensor) else float(f)
+        factor = f if factor is None else factor * f
+    w_fold = weight if factor is None else \
+        (weight.to(wide) * (factor.reshape(1, -1) if isinstance(factor, torch.Tensor)
+                            else factor)).to(weight.dtype)
+    s = w_fold.detach().to(wide).sum(-1)
+    total_shift = None
+    if beta is not None:
+        total_shift = beta.to(wide)
+        if scale is not None:
+            total_shift = total_shift * (scale.to(wide) if isinstance(scale, torch.Tensor)
+                                         else float(scale))
+    if shift is not None:
+        sh = shift.to(wide) if isinstance(shift, torch.Tensor) else float(shift)
+        total_shift = sh if total_shift is None else total_shift + sh
+    if total_shift is None:
+        b_fold = None if bias is None else bias.to(wide)
+    else:
+        if not isinstance(total_shift, torch.Tensor):
+            total_shift = torch.full((weight.shape[1],), total_shift, dtype=wide,
+                                     device=weight.device)
+        b_fold = F.linear(total_shift.reshape(-1), weight.to(wide),
+                          None if bias is None else bias.to(wide))
+    return w_fold, s, b_fold
 
 
 def interleave_rows(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor:

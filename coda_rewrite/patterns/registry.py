@@ -10,7 +10,10 @@
                        rstd before the activation
     rope               after the norms too (q/k/v as rowscale consumers merge into one
                        rotating GEMM)
-    cross_entropy      last: the logits GEMM may be the final norm's rowscale consumer
+    cross_entropy      the logits GEMM may be the final norm's rowscale consumer
+    layernorm          last: a LayerNorm deferred into the plain GEMMs that read it, where
+                       every reader is one (the families before it pay more, and a GEMM
+                       they fused is no longer one it can take)
 
 A family is a module implementing patterns/family.Family; adding one is its modules
 (patterns/<family>.py, algebra/<family>.py) and a line here.
@@ -18,6 +21,8 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 
 from __future__ import annotations
 
-from . import attention, cross_entropy, explicit_attention, gated_mlp, residual_rmsnorm, rope
+from . import (attention, cross_entropy, explicit_attention, gated_mlp, layernorm,
+               residual_rmsnorm, rope)
 
-FAMILIES = (explicit_attention, attention, residual_rmsnorm, gated_mlp, rope, cross_entropy)
+FAMILIES = (explicit_attention, attention, residual_rmsnorm, gated_mlp, rope, cross_entropy,
+            layernorm)

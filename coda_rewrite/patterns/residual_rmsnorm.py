@@ -110,7 +110,7 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         if isinstance(norm, NearMiss):
             results.append(NoMatch(norm.node, norm.reason))
             continue
-        consumers, others = _consumers(norm.output)
+        consumers, others = consumers_of(norm.output)
         if not consumers:
             results.append(NoMatch(norm.output, _why_no_consumer(norm, others)))
             continue
@@ -282,7 +282,7 @@ def _through_upcast(node):
     return node
 
 
-def _consumers(h: fx.Node) -> tuple[list[Consumer], list[fx.Node]]:
+def consumers_of(h: fx.Node) -> tuple[list[Consumer], list[fx.Node]]:
     """GEMMs that read ``h`` (possibly through a short chain of single-input ops: the
     algebra decides whether each chain keeps rows intact), and every other reader."""
     consumers, others = [], []

@@ -625,3 +625,92 @@ def test_qk_norm_models_bf16_on_gpu(family):
     assert _kernel_calls(program) - before >= 3 * 2, ops.runtime_summary()
     print(f"{family} QK-norm: {res}")
     assert res["ok"], res
+
+
+# ---- LayerNorm deferred into its GEMM (patterns/layernorm.py) ------------------------------
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 264), (8, 4096, 1024),
+                                   (4096, 2048, 6144)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mean", [0.0, 20.0])
+def test_layernorm_kernel(bias, shape, mean):
+    """r ⊙ (z·W'ᵀ − μ ⊙ s) + b' from the generated kernel, on rows whose mean is far from
+    0 (the cancellation the epilogue must do in float32), with the statistics, the folded
+    weights and the row sums as the graph makes them: against the reference and against
+    float64 of LN(z)·Wᵀ + b on the same bf16 values, no worse than eager's bf16 LN."""
+    from coda_rewrite.patterns.layernorm import centred_program
+    import torch.nn.functional as F
+    m, k, n = shape
+    g = torch.Generator(device=DEV).manual_seed(m + n)
+    z = (mean + torch.randn(m, k, generator=g, device=DEV)).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    gamma = (1 + 0.2 * torch.randn(k, generator=g, device=DEV)).to(torch.bfloat16)
+    beta = (0.1 * torch.randn(k, generator=g, device=DEV)).to(torch.bfloat16) if bias else None
+    b = (0.1 * torch.randn(n, generator=g, device=DEV)).to(torch.bfloat16) if bias else None
+    prog = centred_program(bias, "bfloat16")
+    r, mu = layouts.layernorm_statistics(z, 1e-5)
+    assert r.dtype == mu.dtype == torch.float32 and r.shape == (m, 1)
+    var64, mu64 = torch.var_mean(z.double(), -1, keepdim=True, correction=0)
+    assert rel_err(mu, mu64) <= 1e-6 and rel_err(r, torch.rsqrt(var64 + 1e-5)) <= 1e-5
+    w_fold, s, b_fold = layouts.layernorm_weights(w, b, gamma, beta)
+    operands = [r.reshape(-1), mu.reshape(-1), s] + ([b_fold] if bias else [])
+    before = _kernel_calls(prog.key)
+    (got,) = ops.gemm_epilogue(prog.to_text(), z, w_fold, operands)
+    assert _kernel_calls(prog.key) == before + 1, ops.runtime_summary()
+    (ref,) = reference.run_program(prog, z, w_fold, operands)
+    truth = F.linear(F.layer_norm(z.double(), (k,), gamma.double(),
+                                  None if beta is None else beta.double(), 1e-5),
+                     w.double(), None if b is None else b.double())
+    eager = F.linear(F.layer_norm(z, (k,), gamma, beta, 1e-5), w, b)
+    assert rel_err(got, ref) <= 4e-3, rel_err(got, ref)
+    assert rel_err(got, truth) <= 1.25 * rel_err(eager, truth), (rel_err(got, truth),
+                                                                rel_err(eager, truth))
+
+
+def test_layernorm_statistics_backward_on_gpu():
+    """The GPU's one-kernel statistics (torch.batch_norm_stats in an autograd Function)
+    against autograd of var_mean in float64."""
+    z = (3 + torch.randn(64, 512, device=DEV)).to(torch.bfloat16).requires_grad_()
+    r, mu = layouts.layernorm_statistics(z, 1e-5)
+    dr, dmu = torch.randn_like(r), torch.randn_like(mu)
+    (r * dr + mu * dmu).sum().backward()
+    z64 = z.detach().double().requires_grad_()
+    var, mu64 = torch.var_mean(z64, -1, keepdim=True, correction=0)
+    (torch.rsqrt(var + 1e-5) * dr.double() + mu64 * dmu.double()).sum().backward()
+    assert rel_err(z.grad, z64.grad) <= 1e-2, rel_err(z.grad, z64.grad)
+
+
+def _layernorm_model(family):
+    def make(seed):
+        torch.manual_seed(seed)
+        if family == "gpt_neox":
+            return hf_model("gpt_neox", layers=2, hidden=256, seed=seed, vocab_size=512)
+        import transformers as tf
+        cfg = tf.OPTConfig(vocab_size=512, hidden_size=256, ffn_dim=512, num_hidden_layers=2,
+                           num_attention_heads=4, word_embed_proj_dim=256, dropout=0.0,
+                           attention_dropout=0.0, max_position_embeddings=256, pad_token_id=0)
+        return tf.OPTForCausalLM(cfg)
+    return make
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "opt"])
+def test_layernorm_models_bf16_on_gpu(family):
+    """GPT-NeoX (the MLP's and the final norm deferred; RoPE takes q/k/v) and OPT (every
+    norm deferred): logits against float64 no worse than eager, through the kernels; and
+    a training step's loss and gradients (the centred backward rule) likewise."""
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    before = _kernel_calls("layernorm_rowscale#")
+
+    def rewrite(model):
+        torch._dynamo.reset()
+        return coda_rewrite.optimize(model)
+
+    res = low_precision_errors(_layernorm_model(family), (ids,), rewrite, seeds=(0, 1, 2),
+                               device=DEV)
+    assert _kernel_calls("layernorm_rowscale#") - before >= 3 * 2, ops.runtime_summary()
+    print(f"{family} LayerNorm logits: {res}")
+    assert res["ok"], res
+    errs = _training_errors(_layernorm_model(family), True)
+    ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
+    print(f"{family} LayerNorm loss + grads: {errs} ratio {ratio:.3f}")
+    assert ratio <= 1.25

@@ -21,6 +21,10 @@ what the forward kept, never recomputed:
 * ``rope`` (y = r ⊙ acc + bias; out = R(θ)·y per column pair): dy = R(−θ)·dout, an
   elementwise rotation back, then the rowscale rule.
 
+* ``centred`` (a LayerNorm deferred: y = r ⊙ (acc − μ ⊙ s) + bias): the rowscale rule
+  with the centred input c = z − μ in place of z, W'’s whole gradient as (r·dy)ᵀ·c
+  (centred.py says why s, the row sums of W', is detached in the graph).
+
 * ``lse_target`` (y = r ⊙ acc + bias; z = g(y), a constant map before the loss if any;
   loss = lse(z) − z[t]; lse): dz = softmax(z)·(dloss + dlse) − onehot(t)·dloss
   (+ dlogits), dy = dz·g'(z). In training the forward writes z and the backward forms
@@ -49,12 +53,13 @@ import torch
 
 from ...codegen.program import EpilogueProgram, ProgramError
 from ...codegen import reference
-from . import cross_entropy, gated, residual_rmsnorm, rope, rowscale
+from . import centred, cross_entropy, gated, residual_rmsnorm, rope, rowscale
 from .common import Rule, gemm_grads
 
 # family tag -> its rule
 RULES: dict[str, Rule] = {
     "rowscale": rowscale.RULE,
+    "centred": centred.RULE,
     "residual_rmsnorm": residual_rmsnorm.RULE,
     "gated": gated.RULE,
     "rope": rope.RULE,
