@@ -19,10 +19,12 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
   tokens (the rewrite forced at every size: min_fused_rows=0), beside torch.compile, the
   bare GEMMs + SDPA and eager: where the norm + rotation in the GEMM's epilogue pays;
 * LayerNorm (GPT-NeoX-like: Pythia-6.9B widths, hidden 4096, MLP 16384 with GELU;
-  vocab 50432): z = x + residual -> LayerNorm -> up projection -> GELU, and the final
-  LayerNorm -> LM head, at 8192, 2048, 1024 and 256 tokens (forced at every size), beside
-  torch.compile, the bare GEMMs and eager, from CUDA graphs too; and the MLP block's
-  forward + backward (training): where the deferred norm pays;
+  vocab 50432; CODA_LN_HIDDEN=2048: Pythia-1B's): z = x + residual -> LayerNorm -> up
+  projection -> GELU (the activation in the epilogue), and the final LayerNorm -> LM head,
+  at 8192, 4096, 2048, 1024 and 256 tokens (CODA_LN_TOKENS; forced at every size, the
+  folded weights kept), beside torch.compile, the bare GEMM and eager, from CUDA graphs
+  too; and the MLP input's forward + backward (training; CODA_LN_TRAIN=0 skips it): where
+  the deferred norm pays;
 * post-sublayer ("sandwich") norm: GEMM -> RMSNorm -> + residual, under torch.compile,
   against the GEMM alone and against the GEMM + the one pass a fused epilogue would
   still need (the norm's statistic spans the whole row, and the residual is added after
@@ -264,7 +266,9 @@ def qknorm_rows():
     return rows, table
 
 
-LN_H, LN_FFN, LN_VOCAB = 4096, 16384, 50432
+# Pythia-6.9B's widths; CODA_LN_HIDDEN=2048 gives Pythia-1B's (MLP 4 × hidden)
+LN_H = int(__import__("os").environ.get("CODA_LN_HIDDEN", "4096"))
+LN_FFN, LN_VOCAB = 4 * LN_H, 50432
 
 
 class LayerNormUp(nn.Module):
@@ -296,10 +300,14 @@ class LayerNormHead(nn.Module):
 
 
 def layernorm_rows():
-    """The LayerNorm regions at several token counts, the rewrite forced at every size."""
+    """The LayerNorm regions at several token counts, the rewrite forced at every size,
+    the folded weights kept (cache_relayouts: without it the fold is a weight pass per
+    call, which the speed policy refuses on the GPU)."""
     rows, table = [], []
-    opts = {"min_fused_rows": 0}
-    for tokens in (8192, 2048, 1024, 256):
+    opts = {"min_fused_rows": 0, "cache_relayouts": True}
+    import os
+    sizes = [int(t) for t in os.environ.get("CODA_LN_TOKENS", "8192,4096,2048,1024,256").split(",")]
+    for tokens in sizes:
         for make in (LayerNormUp, LayerNormHead):
             torch._dynamo.reset()
             torch.manual_seed(0)
@@ -341,6 +349,8 @@ def layernorm_rows():
                 ms = sorted(ts)[1]
                 rows.append((f"{name}: {k} (CUDA graph)", "ms", ms))
                 table.append((name, f"{k}, CUDA graph", ms, (max(ts) - min(ts)) / ms, err))
+    if os.environ.get("CODA_LN_TRAIN", "1") == "0":
+        return rows, table
     # training: the MLP input's forward + backward at 8192 tokens
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -348,7 +358,7 @@ def layernorm_rows():
     xs = [(torch.randn(1, 8192, LN_H, device="cuda", dtype=bf) + 2.0).requires_grad_(),
           torch.randn(1, 8192, LN_H, device="cuda", dtype=bf).requires_grad_()]
     backend = torch.compile(region, backend="coda",
-                            options={**opts, "fuse_in_training": True})
+                            options={"min_fused_rows": 0, "fuse_in_training": True})
     compiled = torch.compile(region)
 
     def step(fn):

@@ -293,14 +293,14 @@ def test_training_graphs_fuse_only_the_families_that_pay_there(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from coda_rewrite.options import Options
-    from coda_rewrite.patterns import (attention, cross_entropy, gated_mlp,
+    from coda_rewrite.patterns import (attention, cross_entropy, gated_mlp, layernorm,
                                        residual_rmsnorm, rope)
     from coda_rewrite.training_policy import not_paying_in_training
 
     graph = torch.fx.Graph()
     x, w = graph.placeholder("x"), graph.placeholder("w")
     lin = graph.call_function(torch.nn.functional.linear, (x, w))
-    gemm_families = (gated_mlp, rope, residual_rmsnorm, cross_entropy)
+    gemm_families = (gated_mlp, rope, residual_rmsnorm, cross_entropy, layernorm)
 
     def left(grad, device="cuda", **options):
         with FakeTensorMode():

@@ -322,17 +322,116 @@ def test_statistics_function_backward(monkeypatch):
 
 
 def test_folded_weights_are_kept_until_a_parameter_changes():
-    """Inference: W', s and b' kept on the weight between calls (no gradient), made again
-    after an in-place update of any parameter they read."""
+    """Inference with cache_relayouts: W', s and b' kept inside the GEMM op between calls
+    (kernels/relayout.py), made again after an in-place update of any parameter they
+    read; the report says which."""
+    from coda_rewrite.kernels import relayout
     torch.manual_seed(0)
     model = Block()
-    fast = coda_rewrite.optimize(model)
+    fast = coda_rewrite.optimize(model, cache_relayouts=True)
     x = torch.randn(2, 8, D) + 1.0
     with torch.no_grad():
         fast(x)
-        held = getattr(model.out.weight, layernorm._WEIGHTS)
+        before = dict(relayout.STATS)
         fast(x)
-        assert getattr(model.out.weight, layernorm._WEIGHTS) is held  # a hit
+        assert relayout.STATS["hit"] == before.get("hit", 0) + 1
         for p in (model.ln.weight, model.ln.bias, model.out.bias, model.out.weight):
             p.add_(0.25)
+            misses = relayout.STATS["miss"]
             assert rel_err(fast(x), Block.forward(model, x)) <= 1e-6
+            assert relayout.STATS["miss"] == misses + 1
+    (rec,) = _records(fast.report)
+    assert "kept inside the GEMM op" in rec.weights
+
+
+class Mlp(nn.Module):
+    """A plain MLP after a LayerNorm (GPT-NeoX, OPT, Falcon): up projection, activation."""
+
+    def __init__(self, act, returns_preact=False):
+        super().__init__()
+        self.ln, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.act, self.returns_preact = act, returns_preact
+
+    def forward(self, z):
+        p = self.up(self.ln(z))
+        out = self.down(self.act(p))
+        return (out, p) if self.returns_preact else out
+
+
+ACTS = {"gelu_erf": nn.GELU(), "gelu_tanh": nn.GELU("tanh"), "relu": nn.ReLU(),
+        "silu": F.silu}
+
+
+@pytest.mark.parametrize("op", list(ACTS))
+def test_inference_takes_the_activation_into_the_epilogue(op):
+    """Under no_grad the up projection's program applies the activation (the
+    pre-activation never written); with gradients it is left a graph op (the backward
+    reads it). Both exact against eager."""
+    torch.manual_seed(0)
+    model = Mlp(ACTS[op])
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, D) + 1.0
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        assert rel_err(fast(x), ref(x)) <= 1e-6
+    (rec,) = _records(fast.report)
+    assert [p.name for p in rec.programs] == [f"layernorm_rowscale_{op}"], str(fast.report)
+    torch._dynamo.reset()
+    report = module_step_matches_eager(Mlp(ACTS[op]), x)
+    (rec,) = _records(report)
+    assert [p.name for p in rec.programs] == ["layernorm_rowscale"], str(report)
+
+
+@pytest.mark.parametrize("how", ["preact_returned", "inplace"])
+def test_an_activation_with_a_second_reader_is_left(how):
+    """The GEMM's output also returned, or the activation updating it in place: the
+    activation stays a graph op; the norm is still deferred."""
+    torch.manual_seed(0)
+    model = Mlp(nn.ReLU(inplace=True) if how == "inplace" else nn.GELU(),
+                returns_preact=how == "preact_returned")
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, D) + 1.0
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        got, want = fast(x.clone()), ref(x.clone())
+    for a, b in zip(got if isinstance(got, tuple) else (got,),
+                    want if isinstance(want, tuple) else (want,)):
+        assert rel_err(a, b) <= 1e-6
+    (rec,) = _records(fast.report)
+    assert rec.status == "rewritten" and [p.name for p in rec.programs] == [
+        "layernorm_rowscale"], str(fast.report)
+
+
+def test_the_gpu_speed_policy(monkeypatch):
+    """On CUDA (fake metas): a match is deferred only where the folded weights are kept
+    (cache_relayouts) and a consumer takes its activation; min_fused_rows forces it;
+    training graphs are the training policy's; CPU graphs are never refused for speed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_rewrite.options import Options
+    from coda_rewrite.patterns.family import Context
+    from coda_rewrite.patterns.residual_rmsnorm import Consumer
+
+    graph = torch.fx.Graph()
+    z, w = graph.placeholder("z"), graph.placeholder("w")
+    ln = graph.call_function(F.layer_norm, (z, (D,)))
+    lin = graph.call_function(F.linear, (ln, w))
+    act = graph.call_function(F.gelu, (lin,))
+
+    def refused(device="cuda", grad=False, with_act=True, **options) -> str:
+        with FakeTensorMode():
+            z.meta["example_value"] = torch.empty(8, D, device=device)
+            lin.meta["example_value"] = torch.empty(8, 4, device=device, requires_grad=grad)
+            act.meta["example_value"] = torch.empty(8, 4, device=device)
+        match = layernorm.Match(layernorm.LayerNorm(ln, z, None, None, 1e-5, D),
+                                [Consumer(lin, (), w, None)], [],
+                                {lin: ("gelu_erf", act)} if with_act else {})
+        why = layernorm._does_not_pay(match, Context(Options(**options)))
+        return why.code if why is not None else ""
+
+    monkeypatch.delenv("CODA_MIN_FUSED_ROWS", raising=False)
+    assert refused() == "layernorm.fold_per_call"
+    assert refused(cache_relayouts=True) == ""
+    assert refused(cache_relayouts=True, with_act=False) == "layernorm.alone_does_not_pay"
+    assert refused(min_fused_rows=0) == refused(with_act=False, min_fused_rows=4096) == ""
+    assert refused(grad=True) == refused(device="cpu") == ""

@@ -78,8 +78,11 @@ def _consumer_condition(c, norm) -> Why | None:
     return None
 
 
-def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
-    """The overall decision for a match and one per consumer GEMM."""
+def check(match, graph: fx.Graph, activations: dict | None = None
+          ) -> tuple[Decision, dict[fx.Node, Decision]]:
+    """The overall decision for a match and one per consumer GEMM (``activations``: the
+    ones their programs take, as in decide)."""
+    activations = activations or {}
     norm = match.norm
     region = {norm.input, norm.output, *(n for n in (norm.weight, norm.bias) if n is not None)}
     for c in match.consumers:
@@ -95,14 +98,22 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
         bad = _consumer_condition(c, norm)
+        if bad is None and c.linear in activations:
+            act = activations[c.linear][1]
+            if any(mutated_value(n) in aliases({act}) for n in graph.nodes):
+                bad = Why(f"{describe(act)}, the activation the epilogue would take, is "
+                          "updated in place", "layernorm.in_place")
         if bad is not None:
             per_consumer[c.linear] = Rejection(f"(b) {bad}" if code_of(bad).startswith(
                 "row_scale") else bad, describe(c.linear), code=code_of(bad))
             continue
         kinds = row_scale.chain_kinds(c, norm)
         via = ", ".join(f"{n.name}: {k}" for n, (k, _) in zip(c.chain, kinds))
+        op, node = activations.get(c.linear, (None, None))
         per_consumer[c.linear] = Proof(
-            f"{c.linear.name} = r ⊙ (z·W'ᵀ − μ ⊙ s) + b'",
+            (f"{node.name} = {op}(r ⊙ (z·W'ᵀ − μ ⊙ s) + b'), the GEMM's only reader taken "
+             "into the epilogue (no gradient: the pre-activation is never written)")
+            if op else f"{c.linear.name} = r ⊙ (z·W'ᵀ − μ ⊙ s) + b'",
             (f"(b) path from the norm: {via or 'direct'}",
              "(b') nn.Linear contracts over the last (normalised) dim"), ())
     refused = [(n, d) for n, d in per_consumer.items() if not d.accepted]
@@ -131,9 +142,11 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         proof.steps, proof.witness), per_consumer
 
 
-def decide(match, programs: dict, graph: fx.Graph) -> tuple[Decision, dict]:
-    """(decision, per-consumer decisions). Pure: nothing is changed."""
-    decision, per_consumer = check(match, graph)
+def decide(match, programs: dict, activations: dict, graph: fx.Graph
+           ) -> tuple[Decision, dict]:
+    """(decision, per-consumer decisions). ``activations``: consumer GEMM -> (op, node)
+    of the activation its program applies. Pure: nothing is changed."""
+    decision, per_consumer = check(match, graph, activations)
     if not decision.accepted:
         return decision, per_consumer
     # rows shrunk to 3 per leading dim for speed; the model's own sizes where a reshape in
@@ -143,7 +156,7 @@ def decide(match, programs: dict, graph: fx.Graph) -> tuple[Decision, dict]:
     if lead_full != leads[0] and _prod(lead_full) * match.norm.dim <= _MAX_ELEMS:
         leads.append(lead_full)
     for lead in leads:
-        seen = guarded(lambda m: _witness(m, programs, lead), match)
+        seen = guarded(lambda m: _witness(m, programs, activations, lead), match)
         if not (isinstance(seen, Rejection) and seen.code == "witness.unavailable"):
             break
     if isinstance(seen, Rejection):
@@ -153,7 +166,7 @@ def decide(match, programs: dict, graph: fx.Graph) -> tuple[Decision, dict]:
 
 # ---- witness: the matched nodes against the rewrite, in float64 -------------------------
 
-def _witness(match, programs, lead: list[int]) -> str | Rejection:
+def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
     """The norm and each consumer (chain and GEMM) evaluated as captured, against the
     statistics, the folded weights and the program, on random float64 rows whose mean
     is far from 0 (so the correction μ·s matters). A 16-bit graph runs in float64 too:
@@ -181,7 +194,10 @@ def _witness(match, programs, lead: list[int]) -> str | Rejection:
             env[c.bias] = rand(env[c.weight].shape[0])
         for node in c.chain:
             env[node] = _eval(node, env)
-        want = _eval(c.linear, env)
+        env[c.linear] = _eval(c.linear, env)
+        want = env[c.linear]
+        if c.linear in activations:  # the program applies the GEMM's one reader too
+            want = _eval(activations[c.linear][1], env)
 
         def like(node, src, x):
             return _eval(node, env, replace=(src, x))

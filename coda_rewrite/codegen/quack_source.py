@@ -43,7 +43,7 @@ from .op_table import ELEMENTWISE_CLASS, OPS
 from .program import (ACC, GROUPED, PAIRWISE, REDUCTIONS, ROTARY, STATEFUL, EpilogueProgram,
                       Instr, Kind)
 
-GENERATOR_VERSION = "3"
+GENERATOR_VERSION = "4"
 
 
 class Unlowerable(ValueError):
@@ -374,7 +374,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         '"""',
         "",
         "import cutlass.cute as cute",
-        "from quack.activation import gelu_erf, gelu_tanh_approx, sigmoid, silu",
+        "from quack.activation import gelu_erf, gelu_tanh_approx, relu, sigmoid, silu",
         "from quack.epilogue.frontend import gemm_epilogue",
         "from quack.epilogue.math import pack, pexp, unpack",
         "from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce,",

@@ -64,6 +64,7 @@ PAYS_IN_TRAINING = False
 
 _SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
 _GELU = {F.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default, "gelu"}
+_RELU = {F.relu, torch.relu, torch.ops.aten.relu.default, "relu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,25 @@ def activation_of(node: fx.Node) -> tuple[str, fx.Node] | str | None:
         if approx == "none":
             return "geglu_erf", gate
         return Why(f"gelu(approximate={approx!r}) has no epilogue op", "gated.activation")
+    return None
+
+
+def dense_activation(node: fx.Node) -> str | None:
+    """The epilogue op (codegen/op_table.py) of ``node`` when it is an activation of one
+    tensor (a plain MLP's: GELU, exact or tanh, ReLU, SiLU), not in place; None otherwise
+    (another activation, or an op that is not one)."""
+    if node.op not in ("call_function", "call_method") or not node.args or \
+            not isinstance(node.args[0], fx.Node):
+        return None
+    key, extra = node.target, node.args[1:]
+    if key in _SILU or key in _RELU:
+        inplace = node.kwargs.get("inplace", extra[0] if extra else False)
+        if inplace is not False or len(extra) > 1:
+            return None
+        return "silu" if key in _SILU else "relu"
+    if key in _GELU:
+        approx = node.kwargs.get("approximate", extra[0] if extra else "none")
+        return {"tanh": "gelu_tanh", "none": "gelu_erf"}.get(approx)
     return None
 
 

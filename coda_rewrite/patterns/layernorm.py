@@ -25,6 +25,19 @@ lost all but a bit or two of the spread. That holds only when z reaches the GEMM
 unrounded: where eager rounds after centring (a float32 z, a bf16 GEMM: autocast), the
 rewrite would round z before centring, and it is refused (``layernorm.rounds_z``).
 
+What it saves, the write of LN(z), is small beside the GEMM: measured on the H200
+(BENCHMARKS.md, the LayerNorm regions), the deferral alone is level with torch.compile at
+best. What pays is the plain MLP's activation in the same epilogue (GPT-NeoX, Falcon,
+StarCoder2, MPT: GELU; OPT: ReLU): out = act(r·(acc − μ·s) + b'), the pre-activation
+never written, in graphs that compute no gradient (a backward would read it): 2–9% over
+torch.compile from 1024 tokens at Pythia's widths, with the folded weights kept between
+calls. Made on every call instead, the fold is a pass over W (0.16–0.22 ms there) and
+the rewrite loses. So on the GPU a norm is deferred where some consumer takes its
+activation and the folded weights are kept (Options.cache_relayouts, whose memory cost,
+one more copy of those weights, the user accepts there); elsewhere it is left with the
+reason (``layernorm.fold_per_call``, ``layernorm.alone_does_not_pay``), unless
+options.min_fused_rows asks for every fusion by size alone.
+
 A norm whose output is also read by something other than an accepted GEMM (a fused
 RoPE projection, a second branch, a returned value) is left as it is: eager's LN(z)
 would still be written, and the statistics and the weight fold would only add work
@@ -42,24 +55,26 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..algebra import layernorm as legality
-from ..algebra.decision import Why
+from ..algebra.decision import Rejection, Why
 from ..canonical import constant, meta
 from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results
-from ..kernels import ops, versioned
+from ..kernels import ops, relayout
 from . import NoMatch as _NoMatch
 from .family import Context, Decided
+from .gated_mlp import dense_activation
 from .residual_rmsnorm import Consumer, consumers_of
 
 NAME = "layernorm_gemm"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
-# ... from this many rows (size_policy.py; benchmarks/model_families.py layernorm on the
-# H200, BENCHMARKS.md seventh-and-a-half session)
-FUSED_FROM_ROWS = 2048
+# ... from this many rows, where a consumer takes its activation and the folded weights
+# are kept (size_policy.py; the module docstring says when else it does not pay; H200,
+# BENCHMARKS.md, eighth session: 0.98–1.00x torch.compile at 1024 rows, 0.83–0.98x above)
+FUSED_FROM_ROWS = 1024
 # ... and in a training step (training_policy.py): not measured in a step yet
 PAYS_IN_TRAINING = False
 
@@ -86,6 +101,8 @@ class Match:
     norm: LayerNorm
     consumers: list[Consumer]
     other_readers: list[fx.Node]    # readers of LN(z) that are not GEMMs
+    # consumer GEMM -> (epilogue op, node) of the activation that is its only reader
+    activations: dict = dataclasses.field(default_factory=dict)
 
     pattern = NAME
 
@@ -144,21 +161,41 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
                 f"no plain GEMM reads the normalised value (read by {what}): nothing to "
                 "defer the statistics into", "layernorm.no_consumer_gemm")))
             continue
-        found.append(Match(norm, consumers, others))
+        found.append(Match(norm, consumers, others, _activations(consumers)))
     return found
+
+
+def _activations(consumers: list[Consumer]) -> dict:
+    """The plain MLP activation each consumer's output goes to, where that is its only
+    reader (gated_mlp.dense_activation: GELU, ReLU, SiLU)."""
+    out = {}
+    for c in consumers:
+        users = list(c.linear.users)
+        if len(users) == 1 and users[0].args and users[0].args[0] is c.linear:
+            op = dense_activation(users[0])
+            if op is not None and meta(users[0]) is not None:
+                out[c.linear] = (op, users[0])
+    return out
 
 
 # ---- programs -------------------------------------------------------------------------
 
-def centred_program(has_bias: bool, out_dtype: str) -> EpilogueProgram:
-    """out = r[i]·(acc − μ[i]·s[j]) (+ b'[j]): the consumer's epilogue. The cancellation
-    happens first, in float32, between two terms that each carry the mean."""
-    p = ProgramBuilder("layernorm_rowscale", gemm=True, family="centred")
+def centred_program(has_bias: bool, out_dtype: str, activation: str | None = None
+                    ) -> EpilogueProgram:
+    """out = r[i]·(acc − μ[i]·s[j]) (+ b'[j]), then the MLP's activation if one: the
+    consumer's epilogue. The cancellation happens first, in float32, between two terms
+    that each carry the mean; the activation reads the float32 value (eager's reads it
+    rounded to the GEMM's dtype), and the output is rounded once. A program with an
+    activation keeps no pre-activation: inference only (its backward rule refuses it)."""
+    name = "layernorm_rowscale" + (f"_{activation}" if activation else "")
+    p = ProgramBuilder(name, gemm=True, family="centred")
     r, mu = p.operand("r", Kind.PER_ROW), p.operand("mu", Kind.PER_ROW)
     s = p.operand("s", Kind.PER_FEATURE)
     v = p.mul(p.sub(ACC, p.mul(mu, s, name="mu_s"), name="t"), r, name="y")
     if has_bias:
         v = p.add(v, p.operand("bias", Kind.PER_FEATURE), name="y_b")
+    if activation:
+        v = p.emit(activation, v, name="act")
     p.output(v, Kind.TILE, out_dtype)
     return p.build()
 
@@ -168,16 +205,58 @@ def _has_bias(norm: LayerNorm, consumer: Consumer) -> bool:
         legality.has_shift(consumer, norm)
 
 
+def absorbed(match: Match) -> dict:
+    """The activations the consumers' epilogues take: those of GEMMs that compute no
+    gradient (the backward would read the pre-activation, which the program never
+    writes)."""
+    return {lin: act for lin, act in match.activations.items()
+            if not meta(lin).requires_grad}
+
+
 def build_programs(match: Match) -> dict[fx.Node, EpilogueProgram]:
-    return {c.linear: centred_program(_has_bias(match.norm, c),
-                                      dtype_name(meta(c.linear).dtype))
-            for c in match.consumers}
+    acts = absorbed(match)
+    return {c.linear: centred_program(
+        _has_bias(match.norm, c),
+        dtype_name(meta(acts[c.linear][1] if c.linear in acts else c.linear).dtype),
+        acts[c.linear][0] if c.linear in acts else None) for c in match.consumers}
+
+
+def _kept_fold(match: Match, context: Context) -> bool:
+    """Whether the folded weights are kept inside the GEMM op: cache_relayouts, a graph
+    computing no gradient, and nothing between the norm and the GEMMs that scales or
+    shifts (the op folds γ and β alone)."""
+    return context.options.cache_relayouts and not any(
+        meta(c.linear).requires_grad for c in match.consumers) and not any(
+        kind in ("scale", "shift") for c in match.consumers
+        for kind, _ in legality.row_scale.chain_kinds(c, match.norm))
+
+
+def _does_not_pay(match: Match, context: Context) -> Why | None:
+    """Why a match on the GPU is left for speed (the module docstring: what was
+    measured), or None. options.min_fused_rows asks for every fusion by size alone."""
+    if context.options.min_fused_rows is not None or meta(match.norm.input).device.type != "cuda":
+        return None
+    if any(meta(c.linear).requires_grad for c in match.consumers):
+        return None  # a training graph: training_policy.py decided
+    if not _kept_fold(match, context):
+        return Why("the folded weights W∘γ, s and b' would be made on every call, a pass "
+                   "over the weights that costs more than the rewrite saves (H200: "
+                   "0.16–0.22 ms at Pythia's MLP widths); Options(cache_relayouts=True) "
+                   "keeps them between calls (one more copy of those weights)",
+                   "layernorm.fold_per_call")
+    if not absorbed(match):
+        return Why("no consumer GEMM takes an activation into its epilogue: the deferral "
+                   "alone saves one write of LN(z), level with torch.compile at best on the "
+                   "H200 (BENCHMARKS.md); left to eager's LayerNorm", "layernorm.alone_does_not_pay")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     match: Match
     programs: dict[fx.Node, EpilogueProgram]
+    activations: dict      # consumer GEMM -> (op, node) its epilogue takes
+    kept_fold: bool        # the folded weights kept inside the op (relayout.py)
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -187,14 +266,19 @@ def describe_match(m: Match) -> dict:
 
 
 def decide(m: Match, context: Context) -> Decided:
+    slow = _does_not_pay(m, context)
+    if slow is not None:
+        return Decided.refuse(Rejection(slow, describe(m.norm.output)), **describe_match(m))
     programs = build_programs(m)
-    decision, per_consumer = legality.decide(m, programs, m.norm.output.graph)
+    decision, per_consumer = legality.decide(m, programs, absorbed(m),
+                                             m.norm.output.graph)
     report = {"consumer_decisions": [(describe(n), d, bool(c.chain)) for c in m.consumers
                                      for n, d in [(c.linear, per_consumer.get(c.linear))]
                                      if d is not None], **describe_match(m)}
     if not decision.accepted:
         return Decided(decision, None, decision, report)
-    return Decided(decision, Plan(m, programs), None, report)
+    return Decided(decision, Plan(m, programs, absorbed(m), _kept_fold(m, context)), None,
+                   report)
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
@@ -223,42 +307,38 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                                                          like_once, call_fn)
             _, muc, _, _ = legality.replay_chain(c.chain, norm, norm.input, mu, like_once,
                                                  call_fn)
-            weights = graph.call_function(layernorm_weights, (
-                c.weight, c.bias, norm.weight, norm.bias, scale, shift))
-            w_fold, s, b_fold = results(graph, weights, 3, c.weight)
-            x, w = cast_for_gemm(graph, c.linear, zc, w_fold)
-            bias = [b_fold] if _has_bias(norm, c) else []
-            fused = graph.call_function(ops.fused_linear, (program, x, w, rc, muc, s, *bias))
+            if plan.kept_fold:  # W', s, b' inside the op, kept between calls
+                (x,) = cast_for_gemm(graph, c.linear, zc)
+                fused = graph.call_function(relayout.fused_linear_layernorm_kept, (
+                    program, x, c.weight, c.bias, norm.weight, norm.bias, rc, muc))
+            else:               # made in the graph on every call, differentiably
+                weights = graph.call_function(layouts.layernorm_weights, (
+                    c.weight, c.bias, norm.weight, norm.bias, scale, shift))
+                w_fold, s, b_fold = results(graph, weights, 3, c.weight)
+                x, w = cast_for_gemm(graph, c.linear, zc, w_fold)
+                bias = [b_fold] if _has_bias(norm, c) else []
+                fused = graph.call_function(ops.fused_linear,
+                                            (program, x, w, rc, muc, s, *bias))
             copy_meta(fused, c.linear)
             (out,) = results(graph, fused, 1, c.linear)
-        out.meta.update({k: v for k, v in c.linear.meta.items() if k not in out.meta})
-        c.linear.replace_all_uses_with(out)
-        context.replaced[c.linear] = out
+        replaced = plan.activations[c.linear][1] if c.linear in plan.activations else c.linear
+        out.meta.update({k: v for k, v in replaced.meta.items() if k not in out.meta})
+        replaced.replace_all_uses_with(out)
+        context.replaced[replaced] = out
+        if replaced is not c.linear:
+            graph.erase_node(replaced)
         graph.erase_node(c.linear)
         erase_if_dead(graph, c.chain)
     erase_if_dead(graph, [norm.output])
     return {"materialised": [describe(norm.output)] if norm.output in set(graph.nodes) else [],
             "programs": list(dict.fromkeys(plan.programs[c.linear]
-                                           for c in plan.match.consumers))}
+                                           for c in plan.match.consumers)),
+            "weights": relayout_line(plan.kept_fold)}
 
 
-# ---- graph-side runtime: the folded weights, kept between calls where that is safe ------
-
-_WEIGHTS = "_coda_layernorm_weights"  # attribute of a consumer's weight: its memo
-
-
-def layernorm_weights(weight, bias, gamma, beta, scale, shift):
-    """codegen/layouts.layernorm_weights, kept between calls outside autograd: run on
-    every call it is a pass over the consumer's weight (a read and a write of W', a
-    reduction for s, a GEMV for b'), as large as the activation write the rewrite saves
-    at a few hundred rows. Kept on the consumer's weight, keyed by the version counters
-    of every tensor it reads (kernels/versioned.py). Where a gradient flows to them it is
-    made on every call, and autograd takes the gradient back through it."""
-    tensors = [t for t in (weight, bias, gamma, beta, scale, shift)
-               if isinstance(t, torch.Tensor)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return layouts.layernorm_weights(weight, bias, gamma, beta, scale, shift)
-    numbers = tuple("tensor" if isinstance(t, torch.Tensor) else t
-                    for t in (bias, gamma, beta, scale, shift))
-    return versioned.kept(weight, _WEIGHTS, tensors, numbers, lambda: layouts.layernorm_weights(
-        weight, bias, gamma, beta, scale, shift))[0]
+def relayout_line(kept: bool) -> str:
+    """What the report says of the folded weights."""
+    if kept:
+        return ("W∘γ, s and b' folded once, kept inside the GEMM op until W, b, γ or β "
+                "changes (cache_relayouts; version-keyed)")
+    return "W∘γ, s and b' folded from the live parameters on every call"

@@ -632,8 +632,9 @@ def test_qk_norm_models_bf16_on_gpu(family):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 264), (8, 4096, 1024),
                                    (4096, 2048, 6144)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mean", [0.0, 20.0])
-def test_layernorm_kernel(bias, shape, mean):
+@pytest.mark.parametrize("mean,act", [(0.0, None), (20.0, None), (20.0, "gelu_erf"),
+                                      (3.0, "relu")])
+def test_layernorm_kernel(bias, shape, mean, act):
     """r ⊙ (z·W'ᵀ − μ ⊙ s) + b' from the generated kernel, on rows whose mean is far from
     0 (the cancellation the epilogue must do in float32), with the statistics, the folded
     weights and the row sums as the graph makes them: against the reference and against
@@ -647,7 +648,7 @@ def test_layernorm_kernel(bias, shape, mean):
     gamma = (1 + 0.2 * torch.randn(k, generator=g, device=DEV)).to(torch.bfloat16)
     beta = (0.1 * torch.randn(k, generator=g, device=DEV)).to(torch.bfloat16) if bias else None
     b = (0.1 * torch.randn(n, generator=g, device=DEV)).to(torch.bfloat16) if bias else None
-    prog = centred_program(bias, "bfloat16")
+    prog = centred_program(bias, "bfloat16", act)
     r, mu = layouts.layernorm_statistics(z, 1e-5)
     assert r.dtype == mu.dtype == torch.float32 and r.shape == (m, 1)
     var64, mu64 = torch.var_mean(z.double(), -1, keepdim=True, correction=0)
@@ -658,10 +659,11 @@ def test_layernorm_kernel(bias, shape, mean):
     (got,) = ops.gemm_epilogue(prog.to_text(), z, w_fold, operands)
     assert _kernel_calls(prog.key) == before + 1, ops.runtime_summary()
     (ref,) = reference.run_program(prog, z, w_fold, operands)
-    truth = F.linear(F.layer_norm(z.double(), (k,), gamma.double(),
-                                  None if beta is None else beta.double(), 1e-5),
-                     w.double(), None if b is None else b.double())
-    eager = F.linear(F.layer_norm(z, (k,), gamma, beta, 1e-5), w, b)
+    then = {None: lambda t: t, "gelu_erf": F.gelu, "relu": F.relu}[act]
+    truth = then(F.linear(F.layer_norm(z.double(), (k,), gamma.double(),
+                                       None if beta is None else beta.double(), 1e-5),
+                          w.double(), None if b is None else b.double()))
+    eager = then(F.linear(F.layer_norm(z, (k,), gamma, beta, 1e-5), w, b))
     assert rel_err(got, ref) <= 4e-3, rel_err(got, ref)
     assert rel_err(got, truth) <= 1.25 * rel_err(eager, truth), (rel_err(got, truth),
                                                                 rel_err(eager, truth))
@@ -695,19 +697,22 @@ def _layernorm_model(family):
 
 @pytest.mark.parametrize("family", ["gpt_neox", "opt"])
 def test_layernorm_models_bf16_on_gpu(family):
-    """GPT-NeoX (the MLP's and the final norm deferred; RoPE takes q/k/v) and OPT (every
-    norm deferred): logits against float64 no worse than eager, through the kernels; and
-    a training step's loss and gradients (the centred backward rule) likewise."""
+    """GPT-NeoX (the MLP's norm with its GELU, and the final norm deferred; RoPE takes
+    q/k/v) and OPT (every norm; fc1's ReLU): logits against float64 no worse than eager,
+    through the kernels and the kept fold; and a training step's loss and gradients (the
+    centred backward rule, the fold made in the graph) likewise."""
     ids = torch.randint(0, 512, (2, 128), device=DEV)
     before = _kernel_calls("layernorm_rowscale#")
 
-    def rewrite(model):
+    def rewrite(model):  # the folded weights kept inside the op (the GPU's default path)
         torch._dynamo.reset()
-        return coda_rewrite.optimize(model)
+        return coda_rewrite.optimize(model, cache_relayouts=True)
 
     res = low_precision_errors(_layernorm_model(family), (ids,), rewrite, seeds=(0, 1, 2),
                                device=DEV)
-    assert _kernel_calls("layernorm_rowscale#") - before >= 3 * 2, ops.runtime_summary()
+    act = "gelu_erf" if family == "gpt_neox" else "relu"
+    assert _kernel_calls(f"layernorm_rowscale_{act}#") > 0, ops.runtime_summary()
+    assert _kernel_calls("layernorm_rowscale#") - before >= 3, ops.runtime_summary()
     print(f"{family} LayerNorm logits: {res}")
     assert res["ok"], res
     errs = _training_errors(_layernorm_model(family), True)
