@@ -432,6 +432,8 @@ def test_the_gpu_speed_policy(monkeypatch):
     monkeypatch.delenv("CODA_MIN_FUSED_ROWS", raising=False)
     assert refused() == "layernorm.fold_per_call"
     assert refused(cache_relayouts=True) == ""
+    assert refused(cache_relayouts=True, cudagraphs=True) == "layernorm.cuda_graphs"
+    assert refused(cache_relayouts=True, mode="reduce-overhead") == "layernorm.cuda_graphs"
     assert refused(cache_relayouts=True, with_act=False) == "layernorm.alone_does_not_pay"
     assert refused(min_fused_rows=0) == refused(with_act=False, min_fused_rows=4096) == ""
     assert refused(grad=True) == refused(device="cpu") == ""

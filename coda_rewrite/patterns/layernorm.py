@@ -34,8 +34,10 @@ torch.compile from 1024 tokens at Pythia's widths, with the folded weights kept 
 calls. Made on every call instead, the fold is a pass over W (0.16–0.22 ms there) and
 the rewrite loses. So on the GPU a norm is deferred where some consumer takes its
 activation and the folded weights are kept (Options.cache_relayouts, whose memory cost,
-one more copy of those weights, the user accepts there); elsewhere it is left with the
-reason (``layernorm.fold_per_call``, ``layernorm.alone_does_not_pay``), unless
+one more copy of those weights, the user accepts there) and the graph is not replayed
+from CUDA graphs (where nothing can be kept: a replay cannot see a weight change);
+elsewhere it is left with the reason (``layernorm.fold_per_call``,
+``layernorm.alone_does_not_pay``, ``layernorm.cuda_graphs``), unless
 options.min_fused_rows asks for every fusion by size alone.
 
 A norm whose output is also read by something other than an accepted GEMM (a fused
@@ -238,6 +240,12 @@ def _does_not_pay(match: Match, context: Context) -> Why | None:
         return None
     if any(meta(c.linear).requires_grad for c in match.consumers):
         return None  # a training graph: training_policy.py decided
+    opts = context.options
+    if opts.cudagraphs or opts.mode in ("reduce-overhead", "max-autotune"):
+        return Why("the graph is replayed from CUDA graphs, where the folded weights cannot "
+                   "be kept (a replay cannot see a weight change, so they are made again "
+                   "on every replay: a pass over the weights, 1–3 ms at Pythia's widths on "
+                   "the H200)", "layernorm.cuda_graphs")
     if not _kept_fold(match, context):
         return Why("the folded weights W∘γ, s and b' would be made on every call, a pass "
                    "over the weights that costs more than the rewrite saves (H200: "
