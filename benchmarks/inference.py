@@ -2,6 +2,7 @@
 Hugging Face decode, each variant timed in alternating rounds.
 
     source .gpu/setup.sh && python benchmarks/inference.py [forward] [small_m] [decode] [qwen3]
+        [gpt_neox]
 
 forward: the plain Llama (dim 2048, 16 / 8 heads, ffn 5632, vocab 32768, complex RoPE,
 bf16), no_grad, at 2 x 2048 and 2 x 64 tokens: eager, torch.compile, backend="coda",
@@ -19,6 +20,11 @@ measured at batch 8 may be drift) and how many tokens agree with eager.
 
 qwen3: a Hugging Face Qwen3 at Qwen3-8B widths (QK-norm), 2 layers, the forward at 2 x
 2048 and 1 x 256 tokens: eager, torch.compile, backend="coda".
+
+gpt_neox: a Hugging Face GPT-NeoX at Pythia-6.9B widths (LayerNorm, GELU MLP, partial
+RoPE, packed q/k/v), 2 layers, the forward at 2 x 2048 and 1 x 1024 tokens: eager,
+torch.compile, backend="coda" as it ships (the LayerNorm left: no kept fold) and with
+cache_relayouts=True (the LayerNorm + GELU in the up projection's epilogue).
 """
 
 from __future__ import annotations
@@ -203,10 +209,51 @@ def qwen3() -> list:
     return rows
 
 
+def gpt_neox() -> list:
+    """Hugging Face GPT-NeoX at Pythia-6.9B widths (hidden 4096, 32 heads, ffn 16384,
+    vocab 50432, rotary_pct 0.25), 2 layers, bf16, no_grad forward (logits), alternating
+    rounds."""
+    import transformers as tf
+    cfg = tf.GPTNeoXConfig(vocab_size=50432, hidden_size=4096, intermediate_size=16384,
+                           num_hidden_layers=2, num_attention_heads=32, rotary_pct=0.25,
+                           max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = tf.GPTNeoXForCausalLM(cfg).cuda().to(bf).eval()
+    rows = []
+    for b, s in ((2, 2048), (1, 1024)):
+        torch._dynamo.reset()
+        ids = torch.randint(0, cfg.vocab_size, (b, s), device="cuda")
+        compiled = torch.compile(model)
+        plain, caching = CodaBackend(), CodaBackend(Options(cache_relayouts=True))
+        backend, kept = torch.compile(model, backend=plain), torch.compile(model, backend=caching)
+        with torch.no_grad():
+            want = model(ids, use_cache=False).logits.float()
+            for name, f, report in (("default", backend, plain.report),
+                                    ("cache_relayouts", kept, caching.report)):
+                got = f(ids, use_cache=False).logits.float()
+                fused = sorted({p.name for r in report.records if r.status == "rewritten"
+                                for p in r.programs})
+                left = sorted({r.code for r in report.records if r.pattern == "layernorm_gemm"
+                               and r.status != "rewritten"})
+                print(f"gpt_neox {b}x{s} {name}: rel. err vs eager "
+                      f"{float((got - want).norm() / want.norm()):.1e}; fused {fused}; "
+                      f"LayerNorms left: {left}", flush=True)
+            compiled(ids, use_cache=False)
+            t = bench_rounds({"eager": lambda: model(ids, use_cache=False),
+                              "torch.compile": lambda: compiled(ids, use_cache=False),
+                              'backend="coda"': lambda: backend(ids, use_cache=False),
+                              "coda, cache_relayouts": lambda: kept(ids, use_cache=False)})
+        for name, (ms, spread) in t.items():
+            print(f"gpt_neox {b}x{s} {name:<22} {ms:8.3f} ms (spread {spread:.1%})",
+                  flush=True)
+            rows.append((f"gpt_neox {b}x{s} {name}", "ms", ms))
+    return rows
+
+
 def main():
     print(env_line())
     what = sys.argv[1:] or ["forward", "small_m", "decode"]
-    rows = [row for part in (forward, small_m, decode, qwen3) if part.__name__ in what
+    rows = [row for part in (forward, small_m, decode, qwen3, gpt_neox) if part.__name__ in what
             for row in part()]
     print("csv:", write_csv("inference", rows))
 

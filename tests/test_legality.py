@@ -76,13 +76,26 @@ class PostNormLayerNorm(nn.Module):
 
 
 def test_layernorm_post_norm_model_is_unchanged():
+    """Post-norm: each LayerNorm's output is the residual stream the next add reads, so
+    LN(z) is written anyway and no norm is deferred; the last one feeds no GEMM. Each says
+    so; the model runs exactly as eager."""
     model = PostNormLayerNorm()
     x = torch.randn(2, 5, D)
     fast = coda_rewrite.optimize(model)
     assert torch.equal(fast(x), model(x))
     report = fast.report
-    assert report.count() == 0 and not report.records
-    assert "nothing matched" in str(report) and "RMSNorm" in str(report)
+    assert report.count() == 0 and report.count(pattern="layernorm_gemm") == 0
+    assert [r.code for r in report.records] == ["layernorm.materialised_anyway"] * 2 + [
+        "layernorm.no_consumer_gemm"], str(report)
+
+
+def test_a_model_without_norms_says_nothing_matched():
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+    fast = coda_rewrite.optimize(model)
+    x = torch.randn(2, 5, D)
+    assert torch.equal(fast(x), model(x))
+    assert not fast.report.records
+    assert "nothing matched" in str(fast.report) and "RMSNorm" in str(fast.report)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "olmo2"])

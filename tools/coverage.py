@@ -33,9 +33,10 @@ SKIP = {
     "gpt-sw3", "blt", "modernbert-decoder",
 }
 FAMILIES = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp", "rope",
-            "lm_head_cross_entropy")
+            "lm_head_cross_entropy", "layernorm_gemm")
 SHORT = {"attention_inputs": "attention", "residual_rmsnorm_gemm": "norm → GEMM",
-         "gated_mlp": "gated MLP", "rope": "RoPE", "lm_head_cross_entropy": "LM head + loss"}
+         "gated_mlp": "gated MLP", "rope": "RoPE", "lm_head_cross_entropy": "LM head + loss",
+         "layernorm_gemm": "LayerNorm → GEMM"}
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=256, head_dim=16,

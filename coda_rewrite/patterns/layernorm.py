@@ -274,15 +274,21 @@ def describe_match(m: Match) -> dict:
 
 
 def decide(m: Match, context: Context) -> Decided:
-    slow = _does_not_pay(m, context)
-    if slow is not None:
-        return Decided.refuse(Rejection(slow, describe(m.norm.output)), **describe_match(m))
+    """Legality's side conditions first (what the match is says more than a speed
+    reason), then the GPU speed policy, then the witness."""
     programs = build_programs(m)
-    decision, per_consumer = legality.decide(m, programs, absorbed(m),
-                                             m.norm.output.graph)
-    report = {"consumer_decisions": [(describe(n), d, bool(c.chain)) for c in m.consumers
-                                     for n, d in [(c.linear, per_consumer.get(c.linear))]
-                                     if d is not None], **describe_match(m)}
+    graph = m.norm.output.graph
+    structure, per_consumer = legality.check(m, graph, absorbed(m))
+    slow = _does_not_pay(m, context) if structure.accepted else None
+    if slow is not None:
+        structure = Rejection(slow, describe(m.norm.output))
+    if structure.accepted:
+        decision, per_consumer = legality.decide(m, programs, absorbed(m), graph)
+    else:
+        decision = structure
+    report = {"consumer_decisions": [(describe(c.linear), per_consumer[c.linear],
+                                      bool(c.chain)) for c in m.consumers
+                                     if c.linear in per_consumer], **describe_match(m)}
     if not decision.accepted:
         return Decided(decision, None, decision, report)
     return Decided(decision, Plan(m, programs, absorbed(m), _kept_fold(m, context)), None,
