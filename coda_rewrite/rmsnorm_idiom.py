@@ -127,6 +127,9 @@ def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
     if csq is None or csq.name != "square":
         return None
     xf = csq.args[0]
+    cx = canon(xf) if isinstance(xf, fx.Node) else None
+    if cx is not None and cx.name == "sub" and canon_name(cx.args[1]) == "mean":
+        return None  # the variance of a LayerNorm (layernorm_idiom.py), not a mean square
     x = _strip_casts(xf)
     mx = meta(x)
     if mx is None or mx.dim() == 0:

@@ -53,6 +53,8 @@ ARCHS = [
     ("BioGptConfig", "BioGptForCausalLM", {}, 5, 4),
     ("XGLMConfig", "XGLMForCausalLM", dict(d_model=64, ffn_dim=128, num_layers=2,
                                            attention_heads=4), 5, 4),
+    # the decomposed spelling, in float32; a parallel block (one norm, both branches)
+    ("CohereConfig", "CohereForCausalLM", {}, 1, 0),
 ]
 
 
@@ -131,13 +133,23 @@ class Block(nn.Module):
             h = h * self.gamma2 + self.beta2
         elif self.chain == "functional":
             h = F.layer_norm(z, (D,), self.ln.weight, self.ln.bias, 1e-6)
+        elif self.chain == "cohere":  # Cohere's: float32, the weight after, cast back
+            zf = z.float()
+            mean = zf.mean(-1, keepdim=True)
+            var = (zf - mean).pow(2).mean(-1, keepdim=True)
+            h = (self.ln.weight.float() * ((zf - mean) * torch.rsqrt(var + 1e-5))).to(z.dtype)
+        elif self.chain == "handwritten":  # biased var, a divide by sqrt, weight and bias
+            mean = z.mean(dim=-1, keepdim=True)
+            var = z.var(dim=-1, keepdim=True, unbiased=False)
+            h = (z - mean) / torch.sqrt(var + 1e-5) * self.ln.weight + self.ln.bias
         return self.out(h)
 
 
 @pytest.mark.parametrize("kw", [
     {}, {"affine": False}, {"bias": False}, {"gemm_bias": False},
     {"chain": "reshape"}, {"chain": "last_row"}, {"chain": "scale_shift"},
-    {"chain": "functional"}, {"bias": False, "gemm_bias": False, "chain": "scale_shift"}],
+    {"chain": "functional"}, {"bias": False, "gemm_bias": False, "chain": "scale_shift"},
+    {"chain": "cohere"}, {"chain": "handwritten"}],
     ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "plain")
 def test_spellings_are_rewritten_and_exact(kw):
     torch.manual_seed(0)
@@ -192,6 +204,12 @@ class LookAlike(nn.Module):
         if self.kind == "in_place":       # z changes between the norm and the GEMM
             z.mul_(2.0)
             return self.out(h) + z
+        mean = z.mean(-1, keepdim=True)
+        if self.kind == "unbiased":       # torch.var's default: not LayerNorm's variance
+            return self.out((z - mean) / torch.sqrt(z.var(-1, keepdim=True) + 1e-5))
+        if self.kind == "other_mean":     # centred by another row's mean
+            var = (z - mean).pow(2).mean(-1, keepdim=True)
+            return self.out((z - mean.flip(0)) * torch.rsqrt(var + 1e-5))
         raise AssertionError(self.kind)
 
 
@@ -202,6 +220,8 @@ class LookAlike(nn.Module):
     ("feature_slice", "layernorm.materialised_anyway"),
     ("per_row_factor", "layernorm.no_consumer_gemm"),
     ("in_place", "layernorm.in_place"),
+    ("unbiased", "layernorm.unbiased_variance"),
+    ("other_mean", "layernorm.not_centred"),
 ])
 def test_look_alikes_are_left_with_their_reason(kind, code):
     torch.manual_seed(0)
@@ -423,8 +443,8 @@ def test_the_gpu_speed_policy(monkeypatch):
             z.meta["example_value"] = torch.empty(8, D, device=device)
             lin.meta["example_value"] = torch.empty(8, 4, device=device, requires_grad=grad)
             act.meta["example_value"] = torch.empty(8, 4, device=device)
-        match = layernorm.Match(layernorm.LayerNorm(ln, z, None, None, 1e-5, D),
-                                [Consumer(lin, (), w, None)], [],
+        norm = layernorm.LayerNorm(ln, z, None, None, 1e-5, D, (ln,), "layer_norm")
+        match = layernorm.Match(norm, [Consumer(lin, (), w, None)], [],
                                 {lin: ("gelu_erf", act)} if with_act else {})
         why = layernorm._does_not_pay(match, Context(Options(**options)))
         return why.code if why is not None else ""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..canonical import meta
+from ..canonical import canon_name, meta
 from ..capture import describe
 from ..codegen import layouts, reference
 from ..codegen.program import parse
@@ -84,7 +84,7 @@ def check(match, graph: fx.Graph, activations: dict | None = None
     ones their programs take, as in decide)."""
     activations = activations or {}
     norm = match.norm
-    region = {norm.input, norm.output, *(n for n in (norm.weight, norm.bias) if n is not None)}
+    region = {norm.input, *norm.nodes, *(n for n in (norm.weight, norm.bias) if n is not None)}
     for c in match.consumers:
         region.update(c.chain)
     watched = aliases(region)
@@ -169,9 +169,11 @@ def decide(match, programs: dict, activations: dict, graph: fx.Graph
 def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
     """The norm and each consumer (chain and GEMM) evaluated as captured, against the
     statistics, the folded weights and the program, on random float64 rows whose mean
-    is far from 0 (so the correction μ·s matters). A 16-bit graph runs in float64 too:
-    the casts left in an accepted region are identities (check's (d)), replayed as such,
-    so the replay compares exact math in every dtype."""
+    is far from 0 (so the correction μ·s matters). A 16-bit graph runs in float64 too,
+    exact math on both sides: the norm's own casts (Cohere's float32 statistic and the
+    cast back) are replayed as identities, and the casts between the norm and a GEMM that
+    check's (d) lets through are identities in the model; what rounding does is (d)'s
+    and the numerics tests' to judge, not the witness's."""
     norm = match.norm
     d = norm.dim
     g = torch.Generator().manual_seed(4321)
@@ -184,7 +186,9 @@ def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
         env[norm.weight] = rand(d, base=1.0) * 0.5
     if norm.bias is not None:
         env[norm.bias] = rand(d) * 0.5
-    env[norm.output] = _eval(norm.output, env)
+    for node in norm.nodes:  # graph order; the norm's own casts as identities (below)
+        env[node] = _value(node.args[0], env) if canon_name(node) == "cast" else \
+            _eval(node, env)
     r, mu = layouts.layernorm_statistics(env[norm.input], norm.eps)
     names, errs = [], []
     for c in match.consumers:

@@ -52,19 +52,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..algebra import layernorm as legality
 from ..algebra.decision import Rejection, Why
-from ..canonical import constant, meta
+from ..canonical import meta
 from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results
 from ..kernels import ops, relayout
+from ..layernorm_idiom import LayerNorm, NearMiss, find_layer_norms
 from . import NoMatch as _NoMatch
 from .family import Context, Decided
 from .gated_mlp import dense_activation
@@ -79,24 +78,6 @@ FUSES_GEMMS = True
 FUSED_FROM_ROWS = 1024
 # ... and in a training step (training_policy.py): not measured in a step yet
 PAYS_IN_TRAINING = False
-
-_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerNorm:
-    """F.layer_norm(input, (dim,), weight, bias, eps) over the last dim."""
-    output: fx.Node           # the call
-    input: fx.Node            # z
-    weight: fx.Node | None    # γ
-    bias: fx.Node | None      # β
-    eps: float
-    dim: int
-
-    @property
-    def nodes(self) -> tuple[fx.Node, ...]:
-        return (self.output,)
-
 
 @dataclasses.dataclass(frozen=True)
 class Match:
@@ -117,45 +98,13 @@ class NoMatch(_NoMatch):
     pattern = NAME
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _layer_norm(node: fx.Node) -> LayerNorm | Why:
-    z = _arg(node, 0, "input")
-    shape = _arg(node, 1, "normalized_shape")
-    weight, bias = _arg(node, 2, "weight"), _arg(node, 3, "bias")
-    eps = constant(_arg(node, 4, "eps", 1e-5))
-    mz = meta(z)
-    if mz is None or meta(node) is None:
-        return Why(f"{describe(node)}: its input is not a tensor the graph traced",
-                   "layernorm.not_a_tensor")
-    shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
-    if len(shape) != 1 or shape[0] != mz.shape[-1]:
-        return Why(f"{describe(node)} normalises over the last {len(shape)} dims "
-                   f"{shape}: its statistic is not one per row of a GEMM's input",
-                   "layernorm.not_last_dim")
-    if eps is None:
-        return Why(f"{describe(node)} has an eps known only at run time",
-                   "layernorm.runtime_eps")
-    d = int(mz.shape[-1])
-    for t in (weight, bias):
-        mt = meta(t)
-        if t is not None and (mt is None or tuple(mt.shape) != (d,)):
-            return Why(f"{describe(node)}'s affine parameter {describe(t)} is not a [{d}] "
-                       "tensor", "layernorm.affine_shape")
-    return LayerNorm(node, z, weight, bias, float(eps), d)
-
-
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     found: list[Match | NoMatch] = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in _LAYER_NORMS:
+    for norm in find_layer_norms(graph):
+        if isinstance(norm, NearMiss):
+            found.append(NoMatch(norm.node, norm.reason))
             continue
-        norm = _layer_norm(node)
-        if isinstance(norm, Why):
-            found.append(NoMatch(node, norm))
-            continue
+        node = norm.output
         consumers, others = consumers_of(node)
         if not consumers:
             what = ", ".join(describe(n) for n in others) or "nothing"
@@ -255,7 +204,8 @@ def _does_not_pay(match: Match, context: Context) -> Why | None:
     if not absorbed(match):
         return Why("no consumer GEMM takes an activation into its epilogue: the deferral "
                    "alone saves one write of LN(z), level with torch.compile at best on the "
-                   "H200 (BENCHMARKS.md); left to eager's LayerNorm", "layernorm.alone_does_not_pay")
+                   "H200 (BENCHMARKS.md); left to eager's LayerNorm",
+                   "layernorm.alone_does_not_pay")
     return None
 
 
@@ -343,7 +293,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             graph.erase_node(replaced)
         graph.erase_node(c.linear)
         erase_if_dead(graph, c.chain)
-    erase_if_dead(graph, [norm.output])
+    erase_if_dead(graph, list(reversed(norm.nodes)))
     return {"materialised": [describe(norm.output)] if norm.output in set(graph.nodes) else [],
             "programs": list(dict.fromkeys(plan.programs[c.linear]
                                            for c in plan.match.consumers)),
