@@ -286,15 +286,22 @@ def test_bf16_no_worse_than_eager_even_with_large_means(mean):
     assert ratios[1] <= 1.25, ratios
 
 
-def test_float32_large_mean_stays_within_the_float32_rule():
-    """A float32 model with rows at |mean| = 30σ: within 1e-5 of eager (the cancellation
-    costs ~2^-24·|μ|/σ)."""
+@pytest.mark.parametrize("mean", [30.0, 1000.0])
+def test_float32_large_mean_stays_within_the_float32_rule(mean):
+    """A float32 model (K = 1024) with rows at |mean| = 30σ and 1000σ: no worse than
+    eager against float64, and within 1e-5 of eager beyond eager's own error (the
+    centred program's float32 GEMM accumulates in float64, s and the statistics are
+    float64: reference.compute_dtype, layouts.layernorm_weights / _statistics; all in
+    float32 the rewrite was off by 1e-5 at 30σ and 3e-4 at 1000σ)."""
     torch.manual_seed(0)
-    model = Block()
-    x = 30.0 + torch.randn(4, 16, D)
-    ref = copy.deepcopy(model)
+    model = nn.Sequential(nn.LayerNorm(1024), nn.Linear(1024, 256))
+    x = mean + torch.randn(64, 1024)
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     fast = coda_rewrite.optimize(model)
-    assert rel_err(fast(x), ref(x)) <= 1e-5
+    got, want, truth = fast(x), ref(x), exact(x.double())
+    assert rel_err(got, truth) <= rel_err(want, truth)
+    # (at 1000σ eager's own float32 error is ~3e-5: the rewrite is closer to float64)
+    assert rel_err(got, want) <= 1e-5 + rel_err(want, truth)
     assert _rewritten(fast.report) == 1
 
 

@@ -134,13 +134,15 @@ class _LayerNormStatistics(torch.autograd.Function):
 
 def layernorm_statistics(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A LayerNorm's row statistics over the last dim, each [..., 1]: r = rsqrt(biased
-    variance + eps) and the mean μ, in float32 (float64 for a float64 z). The variance
-    is a Welford / two-pass one, never E[z²] − μ², which cancels when |μ| ≫ σ.
+    variance + eps) and the mean μ, in float32 for a 16-bit z, float64 for a float32 or
+    float64 one (an error δμ moves the output by r·δμ·s, of the mean's size: float32 μ of
+    a float32 z would cost ~2^-24·|μ|/σ, and the float32 rule is 1e-5 of eager). The
+    variance is a Welford / two-pass one, never E[z²] − μ², which cancels when |μ| ≫ σ.
     Differentiable. On the GPU with a 16-bit z: one kernel (_LayerNormStatistics); under
     tracing (Inductor), var_mean of the upcast, which Inductor fuses with what makes z."""
     if real([z]) and z.is_cuda and z.dtype in (torch.bfloat16, torch.float16):
         return _LayerNormStatistics.apply(z, float(eps))
-    zc = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
+    zc = z.to(torch.float64 if z.dtype in (torch.float32, torch.float64) else torch.float32)
     var, mu = torch.var_mean(zc, dim=-1, keepdim=True, correction=0)
     return torch.rsqrt(var + eps), mu
 
@@ -153,7 +155,8 @@ def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
     nothing does):
 
         W' = W ∘ (γ·scale), rounded once to W's dtype     (what the GEMM multiplies z by)
-        s_j = Σ_k W'[j, k], float32 from those rounded values
+        s_j = Σ_k W'[j, k], from those rounded values: float32 from 16-bit ones, float64
+              from float32 ones
         b' = (β·scale + shift)·Wᵀ + b, float32; None where there is nothing to add
 
     s is summed from the very values the GEMM multiplies, so z·W'ᵀ − μ·s = (z − μ)·W'ᵀ
@@ -170,7 +173,10 @@ def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
     w_fold = weight if factor is None else \
         (weight.to(wide) * (factor.reshape(1, -1) if isinstance(factor, torch.Tensor)
                             else factor)).to(weight.dtype)
-    s = w_fold.detach().to(wide).sum(-1)
+    # s is multiplied by μ, of the mean's size: from float32 weights it is summed in
+    # float64 (a float32 sum's error would move the output by ~2^-24·|μ|/σ)
+    s = w_fold.detach().to(torch.float32 if weight.dtype in (torch.bfloat16, torch.float16)
+                           else torch.float64).sum(-1)
     total_shift = None
     if beta is not None:
         total_shift = beta.to(wide)

@@ -48,7 +48,8 @@ def _centred_vjp(prog, a, b, operands, outputs, grads):
     grad_b = (dy * r).to(a.dtype).t() @ centred.to(a.dtype)
     grads_by_name = {
         "r": (g * centred).sum(-1).to(by_name["r"].dtype),
-        "mu": (-r[:, 0] * (dy @ up(by_name["s"]))).to(by_name["mu"].dtype),
+        "mu": (-r[:, 0] * (dy.to(by_name["s"].dtype) @ by_name["s"])).to(
+            by_name["mu"].dtype),
     }
     if "bias" in by_name:
         grads_by_name["bias"] = dy.sum(0).to(by_name["bias"].dtype)
