@@ -315,15 +315,10 @@ def layernorm_rows():
             xs = (torch.randn(1, tokens, LN_H, device="cuda", dtype=bf) + 2.0,)
             if make is LayerNormUp:
                 xs += (torch.randn(1, tokens, LN_H, device="cuda", dtype=bf),)
-                w = region.up.weight
+            w = region.up.weight if make is LayerNormUp else region.head.weight
 
-                def bare(xs=xs, w=w):
-                    torch.mm(xs[0].view(-1, LN_H), w.t())
-            else:
-                w = region.head.weight
-
-                def bare(xs=xs, w=w):
-                    torch.mm(xs[0].view(-1, LN_H), w.t())
+            def bare(xs=xs, w=w):  # the GEMM alone
+                torch.mm(xs[0].view(-1, LN_H), w.t())
             name = f"{make.__name__}, {tokens} tokens"
             with torch.no_grad():
                 fused = coda_rewrite.optimize(region, **opts)

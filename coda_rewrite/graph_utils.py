@@ -63,6 +63,19 @@ def mutated_value(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def in_place_update_of(values: set[fx.Node], graph: fx.Graph
+                       ) -> tuple[fx.Node, fx.Node] | None:
+    """(the node, the value it updates) of the first update in place, anywhere in
+    ``graph``, of one of ``values`` or of a view that may share memory with one; None
+    where nothing updates them."""
+    watched = aliases(values)
+    for node in graph.nodes:
+        target = mutated_value(node)
+        if target is not None and target in watched:
+            return node, target
+    return None
+
+
 def aliases(values: set[fx.Node]) -> set[fx.Node]:
     """``values`` and every view that may share memory with them."""
     seen, todo = set(values), list(values)

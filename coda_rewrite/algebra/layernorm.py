@@ -34,7 +34,7 @@ from ..canonical import canon_name, meta
 from ..capture import describe
 from ..codegen import layouts, reference
 from ..codegen.program import parse
-from ..graph_utils import aliases, mutated_value
+from ..graph_utils import in_place_update_of
 from ..numerics import rel_err
 from . import row_scale, sharding, statements
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
@@ -87,20 +87,19 @@ def check(match, graph: fx.Graph, activations: dict | None = None
     region = {norm.input, *norm.nodes, *(n for n in (norm.weight, norm.bias) if n is not None)}
     for c in match.consumers:
         region.update(c.chain)
-    watched = aliases(region)
-    for node in graph.nodes:
-        target = mutated_value(node)
-        if target is not None and target in watched:
-            return Rejection(Why(
-                f"(c) {describe(node)} updates {target.name} in place; the deferred "
-                "statistics and the GEMM would read it at other times than the norm did",
-                "layernorm.in_place"), describe(node)), {}
+    updated = in_place_update_of(region, graph)
+    if updated is not None:
+        node, target = updated
+        return Rejection(Why(
+            f"(c) {describe(node)} updates {target.name} in place; the deferred "
+            "statistics and the GEMM would read it at other times than the norm did",
+            "layernorm.in_place"), describe(node)), {}
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
         bad = _consumer_condition(c, norm)
         if bad is None and c.linear in activations:
             act = activations[c.linear][1]
-            if any(mutated_value(n) in aliases({act}) for n in graph.nodes):
+            if in_place_update_of({act}, graph) is not None:
                 bad = Why(f"{describe(act)}, the activation the epilogue would take, is "
                           "updated in place", "layernorm.in_place")
         if bad is not None:

@@ -36,7 +36,7 @@ import torch.fx as fx
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts, reference
-from ..graph_utils import aliases, mutated_value
+from ..graph_utils import in_place_update_of
 from ..numerics import rel_err
 from . import sharding, statements
 from . import witness as witness_mod
@@ -225,15 +225,14 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         region.add(norm.weight)
     for c in match.consumers:
         region.update(c.chain)
-    watched = aliases(region)
-    for node in graph.nodes:
-        target = mutated_value(node)
-        if target is not None and target in watched:
-            return Rejection(Why(
-                    f"(c) {describe(node)} updates {target.name} in place; the deferred rstd "
-                    "would be computed from the value before that update",
-                    "row_scale.in_place"),
-                describe(node)), {}
+    updated = in_place_update_of(region, graph)
+    if updated is not None:
+        node, target = updated
+        return Rejection(Why(
+                f"(c) {describe(node)} updates {target.name} in place; the deferred rstd "
+                "would be computed from the value before that update",
+                "row_scale.in_place"),
+            describe(node)), {}
 
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
