@@ -26,7 +26,8 @@ class Options:
     # empty tensor and the backward recomputes them in a GEMM (saves tokens x vocab x 2
     # bytes, costs one GEMM of the LM head's size).
     materialize_logits: bool = True
-    # Keep re-laid-out weights (interleaved gate/up, permuted q/k/v) between calls, keyed
+    # Keep re-laid-out weights (interleaved gate/up, permuted q/k/v; a LayerNorm's folded
+    # weights W∘γ, their row sums and β·Wᵀ + b) between calls, keyed
     # by the parameters' version counters, inside the GEMM op that reads them
     # (kernels/relayout.py), instead of recomputing them on every call. Inference graphs
     # only (a training graph's weights change every step). For serving: saves a read +

@@ -333,6 +333,17 @@ def test_backward_rule_matches_autograd_through_the_reference():
             assert rel_err(x, y) <= 1e-12, name
 
 
+def test_an_activation_program_refuses_a_backward():
+    """A program with the activation keeps no pre-activation (inference graphs only):
+    asked for a gradient, the centred rule refuses it loudly, never the general rule
+    (which, with s detached in the graph, would drop s's share of W'’s gradient)."""
+    from coda_rewrite.codegen.program import ProgramError
+    prog = layernorm.centred_program(True, "float32", "gelu_erf")
+    with pytest.raises(ProgramError, match="not of the shape"):
+        backward.saves(prog)
+    assert backward.saves(layernorm.centred_program(True, "float32")) == ([], set())
+
+
 def test_statistics_function_backward(monkeypatch):
     """The GPU path's autograd Function (torch.batch_norm_stats has no derivative): its
     backward against autograd of the plain var_mean form (batch_norm_stats, CUDA-only,
@@ -456,7 +467,26 @@ def test_the_gpu_speed_policy(monkeypatch):
         why = layernorm._does_not_pay(match, Context(Options(**options)))
         return why.code if why is not None else ""
 
+    def refused_with_a_scale(**options) -> str:  # ln → · g → linear: the fold takes γ, β only
+        g2 = torch.fx.Graph()
+        z2, w2, g = (g2.placeholder(n) for n in ("z", "w", "g"))
+        ln2 = g2.call_function(F.layer_norm, (z2, (D,)))
+        scaled = g2.call_function(torch.mul, (ln2, g))
+        lin2 = g2.call_function(F.linear, (scaled, w2))
+        act2 = g2.call_function(F.gelu, (lin2,))
+        with FakeTensorMode():
+            for n, shape in ((z2, (8, D)), (ln2, (8, D)), (scaled, (8, D)), (g, (D,)),
+                             (lin2, (8, 4)), (act2, (8, 4))):
+                n.meta["example_value"] = torch.empty(shape, device="cuda")
+        norm2 = layernorm.LayerNorm(ln2, z2, None, None, 1e-5, D, (ln2,), "layer_norm")
+        match = layernorm.Match(norm2, [Consumer(lin2, (scaled,), w2, None)], [],
+                                {lin2: ("gelu_erf", act2)})
+        why = layernorm._does_not_pay(match, Context(Options(**options)))
+        return f"{why.code}: {why}" if why is not None else ""
+
     monkeypatch.delenv("CODA_MIN_FUSED_ROWS", raising=False)
+    why = refused_with_a_scale(cache_relayouts=True)  # says why cache_relayouts did not help
+    assert why.startswith("layernorm.fold_per_call") and "scale or shift" in why, why
     assert refused() == "layernorm.fold_per_call"
     assert refused(cache_relayouts=True) == ""
     assert refused(cache_relayouts=True, cudagraphs=True) == "layernorm.cuda_graphs"

@@ -195,12 +195,14 @@ def _fold(parts: str, weight, rest):
                                      named.get("beta"))
 
 
-def kept_fold(parts: str, weight, rest):
-    """(W', s, b') of codegen/layouts.layernorm_weights, reused while no source changed."""
+def kept_fold(parts: str, weight, rest, dtype: torch.dtype):
+    """(W', s, b') of codegen/layouts.layernorm_weights, W' in the GEMM's dtype (an
+    autocast GEMM on float32 weights), reused while no source changed."""
     def fresh():
         with torch.no_grad():
-            return _fold(parts, weight, rest)
-    out, what = versioned.kept(weight, _FOLD_ATTR, [weight, *rest], (parts,), fresh)
+            w_fold, s, b_fold = _fold(parts, weight, rest)
+            return w_fold.to(dtype).contiguous(), s, b_fold
+    out, what = versioned.kept(weight, _FOLD_ATTR, [weight, *rest], (parts, dtype), fresh)
     STATS[what] += 1
     return out
 
@@ -211,14 +213,14 @@ def gemm_layernorm_kept(program: str, a: torch.Tensor, parts: str, weight: torch
                         ) -> list[torch.Tensor]:
     """``coda::gemm_epilogue(program, a, W', [*operands, s, (b')])`` with (W', s, b') the
     kept fold of ``weight`` and ``rest`` (inference only: no autograd formula)."""
-    w_fold, s, b_fold = kept_fold(parts, weight, rest)
+    w_fold, s, b_fold = kept_fold(parts, weight, rest, a.dtype)
     return _gemm_on(program, a, w_fold, [*operands, s, *([b_fold] if b_fold is not None
                                                          else [])])
 
 
 def _fake_layernorm_kept(program, a, parts, weight, rest, operands):
     w_fold, s, b_fold = _fold(parts, weight, rest)
-    return _gemm_on(program, a, w_fold, [*operands, s, *([b_fold] if b_fold is not None
+    return _gemm_on(program, a, w_fold.to(a.dtype), [*operands, s, *([b_fold] if b_fold is not None
                                                          else [])])
 
 

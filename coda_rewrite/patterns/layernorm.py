@@ -74,9 +74,11 @@ NAME = "layernorm_gemm"
 FUSES_GEMMS = True
 # ... from this many rows, where a consumer takes its activation and the folded weights
 # are kept (size_policy.py; the module docstring says when else it does not pay; H200,
-# BENCHMARKS.md, eighth session: 0.98–1.00x torch.compile at 1024 rows, 0.83–0.98x above)
+# BENCHMARKS.md, eighth session: the MLP input 0.94x torch.compile at 1024 rows of
+# Pythia-6.9B's widths, 0.86–0.90x from 2048; not measured below 1024)
 FUSED_FROM_ROWS = 1024
-# ... and in a training step (training_policy.py): not measured in a step yet
+# ... and in a training step (training_policy.py): the MLP input's forward + backward ran
+# 1.14x torch.compile's (its backward is a rule, and the fold is made every step)
 PAYS_IN_TRAINING = False
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +197,11 @@ def _does_not_pay(match: Match, context: Context) -> Why | None:
                    "be kept (a replay cannot see a weight change, so they are made again "
                    "on every replay: a pass over the weights, 1–3 ms at Pythia's widths on "
                    "the H200)", "layernorm.cuda_graphs")
+    if opts.cache_relayouts and not _kept_fold(match, context):
+        return Why("a per-feature scale or shift between the norm and a GEMM: the folded "
+                   "weights would be made on every call (the kept fold takes γ and β "
+                   "alone), a pass over the weights that costs more than the rewrite saves",
+                   "layernorm.fold_per_call")
     if not _kept_fold(match, context):
         return Why("the folded weights W∘γ, s and b' would be made on every call, a pass "
                    "over the weights that costs more than the rewrite saves (H200: "
