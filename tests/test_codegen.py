@@ -412,7 +412,8 @@ def _model_programs() -> list[str]:
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL] + \
         [p.to_text() for p in qk_norm_programs()] + \
-        [centred_program(bias, "bfloat16").to_text() for bias in (True, False)]
+        [centred_program(bias, "bfloat16", act).to_text()
+         for bias, act in ((True, None), (False, None), (True, "gelu_erf"), (True, "relu_sq"))]
     kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would

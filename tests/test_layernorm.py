@@ -396,8 +396,13 @@ class Mlp(nn.Module):
         return (out, p) if self.returns_preact else out
 
 
+class ReluSquared(nn.Module):  # Nemotron's / Persimmon's relu2
+    def forward(self, x):
+        return torch.square(F.relu(x))
+
+
 ACTS = {"gelu_erf": nn.GELU(), "gelu_tanh": nn.GELU("tanh"), "relu": nn.ReLU(),
-        "silu": F.silu}
+        "silu": F.silu, "relu_sq": ReluSquared()}
 
 
 @pytest.mark.parametrize("op", list(ACTS))
@@ -420,13 +425,20 @@ def test_inference_takes_the_activation_into_the_epilogue(op):
     assert [p.name for p in rec.programs] == ["layernorm_rowscale"], str(report)
 
 
-@pytest.mark.parametrize("how", ["preact_returned", "inplace"])
+class ReluThenOther(nn.Module):  # a ReLU whose only reader is not a square
+    def forward(self, x):
+        return F.relu(x) * 3.0
+
+
+@pytest.mark.parametrize("how", ["preact_returned", "inplace", "relu_then_other"])
 def test_an_activation_with_a_second_reader_is_left(how):
     """The GEMM's output also returned, or the activation updating it in place: the
-    activation stays a graph op; the norm is still deferred."""
+    activation stays a graph op; the norm is still deferred. A ReLU followed by another
+    op is a ReLU (the epilogue takes it, the op after it stays)."""
     torch.manual_seed(0)
-    model = Mlp(nn.ReLU(inplace=True) if how == "inplace" else nn.GELU(),
-                returns_preact=how == "preact_returned")
+    act = {"inplace": nn.ReLU(inplace=True), "relu_then_other": ReluThenOther()}.get(
+        how, nn.GELU())
+    model = Mlp(act, returns_preact=how == "preact_returned")
     ref = copy.deepcopy(model)
     x = torch.randn(2, 8, D) + 1.0
     fast = coda_rewrite.optimize(model)
@@ -436,8 +448,9 @@ def test_an_activation_with_a_second_reader_is_left(how):
                     want if isinstance(want, tuple) else (want,)):
         assert rel_err(a, b) <= 1e-6
     (rec,) = _records(fast.report)
-    assert rec.status == "rewritten" and [p.name for p in rec.programs] == [
-        "layernorm_rowscale"], str(fast.report)
+    want = "layernorm_rowscale_relu" if how == "relu_then_other" else "layernorm_rowscale"
+    assert rec.status == "rewritten" and [p.name for p in rec.programs] == [want], \
+        str(fast.report)
 
 
 def test_the_gpu_speed_policy(monkeypatch):

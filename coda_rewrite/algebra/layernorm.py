@@ -98,8 +98,8 @@ def check(match, graph: fx.Graph, activations: dict | None = None
     for c in match.consumers:
         bad = _consumer_condition(c, norm)
         if bad is None and c.linear in activations:
-            act = activations[c.linear][1]
-            if in_place_update_of({act}, graph) is not None:
+            _, act, between = activations[c.linear]
+            if in_place_update_of({act, *between}, graph) is not None:
                 bad = Why(f"{describe(act)}, the activation the epilogue would take, is "
                           "updated in place", "layernorm.in_place")
         if bad is not None:
@@ -108,7 +108,7 @@ def check(match, graph: fx.Graph, activations: dict | None = None
             continue
         kinds = row_scale.chain_kinds(c, norm)
         via = ", ".join(f"{n.name}: {k}" for n, (k, _) in zip(c.chain, kinds))
-        op, node = activations.get(c.linear, (None, None))
+        op, node, _ = activations.get(c.linear, (None, None, ()))
         per_consumer[c.linear] = Proof(
             (f"{node.name} = {op}(r ⊙ (z·W'ᵀ − μ ⊙ s) + b'), the GEMM's only reader taken "
              "into the epilogue (no gradient: the pre-activation is never written)")
@@ -143,8 +143,9 @@ def check(match, graph: fx.Graph, activations: dict | None = None
 
 def decide(match, programs: dict, activations: dict, graph: fx.Graph
            ) -> tuple[Decision, dict]:
-    """(decision, per-consumer decisions). ``activations``: consumer GEMM -> (op, node)
-    of the activation its program applies. Pure: nothing is changed."""
+    """(decision, per-consumer decisions). ``activations``: consumer GEMM -> (op, last
+    node, nodes before it) of the activation its program applies. Pure: nothing is
+    changed."""
     decision, per_consumer = check(match, graph, activations)
     if not decision.accepted:
         return decision, per_consumer

@@ -137,6 +137,7 @@ _SPECS = {
     "exp": _unary(torch.exp, "pexp({})"),
     "silu": _unary(F.silu, "silu({})", zero=True),
     "relu": _unary(F.relu, "relu({})", zero=True),
+    "relu_sq": _unary(lambda x: F.relu(x).square(), "relu_sq({})", zero=True),
     "sigmoid": _unary(torch.sigmoid, "sigmoid({})"),
     # logit soft-capping, c·tanh(y / c). Kernels: MUFU tanh.approx.f32 (relative error
     # ~2^-11, below one rounding of the 16-bit logits they write; an exact tanh made the

@@ -374,7 +374,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         '"""',
         "",
         "import cutlass.cute as cute",
-        "from quack.activation import gelu_erf, gelu_tanh_approx, relu, sigmoid, silu",
+        "from quack.activation import gelu_erf, gelu_tanh_approx, relu, relu_sq, sigmoid, silu",
         "from quack.epilogue.frontend import gemm_epilogue",
         "from quack.epilogue.math import pack, pexp, unpack",
         "from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce,",

@@ -28,7 +28,8 @@ rewrite would round z before centring, and it is refused (``layernorm.rounds_z``
 What it saves, the write of LN(z), is small beside the GEMM: measured on the H200
 (BENCHMARKS.md, the LayerNorm regions), the deferral alone is level with torch.compile at
 best. What pays is the plain MLP's activation in the same epilogue (GPT-NeoX, Falcon,
-StarCoder2, MPT: GELU; OPT: ReLU): out = act(r·(acc − μ·s) + b'), the pre-activation
+StarCoder2, MPT: GELU; OPT: ReLU; Nemotron, Persimmon: ReLU²): out = act(r·(acc − μ·s)
++ b'), the pre-activation
 never written, in graphs that compute no gradient (a backward would read it): 2–9% over
 torch.compile from 1024 tokens at Pythia's widths, with the folded weights kept between
 calls. Made on every call instead, the fold is a pass over W (0.16–0.22 ms there) and
@@ -56,7 +57,7 @@ import torch.fx as fx
 
 from ..algebra import layernorm as legality
 from ..algebra.decision import Rejection, Why
-from ..canonical import meta
+from ..canonical import canon_name, meta
 from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
@@ -86,7 +87,7 @@ class Match:
     norm: LayerNorm
     consumers: list[Consumer]
     other_readers: list[fx.Node]    # readers of LN(z) that are not GEMMs
-    # consumer GEMM -> (epilogue op, node) of the activation that is its only reader
+    # consumer GEMM -> (epilogue op, last node, nodes before it) of its activation
     activations: dict = dataclasses.field(default_factory=dict)
 
     pattern = NAME
@@ -118,16 +119,27 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
     return found
 
 
+def _only_reader(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].args and users[0].args[0] is node \
+        else None
+
+
 def _activations(consumers: list[Consumer]) -> dict:
     """The plain MLP activation each consumer's output goes to, where that is its only
-    reader (gated_mlp.dense_activation: GELU, ReLU, SiLU)."""
+    reader (gated_mlp.dense_activation: GELU, ReLU, SiLU; and ReLU squared, Nemotron's
+    and Persimmon's relu2, where the ReLU's only reader squares it): consumer GEMM ->
+    (epilogue op, the activation's last node, the nodes before it)."""
     out = {}
     for c in consumers:
-        users = list(c.linear.users)
-        if len(users) == 1 and users[0].args and users[0].args[0] is c.linear:
-            op = dense_activation(users[0])
-            if op is not None and meta(users[0]) is not None:
-                out[c.linear] = (op, users[0])
+        act = _only_reader(c.linear)
+        op = dense_activation(act) if act is not None else None
+        if op is None or meta(act) is None:
+            continue
+        out[c.linear] = (op, act, ())
+        sq = _only_reader(act) if op == "relu" else None
+        if sq is not None and canon_name(sq) == "square" and meta(sq) is not None:
+            out[c.linear] = ("relu_sq", sq, (act,))
     return out
 
 
@@ -220,7 +232,7 @@ def _does_not_pay(match: Match, context: Context) -> Why | None:
 class Plan:
     match: Match
     programs: dict[fx.Node, EpilogueProgram]
-    activations: dict      # consumer GEMM -> (op, node) its epilogue takes
+    activations: dict      # consumer GEMM -> (op, last node, nodes before) it takes
     kept_fold: bool        # the folded weights kept inside the op (relayout.py)
 
 
@@ -292,12 +304,12 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                                             (program, x, w, rc, muc, s, *bias))
             copy_meta(fused, c.linear)
             (out,) = results(graph, fused, 1, c.linear)
-        replaced = plan.activations[c.linear][1] if c.linear in plan.activations else c.linear
+        _, replaced, between = plan.activations.get(c.linear, (None, c.linear, ()))
         out.meta.update({k: v for k, v in replaced.meta.items() if k not in out.meta})
         replaced.replace_all_uses_with(out)
         context.replaced[replaced] = out
-        if replaced is not c.linear:
-            graph.erase_node(replaced)
+        for node in (replaced, *reversed(between)) if replaced is not c.linear else ():
+            graph.erase_node(node)
         graph.erase_node(c.linear)
         erase_if_dead(graph, c.chain)
     erase_if_dead(graph, list(reversed(norm.nodes)))

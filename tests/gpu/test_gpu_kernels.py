@@ -633,7 +633,7 @@ def test_qk_norm_models_bf16_on_gpu(family):
 @pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 264), (8, 4096, 1024),
                                    (4096, 2048, 6144)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mean,act", [(0.0, None), (20.0, None), (20.0, "gelu_erf"),
-                                      (3.0, "relu")])
+                                      (3.0, "relu"), (3.0, "relu_sq")])
 def test_layernorm_kernel(bias, shape, mean, act):
     """r ⊙ (z·W'ᵀ − μ ⊙ s) + b' from the generated kernel, on rows whose mean is far from
     0 (the cancellation the epilogue must do in float32), with the statistics, the folded
@@ -659,7 +659,8 @@ def test_layernorm_kernel(bias, shape, mean, act):
     (got,) = ops.gemm_epilogue(prog.to_text(), z, w_fold, operands)
     assert _kernel_calls(prog.key) == before + 1, ops.runtime_summary()
     (ref,) = reference.run_program(prog, z, w_fold, operands)
-    then = {None: lambda t: t, "gelu_erf": F.gelu, "relu": F.relu}[act]
+    then = {None: lambda t: t, "gelu_erf": F.gelu, "relu": F.relu,
+            "relu_sq": lambda t: F.relu(t).square()}[act]
     truth = then(F.linear(F.layer_norm(z.double(), (k,), gamma.double(),
                                        None if beta is None else beta.double(), 1e-5),
                           w.double(), None if b is None else b.double()))
