@@ -196,6 +196,21 @@ def _vector(t, d: int) -> bool:
         all(s == 1 for s in mt.shape[:-1]) and mt.is_floating_point()
 
 
+def _through_upcasts(node: fx.Node) -> fx.Node:
+    """The parameter under exact upcasts (Cohere's ``self.weight.to(torch.float32)``):
+    the same values, and a tensor that lives between calls, so a fold kept on it is
+    found again (the upcast is a new tensor every call)."""
+    while canon_name(node) == "cast" and isinstance(node.args[0], fx.Node):
+        src, out = meta(node.args[0]), meta(node)
+        if src is None or out is None or not src.is_floating_point() or \
+                torch.finfo(out.dtype).bits < torch.finfo(src.dtype).bits or \
+                (torch.finfo(out.dtype).bits == torch.finfo(src.dtype).bits
+                 and out.dtype != src.dtype):
+            break
+        node = node.args[0]
+    return node
+
+
 def _affine_forward(y: fx.Node, dim: int, nodes: list[fx.Node]):
     """Walk the casts, the per-feature scale and the per-feature shift after the
     normalised value (scale before shift: y·γ + β). γ and β are the values the model
@@ -213,6 +228,7 @@ def _affine_forward(y: fx.Node, dim: int, nodes: list[fx.Node]):
             if taken is not None or bias is not None or not isinstance(other, fx.Node) \
                     or not _vector(other, dim):
                 return y, weight, bias
+            other = _through_upcasts(other)
             if c.name == "mul":
                 weight = other
             else:

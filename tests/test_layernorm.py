@@ -380,6 +380,15 @@ def test_folded_weights_are_kept_until_a_parameter_changes():
             assert relayout.STATS["miss"] == misses + 1
     (rec,) = _records(fast.report)
     assert "kept inside the GEMM op" in rec.weights
+    # Cohere's spelling multiplies by weight.float(), a new tensor every call: the fold is
+    # kept on the parameter under the upcast, and found again
+    torch._dynamo.reset()
+    fast = coda_rewrite.optimize(Block(chain="cohere"), cache_relayouts=True)
+    with torch.no_grad():
+        fast(x)
+        hits = relayout.STATS["hit"]
+        fast(x)
+        assert relayout.STATS["hit"] == hits + 1
 
 
 class Mlp(nn.Module):

@@ -186,6 +186,13 @@ def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
         env[norm.weight] = rand(d, base=1.0) * 0.5
     if norm.bias is not None:
         env[norm.bias] = rand(d) * 0.5
+    for param in (norm.weight, norm.bias):  # the exact upcasts the model reads them
+        todo = [param] if param is not None else []  # through (Cohere's weight.float())
+        while todo:
+            for u in todo.pop().users:
+                if canon_name(u) == "cast" and u not in env:
+                    env[u] = env[param]
+                    todo.append(u)
     for node in norm.nodes:  # graph order; the norm's own casts as identities (below)
         env[node] = _value(node.args[0], env) if canon_name(node) == "cast" else \
             _eval(node, env)
