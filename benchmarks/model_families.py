@@ -37,6 +37,8 @@ each beside torch.compile of the same region, bare cuBLAS and eager, in one run
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -245,29 +247,13 @@ def qknorm_rows():
                        for w in ws)
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         name = f"QK-norm q,k,v -> RoPE, {b * s} tokens"
-        r, t = _region_rows(name, region, x, bare, min_fused_rows=0)
+        r, t = _region_rows(name, region, x, bare, graphed=True, min_fused_rows=0)
         rows, table = rows + r, table + t
-        # the device time alone (a CUDA graph's replay): at a few hundred tokens the
-        # plain loop above times the host's launches
-        with torch.no_grad():
-            backend = torch.compile(region, backend="coda", options={"min_fused_rows": 0})
-            compiled = torch.compile(region)
-            graphed = {"coda backend": lambda: backend(x),
-                       "torch.compile": lambda: compiled(x), "bare cuBLAS": bare}
-            seen = {k: [] for k in graphed}
-            for i in range(3):
-                for k in (list(graphed) if i % 2 == 0 else list(graphed)[::-1]):
-                    seen[k].append(bench_graphed(graphed[k]))
-        for k, ts in seen.items():
-            ms = sorted(ts)[1]
-            rows.append((f"{name}: {k} (CUDA graph)", "ms", ms))
-            table.append((name, f"{k}, CUDA graph", ms, (max(ts) - min(ts)) / ms,
-                          float("nan")))
     return rows, table
 
 
 # Pythia-6.9B's widths; CODA_LN_HIDDEN=2048 gives Pythia-1B's (MLP 4 × hidden)
-LN_H = int(__import__("os").environ.get("CODA_LN_HIDDEN", "4096"))
+LN_H = int(os.environ.get("CODA_LN_HIDDEN", "4096"))
 LN_FFN, LN_VOCAB = 4 * LN_H, 50432
 
 
@@ -305,7 +291,6 @@ def layernorm_rows():
     call, which the speed policy refuses on the GPU)."""
     rows, table = [], []
     opts = {"min_fused_rows": 0, "cache_relayouts": True}
-    import os
     sizes = [int(t) for t in os.environ.get("CODA_LN_TOKENS", "8192,4096,2048,1024,256").split(",")]
     for tokens in sizes:
         for make in (LayerNormUp, LayerNormHead):
@@ -320,30 +305,9 @@ def layernorm_rows():
             def bare(xs=xs, w=w):  # the GEMM alone
                 torch.mm(xs[0].view(-1, LN_H), w.t())
             name = f"{make.__name__}, {tokens} tokens"
-            with torch.no_grad():
-                fused = coda_rewrite.optimize(region, **opts)
-                backend = torch.compile(region, backend="coda", options=opts)
-                compiled = torch.compile(region)
-                want, got = region(*xs), fused(*xs)
-                backend(*xs)
-                compiled(*xs)
-                done = [r for r in fused.report.records if r.pattern == "layernorm_gemm"]
-                assert done and done[0].status == "rewritten", str(fused.report)
-                err = float((got.float() - want.float()).norm() / want.float().norm())
-                variants = {"coda": lambda: fused(*xs), "coda backend": lambda: backend(*xs),
-                            "torch.compile": lambda: compiled(*xs), "bare cuBLAS": bare,
-                            "eager": lambda: region(*xs)}
-                t = bench_rounds(variants)
-                rows += [(f"{name}: {v}", "ms", ms) for v, (ms, _) in t.items()]
-                table += [(name, v, ms, spread, err) for v, (ms, spread) in t.items()]
-                seen = {k: [] for k in ("coda backend", "torch.compile", "bare cuBLAS")}
-                for i in range(3):
-                    for k in (list(seen) if i % 2 == 0 else list(seen)[::-1]):
-                        seen[k].append(bench_graphed(variants[k]))
-            for k, ts in seen.items():
-                ms = sorted(ts)[1]
-                rows.append((f"{name}: {k} (CUDA graph)", "ms", ms))
-                table.append((name, f"{k}, CUDA graph", ms, (max(ts) - min(ts)) / ms, err))
+            r, t = _region_rows(name, region, xs, bare, pattern="layernorm_gemm",
+                                graphed=True, **opts)
+            rows, table = rows + r, table + t
     if os.environ.get("CODA_LN_TRAIN", "1") == "0":
         return rows, table
     # training: the MLP input's forward + backward at 8192 tokens
@@ -382,11 +346,14 @@ def _peak(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
 
 
-def _region_rows(name: str, region: nn.Module, x, bare, **options) -> tuple[list, list]:
-    """One attention-input region: optimize(), backend="coda", torch.compile, ``bare``
-    (cuBLAS GEMMs + SDPA) and eager in alternating rounds, after checking that the RoPE
-    rewrite applied and what it computes against eager. ``x``: the input, or a tuple of
-    them; ``options``: the pass's, for both coda variants."""
+def _region_rows(name: str, region: nn.Module, x, bare, pattern: str = "rope",
+                 graphed: bool = False, **options) -> tuple[list, list]:
+    """One region: optimize(), backend="coda", torch.compile, ``bare`` (the cuBLAS GEMMs,
+    + SDPA where the region has one) and eager in alternating rounds, after checking that
+    the ``pattern`` rewrite applied once and what it computes against eager. ``graphed``:
+    the backend, torch.compile and ``bare`` also from CUDA graphs (the device time alone:
+    at a few hundred tokens the plain loop times the host's launches). ``x``: the input,
+    or a tuple of them; ``options``: the pass's, for both coda variants."""
     xs = x if isinstance(x, tuple) else (x,)
     with torch.no_grad():
         fused = coda_rewrite.optimize(region, **options)
@@ -395,13 +362,24 @@ def _region_rows(name: str, region: nn.Module, x, bare, **options) -> tuple[list
         want, got = region(*xs), fused(*xs)
         backend(*xs)
         compiled(*xs)
-        assert fused.report.count(pattern="rope") == 1, str(fused.report)
+        assert fused.report.count(pattern=pattern) == 1, str(fused.report)
         err = float((got.float() - want.float()).norm() / want.float().norm())
-        t = bench_rounds({"coda": lambda: fused(*xs), "coda backend": lambda: backend(*xs),
-                          "torch.compile": lambda: compiled(*xs), "bare cuBLAS": bare,
-                          "eager": lambda: region(*xs)})
+        variants = {"coda": lambda: fused(*xs), "coda backend": lambda: backend(*xs),
+                    "torch.compile": lambda: compiled(*xs), "bare cuBLAS": bare,
+                    "eager": lambda: region(*xs)}
+        t = bench_rounds(variants)
+        seen = {k: [] for k in (("coda backend", "torch.compile", "bare cuBLAS")
+                                if graphed else ())}
+        for i in range(3 if graphed else 0):
+            for k in (list(seen) if i % 2 == 0 else list(seen)[::-1]):
+                seen[k].append(bench_graphed(variants[k]))
     rows = [(f"{name}: {variant}", "ms", ms) for variant, (ms, _) in t.items()]
-    return rows, [(name, variant, ms, spread, err) for variant, (ms, spread) in t.items()]
+    table = [(name, variant, ms, spread, err) for variant, (ms, spread) in t.items()]
+    for k, ts in seen.items():
+        ms = sorted(ts)[1]
+        rows.append((f"{name}: {k} (CUDA graph)", "ms", ms))
+        table.append((name, f"{k}, CUDA graph", ms, (max(ts) - min(ts)) / ms, err))
+    return rows, table
 
 
 def attention_rows():

@@ -196,17 +196,24 @@ def _vector(t, d: int) -> bool:
         all(s == 1 for s in mt.shape[:-1]) and mt.is_floating_point()
 
 
+def exact_upcast(node) -> bool:
+    """A cast to a float type at least as wide of the same kind (bf16 → float32): the
+    same values."""
+    if canon_name(node) != "cast" or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = meta(node.args[0]), meta(node)
+    if src is None or out is None or not src.is_floating_point() or \
+            not out.is_floating_point():
+        return False
+    return out.dtype == src.dtype or (torch.finfo(out.dtype).bits > torch.finfo(src.dtype).bits
+                                      and torch.finfo(out.dtype).eps <= torch.finfo(src.dtype).eps)
+
+
 def _through_upcasts(node: fx.Node) -> fx.Node:
     """The parameter under exact upcasts (Cohere's ``self.weight.to(torch.float32)``):
     the same values, and a tensor that lives between calls, so a fold kept on it is
     found again (the upcast is a new tensor every call)."""
-    while canon_name(node) == "cast" and isinstance(node.args[0], fx.Node):
-        src, out = meta(node.args[0]), meta(node)
-        if src is None or out is None or not src.is_floating_point() or \
-                torch.finfo(out.dtype).bits < torch.finfo(src.dtype).bits or \
-                (torch.finfo(out.dtype).bits == torch.finfo(src.dtype).bits
-                 and out.dtype != src.dtype):
-            break
+    while exact_upcast(node):
         node = node.args[0]
     return node
 

@@ -357,6 +357,8 @@ def test_statistics_function_backward(monkeypatch):
     r, mu = layouts._LayerNormStatistics.apply(z, 1e-5)
     r0, mu0 = layouts.layernorm_statistics(z.detach(), 1e-5)
     assert rel_err(r, r0) <= 1e-12 and rel_err(mu, mu0) <= 1e-12
+    r1, mu1 = layouts._welford_rows(z.detach(), 1e-5)  # the inference path's
+    assert r1.shape == r0.shape and rel_err(r1, r0) <= 1e-12 and rel_err(mu1, mu0) <= 1e-12
 
 
 def test_folded_weights_are_kept_until_a_parameter_changes():

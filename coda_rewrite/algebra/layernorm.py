@@ -34,6 +34,7 @@ from ..canonical import canon_name, meta
 from ..capture import describe
 from ..codegen import layouts, reference
 from ..codegen.program import parse
+from ..layernorm_idiom import exact_upcast
 from ..graph_utils import in_place_update_of
 from ..numerics import rel_err
 from . import row_scale, sharding, statements
@@ -190,7 +191,7 @@ def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
         todo = [param] if param is not None else []  # through (Cohere's weight.float())
         while todo:
             for u in todo.pop().users:
-                if canon_name(u) == "cast" and u not in env:
+                if exact_upcast(u) and u not in env:
                     env[u] = env[param]
                     todo.append(u)
     for node in norm.nodes:  # graph order; the norm's own casts as identities (below)

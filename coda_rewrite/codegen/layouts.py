@@ -113,23 +113,27 @@ class _LayerNormStatistics(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, eps):
-        flat = z.reshape(1, -1, z.shape[-1])
-        mu, r = torch.batch_norm_stats(flat, eps)
-        shape = (*z.shape[:-1], 1)
+        r, mu = _welford_rows(z, eps)
         ctx.save_for_backward(z, r, mu)
-        return r.reshape(shape), mu.reshape(shape)
+        return r, mu
 
     @staticmethod
     def backward(ctx, dr, dmu):
         z, r, mu = ctx.saved_tensors
         k, wide = z.shape[-1], r.dtype
-        r, mu = r.reshape(*z.shape[:-1], 1), mu.reshape(*z.shape[:-1], 1)
         dz = torch.zeros_like(z, dtype=wide)
         if dmu is not None:
             dz = dz + dmu.to(wide) / k
         if dr is not None:
             dz = dz - dr.to(wide) * r.pow(3) * (z.to(wide) - mu) / k
         return dz.to(z.dtype), None
+
+
+def _welford_rows(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, μ), each [..., 1], from one batch_norm_stats kernel over z as [1, rows, K]."""
+    mu, r = torch.batch_norm_stats(z.reshape(1, -1, z.shape[-1]), eps)
+    shape = (*z.shape[:-1], 1)
+    return r.reshape(shape), mu.reshape(shape)
 
 
 def layernorm_statistics(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +145,9 @@ def layernorm_statistics(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, tor
     Differentiable. On the GPU with a 16-bit z: one kernel (_LayerNormStatistics); under
     tracing (Inductor), var_mean of the upcast, which Inductor fuses with what makes z."""
     if real([z]) and z.is_cuda and z.dtype in (torch.bfloat16, torch.float16):
-        return _LayerNormStatistics.apply(z, float(eps))
+        if torch.is_grad_enabled() and z.requires_grad:
+            return _LayerNormStatistics.apply(z, float(eps))
+        return _welford_rows(z, float(eps))  # inference: no autograd node on every call
     zc = z.to(torch.float64 if z.dtype in (torch.float32, torch.float64) else torch.float32)
     var, mu = torch.var_mean(zc, dim=-1, keepdim=True, correction=0)
     return torch.rsqrt(var + eps), mu

@@ -1,9 +1,10 @@
 """Reference implementation of epilogue programs in plain torch.
 
 It runs on every device and dtype, and follows the generated kernel's order of
-operations: the GEMM accumulates in float32 from the 16-bit operands (float64 when an
-input is float64), the whole body runs in that compute dtype on the unrounded
-accumulator, and each output is rounded once, when it is stored. So kernel and reference
+operations: the GEMM accumulates in float32 from the 16-bit operands (in float64 from
+float32 or float64 ones, which no kernel takes: compute_dtype), the whole body runs in
+that compute dtype on the unrounded accumulator, and each output is rounded once, when
+it is stored. So kernel and reference
 agree to rounding, and a tolerance measures the rewrite, not the implementation.
 
 It is written in differentiable torch ops on purpose: the op's backward recomputes the
@@ -29,20 +30,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def compute_dtype(program: EpilogueProgram, a, b, operands) -> torch.dtype:
-    """float64 when the GEMM operands or a tile are float64 (a float64 model), else
-    float32. Vectors and scalars do not decide it: a float64 eps stays a scalar.
-
-    One exception: a centred program (a LayerNorm deferred into its GEMM, whose epilogue
-    cancels z·W'ᵀ against μ·s, two terms of the mean's size) on float32 operands runs in
-    float64. No kernel takes float32 operands, so this is what a float32 model runs, and
-    its float32 accumulation would cost ~2^-24·|μ|/σ of the output: past the float32
-    rule (1e-5 of eager) from |μ| ≈ 30σ at K = 1024 (measured on the CPU). From 16-bit
-    operands the kernel's float32 accumulation stays within eager's bf16 error to 500σ."""
+    """float32 for 16-bit GEMM operands (the kernel's accumulator), float64 otherwise: a
+    float64 model, and a float32 one too. No kernel takes float32 operands, so this is
+    what a float32 model runs, and an epilogue that cancels two large terms (a LayerNorm
+    deferred: z·W'ᵀ − μ·s, each of the mean's size) would lose ~2^-24·|μ|/σ of the output
+    to a float32 accumulation, past the float32 rule (1e-5 of eager) from |μ| ≈ 30σ at
+    K = 1024 (measured on the CPU). Without a GEMM, the tiles decide (float64 only for a
+    float64 tile). Vectors and scalars do not decide it: a float64 eps stays a scalar."""
     tiles = [t for s, t in zip(program.operands, operands) if s.kind == Kind.TILE]
-    if program.family == "centred" and a is not None and a.dtype == torch.float32:
+    gemm = [t for t in (a, b) if t is not None]
+    if any(t.dtype not in (torch.bfloat16, torch.float16) for t in gemm) or \
+            any(t is not None and t.dtype == torch.float64 for t in tiles):
         return torch.float64
-    return torch.float64 if any(t is not None and t.dtype == torch.float64
-                                for t in (a, b, *tiles)) else torch.float32
+    return torch.float32
 
 
 def unary(op: str):

@@ -56,6 +56,7 @@ import dataclasses
 import torch.fx as fx
 
 from ..algebra import layernorm as legality
+from ..algebra import row_scale
 from ..algebra.decision import Rejection, Why
 from ..canonical import canon_name, meta
 from ..capture import describe, model_path
@@ -178,8 +179,8 @@ def absorbed(match: Match) -> dict:
             if not meta(lin).requires_grad}
 
 
-def build_programs(match: Match) -> dict[fx.Node, EpilogueProgram]:
-    acts = absorbed(match)
+def build_programs(match: Match, acts: dict) -> dict[fx.Node, EpilogueProgram]:
+    """One program per consumer; ``acts``: the activations they take (absorbed)."""
     return {c.linear: centred_program(
         _has_bias(match.norm, c),
         dtype_name(meta(acts[c.linear][1] if c.linear in acts else c.linear).dtype),
@@ -193,7 +194,7 @@ def _kept_fold(match: Match, context: Context) -> bool:
     return context.options.cache_relayouts and not any(
         meta(c.linear).requires_grad for c in match.consumers) and not any(
         kind in ("scale", "shift") for c in match.consumers
-        for kind, _ in legality.row_scale.chain_kinds(c, match.norm))
+        for kind, _ in row_scale.chain_kinds(c, match.norm))
 
 
 def _does_not_pay(match: Match, context: Context) -> Why | None:
@@ -245,14 +246,15 @@ def describe_match(m: Match) -> dict:
 def decide(m: Match, context: Context) -> Decided:
     """Legality's side conditions first (what the match is says more than a speed
     reason), then the GPU speed policy, then the witness."""
-    programs = build_programs(m)
+    acts = absorbed(m)
+    programs = build_programs(m, acts)
     graph = m.norm.output.graph
-    structure, per_consumer = legality.check(m, graph, absorbed(m))
+    structure, per_consumer = legality.check(m, graph, acts)
     slow = _does_not_pay(m, context) if structure.accepted else None
     if slow is not None:
         structure = Rejection(slow, describe(m.norm.output))
     if structure.accepted:
-        decision, per_consumer = legality.decide(m, programs, absorbed(m), graph)
+        decision, per_consumer = legality.decide(m, programs, acts, graph)
     else:
         decision = structure
     report = {"consumer_decisions": [(describe(c.linear), per_consumer[c.linear],
@@ -260,7 +262,7 @@ def decide(m: Match, context: Context) -> Decided:
                                      if c.linear in per_consumer], **describe_match(m)}
     if not decision.accepted:
         return Decided(decision, None, decision, report)
-    return Decided(decision, Plan(m, programs, absorbed(m), _kept_fold(m, context)), None,
+    return Decided(decision, Plan(m, programs, acts, _kept_fold(m, context)), None,
                    report)
 
 
