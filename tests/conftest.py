@@ -247,6 +247,19 @@ def adversary_records(report, pattern: str, must_rewrite: bool, note) -> bool:
     return done
 
 
+def adversary_outputs_match(got, want, truth, low: bool, case) -> None:
+    """An adversary's output oracle: each output of the rewritten model against eager's
+    (same shape and dtype); in bf16 no worse than eager against the float64 copy's
+    ``truth`` (one draw: 1.5x, not the median's), in float32 within 1e-5 of eager."""
+    from coda_rewrite.numerics import rel_err
+    for o, w, t in zip(got, want, truth):
+        assert o.shape == w.shape and o.dtype == w.dtype
+        if low:
+            assert rel_err(o, t) <= 1.5 * rel_err(w, t), (case, rel_err(o, t), rel_err(w, t))
+        else:
+            assert rel_err(o, w) <= 1e-5, (case, rel_err(o, w))
+
+
 def outputs_step_matches_eager(model, x, what=None, out_tol: float = 1e-5,
                                grad_tol: float = 1e-4):
     """optimize(model) against a deep copy of it, eager, for a module returning a tuple of
