@@ -123,6 +123,14 @@ def step():
             fuse_in_training=True)),
         "coda-attention-ce": lambda: torch.compile(model, backend=coda_backend(
             patterns=("attention_inputs", "lm_head_cross_entropy"), fuse_in_training=True)),
+        # + the gated MLP, its down projection's backward in the dgrad GEMM's epilogue
+        # (kernels/gated_down.py), or as graph ops (the plain backward rule)
+        "coda-attention-ce-gated": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs", "lm_head_cross_entropy", "gated_mlp"),
+            fuse_in_training=True)),
+        "coda-attention-ce-gated-graph-bwd": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs", "lm_head_cross_entropy", "gated_mlp"),
+            fuse_in_training=True, backward_epilogues=False)),
         **{name: (lambda pats=pats: torch.compile(model, backend=coda_backend(
             patterns=pats, fuse_in_training=True))) for name, pats in ABLATION},
         # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches

@@ -63,6 +63,12 @@ class Options:
     # else None.
     fuse_in_training: bool | None = dataclasses.field(default_factory=lambda: _flag_from_env(
         os.environ.get("CODA_FUSE_IN_TRAINING")))
+    # In a training graph, fuse a family's backward elementwise work into the epilogue of
+    # a GEMM the backward computes anyway, where the family has one: a fused gated MLP's
+    # dSwiGLU/dGeGLU in its down projection's dgrad GEMM (kernels/gated_down.py; h is then
+    # recomputed there, not saved). False: that work runs as graph ops (Inductor fuses
+    # them), as the plain backward rules do; for ablations.
+    backward_epilogues: bool = True
 
     @classmethod
     def make(cls, options: dict | None = None, **kw) -> "Options":

@@ -17,6 +17,7 @@ import torch
 import coda_rewrite
 from coda_rewrite.codegen.program import ACC, Kind, ProgramBuilder, ProgramError
 from coda_rewrite.codegen.quack_source import Unlowerable, generate
+from coda_rewrite.codegen import dgated_source
 from coda_rewrite.kernels.quack_path import contract_violation
 from coda_rewrite.patterns.layernorm import centred_program
 
@@ -415,6 +416,10 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
         [centred_program(bias, "bfloat16", act).to_text()
          for bias, act in ((True, None), (False, None), (True, "gelu_erf"), (True, "relu_sq"))]
     kernels = {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in texts}
+    # the gated backward's dgrad kernels (kernels/dgated.py), one per pairwise op
+    dgated_ops = ["swiglu", "geglu", "geglu_erf"]
+    kernels |= {dgated_source.generate(op).module_name for op in dgated_ops}
+    texts = texts + [{"dgated": op} for op in dgated_ops]
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would
            "CODA_KERNEL_DIR": str(tmp_path / "kernels"),              # skip compilation

@@ -12,6 +12,11 @@ act(gate)·up. Side conditions, each checked here:
 * nothing else reads gate, up or act(gate): the fused GEMM never writes them;
 * gate, up and the product share one dtype (no cast between them that the fused
   epilogue would skip).
+
+In a training graph the down projection that reads the product may take its backward
+from the fused one (kernels/gated_down.py: dSwiGLU/dGeGLU in its dgrad GEMM's epilogue):
+decide_down checks that it is the product's only reader and replays the matched nodes'
+gradients in float64 against the fused backward's math (statements.prove_gated_backward).
 """
 
 from __future__ import annotations
@@ -116,6 +121,19 @@ def decide(m, program) -> Decision:
 def _replay(m, program) -> str | Rejection:
     """The matched nodes on random float64 inputs (small shapes) against the fused
     program, through the reference, on the same inputs."""
+    env, lead, w_int, b_int = _random_inputs(m)
+    g, u = m.gate, m.up
+    eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
+                m.act, m.mul], env)
+    operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
+    fused = layouts.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
+                                       *operands)[0]
+    return verdict(rel_err(fused, env[m.mul]), f"rows {lead}", m.path)
+
+
+def _random_inputs(m):
+    """(env, leading shape, W_int, b_int): random float64 values for the projections'
+    input, row scale, weights and biases, at small shapes."""
     gen = torch.Generator().manual_seed(4321)
 
     def rand(*shape, positive=False):
@@ -145,12 +163,88 @@ def _replay(m, program) -> str | Rejection:
         w_int = layouts.interleave_rows(env[g.weight], env[u.weight])
         b_int = None if g.bias is None and u.bias is None else \
             layouts.interleave_rows(env.get(g.bias), env.get(u.bias))
-    eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
-                m.act, m.mul], env)
-    operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
-    fused = layouts.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
-                                       *operands)[0]
-    return verdict(rel_err(fused, env[m.mul]), f"rows {lead}", m.path)
+    return env, lead, w_int, b_int
+
+
+# ---- the down projection's backward in its dgrad GEMM (kernels/gated_down.py) ----------
+
+def down_conditions(m, down) -> tuple[list[str], str | None]:
+    """(conditions that hold, the first that does not) for fusing the backward of the
+    down projection ``down`` (patterns/gated_mlp.Down) reading the gated product."""
+    held = []
+    if list(m.mul.users) != [down.linear]:
+        return held, Why(f"{describe(m.mul)} is read by "
+                         f"{', '.join(describe(u) for u in m.mul.users)}: the fused backward "
+                         "gives the product's whole gradient to the pre-activation, so the "
+                         "down projection must be its only reader", "gated.down_other_reader")
+    held.append("the gated product is read only by the down projection, as its input")
+    for n in down.between:
+        if len(n.users) != 1:
+            return held, Why(f"{describe(n)} (the down weight's transpose) has other readers",
+                             "gated.down_weight_read")
+    return held, None
+
+
+def upstream(node: fx.Node, known: set) -> list[fx.Node]:
+    """``node`` and every node it reads, back to the ``known`` ones."""
+    out, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        if n in known or n in seen:
+            continue
+        seen.add(n)
+        out.append(n)
+        todo.extend(n.all_input_nodes)
+    return out
+
+
+def decide_down(m, down) -> Decision:
+    """Legality of giving ``down``'s backward to coda::gated_down. Pure."""
+    held, failed = down_conditions(m, down)
+    if failed:
+        return Rejection(failed, m.path)
+    proof = statements.prove_gated_backward()
+    seen = guarded(lambda m: _replay_down(m, down), m)
+    if isinstance(seen, Rejection):
+        return seen
+    return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
+
+
+def _replay_down(m, down) -> str | Rejection:
+    """The matched activation, product and down projection differentiated by autograd
+    on random float64 inputs, against the fused backward's math (codegen/reference.dgated
+    on the dgrad GEMM dh = dout·W_d, W_d's gradient doutᵀ·h) on the same inputs."""
+    from ..codegen import reference
+
+    env, lead, _, _ = _random_inputs(m)
+    gen = env["__gen__"]
+    g, u = m.gate, m.up
+    gate_v, up_v = (m.gate_value, m.up_value) if m.packed else (g.out, u.out)
+    eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else [])], env)
+    gate, upv = (env[v].detach().requires_grad_(True) for v in (gate_v, up_v))
+    env[gate_v], env[up_v] = gate, upv
+    n = gate.shape[-1]
+    hidden = min(_size(meta(down.linear).shape[-1]), 5)
+    env[down.weight] = torch.randn(hidden, n, generator=gen, dtype=torch.float64,
+                                   requires_grad=True)
+    leaves = [gate, upv, env[down.weight]]
+    if down.bias is not None:
+        env[down.bias] = torch.randn(hidden, generator=gen, dtype=torch.float64,
+                                     requires_grad=True)
+        leaves.append(env[down.bias])
+    with torch.enable_grad():  # the decision may run under the user's no_grad
+        eval_nodes(upstream(down.linear, set(env)), env)
+        out = env[down.linear]
+        dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        eager = torch.autograd.grad(out, leaves, dout)
+    dout2 = dout.reshape(-1, hidden)
+    p = torch.stack([gate.detach(), upv.detach()], dim=-1).reshape(-1, 2 * n)
+    dp, h = reference.dgated(m.op, dout2 @ env[down.weight].detach(), p)
+    fused = [dp[:, 0::2], dp[:, 1::2], dout2.t() @ h] + \
+        ([dout2.sum(0)] if down.bias is not None else [])
+    err = max(rel_err(f, e.reshape(f.shape)) for f, e in zip(fused, eager))
+    return verdict(err, f"rows {lead}, gradients of gate, up, W_d"
+                   + (", b_d" if down.bias is not None else ""), m.path)
 
 
 def _contracted(p) -> int:

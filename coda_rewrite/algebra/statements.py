@@ -623,6 +623,85 @@ def prove_gated_interleave() -> Proof:
         _witness("gated interleave", num))
 
 
+# the gate activations, and the derivative each backward epilogue computes (QuACK's
+# closed forms in quack.activation: dswiglu, dgelu_tanh_approx, dgelu_erf)
+_c1 = sp.sqrt(2 / sp.pi)
+GATE_ACTIVATIONS = {
+    "silu": (lambda x: x / (1 + sp.exp(-x)),
+             lambda x: (1 / (1 + sp.exp(-x))) * (1 + x * (1 - 1 / (1 + sp.exp(-x))))),
+    "gelu_tanh": (
+        lambda x: x / 2 * (1 + sp.tanh(_c1 * (x + sp.Rational(44715, 10 ** 6) * x ** 3))),
+        lambda x: (sp.Rational(1, 2) * (1 + sp.tanh(_c1 * (x + sp.Rational(44715, 10 ** 6)
+                                                            * x ** 3)))
+                   + x / 2 * (1 - sp.tanh(_c1 * (x + sp.Rational(44715, 10 ** 6) * x ** 3))
+                              ** 2) * _c1 * (1 + 3 * sp.Rational(44715, 10 ** 6) * x ** 2))),
+    "gelu_erf": (lambda x: x / 2 * (1 + sp.erf(x / sp.sqrt(2))),
+                 lambda x: (1 + sp.erf(x / sp.sqrt(2))) / 2
+                 + x * sp.exp(-x ** 2 / 2) / sp.sqrt(2 * sp.pi)),
+}
+
+
+@functools.cache
+def prove_gated_backward() -> Proof:
+    """The down projection's backward through a gated activation, as the dgrad GEMM's
+    epilogue forms it (kernels/dgated.py): out = (act(g) ⊙ u)·W_dᵀ, so with
+    dh = dout·W_d,  ∂L/∂g = dh ⊙ u ⊙ act'(g),  ∂L/∂u = dh ⊙ act(g),  ∂L/∂W_d = doutᵀ·h,
+    h = act(g) ⊙ u recomputed from the stored pre-activation. The chain rule is checked
+    on a symbolic 2-row × 3-feature × 2-output instance with act left undefined (no
+    property of act is used), then each kernel's closed-form act' against sympy's
+    derivative of the activation it differentiates."""
+    rows, feats, outs = 2, 3, 2
+    act = sp.Function("act")
+    g = sp.Matrix(rows, feats, lambda a, b: sp.Symbol(f"g{a}{b}", real=True))
+    u = sp.Matrix(rows, feats, lambda a, b: sp.Symbol(f"u{a}{b}", real=True))
+    wd = sp.Matrix(outs, feats, lambda a, b: sp.Symbol(f"w{a}{b}", real=True))
+    dout = sp.Matrix(rows, outs, lambda a, b: sp.Symbol(f"d{a}{b}", real=True))
+    h = g.applyfunc(act).multiply_elementwise(u)
+    loss = sum((dout.multiply_elementwise(h * wd.T))[:, :])
+    dh = dout * wd
+    for a in range(rows):
+        for b in range(feats):
+            _require(sp.diff(loss, g[a, b]) - dh[a, b] * u[a, b] * sp.diff(act(g[a, b]),
+                                                                         g[a, b]),
+                     "dL/dg = dh·u·act'(g)")
+            _require(sp.diff(loss, u[a, b]) - dh[a, b] * act(g[a, b]), "dL/du = dh·act(g)")
+    grad_w = dout.T * h
+    for a in range(outs):
+        for b in range(feats):
+            _require(sp.diff(loss, wd[a, b]) - grad_w[a, b], "dL/dW_d = doutᵀ·h")
+    x = sp.Symbol("x", real=True)
+    for name, (f, closed) in GATE_ACTIVATIONS.items():
+        _require(sp.simplify(sp.diff(f(x), x) - closed(x)), f"{name}: the kernel's act'")
+
+    def num(seed):
+        mm, nn, hh = _shape(seed, (1, 6), (1, 7), (1, 5))
+        gen = _gen(seed)
+        gg, uu = (torch.randn(mm, nn, generator=gen, dtype=torch.float64,
+                              requires_grad=True) for _ in range(2))
+        ww = torch.randn(hh, nn, generator=gen, dtype=torch.float64, requires_grad=True)
+        dd = torch.randn(mm, hh, generator=gen, dtype=torch.float64)
+        with torch.enable_grad():
+            out = (torch.nn.functional.silu(gg) * uu) @ ww.T
+            auto = torch.autograd.grad(out, (gg, uu, ww), dd)
+        dh_ = dd @ ww.detach()
+        sig = torch.sigmoid(gg.detach())
+        closed = (dh_ * uu.detach() * sig * (1 + gg.detach() * (1 - sig)),
+                  dh_ * torch.nn.functional.silu(gg.detach()),
+                  dd.T @ (torch.nn.functional.silu(gg.detach()) * uu.detach()))
+        return max(rel_err(c, a) for c, a in zip(closed, auto))
+
+    return Proof(
+        "out = (act(g)⊙u)·W_dᵀ, dh = dout·W_d  ⇒  ∂L/∂g = dh⊙u⊙act'(g), ∂L/∂u = dh⊙act(g), "
+        "∂L/∂W_d = doutᵀ·(act(g)⊙u)",
+        ("the down projection reads the gated product and nothing else reads it: its "
+         "gradient is all of the product's",
+         "p is the pre-activation the gated GEMM stored, h = act(p_g)⊙p_u its output"),
+        ("the chain rule on a symbolic instance, act undefined",
+         "act' of SiLU, tanh-GELU and exact GELU in the kernels' closed forms equal "
+         "sympy's derivatives"),
+        _witness("gated backward", num))
+
+
 @functools.cache
 def prove_sharded_gemm() -> Proof:
     """The layouts algebra/sharding.py runs a row-scaled GEMM in, and the producer it
@@ -686,6 +765,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("interleaved rotation", prove_pair_rotation()),
             ("logits map derivative", prove_logits_map_derivative()),
             ("gated activation interleave", prove_gated_interleave()),
+            ("gated backward in the down projection's dgrad", prove_gated_backward()),
             ("sharded GEMM (tensor parallelism)", prove_sharded_gemm())]
     return out
 

@@ -105,3 +105,25 @@ def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tenso
 
 def _device(a, operands):
     return a.device if a is not None else operands[0].device
+
+
+def dgated(op: str, dh: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated activation's backward epilogue (the kernel: codegen/dgated_source.py).
+
+    From dh [M, I], the down projection's dgrad accumulator in the compute dtype, and the
+    stored pre-activation p [M, 2I] with gate and up interleaved ([g0, u0, g1, u1, ...]):
+
+        dp[:, 2j]   = dh·u·act'(g)      dp[:, 2j+1] = dh·act(g)      h = act(g)·u
+
+    dp interleaved like p, both outputs rounded once to p's dtype. act' is autograd's of
+    the op table's own activation (one definition of each), in dh's dtype."""
+    cd = dh.dtype
+    g, u = p[:, 0::2].to(cd), p[:, 1::2].to(cd)
+    act = unary(OPS[op].gate_activation)
+    with torch.enable_grad():
+        leaf = g.detach().requires_grad_(True)
+        a = act(leaf)
+        (dg,) = torch.autograd.grad(a, leaf, dh * u)
+    a = a.detach()
+    dp = torch.stack([dg, dh * a], dim=-1).reshape(p.shape)
+    return dp.to(p.dtype), (a * u).to(p.dtype)

@@ -10,8 +10,9 @@ on a GPU machine it warms the disk cache before a run.
 
     python -m coda_rewrite.kernels.aot PROGRAMS.json [--keep-ptx DIR]
 
-PROGRAMS.json is a list of program texts. Prints one JSON line per kernel, with the tile
-configs it was compiled for (one per row class of the size policy that differs).
+PROGRAMS.json is a list of program texts (and ``{"dgated": op}`` entries: the gated
+backward's dgrad kernels, kernels/dgated.py). Prints one JSON line per kernel, with the
+tile configs it was compiled for (one per row class of the size policy that differs).
 """
 
 from __future__ import annotations
@@ -93,6 +94,31 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def compile_dgated(op: str, m: int = 256, hidden: int = 256, inter: int = 256) -> dict:
+    """Trace and compile the gated backward's dgrad kernel (kernels/dgated.py) for every
+    tile config the size policy can give it."""
+    import torch
+
+    from .dgated import LARGE_M_TILES, load
+    from .quack_path import ROW_CLASSES, tile_config
+
+    module = load(op)
+    dout = torch.randn(m, hidden, dtype=torch.bfloat16)
+    w = torch.randn(hidden, inter, dtype=torch.bfloat16)
+    p = torch.randn(m, 2 * inter, dtype=torch.bfloat16)
+    out = {"D": torch.empty(m, 2 * inter, dtype=torch.bfloat16),
+           "postact": torch.empty(m, inter, dtype=torch.bfloat16)}
+    configs = list(dict.fromkeys(tile_config(*t) for t in
+                                 [t for _, _, t in ROW_CLASSES] + [LARGE_M_TILES]))
+    t0 = time.perf_counter()
+    for cfg in configs:
+        module.epilogue.plan(dout, w, p, out=out, config=cfg)
+    return {"program": f"dgated_{op}", "module": module.__name__,
+            "configs": [None if c is None else [c.tile_m, c.tile_n, c.cluster_m]
+                        for c in configs],
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -104,8 +130,10 @@ def main(argv: list[str]) -> int:
     _install_driver_stand_in()
     with open(a.programs) as f:
         texts = json.load(f)
-    for text in texts:
-        print(json.dumps(compile_program(text)), flush=True)
+    for text in texts:  # a program text, or {"dgated": op} for a gated backward kernel
+        got = compile_dgated(text["dgated"]) if isinstance(text, dict) else \
+            compile_program(text)
+        print(json.dumps(got), flush=True)
     return 0
 
 

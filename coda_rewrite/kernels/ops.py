@@ -34,8 +34,13 @@ _lock = threading.Lock()
 
 
 def _count(program, impl: str, reason: str) -> None:
+    count(program.key, impl, reason)
+
+
+def count(key: str, impl: str, reason: str) -> None:
+    """One call of the kernel or op named ``key`` ran ``impl`` for ``reason``."""
     with _lock:
-        RUNTIME[(program.key, impl, reason)] += 1
+        RUNTIME[(key, impl, reason)] += 1
 
 
 def runtime_summary() -> list[str]:

@@ -110,8 +110,9 @@ def quack_available() -> str | None:
     return None
 
 
-def write_module(ks: KernelSource, folder: Path | None = None) -> Path:
-    """Write the generated module (atomically; unchanged files are left alone)."""
+def write_module(ks, folder: Path | None = None) -> Path:
+    """Write a generated module (anything with ``module_name`` and ``source``: a
+    KernelSource, a DgatedSource) atomically; unchanged files are left alone."""
     folder = folder or kernel_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{ks.module_name}.py"
@@ -128,10 +129,15 @@ def load(program_text: str):
     from ..codegen.program import parse
 
     ks = generate(parse(program_text))
-    path = write_module(ks)
+    return ks, import_generated(ks)
+
+
+def import_generated(source):
+    """Write a generated module into the kernel folder and import it."""
+    path = write_module(source)
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
-    return ks, importlib.import_module(ks.module_name)
+    return importlib.import_module(source.module_name)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -239,7 +245,7 @@ def _row_rstd_kernel(partials_shape, dtype=torch.float32):
     return final._compile_rms_final_reduce(torch2cute_dtype_map[dtype], partials_shape[-1])
 
 
-def _config(tile_m: int, tile_n: int, cluster_m: int):
+def tile_config(tile_m: int, tile_n: int, cluster_m: int):
     from quack.gemm_config import GemmConfig
     return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=True, cluster_m=cluster_m,
                       cluster_n=1, is_dynamic_persistent=False)
@@ -269,13 +275,29 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
     checks head_dim against both)."""
     table = any(o.kind == Kind.COS_SIN for o in prog.operands)
     groups = _group_widths(prog)
-    for rows, widest, (tile_m, tile_n, cluster_m) in ROW_CLASSES:
-        if m <= rows and (widest is None or n <= widest):
-            tile_n = min(tile_n, TABLE_TILE_N) if table else tile_n
-            return _config(tile_m, _holding(groups, tile_n), cluster_m)
+    row_class = _row_class(m, n)
+    if row_class is not None:
+        tile_m, tile_n, cluster_m = row_class
+        tile_n = min(tile_n, TABLE_TILE_N) if table else tile_n
+        return tile_config(tile_m, _holding(groups, tile_n), cluster_m)
     if table:
-        return _config(128, _holding(groups, TABLE_TILE_N), 2)
-    return _config(128, _holding(groups, 192), 2) if groups - {64} else None
+        return tile_config(128, _holding(groups, TABLE_TILE_N), 2)
+    return tile_config(128, _holding(groups, 192), 2) if groups - {64} else None
+
+
+def config_for_size(m: int, n: int):
+    """config_for of a GEMM whose epilogue has neither a cos/sin table nor per-head
+    groups (the gated backward's dgrad GEMM: kernels/dgated.py)."""
+    row_class = _row_class(m, n)
+    return None if row_class is None else tile_config(*row_class)
+
+
+def _row_class(m: int, n: int) -> tuple[int, int, int] | None:
+    """(tile_m, tile_n, cluster_m) of the first row class holding an (m, n) output."""
+    for rows, widest, tiles in ROW_CLASSES:
+        if m <= rows and (widest is None or n <= widest):
+            return tiles
+    return None
 
 
 def _holding(groups: set[int], tile_n: int) -> int:

@@ -38,13 +38,14 @@ import torch.fx as fx
 from .. import patterns
 from ..algebra import gated as gated_algebra
 from ..algebra import sharding
-from ..algebra.decision import Why
-from ..canonical import canon, meta
+from ..algebra.decision import Rejection, Why
+from ..canonical import canon, meta, under_autocast
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
 from ..codegen.reference import dtype_name
-from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, fused_linear_call, results,
-                           through_casts)
+from ..graph_utils import (cast_for_gemm, chunk_half, copy_meta, erase_if_dead,
+                           fused_linear_call, results, through_casts)
+from ..kernels.gated_down import gated_down_linear
 from .family import Context, Decided
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
@@ -108,6 +109,45 @@ class Match:
 
 class NoMatch(patterns.NoMatch):
     pattern = NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class Down:
+    """The down projection reading the gated product (its input), whose backward the
+    fused one can take: dSwiGLU/dGeGLU in its dgrad GEMM's epilogue."""
+    linear: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    between: tuple[fx.Node, ...]   # nodes between the weight and the GEMM (``w.T``)
+
+
+def down_projection_of(m: Match) -> Down | Why:
+    """The down projection ``m``'s product feeds, or why there is none to fuse with."""
+    users = list(m.mul.users)
+    lin = users[0] if len(users) == 1 else None
+    c = canon(lin) if lin is not None else None
+    if lin is not None and fused_linear_call(lin) and lin.args[1] is m.mul:
+        return Why(f"the down projection {describe(lin)} is already a fused GEMM (a norm "
+                   "producer): its backward is that family's", "gated.down_already_fused")
+    if c is None or c.name != "linear" or c.args[0] is not m.mul:
+        readers = ", ".join(describe(u) for u in users) or "nothing"
+        return Why(f"the gated product is read by {readers}, not only by a projection's "
+                   "input", "gated.no_down_projection")
+    w, b = c.args[1], c.args[2]
+    mw, mm = meta(w), meta(m.mul)
+    if not isinstance(w, fx.Node) or mw is None or mw.dim() != 2 or \
+            (b is not None and (not isinstance(b, fx.Node) or meta(b) is None
+                                or meta(b).dim() != 1)):
+        return Why(f"{describe(lin)}'s weight is not a 2-D tensor (or its bias not 1-D)",
+                   "gated.down_weight")
+    if m.gate.local or sharding.is_dtensor(w):
+        return Why("tensor parallelism: the down projection runs on sharded weights "
+                   "(its backward stays eager's)", "gated.down_sharded")
+    if not under_autocast(lin) and any(meta(t).dtype != mm.dtype for t in (w, b)
+                                       if t is not None):
+        return Why(f"{describe(lin)} mixes dtypes with the product", "gated.down_dtypes")
+    return Down(lin, w, b, tuple(n for n in gated_algebra.upstream(lin, {m.mul, w, b})
+                                 if n is not lin))
 
 
 def activation_of(node: fx.Node) -> tuple[str, fx.Node] | str | None:
@@ -301,6 +341,8 @@ class Plan:
     match: Match
     program: EpilogueProgram
     cache_relayouts: bool          # keep the interleaved weights inside the op (inference)
+    down: Down | None = None       # training: the down projection's backward fused
+    down_note: tuple | None = None  # (label, decision): the report's note on it
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -316,7 +358,44 @@ def decide(m: Match, context: Context) -> Decided:
     if not decision.accepted:
         return Decided.refuse(decision)
     cache = context.options.cache_relayouts and not trains(m)
-    return Decided(decision, Plan(m, program, cache))
+    down, note = _down_decision(m, context)
+    if note is not None and not note[1].accepted and note[1].kind.is_bug:
+        return Decided.refuse(note[1])  # a checker bug is never a note
+    return Decided(decision, Plan(m, program, cache, down, note))
+
+
+def _down_decision(m: Match, context: Context) -> tuple[Down | None, tuple | None]:
+    """(the down projection whose backward is fused, or None; the report's note on it:
+    (label, decision), None outside training graphs)."""
+    if not trains(m):
+        return None, None
+    if not context.options.backward_epilogues:
+        why = Why("options.backward_epilogues=False", "gated.backward_epilogues_off")
+        return None, ("down projection: backward as graph ops", Rejection(why, m.path))
+    down = down_projection_of(m)
+    if isinstance(down, Why):
+        return None, ("down projection: backward as graph ops", Rejection(down, m.path))
+    decision = gated_algebra.decide_down(m, down)
+    if not decision.accepted:
+        return None, ("down projection: backward as graph ops", decision)
+    return down, (f"down projection {describe(down.linear)}: its backward's dgrad GEMM forms "
+                  f"d{m.op} in its epilogue from the stored pre-activation (dh never written; "
+                  "h recomputed there, not saved)", decision)
+
+
+def _fuse_down_backward(graph: fx.Graph, plan: Plan, y: fx.Node, p: fx.Node) -> None:
+    """Replace the down projection by coda::gated_down on (y, p): the same GEMM forward,
+    the CODA backward (kernels/gated_down.py)."""
+    down = plan.down
+    with graph.inserting_before(down.linear):
+        y_, w, *bias = cast_for_gemm(graph, down.linear, y, down.weight,
+                                     *([down.bias] if down.bias is not None else []))
+        call = graph.call_function(gated_down_linear, (plan.match.op, y_, p, w,
+                                                       bias[0] if bias else None))
+    copy_meta(call, down.linear)
+    call.meta.update({k: v for k, v in down.linear.meta.items() if k not in call.meta})
+    down.linear.replace_all_uses_with(call)
+    erase_if_dead(graph, [down.linear, *down.between])
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
@@ -334,14 +413,18 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         call = relaid_gemm(graph, plan.cache_relayouts, plan.program.to_text(), g.out, g.x,
                            kind, (), weights, r, b, [], trains=trains(m))
         copy_meta(call, m.mul)
-        out = results(graph, call, 1, m.mul)[0]
+        out, *preact = results(graph, call, 2 if plan.down is not None else 1, m.mul)
         if g.local:  # the product was the local shard: so is the fused GEMM's output
             out = graph.call_method("to_local", (out,))
     out.meta.update({k: v for k, v in m.mul.meta.items() if k not in out.meta})
     m.mul.replace_all_uses_with(out)
+    if plan.down is not None:
+        _fuse_down_backward(graph, plan, out, preact[0])
     erase_if_dead(graph, [m.mul, m.act, *m.intermediates, *g.nodes, *u.nodes])
     shown = {"programs": [plan.program],
              "weights": weights_line(plan.cache_relayouts, context.options)}
+    if plan.down_note is not None:
+        shown["notes"] = [plan.down_note]
     if g.r is not None:
         shown["producer"] = f"rows scaled by the deferred rstd {describe(g.r)}"
     return shown

@@ -60,13 +60,14 @@ def gemm_grads(d_acc: torch.Tensor, a, b):
 
 
 def through_scaled_acc(prog, a, b, operands, dy):
-    """Gradients of y = r ⊙ acc (+ bias) given dy (float32/64): the rowscale rule
+    """Gradients of y = r ⊙ acc (+ bias) given dy (float32/64, or 16-bit where a backward
+    GEMM's epilogue formed it): the rowscale rule
     (no acc needed: dr is a row dot with the GEMM dy·b the backward computes anyway).
     Operands other than r and bias get no gradient."""
     by_name = dict(zip((o.name for o in prog.operands), operands))
     grads_by_name = {}
-    if "bias" in by_name:
-        grads_by_name["bias"] = dy.sum(0).to(by_name["bias"].dtype)
+    if "bias" in by_name:  # dy may be 16-bit (formed in a GEMM's epilogue): sum wide
+        grads_by_name["bias"] = dy.sum(0, dtype=up(dy).dtype).to(by_name["bias"].dtype)
     if "r" in by_name:
         r = up(by_name["r"])[:, None]
         g = up(dy.to(b.dtype) @ b)                        # G = dy·b

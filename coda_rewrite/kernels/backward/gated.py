@@ -1,6 +1,7 @@
 """The gated family (p = r ⊙ acc + bias; y = act(p[:, 0::2]) ⊙ p[:, 1::2]): the forward
 stores p (what eager keeps as the gate and up outputs); dp comes from the activation's
-derivative on p, then the rowscale rule with dy := dp."""
+derivative on p, or arrives as p's own gradient where the down projection's dgrad GEMM
+formed it in its epilogue (kernels/gated_down.py), then the rowscale rule with dy := dp."""
 
 from __future__ import annotations
 
@@ -23,14 +24,21 @@ def _gated_parts(prog: EpilogueProgram):
 
 
 def _gated_vjp(prog, a, b, operands, outputs, grads):
-    dy = grads[0]
-    if dy is None:
+    """dp from y's gradient (the activation's derivative on the stored p) plus p's own
+    gradient: the down projection's fused backward (kernels/gated_down.py) hands dp
+    straight to p and nothing to y."""
+    dy, dp_direct = grads
+    dp = None
+    if dy is not None:
+        act = reference.unary(_gated_parts(prog))
+        with torch.enable_grad():
+            p = up(outputs[1]).detach().requires_grad_(True)
+            y = act(p[:, 0::2]) * p[:, 1::2]
+            (dp,) = torch.autograd.grad(y, p, up(dy))
+    if dp_direct is not None:
+        dp = dp_direct if dp is None else dp + up(dp_direct)
+    if dp is None:
         return None, None, [None] * len(operands)
-    act = reference.unary(_gated_parts(prog))
-    with torch.enable_grad():
-        p = up(outputs[1]).detach().requires_grad_(True)
-        y = act(p[:, 0::2]) * p[:, 1::2]
-        (dp,) = torch.autograd.grad(y, p, up(dy))
     return through_scaled_acc(prog, a, b, operands, dp)
 
 
