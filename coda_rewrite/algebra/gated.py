@@ -31,6 +31,7 @@ from ..graph_utils import same_value
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
+from .isolated import off_thread
 from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
@@ -204,7 +205,7 @@ def decide_down(m, down) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_gated_backward()
-    seen = guarded(lambda m: _replay_down(m, down), m)
+    seen = guarded(lambda m: off_thread(_replay_down, m, down), m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)

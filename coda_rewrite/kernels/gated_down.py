@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dgated
+from .backward.common import up
 
 # importing kernels/dgated defines coda::dgated, the op the backward below calls
 _BACKWARD_OP = dgated.__name__
@@ -56,7 +57,7 @@ class GatedDown(torch.autograd.Function):
         dout = dout.contiguous()
         dp, h = torch.ops.coda.dgated(ctx.op, dout, w, p)
         grad_w = dout.t() @ h if want_w else None
-        grad_bias = dout.sum(0, dtype=torch.float32).to(dout.dtype) \
+        grad_bias = dout.sum(0, dtype=up(dout).dtype).to(dout.dtype) \
             if ctx.has_bias and want_bias else None
         return None, None, dp if want_p else None, grad_w, grad_bias
 

@@ -59,8 +59,10 @@ FUSES_GEMMS = True
 # 0.91x at 512 (4-layer model from CUDA graphs; 1.01x at 1024): the per-call gate/up
 # weight interleave, a pass over the weights, is the likely cost (not profiled)
 FUSED_FROM_ROWS = 1024
-# ... and in a training step (training_policy.py; +2.8 ms and
-# +1.0 GiB per 1B step over the attention rewrite alone, issue #16's ablation)
+# ... and in a training step (training_policy.py): +2.8 ms and +1.0 GiB per 1B step over
+# the attention rewrite alone (issue #16's ablation); with its backward in the down
+# projection's dgrad GEMM (kernels/gated_down.py) −2.0 GiB but still +1.4 ms of kernel
+# time and +3.2 ms per step (BENCHMARKS.md, ninth session)
 PAYS_IN_TRAINING = False
 
 _SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
