@@ -4,14 +4,15 @@ A fused GEMM pays in training only if its backward does too: the forward saves a
 a write of an activation, and the backward must not give it back (re-layouts made again,
 row statistics recomputed, gradient scatters). Measured on the H200 (Llama-3.2-1B shape,
 2 × 4096 tokens, forward + loss + backward; BENCHMARKS.md, issue #16's ablation and the
-sixth session): against the attention-inputs rewrite alone (124.8–127.8 ms/step) the
-residual + RMSNorm producer adds 4.3 ms and 1.8 GiB, the gated MLP 2.8 ms and 1.0 GiB, RoPE
-1.4 ms and 0.7 GiB, the LM head + loss (logits written) 0.5 ms and 1.8 GiB; every family
-together 136.9 ms and 22.6 GiB, this policy 126.6 ms and 20.3 GiB (torch.compile: 167.0 ms,
-21.3 GiB). Their backward rules are correct (tested against eager) but, but for the gated
-MLP's, not yet fused the CODA way (issue #16: backward epilogues); the gated MLP's
-(dSwiGLU in the down projection's dgrad GEMM) saves 2.0 GiB and 2.8 ms of kernels against
-its graph-op backward, and still costs +3.2 ms per step over leaving the MLP unfused.
+sixth and ninth sessions): against the attention-inputs rewrite alone (124.8–127.9
+ms/step) the residual + RMSNorm producer adds 4.3 ms and 1.8 GiB, RoPE 1.4 ms and 0.7 GiB,
+the LM head + loss (logits written) 0.5 ms and 1.8 GiB; the gated MLP with its backward in
+the down projection's dgrad GEMM (kernels/gated_down.py) 1.2 ms (+0.9%, inside the
+2.0–3.2% spread between rounds) and −2.0 GiB, against +2.8 ms and no memory saved with
+its backward as graph ops. So the gated MLP is fused in training where its down
+projection takes that backward (patterns/gated_mlp.decide refuses the match otherwise),
+and the other families' backward rules, correct (tested against eager) but not fused the
+CODA way (issue #16), leave them out.
 
 So each GEMM-fusing family says whether it pays in a training step
 (``PAYS_IN_TRAINING`` in its pattern module); a match whose GEMMs compute a gradient is left

@@ -334,10 +334,10 @@ def test_select_needs_a_per_row_index_operand():
         p.build()
 
 
-def test_graphs_without_a_gradient_call_the_op_without_an_autograd_formula():
-    """An inference graph calls coda::gemm_epilogue_nograd (no Python autograd kernel on
-    every call); where a gradient can be asked for, the op with its formula, whose
-    gradients are right; asking the no-formula op for one fails loudly, never silently."""
+def test_graphs_call_the_op_without_an_autograd_formula():
+    """Every traced graph calls coda::gemm_epilogue_nograd (no Python autograd kernel on
+    every call); where a gradient can be asked for, through FusedGemm, whose gradients
+    are right; asking the no-formula op itself for one fails loudly, never silently."""
     from torch.fx.experimental.proxy_tensor import make_fx
     text = _rowscale(bias=False).to_text()
     x, w, r = gen(6, 8, dtype=torch.float32), gen(5, 8, seed=1, dtype=torch.float32), \
@@ -352,7 +352,7 @@ def test_graphs_without_a_gradient_call_the_op_without_an_autograd_formula():
     nograd, full = ops.gemm_epilogue_nograd, ops.gemm_epilogue
     with torch.no_grad():
         assert nograd in targets(x, w.requires_grad_(), r) and full not in targets(x, w, r)
-    assert full in targets(x, w, r) and nograd not in targets(x, w, r)
+    assert nograd in targets(x, w, r) and full not in targets(x, w, r)  # FusedGemm's forward
     w.requires_grad_(False)
     assert nograd in targets(x, w, r)  # nothing requires grad: no gradient to record
     w.requires_grad_()

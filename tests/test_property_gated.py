@@ -6,7 +6,9 @@ spelled three ways, ops after it, second readers of the gate, the up value, the
 activation or the product, an in-place update; float32 and bfloat16; training and
 inference) and checks that the rewritten model computes what eager computes (outputs and
 every gradient, under the numerics policy), that a canonical spelling is rewritten, and
-that every match left carries a reason.
+that every match left carries a reason. In training, with nothing between the product
+and the down projection, the down projection takes the fused backward (the activation's
+derivative in its dgrad GEMM): the gradients check that path too.
 
 Seeds 20261201 (150 examples) and 7 (700), against the code of 2026-12-01 (8ec4a8f),
 found by themselves:
@@ -84,7 +86,7 @@ class Region(nn.Module):
         else:
             self.gate = nn.Linear(D, I, bias=case["bias"] in ("gate", "both"))
             self.up = nn.Linear(D, I, bias=case["bias"] in ("up", "both"))
-        self.down = nn.Linear(I, D, bias=False)
+        self.down = nn.Linear(I, D, bias=case.get("down_bias", False))
         self.t = nn.Parameter(torch.rand(I) + 0.5)
 
     def projections(self, x):
@@ -143,6 +145,9 @@ cases = st.fixed_dictionaries({
     "product": st.sampled_from(["act*up", "up*act", "torch.mul"]),
     "after": st.lists(st.sampled_from(sorted(AFTER_OPS)), max_size=2),
     "reader": _mostly("none", st.sampled_from(READERS)),
+    # the down projection's bias (in training, with nothing between it and the product,
+    # the down projection takes the fused backward: kernels/gated_down.py)
+    "down_bias": st.booleans(),
 })
 
 

@@ -69,13 +69,23 @@ def kept(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("coda::gemm_relaid", mutates_args=())
+# The ops below are defined through torch.library's low-level API, as coda::gemm_epilogue
+# is (kernels/ops.py): custom_op's wrapper layers are host time on every call.
+_RELAID_SCHEMA = ("(str program, Tensor a, str kind, str spec, Tensor[] sources, "
+                  "Tensor[] operands) -> Tensor[]")
+
+
 def gemm_relaid(program: str, a: torch.Tensor, kind: str, spec: str,
                 sources: list[torch.Tensor], operands: list[torch.Tensor]) -> list[torch.Tensor]:
     """``coda::gemm_epilogue(program, a, b, operands)`` with b the kept re-layout of
     ``sources`` (inference only: the op has no autograd formula, and the rewrite uses
     it only in graphs that compute no gradient)."""
+    ops.refuse_gradients("gemm_relaid", a, *sources, *operands)
     return _gemm_on(program, a, kept(kind, spec, sources, a.dtype), operands)
+
+
+ops._lib.define("gemm_relaid" + _RELAID_SCHEMA)
+ops._lib.impl("gemm_relaid", gemm_relaid, "CompositeExplicitAutograd")
 
 
 def _gemm_on(program, a, b, operands) -> list[torch.Tensor]:
@@ -90,10 +100,11 @@ def _gemm_on(program, a, b, operands) -> list[torch.Tensor]:
 
 def _fake_relaid(program, a, kind, spec, sources, operands):
     """Both ops' fake: the re-layout's shape, then the GEMM's outputs."""
+    ops.refuse_gradients("gemm_relaid", a, *sources, *operands)
     return _gemm_on(program, a, compute(kind, spec, sources, a.dtype), operands)
 
 
-gemm_relaid.register_fake(_fake_relaid)
+torch.library.register_fake("coda::gemm_relaid", _fake_relaid)
 
 
 def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
@@ -112,16 +123,20 @@ def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
 # re-layout in its forward and again in its backward (a read and a write of the weights,
 # the cost the forward already pays).
 
-@torch.library.custom_op("coda::gemm_relaid_recomputed", mutates_args=())
 def gemm_relaid_recomputed(program: str, a: torch.Tensor, kind: str, spec: str,
                            sources: list[torch.Tensor],
                            operands: list[torch.Tensor]) -> list[torch.Tensor]:
     """``coda::gemm_epilogue(program, a, b, operands)`` with b the re-layout of
-    ``sources`` (made here, and again in the backward)."""
+    ``sources`` (made here, and again in the backward: RelaidRecomputed). The op has no
+    autograd formula; RelaidRecomputed is its autograd, for the reason FusedGemm is
+    coda::gemm_epilogue's (kernels/ops.py)."""
+    ops.refuse_gradients("gemm_relaid_recomputed", a, *sources, *operands)
     return _gemm_on(program, a, compute(kind, spec, sources, a.dtype), operands)
 
 
-gemm_relaid_recomputed.register_fake(_fake_relaid)
+ops._lib.define("gemm_relaid_recomputed" + _RELAID_SCHEMA)
+ops._lib.impl("gemm_relaid_recomputed", gemm_relaid_recomputed, "CompositeExplicitAutograd")
+torch.library.register_fake("coda::gemm_relaid_recomputed", _fake_relaid)
 
 
 def _setup_recomputed(ctx, inputs, output):
@@ -131,6 +146,28 @@ def _setup_recomputed(ctx, inputs, output):
     ctx.save_for_backward(a, *sources, *kept, *kept_outputs)
     ctx.meta = (program, kind, spec, len(sources), len(operands), keep_outputs, len(output))
     ctx.set_materialize_grads(False)  # as the plain op: None for an output nothing reads
+
+
+class RelaidRecomputed(torch.autograd.Function):
+    """coda::gemm_relaid_recomputed with its backward (the re-layout made again there).
+    Tensors travel flat (an autograd.Function tracks tensor arguments only):
+    ``apply(program, a, kind, spec, n_sources, *sources, *operands)``."""
+
+    @staticmethod
+    def forward(program, a, kind, spec, n_src, *tensors):
+        return tuple(torch.ops.coda.gemm_relaid_recomputed(
+            program, a, kind, spec, list(tensors[:n_src]), list(tensors[n_src:])))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        program, a, kind, spec, n_src, *tensors = inputs
+        _setup_recomputed(ctx, (program, a, kind, spec, tensors[:n_src], tensors[n_src:]),
+                          list(output))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _, grad_a, _, _, grad_src, grad_ops = _backward_recomputed(ctx, grads)
+        return (None, grad_a, None, None, None, *grad_src, *grad_ops)
 
 
 def _backward_recomputed(ctx, grads):
@@ -156,7 +193,6 @@ def _backward_recomputed(ctx, grads):
     return None, grad_a, None, None, grad_src, grad_ops
 
 
-gemm_relaid_recomputed.register_autograd(_backward_recomputed, setup_context=_setup_recomputed)
 
 
 def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
@@ -168,8 +204,8 @@ def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
     if any(sharding.is_dtensor(s) for s in sources):
         w = _KINDS[kind](_layout(spec), *sources)
         return ops.fused_linear(program, x, w.to(x.dtype), *operands)
-    return ops._linear(lambda text, a, _, flat: torch.ops.coda.gemm_relaid_recomputed(
-        text, a, kind, spec, sources, flat), program, x, None, operands)
+    return ops._linear(lambda text, a, _, flat: RelaidRecomputed.apply(
+        text, a, kind, spec, len(sources), *sources, *flat), program, x, None, operands)
 
 
 # ---- a LayerNorm's folded weights (patterns/layernorm.py), kept inside the GEMM op -----
@@ -207,12 +243,12 @@ def kept_fold(parts: str, weight, rest, dtype: torch.dtype):
     return out
 
 
-@torch.library.custom_op("coda::gemm_layernorm_kept", mutates_args=())
 def gemm_layernorm_kept(program: str, a: torch.Tensor, parts: str, weight: torch.Tensor,
                         rest: list[torch.Tensor], operands: list[torch.Tensor]
                         ) -> list[torch.Tensor]:
     """``coda::gemm_epilogue(program, a, W', [*operands, s, (b')])`` with (W', s, b') the
     kept fold of ``weight`` and ``rest`` (inference only: no autograd formula)."""
+    ops.refuse_gradients("gemm_layernorm_kept", a, weight, *rest, *operands)
     w_fold, s, b_fold = kept_fold(parts, weight, rest, a.dtype)
     return _gemm_on(program, a, w_fold, [*operands, s, *([b_fold] if b_fold is not None
                                                          else [])])
@@ -224,7 +260,10 @@ def _fake_layernorm_kept(program, a, parts, weight, rest, operands):
                                                          else [])])
 
 
-gemm_layernorm_kept.register_fake(_fake_layernorm_kept)
+ops._lib.define("gemm_layernorm_kept(str program, Tensor a, str parts, Tensor weight, "
+                "Tensor[] rest, Tensor[] operands) -> Tensor[]")
+ops._lib.impl("gemm_layernorm_kept", gemm_layernorm_kept, "CompositeExplicitAutograd")
+torch.library.register_fake("coda::gemm_layernorm_kept", _fake_layernorm_kept)
 
 
 def fused_linear_layernorm_kept(program: str, x: torch.Tensor, weight: torch.Tensor,

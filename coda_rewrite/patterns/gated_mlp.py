@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import torch.fx as fx
 
-from .. import patterns
+from .. import patterns, training_policy
 from ..algebra import gated as gated_algebra
 from ..algebra import sharding
 from ..algebra.decision import Rejection, Why
@@ -59,11 +59,12 @@ FUSES_GEMMS = True
 # 0.91x at 512 (4-layer model from CUDA graphs; 1.01x at 1024): the per-call gate/up
 # weight interleave, a pass over the weights, is the likely cost (not profiled)
 FUSED_FROM_ROWS = 1024
-# ... and in a training step (training_policy.py): +2.8 ms and +1.0 GiB per 1B step over
-# the attention rewrite alone (issue #16's ablation); with its backward in the down
-# projection's dgrad GEMM (kernels/gated_down.py) −2.0 GiB but still +1.4 ms of kernel
-# time and +3.2 ms per step (BENCHMARKS.md, ninth session)
-PAYS_IN_TRAINING = False
+# ... and in a training step (training_policy.py) where its down projection takes the
+# fused backward (kernels/gated_down.py; decide() refuses the match otherwise, with
+# training.does_not_pay): against the attention rewrite + LM head alone, 129.1 vs 127.9
+# ms per 1B step (+0.9%, inside the 2.0–3.2% spread between rounds) and 17.8 vs 19.8 GiB;
+# with its backward as graph ops +2.8 ms and no memory saved (BENCHMARKS.md, ninth session)
+PAYS_IN_TRAINING = True
 
 _SILU = {F.silu, torch.nn.functional.silu, torch.ops.aten.silu.default, "silu"}
 _GELU = {F.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default, "gelu"}
@@ -363,6 +364,14 @@ def decide(m: Match, context: Context) -> Decided:
     down, note = _down_decision(m, context)
     if note is not None and not note[1].accepted and note[1].kind.is_bug:
         return Decided.refuse(note[1])  # a checker bug is never a note
+    if down is None and note is not None and context.options.fuse_in_training is None \
+            and training_policy.computes_gradients(m):
+        why = note[1].condition if isinstance(note[1], Rejection) else str(note[1])
+        return Decided.refuse(Rejection(Why(
+            "a training graph: the gated MLP pays for itself in a step only with its "
+            f"backward in the down projection's dgrad GEMM, not taken here ({why}): left "
+            "to eager's ops under Inductor; options.fuse_in_training=True fuses it anyway",
+            "training.does_not_pay"), m.path))
     return Decided(decision, Plan(m, program, cache, down, note))
 
 
