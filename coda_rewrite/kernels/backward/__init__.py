@@ -16,7 +16,9 @@ what the forward kept, never recomputed:
 
 * ``gated`` (p = r ⊙ acc + bias; y = act(p[:, 0::2]) ⊙ p[:, 1::2]): the forward
   stores p (what eager keeps as the gate and up outputs) next to y; dp comes from the
-  activation's derivative on p, and the rest is the rowscale rule with dy := dp.
+  activation's derivative on p, or, where the down projection took the fused backward
+  (kernels/gated_down.py: dSwiGLU in its dgrad GEMM's epilogue), arrives as p's own
+  gradient; the rest is the rowscale rule with dy := dp.
 
 * ``rope`` (y = r ⊙ acc + bias; out = R(θ)·y per column pair): dy = R(−θ)·dout, an
   elementwise rotation back, then the rowscale rule.
