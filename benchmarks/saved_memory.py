@@ -81,6 +81,16 @@ VARIANTS = {
     "optimize()": lambda m: coda_rewrite.optimize(m),
     'backend="coda", materialize_logits=False': lambda m: torch.compile(
         m, backend=coda_rewrite.CodaBackend(coda_rewrite.Options(materialize_logits=False))),
+    # the GPU's training default spelled out (on the CPU every family fuses in training:
+    # the training policy is a GPU speed decision): the attention rewrite and the gated
+    # MLP, its down projection's backward in the dgrad GEMM's epilogue or as graph ops
+    "coda GPU training default": lambda m: torch.compile(m, backend=coda_rewrite.CodaBackend(
+        coda_rewrite.Options(patterns=("attention_inputs", "gated_mlp"),
+                             fuse_in_training=True))),
+    "coda GPU training default, graph-op backward": lambda m: torch.compile(
+        m, backend=coda_rewrite.CodaBackend(coda_rewrite.Options(
+            patterns=("attention_inputs", "gated_mlp"), fuse_in_training=True,
+            backward_epilogues=False))),
 }
 
 
@@ -146,4 +156,6 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     run = breakdown if args[:1] == ["--breakdown"] else main
     args = args[1:] if run is breakdown else args
-    run(int(args[0]) if args else 256, args[1].split(",") if len(args) > 1 else [])
+    # variants by name, separated by ";" (or "," where no name has one)
+    names = args[1].split(";" if ";" in args[1] else ",") if len(args) > 1 else []
+    run(int(args[0]) if args else 256, names)
