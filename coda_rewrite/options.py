@@ -67,7 +67,9 @@ class Options:
     # a GEMM the backward computes anyway, where the family has one: a fused gated MLP's
     # dSwiGLU/dGeGLU in its down projection's dgrad GEMM (kernels/gated_down.py; h is then
     # recomputed there, not saved). False: that work runs as graph ops (Inductor fuses
-    # them), as the plain backward rules do; for ablations.
+    # them), as the plain backward rules do; for ablations. (The training policy fuses
+    # the gated MLP only with its backward epilogue: with False it is left in training
+    # graphs unless fuse_in_training=True.)
     backward_epilogues: bool = True
 
     @classmethod

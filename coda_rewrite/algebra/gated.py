@@ -200,7 +200,7 @@ def upstream(node: fx.Node, known: set) -> list[fx.Node]:
 
 
 def decide_down(m, down) -> Decision:
-    """Legality of giving ``down``'s backward to coda::gated_down. Pure."""
+    """Legality of giving ``down``'s backward to kernels/gated_down.GatedDown. Pure."""
     held, failed = down_conditions(m, down)
     if failed:
         return Rejection(failed, m.path)

@@ -395,8 +395,8 @@ def _down_decision(m: Match, context: Context) -> tuple[Down | None, tuple | Non
 
 
 def _fuse_down_backward(graph: fx.Graph, plan: Plan, y: fx.Node, p: fx.Node) -> None:
-    """Replace the down projection by coda::gated_down on (y, p): the same GEMM forward,
-    the CODA backward (kernels/gated_down.py)."""
+    """Replace the down projection by GatedDown on (y, p): the same GEMM forward, the
+    CODA backward (kernels/gated_down.py)."""
     down = plan.down
     with graph.inserting_before(down.linear):
         y_, w, *bias = cast_for_gemm(graph, down.linear, y, down.weight,
