@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, seed, settings
+from hypothesis import strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -168,23 +170,30 @@ def test_not_in_inference_nor_when_asked_nor_after_a_norm_producer():
 def test_bf16_autocast_with_float32_weights():
     """Mixed precision (float32 parameters under bf16 autocast, as Trainer's bf16=True
     runs): the down projection's weight is cast for the GEMM like eager's autocast
-    does, and its gradient reaches the float32 parameter."""
-    torch.manual_seed(0)
-    mlp = GatedMLP("bias").train()
-    ref = copy.deepcopy(mlp)
-    exact = copy.deepcopy(mlp).double()
-    x = torch.randn(4, 8, 16)
-    fast = coda_rewrite.optimize(mlp, fuse_in_training=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, want = fast(x), ref(x)
-    (note,) = down_notes(fast.report)
-    assert note[1].accepted, str(fast.report)
-    out.float().square().sum().backward()
-    want.float().square().sum().backward()
-    exact(x.double()).square().sum().backward()
-    for p, q, e in zip(mlp.parameters(), ref.parameters(), exact.parameters()):
-        assert p.grad.dtype == torch.float32
-        assert rel_err(p.grad, e.grad) <= 2 * rel_err(q.grad, e.grad) + 1e-3
+    does, its gradient reaches the float32 parameter, and every gradient is no worse
+    than eager's against float64 under the numerics policy (median ratio over three
+    seeds ≤ 1.25; none past 1.5: small tensors, one seed each)."""
+    import statistics
+    ratios = []
+    for s in range(3):
+        torch.manual_seed(s)
+        torch._dynamo.reset()
+        mlp = GatedMLP("bias").train()
+        ref = copy.deepcopy(mlp)
+        exact = copy.deepcopy(mlp).double()
+        x = torch.randn(4, 8, 16)
+        fast = coda_rewrite.optimize(mlp, fuse_in_training=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, want = fast(x), ref(x)
+        (note,) = down_notes(fast.report)
+        assert note[1].accepted, str(fast.report)
+        out.float().square().sum().backward()
+        want.float().square().sum().backward()
+        exact(x.double()).square().sum().backward()
+        for p, q, e in zip(mlp.parameters(), ref.parameters(), exact.parameters()):
+            assert p.grad.dtype == torch.float32
+            ratios.append(rel_err(p.grad, e.grad) / rel_err(q.grad, e.grad))
+    assert statistics.median(ratios) <= 1.25 and max(ratios) <= 1.5, ratios
 
 
 # ---- the math ---------------------------------------------------------------------------
@@ -310,10 +319,6 @@ def test_statement_refuses_a_wrong_derivative(monkeypatch):
 
 
 # ---- an adversary for the dgrad op's math --------------------------------------------------
-
-from hypothesis import given, seed, settings  # noqa: E402  (beside the tests it adds to)
-from hypothesis import strategies as st  # noqa: E402
-
 
 @seed(20261202)
 @settings(max_examples=60, deadline=None, database=None)

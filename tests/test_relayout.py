@@ -191,3 +191,26 @@ def test_training_keeps_no_copy_of_the_relaid_weights(via):
     loss.backward()
     loss_of(ref, "llama", ids).backward()
     grads_match(model, ref)
+
+
+def test_the_training_op_has_its_gradient_only_through_its_function():
+    """coda::gemm_relaid_recomputed has no autograd formula: called where a gradient can
+    be recorded it refuses (never a silently missing gradient), the fake too (at trace
+    time); through RelaidRecomputed the sources get the re-layout's gradient."""
+    from coda_rewrite.patterns.gated_mlp import gated_program
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    text = gated_program("swiglu", False, False, torch.float32, keep_preact=True).to_text()
+    a = torch.randn(5, 12)
+    wg, wu = (torch.randn(8, 12, requires_grad=True) for _ in range(2))
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.ops.coda.gemm_relaid_recomputed(text, a, "interleave_rows", "", [wg, wu], [])
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="no autograd formula"):
+        fa, fg, fu = torch.empty(5, 12), torch.empty(8, 12).requires_grad_(), \
+            torch.empty(8, 12).requires_grad_()
+        torch.ops.coda.gemm_relaid_recomputed(text, fa, "interleave_rows", "", [fg, fu], [])
+    y, _ = relayout.RelaidRecomputed.apply(text, a, "interleave_rows", "", 2, wg, wu)
+    got = torch.autograd.grad(y.sum(), [wg, wu])
+    want = torch.autograd.grad((torch.nn.functional.silu(a @ wg.T) * (a @ wu.T)).sum(),
+                               [wg, wu])
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-5

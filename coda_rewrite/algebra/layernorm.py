@@ -85,16 +85,11 @@ def check(match, graph: fx.Graph, activations: dict | None = None
     ones their programs take, as in decide)."""
     activations = activations or {}
     norm = match.norm
-    region = {norm.input, *norm.nodes, *(n for n in (norm.weight, norm.bias) if n is not None)}
-    for c in match.consumers:
-        region.update(c.chain)
-    updated = in_place_update_of(region, graph)
+    updated = row_scale.updated_in_place(
+        match, graph, "the deferred statistics and the GEMM would read it at other times "
+        "than the norm did", "layernorm.in_place")
     if updated is not None:
-        node, target = updated
-        return Rejection(Why(
-            f"(c) {describe(node)} updates {target.name} in place; the deferred "
-            "statistics and the GEMM would read it at other times than the norm did",
-            "layernorm.in_place"), describe(node)), {}
+        return updated, {}
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
         bad = _consumer_condition(c, norm)

@@ -217,22 +217,31 @@ def narrowing_cast(consumer, norm) -> fx.Node | None:
 
 # ---- side condition (c): in-place updates ---------------------------------------------
 
-def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
-    """The overall decision for a match and one per consumer GEMM."""
+def updated_in_place(match, graph: fx.Graph, consequence: str, code: str) -> Rejection | None:
+    """Side condition (c) of a norm deferred into its consumer GEMMs (RMSNorm here,
+    LayerNorm in algebra/layernorm.py): nothing the deferral reads at another time than
+    the norm did — its input, its nodes and parameters, each consumer's chain, or a view
+    of one — is updated in place anywhere in the graph."""
     norm = match.norm
-    region = {norm.input, norm.output, *norm.nodes}
-    if norm.weight is not None:
-        region.add(norm.weight)
+    params = (getattr(norm, "weight", None), getattr(norm, "bias", None))
+    region = {norm.input, norm.output, *norm.nodes, *(p for p in params if p is not None)}
     for c in match.consumers:
         region.update(c.chain)
     updated = in_place_update_of(region, graph)
+    if updated is None:
+        return None
+    node, target = updated
+    return Rejection(Why(f"(c) {describe(node)} updates {target.name} in place; "
+                         + consequence, code), describe(node))
+
+
+def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
+    """The overall decision for a match and one per consumer GEMM."""
+    norm = match.norm
+    updated = updated_in_place(match, graph, "the deferred rstd would be computed from the "
+                               "value before that update", "row_scale.in_place")
     if updated is not None:
-        node, target = updated
-        return Rejection(Why(
-                f"(c) {describe(node)} updates {target.name} in place; the deferred rstd "
-                "would be computed from the value before that update",
-                "row_scale.in_place"),
-            describe(node)), {}
+        return updated, {}
 
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:

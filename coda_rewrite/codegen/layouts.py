@@ -148,7 +148,7 @@ def layernorm_statistics(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, tor
         if torch.is_grad_enabled() and z.requires_grad:
             return _LayerNormStatistics.apply(z, float(eps))
         return _welford_rows(z, float(eps))  # inference: no autograd node on every call
-    zc = z.to(torch.float64 if z.dtype in (torch.float32, torch.float64) else torch.float32)
+    zc = z.to(reference.accumulate_dtype(z.dtype))
     var, mu = torch.var_mean(zc, dim=-1, keepdim=True, correction=0)
     return torch.rsqrt(var + eps), mu
 
@@ -181,8 +181,7 @@ def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
                             else factor)).to(weight.dtype)
     # s is multiplied by μ, of the mean's size: from float32 weights it is summed in
     # float64 (a float32 sum's error would move the output by ~2^-24·|μ|/σ)
-    s = w_fold.detach().to(torch.float32 if weight.dtype in (torch.bfloat16, torch.float16)
-                           else torch.float64).sum(-1)
+    s = w_fold.detach().to(reference.accumulate_dtype(weight.dtype)).sum(-1)
     total_shift = None
     if beta is not None:
         total_shift = beta.to(wide)

@@ -29,6 +29,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a value of ``dtype`` is computed in: float32 from 16-bit (the kernel's
+    accumulator), float64 from float32 or float64 (no kernel takes float32 operands, and
+    a value multiplied by a mean or cancelled against another, a LayerNorm's, needs more
+    than float32's 2^-24 of it: compute_dtype says when)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+
+
 def compute_dtype(program: EpilogueProgram, a, b, operands) -> torch.dtype:
     """float32 for 16-bit GEMM operands (the kernel's accumulator), float64 otherwise: a
     float64 model, and a float32 one too. No kernel takes float32 operands, so this is

@@ -23,7 +23,7 @@ import torch
 from ..codegen import dgated_source, reference
 from . import ops, quack_path
 
-_GEMM_DTYPES = (torch.bfloat16, torch.float16)
+_GEMM_DTYPES = quack_path._GEMM_DTYPES
 # Past the row classes (quack_path.ROW_CLASSES) QuACK's default, 128 x 192 tiles, leaves
 # this epilogue exposed (its D is twice the GEMM's N wide: packed pairs); 128 x 128
 # (pingpong, cluster 2) ran 0.492 ms against 0.577 at the 1B MLP (8192 x 2048 x 8192)
@@ -75,11 +75,14 @@ class Launch:
     ``EpiMod.plan``; the tile config by row class, as the forward's: quack_path); a call
     allocates dp and h and launches."""
 
-    __slots__ = ("plan", "gemm_plan", "m", "inter", "device", "dtype", "config")
+    __slots__ = ("plan", "gemm_plan", "m", "n", "inter", "device", "dtype", "config", "key")
 
-    def __init__(self, module, dout, w, p, config=None):
-        """``config`` overrides the row class's (benchmarks)."""
+    def __init__(self, module, dout, w, p, config=None, op: str = ""):
+        """``config`` overrides the row class's (benchmarks); ``op`` names it in the
+        report's launch configs."""
+        self.key = f"dgated_{op}"
         self.m, self.inter = dout.shape[0], w.shape[1]
+        self.n = self.inter
         self.device, self.dtype = dout.device, dout.dtype
         self.config = config or quack_path.config_for_size(self.m, self.inter) or \
             quack_path.tile_config(*LARGE_M_TILES)
@@ -105,25 +108,18 @@ class Launch:
 def run_reference(op: str, dout, w, p):
     """dh = dout·w_down accumulated as the kernel does (float32 from 16-bit operands,
     float64 otherwise), then codegen/reference.dgated."""
-    cd = torch.float32 if p.dtype in _GEMM_DTYPES else torch.float64
+    cd = reference.accumulate_dtype(p.dtype)
     with torch.autocast(device_type=dout.device.type, enabled=False):
         return reference.dgated(op, dout.to(cd) @ w.to(cd), p)
 
 
-# (op, tensor-metadata key) -> a prepared Launch, or why the reference runs
-_routes: dict[tuple, object] = {}
-_MAX_ROUTES = 1024
-
-
 def execute(op: str, dout, w, p) -> list[torch.Tensor]:
-    key = (op, quack_path.metadata_key(dout, w, p))
-    route = _routes.get(key)
-    if route is None:
+    """The kernel where the contract holds, else the reference: decided once per op and
+    tensor-metadata class, in the fused ops' route table (ops.route_of)."""
+    def decide():
         module, why = select(op, dout, w, p)
-        route = Launch(module, dout, w, p) if module is not None else why
-        if len(_routes) >= _MAX_ROUTES:
-            _routes.clear()
-        _routes[key] = route
+        return Launch(module, dout, w, p, op=op) if module is not None else why
+    route = ops.route_of((f"dgated:{op}", quack_path.metadata_key(dout, w, p)), decide)
     name = f"dgated_{op}"
     if isinstance(route, str):
         ops.count(name, "reference", route)

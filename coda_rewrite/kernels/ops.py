@@ -58,9 +58,10 @@ def launch_configs() -> list[str]:
     quack_path.config_for), one line per program and config with the rows it saw."""
     seen: dict[tuple, set] = collections.defaultdict(set)
     with _lock:
-        launches = [r for r in _routes.values() if isinstance(r, quack_path.Launch)]
-    for r in launches:
-        seen[(r.ks.program.key, quack_path.config_name(r.config))].add((r.m, r.n))
+        launches = [r for r in _routes.values() if not isinstance(r, str)]
+    for r in launches:  # a program's launch, or another op's (kernels/dgated.py: .key)
+        key = r.ks.program.key if isinstance(r, quack_path.Launch) else r.key
+        seen[(key, quack_path.config_name(r.config))].add((r.m, r.n))
     return [f"kernel {key}: {cfg} for M x N in "
             + ", ".join(f"{m} x {n}" for m, n in sorted(sizes)[:8])
             + (f" (+{len(sizes) - 8} more)" if len(sizes) > 8 else "")
@@ -101,16 +102,12 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
     """Run a program: the generated kernel where its layout contract holds, else the
     reference. The route (and, for a kernel, its prepared launch) is decided once per
     program and tensor-metadata class (quack_path.metadata_key) and reused."""
-    key = (program, quack_path.metadata_key(a, b, operands))
-    route = _routes.get(key)
     prog = parse(program)
-    if route is None:
+
+    def decide():
         kernel, why = quack_path.select(prog, program, a, b, operands)
-        route = quack_path.prepare(*kernel, a, b, operands) if kernel is not None else why
-        with _lock:
-            if len(_routes) >= _MAX_ROUTES:  # e.g. a server seeing every prompt length
-                _routes.clear()
-            _routes[key] = route
+        return quack_path.prepare(*kernel, a, b, operands) if kernel is not None else why
+    route = route_of((program, quack_path.metadata_key(a, b, operands)), decide)
     if isinstance(route, str):
         _count(prog, "reference", route)
         return _fresh(_run_reference(prog, a, b, operands), [a, b, *operands])
@@ -118,11 +115,24 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
     return route(a, b, operands)  # fresh buffers, never an input
 
 
-# (program text, tensor-metadata key) -> a prepared kernel launch, or why the reference runs;
-# bounded: a launch for a shape class not seen again is only a few host objects, but
-# dynamic prompt lengths make new classes without end
+# (kernel, tensor-metadata key) -> a prepared kernel launch, or why the reference runs
+# (a program's text, or another op's tag: kernels/dgated.py); bounded: a launch for a
+# shape class not seen again is only a few host objects, but dynamic prompt lengths make
+# new classes without end
 _routes: dict[tuple, object] = {}
 _MAX_ROUTES = 4096
+
+
+def route_of(key: tuple, decide):
+    """The route memoised under ``key``, decided by ``decide()`` on its first call."""
+    route = _routes.get(key)
+    if route is None:
+        route = decide()
+        with _lock:
+            if len(_routes) >= _MAX_ROUTES:  # e.g. a server seeing every prompt length
+                _routes.clear()
+            _routes[key] = route
+    return route
 
 
 # The op is defined through torch.library's low-level API rather than

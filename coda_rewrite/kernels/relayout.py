@@ -98,13 +98,16 @@ def _gemm_on(program, a, b, operands) -> list[torch.Tensor]:
     return list(torch.ops.coda.gemm_epilogue(program, a, b, operands))
 
 
-def _fake_relaid(program, a, kind, spec, sources, operands):
-    """Both ops' fake: the re-layout's shape, then the GEMM's outputs."""
-    ops.refuse_gradients("gemm_relaid", a, *sources, *operands)
-    return _gemm_on(program, a, compute(kind, spec, sources, a.dtype), operands)
+def _fake_relaid(op: str):
+    """Both ops' fake: the re-layout's shape, then the GEMM's outputs (refusing, like
+    the op, a call where autograd could record a gradient)."""
+    def fake(program, a, kind, spec, sources, operands):
+        ops.refuse_gradients(op, a, *sources, *operands)
+        return _gemm_on(program, a, compute(kind, spec, sources, a.dtype), operands)
+    return fake
 
 
-torch.library.register_fake("coda::gemm_relaid", _fake_relaid)
+torch.library.register_fake("coda::gemm_relaid", _fake_relaid("gemm_relaid"))
 
 
 def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
@@ -136,7 +139,8 @@ def gemm_relaid_recomputed(program: str, a: torch.Tensor, kind: str, spec: str,
 
 ops._lib.define("gemm_relaid_recomputed" + _RELAID_SCHEMA)
 ops._lib.impl("gemm_relaid_recomputed", gemm_relaid_recomputed, "CompositeExplicitAutograd")
-torch.library.register_fake("coda::gemm_relaid_recomputed", _fake_relaid)
+torch.library.register_fake("coda::gemm_relaid_recomputed",
+                            _fake_relaid("gemm_relaid_recomputed"))
 
 
 def _setup_recomputed(ctx, inputs, output):
@@ -191,8 +195,6 @@ def _backward_recomputed(ctx, grads):
                                        allow_unused=True))
         grad_src = [next(got) if s.requires_grad else None for s in src]
     return None, grad_a, None, None, grad_src, grad_ops
-
-
 
 
 def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
@@ -255,6 +257,7 @@ def gemm_layernorm_kept(program: str, a: torch.Tensor, parts: str, weight: torch
 
 
 def _fake_layernorm_kept(program, a, parts, weight, rest, operands):
+    ops.refuse_gradients("gemm_layernorm_kept", a, weight, *rest, *operands)
     w_fold, s, b_fold = _fold(parts, weight, rest)
     return _gemm_on(program, a, w_fold.to(a.dtype), [*operands, s, *([b_fold] if b_fold is not None
                                                          else [])])

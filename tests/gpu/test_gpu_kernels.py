@@ -734,9 +734,9 @@ def test_layernorm_models_bf16_on_gpu(family):
 @pytest.mark.parametrize("shape", [(256, 512, 384), (333, 264, 200), (8, 1024, 4096),
                                    (4096, 2048, 8192)])
 def test_dgated_kernel(op, shape):
-    """dp and the recomputed h from the kernel against the reference (same 16-bit
-    inputs, float32 math) and against float64: no worse than the reference's own
-    rounding by more than a bf16 ulp's worth."""
+    """dp and the recomputed h from the kernel against float64, no worse than the
+    reference's (the same 16-bit inputs, float32 math): both are one bf16 rounding of
+    each output away, the kernel's fast-math sigmoid/erf far below that."""
     from coda_rewrite.kernels import dgated
     m, hidden, inter = shape
     torch.manual_seed(0)
@@ -751,7 +751,7 @@ def test_dgated_kernel(op, shape):
     for got, ref, exact in ((dp, ref_dp, exact_dp), (h, ref_h, exact_h)):
         assert got.shape == ref.shape and got.dtype == ref.dtype
         err, base = rel_err(got.double(), exact), rel_err(ref.double(), exact)
-        assert err <= base + 4e-3, (op, shape, err, base)
+        assert err <= 1.1 * base, (op, shape, err, base)
 
 
 @pytest.mark.parametrize("family,via", [("llama", "optimize"), ("llama", "backend"),
