@@ -61,6 +61,28 @@ _CAST_METHODS = {"to", "float", "half", "bfloat16", "double", "type_as", "type"}
 _TRANSPOSE_METHODS = {"t", "transpose", "permute"}
 _RMS_NORM = {torch.rms_norm, torch.nn.functional.rms_norm}
 _MATMUL = {operator.matmul, torch.matmul, "matmul"}
+_GROUPED_MM = {torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", torch._grouped_mm),
+               torch.ops.aten._grouped_mm.default}
+# transformers' custom op for what torch._grouped_mm does not take under torch.compile
+# (a float32 model): the same product, its rows past offs[-1] zero
+_GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def _grouped_mm(node: fx.Node) -> COp | None:
+    """grouped_mm(a [S, K], b [E, K, N], offs [E]) with no bias and no out_dtype."""
+    key, args, kw = node.target, node.args, node.kwargs
+    name = getattr(key, "_qualified_op_name", None) or getattr(
+        getattr(key, "_schema", None), "name", None)
+    if key not in _GROUPED_MM and name not in _GROUPED_MM_OPS:
+        return None
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    if name in _GROUPED_MM_OPS:
+        names = ("input", "weight", "offs")
+    bound = dict(zip(names, args)) | dict(kw)
+    if bound.get("bias") is not None or bound.get("out_dtype") is not None or \
+            bound.get("offs") is None or len(bound) > len(names):
+        return None
+    return COp("grouped_mm", tuple(bound[n] for n in names[:3]))
 
 
 def _key(node: fx.Node):
@@ -118,6 +140,9 @@ def canon(node: fx.Node) -> COp | None:
         x, w = args[0], args[1] if len(args) > 1 else kw.get("weight")
         b = args[2] if len(args) > 2 else kw.get("bias")
         return COp("linear", (x, w, b))
+    grouped = _grouped_mm(node) if node.op == "call_function" else None
+    if grouped is not None:
+        return grouped
     if key in _MATMUL and len(args) == 2:
         w = _transposed_2d(args[1])
         if w is not None and meta(args[0]) is not None and meta(args[0]).dim() >= 1:

@@ -18,6 +18,7 @@ import functools
 import sympy as sp
 import torch
 
+from ..codegen import reference
 from ..numerics import rel_err
 from .decision import Proof
 from .isolated import off_thread
@@ -748,6 +749,71 @@ def prove_sharded_gemm() -> Proof:
         _witness("sharded GEMM", num))
 
 
+@functools.cache
+def prove_routed_experts() -> Proof:
+    """The routed experts' grouped GEMMs with their epilogues (patterns/routed_experts.py):
+    a grouped GEMM is row-local (row s reads its own gathered row H[σ(s)] and its own
+    expert's weight W[e(s)]), so the gather can be the GEMM's own row read, a per-row
+    factor (the router's combine weight) moves into the epilogue, and a row fill before
+    a row-local map is dead where the same rows are filled after it."""
+    X, Wx = sp.IndexedBase("X"), sp.IndexedBase("W")
+    sigma, e, act, f = (sp.Function(n) for n in ("sigma", "e", "act", "f"))
+    s_ = sp.Symbol("s", integer=True, nonnegative=True)
+    gathered = _gemm(H[sigma(s_), k] * Wx[e(s_), j, k])
+    read = _gemm(X[s_, k] * Wx[e(s_), j, k]).replace(  # the GEMM reads row X[s] = H[σ(s)]
+        lambda v: isinstance(v, sp.Indexed) and v.base == X,
+        lambda v: H[sigma(v.indices[0]), v.indices[1]])
+    _require(gathered - read, "the gather as the grouped GEMM's row read")
+    _require(r[s_] * _gemm(H[s_, k] * Wx[e(s_), j, k])
+             - _gemm((r[s_] * H[s_, k]) * Wx[e(s_), j, k]), "a per-row factor per expert")
+    # fills, by cases of the row's mask bit: fill(x, M, c) = c where M, x elsewhere
+    x0, x1, c, c2, g0, u0 = sp.symbols("x0 x1 c c2 g0 u0")
+    for masked in (True, False):
+        def fill(v, cst):
+            return cst if masked else v
+        _require(fill(f(fill(x0, c)), c2) - fill(f(x0), c2),
+                 "a fill before a row-local map, filled again after it")
+        _require(act(fill(g0, c)) * fill(u0, c) - fill(act(g0) * u0, act(c) * c),
+                 "a fill of (gate, up) moved past the gated product")
+    # not for a map that mixes rows: row 0 of f = x0 + x1 reads the filled row 1
+    _refute(sp.Symbol("c") + x0 - (x1 + x0), "a fill before a map that mixes rows is dead")
+
+    def num(seed):
+        n_exp, t, kk, ii, top = _shape(seed, (1, 4), (1, 6), (1, 6), (1, 4), (1, 2))
+        g = _gen(seed)
+        rows = t * top
+        h = torch.randn(t, kk, generator=g, dtype=torch.float64)
+        idx = torch.randint(0, t, (rows,), generator=g)
+        ends = torch.sort(torch.randint(0, rows + 1, (n_exp,), generator=g)).values
+        w_gu = torch.randn(n_exp, 2 * ii, kk, generator=g, dtype=torch.float64)
+        w_d = torch.randn(n_exp, kk, ii, generator=g, dtype=torch.float64)
+        cw = torch.rand(rows, generator=g, dtype=torch.float64)
+        pre = reference.grouped_mm(h[idx], w_gu.transpose(-2, -1), ends)
+        gate, up = pre.chunk(2, dim=-1)
+        y = reference.grouped_mm(torch.nn.functional.silu(gate) * up,
+                                 w_d.transpose(-2, -1), ends) * cw[:, None]
+        pair = reference.expert_pairs_interleaved(w_gu)
+        acc = reference.grouped_mm(h[idx], pair.transpose(-2, -1), ends)
+        hh = torch.nn.functional.silu(acc[:, 0::2]) * acc[:, 1::2]
+        fused = cw[:, None] * reference.grouped_mm(hh, w_d.transpose(-2, -1), ends)
+        return rel_err(fused, y)
+
+    return Proof(
+        "row s: (Σ_k H[σ(s),k]·W_gu[e(s),·,k] → act(gate)·up) · W_d[e(s)]ᵀ · w[s] = "
+        "grouped GEMMs with σ as the row read, the pair activation and w[s] in the epilogues",
+        ("a grouped GEMM is row-local: row s reads row s of its input and expert e(s)'s "
+         "weight only",
+         "W_gu's rows per expert are [gate; up] halves, read interleaved (gated interleave)",
+         "the combine weight w[s] is one scalar per routed row (constant in k)",
+         "a fill of rows before a row-local map is dead where the same rows are filled "
+         "after it; a fill of (gate, up) by c is a fill of act(gate)·up by act(c)·c"),
+        ("the gather: substituting X[s,k] = H[σ(s),k] in the GEMM",
+         "w[s] leaves the sum over k (row-scale deferral, per expert)",
+         "fills by cases of the mask bit; for a map that mixes rows the fill is not dead "
+         "(refused)"),
+        _witness("routed experts", num))
+
+
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
@@ -767,6 +833,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("logits map derivative", prove_logits_map_derivative()),
             ("gated activation interleave", prove_gated_interleave()),
             ("gated backward in the down projection's dgrad", prove_gated_backward()),
-            ("sharded GEMM (tensor parallelism)", prove_sharded_gemm())]
+            ("sharded GEMM (tensor parallelism)", prove_sharded_gemm()),
+            ("routed experts' grouped GEMMs", prove_routed_experts())]
     return out
 

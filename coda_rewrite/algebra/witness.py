@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..canonical import canon, meta
-from ..codegen import layouts
+from ..codegen import layouts, reference
 from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
 from . import sharding
@@ -53,6 +53,10 @@ def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
         # the dtype in the model is replayed as it is: a real rounding the rewrite must
         # keep (or refuse) shows up as a disagreement.
         return arg(node.args[0])
+    c = canon(node)
+    if c is not None and c.name == "grouped_mm":
+        # torch._grouped_mm takes no float64: the same product, in the reference's loop
+        return reference.grouped_mm(*(arg(x) for x in c.args))
     args = fx.node.map_arg(node.args, arg)
     kwargs = fx.node.map_arg(node.kwargs, arg)
     if node.op == "call_method":

@@ -135,3 +135,46 @@ def dgated(op: str, dh: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, to
     a = a.detach()
     dp = torch.stack([dg, dh * a], dim=-1).reshape(p.shape)
     return dp.to(p.dtype), (a * u).to(p.dtype)
+
+
+# ---- grouped GEMMs (routed experts: kernels/grouped.py) --------------------------------
+
+def grouped_mm(a: torch.Tensor, b_kn: torch.Tensor, offsets: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch._grouped_mm's product in any dtype (its kernels take 16-bit and float32
+    only; the witness replays it in float64): rows [offsets[e-1], offsets[e]) of ``a``
+    [S, K] times ``b_kn[e]`` [K, N]; rows past offsets[-1] are zero (torch's kernel
+    leaves them unwritten: eager never reads them). ``dtype``: what to compute in
+    (default a's). One host read of the offsets: this is the reference, not a kernel."""
+    dtype = dtype or a.dtype
+    out = a.new_zeros(a.shape[0], b_kn.shape[-1], dtype=dtype)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        end = min(int(end), a.shape[0])
+        if end > start:
+            out[start:end] = a[start:end].to(dtype) @ b_kn[e].to(dtype)
+        start = max(start, end)
+    return out
+
+
+def expert_pairs_interleaved(w: torch.Tensor) -> torch.Tensor:
+    """Per expert [g0, u0, g1, u1, ...] from the concatenated [gate; up] rows of
+    ``w`` [E, 2I, K]: what QuACK's concat_layout reads in place, written out."""
+    half = w.shape[-2] // 2
+    return w.unflatten(-2, (2, half)).transpose(-3, -2).flatten(-3, -2)
+
+
+def run_grouped(program: EpilogueProgram, a: torch.Tensor, b: torch.Tensor,
+                offsets: torch.Tensor, index: torch.Tensor | None,
+                operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Evaluate ``program`` over a grouped GEMM (kernels/grouped.py's contract): row s of
+    the problem is ``a[index[s]]`` (``a[s]`` without an index) times expert e's weight
+    ``b[e]`` [N, K] for the e with offsets[e-1] <= s < offsets[e]; a program with pair
+    outputs reads each expert's rows as [gate; up] halves. Rows past offsets[-1] get the
+    epilogue of a zero accumulator."""
+    rows = a if index is None else a[index.long()]
+    if any(o.kind == Kind.PAIR for o in program.outputs):
+        b = expert_pairs_interleaved(b)
+    cd = compute_dtype(program, rows, b, operands)
+    acc = grouped_mm(rows, b.transpose(-2, -1), offsets, cd)
+    return run_program(program, rows, b[0], operands, acc=acc)

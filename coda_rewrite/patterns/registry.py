@@ -8,6 +8,9 @@
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
                        rstd before the activation
+    routed_experts     a mixture-of-experts layer's grouped expert GEMMs: the gather as
+                       the GEMM's row read, act(gate)·up and the combine weight in their
+                       epilogues
     rope               after the norms too (q/k/v as rowscale consumers merge into one
                        rotating GEMM)
     cross_entropy      the logits GEMM may be the final norm's rowscale consumer
@@ -22,7 +25,7 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 from __future__ import annotations
 
 from . import (attention, cross_entropy, explicit_attention, gated_mlp, layernorm,
-               residual_rmsnorm, rope)
+               residual_rmsnorm, rope, routed_experts)
 
-FAMILIES = (explicit_attention, attention, residual_rmsnorm, gated_mlp, rope, cross_entropy,
-            layernorm)
+FAMILIES = (explicit_attention, attention, residual_rmsnorm, gated_mlp, routed_experts, rope,
+            cross_entropy, layernorm)

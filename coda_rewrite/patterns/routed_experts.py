@@ -1,0 +1,318 @@
+"""Routed experts → two grouped GEMMs with epilogues (mixture-of-experts layers).
+
+Hugging Face's default experts implementation (``grouped_mm``: Mixtral, Qwen2/3-MoE,
+OLMoE, DeepSeek-V2/V3, GLM-4-MoE, ...; transformers/integrations/moe.py) sorts the
+(token, expert) pairs by expert, gathers the routed rows and runs:
+
+    x_g  = h[idx]                       (S × K written, then read)
+    x_g.masked_fill_(sentinel, 0)       (expert-parallel sentinels; for the backward)
+    p    = grouped_mm(x_g, W_guᵀ, offs).masked_fill(sentinel, 0)      (S × 2I)
+    y    = act(p[:, :I]) · p[:, I:]                                   (S × I)
+    o    = grouped_mm(y, W_dᵀ, offs).masked_fill(sentinel, 0) · w[:, None]
+
+The rewrite (kernels/grouped.py, QuACK's variable-length GEMM):
+
+    y = grouped GEMM of h with rows idx (the gather is the GEMM's row read: x_g is never
+        written), [gate; up] halves of each expert's W_gu read interleaved in place,
+        epilogue act(gate)·up                                          (S × I stored)
+    o = grouped GEMM of y, epilogue w[s]·acc                            (S × K stored)
+
+A fill of rows before a row-local map is dead where the same rows are filled after it,
+and grouped GEMMs are row-local: so the sentinel fill of x_g is dead (the gate/up output
+is filled on the same rows), and so is that one (the down output is): only the last fill
+stays, a graph op Inductor fuses into the scatter back. (Where the down output is not
+filled, the gate/up fill by c stays, on the product, as a fill by act(c)·c.) The scatter back to
+token order (inverse permutation, sum over top-k) stays a graph op for Inductor.
+
+Legality: algebra/routed_experts.py (statements.prove_routed_experts, a float64 replay
+of the matched nodes). Forward only: the grouped op has no backward yet, so a match in a
+graph that computes gradients is left as is (``moe.training``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import patterns
+from ..algebra import routed_experts as legality
+from ..algebra.decision import Rejection, Why
+from ..canonical import canon, meta
+from ..capture import describe, model_path
+from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
+from ..codegen.reference import dtype_name
+from ..graph_utils import chunk_half, copy_meta, erase_if_dead, results, through_casts
+from ..kernels.grouped import grouped_linear
+from .family import Context, Decided
+from .gated_mlp import activation_of
+
+NAME = "routed_experts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """``value.masked_fill(mask, constant)`` (or the in-place ``masked_fill_``)."""
+    node: fx.Node
+    mask: fx.Node
+    constant: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    mul: fx.Node                   # act(gate)·up
+    act: fx.Node
+    op: str                        # swiglu | geglu | geglu_erf
+    gate_up: fx.Node               # grouped_mm(x, W_guᵀ, offs)
+    down: fx.Node                  # grouped_mm(y, W_dᵀ, offs)
+    x: fx.Node                     # the gate/up GEMM's input (under identity casts)
+    source: fx.Node | None         # h, where x = h[index] (the gather)
+    index: fx.Node | None
+    w_gate_up: fx.Node             # [E, 2I, K]
+    w_down: fx.Node                # [E, K', I]
+    offsets: fx.Node
+    chunk: fx.Node
+    gate: fx.Node
+    up: fx.Node
+    input_fill: Fill | None        # x.masked_fill_(M, c) before the first GEMM
+    gate_up_fill: Fill | None      # p.masked_fill(M, c)
+    down_fill: Fill | None
+    combine: fx.Node | None        # o · w[:, None]
+    weight: fx.Node | None         # w [S]
+    out: fx.Node                   # what the rewrite replaces (combine, fill or down)
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.mul)
+
+
+class NoMatch(patterns.NoMatch):
+    pattern = NAME
+
+
+def _fill(node) -> Fill | None:
+    """``node`` as a masked_fill of a tensor by a constant, in place or not."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name not in ("masked_fill", "masked_fill_") or len(node.args) != 3 or node.kwargs:
+        return None
+    _, mask, value = node.args
+    if not isinstance(mask, fx.Node) or isinstance(value, bool) or \
+            not isinstance(value, (int, float)):
+        return None
+    return Fill(node, mask, float(value))
+
+
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _after(node: fx.Node) -> tuple[fx.Node, Fill | None]:
+    """(the value read after ``node``, its fill): through a masked_fill that is the
+    node's only reader."""
+    user = _sole_user(node)
+    fill = _fill(user) if user is not None else None
+    if fill is not None and fill.node.args[0] is node and fill.node.target == "masked_fill":
+        return fill.node, fill
+    return node, None
+
+
+def _expert_weight(b) -> fx.Node | None:
+    """W [E, N, K] where ``b`` is its transpose(-2, -1) (nn.Linear layout per expert,
+    as Hugging Face stores gate_up_proj and down_proj)."""
+    if not isinstance(b, fx.Node) or b.op != "call_method" or b.target not in (
+            "transpose", "mT") or not isinstance(b.args[0], fx.Node):
+        return None
+    w = meta(b.args[0])
+    if w is None or w.dim() != 3:
+        return None
+    dims = sorted(d % 3 for d in b.args[1:])
+    return b.args[0] if dims == [1, 2] else None
+
+
+def _gather(x: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    """(h, index) where ``x`` is ``h[index]`` with a 1-D integer index over h's rows."""
+    c = canon(x)
+    if c is None or c.name != "getitem":
+        return None, None
+    h, idx = c.args
+    mh, mi = meta(h), meta(idx)
+    if mh is None or mh.dim() != 2 or mi is None or mi.dim() != 1 or \
+            mi.dtype not in (torch.int32, torch.int64):
+        return None, None
+    return h, idx
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    out = []
+    for node in graph.nodes:
+        c = canon(node)
+        if c is None or c.name != "grouped_mm":
+            continue
+        found = _match(node, c.args)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _match(gu: fx.Node, args) -> Match | NoMatch | None:
+    """The experts' MLP whose gate/up GEMM is ``gu``; None where ``gu`` is not one (the
+    down GEMM, or a grouped GEMM of another kind: not this pattern)."""
+    x_cast, b, offsets = args
+    w_gu = _expert_weight(b)
+    p, gu_fill = _after(gu)
+    ch = _sole_user(p)
+    if ch is None or ch.target not in ("chunk", torch.chunk):
+        return None
+    halves = sorted((chunk_half(u) or (None, -1))[1] for u in ch.users)
+    if halves != [0, 1] or len(ch.users) != 2:
+        return NoMatch(gu, Why(f"{describe(ch)} is not read as two halves [gate; up] of the "
+                               "last dim", "moe.not_halves"))
+    gate, up = sorted(ch.users, key=lambda u: chunk_half(u)[1])
+    act = _sole_user(gate)
+    a = activation_of(act) if act is not None else None
+    if a is None or isinstance(a, str) or a[1] is not gate:
+        return NoMatch(gu, Why(f"the gate half {describe(gate)} is not read by one gating "
+                               "activation (silu, gelu) only", "moe.activation"))
+    mul = _sole_user(act)
+    cm = canon(mul) if mul is not None else None
+    if cm is None or cm.name != "mul" or set(cm.args) != {act, up}:
+        return NoMatch(gu, Why("act(gate) is not multiplied by the up half alone",
+                               "moe.not_gated"))
+    if w_gu is None:
+        return NoMatch(gu, Why(f"the gate/up weight {describe(b)} is not the transpose of "
+                               "a [E, 2I, K] expert weight", "moe.weight_layout"))
+    y = _sole_user(mul)
+    y = _sole_user(y) if y is not None and canon(y) is not None and \
+        canon(y).name == "cast" else y
+    cd = canon(y) if y is not None else None
+    if cd is None or cd.name != "grouped_mm" or through_casts(cd.args[0])[0] is not mul:
+        return NoMatch(gu, Why("the gated product is not read by one grouped GEMM only",
+                               "moe.no_down_projection"))
+    w_d = _expert_weight(cd.args[1])
+    if w_d is None:
+        return NoMatch(gu, Why(f"the down weight {describe(cd.args[1])} is not the "
+                               "transpose of a [E, K, I] expert weight", "moe.weight_layout"))
+    if cd.args[2] is not offsets:
+        return NoMatch(gu, Why("the two grouped GEMMs take different offsets",
+                               "moe.offsets_differ"))
+    o, down_fill = _after(y)
+    combine, weight = _combine(o)
+    x, _ = through_casts(x_cast)
+    source, index = _gather(x)
+    fills = [f for f in map(_fill, x.users) if f is not None and f.node.args[0] is x]
+    input_fill = fills[0] if len(fills) == 1 and \
+        fills[0].node.target == "masked_fill_" else None
+    return Match(mul, act, a[0], gu, y, x, source, index, w_gu, w_d, offsets, ch, gate,
+                 up, input_fill, gu_fill, down_fill, combine, weight,
+                 combine if combine is not None else o)
+
+
+def _combine(o: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    """(o · w[:, None], w) where the down output's only reader scales each row by one
+    value of a 1-D w."""
+    user = _sole_user(o)
+    c = canon(user) if user is not None else None
+    if c is None or c.name != "mul":
+        return None, None
+    other = c.args[1] if c.args[0] is o else c.args[0]
+    if not isinstance(other, fx.Node) or other.op != "call_method" or \
+            other.target != "unsqueeze" or other.args[1:] not in ((-1,), (1,)):
+        return None, None
+    w, mo = other.args[0], meta(o)
+    mw = meta(w)
+    if mw is None or mo is None or mw.dim() != 1 or mw.shape[0] != mo.shape[0] or \
+            not mw.is_floating_point():
+        return None, None
+    return user, w
+
+
+def gated_program(op: str, dtype: torch.dtype) -> EpilogueProgram:
+    """act(gate)·up of each (gate, up) pair of the accumulator -> y [S, I]."""
+    p = ProgramBuilder(f"experts_{op}", gemm=True, family="routed_experts")
+    p.output(p.emit(op, "acc", name="y"), Kind.PAIR, dtype_name(dtype))
+    return p.build()
+
+
+def down_program(combined: bool, dtype: torch.dtype) -> EpilogueProgram:
+    """w[s]·acc (the router's combine weight), or acc -> o [S, K]."""
+    p = ProgramBuilder("experts_combine" if combined else "experts_down", gemm=True,
+                       family="routed_experts")
+    v = p.scaled_acc(combined, False)
+    p.output(v, Kind.TILE, dtype_name(dtype))
+    return p.build()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    match: Match
+    gated: EpilogueProgram
+    down: EpilogueProgram
+    product_fill: float | None     # act(c)·c: the gate/up fill moved past the product
+    #                                (None: no fill, or a dead one)
+
+
+# ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+def describe_match(m: Match) -> dict:
+    return {"consumers": [describe(m.gate_up), describe(m.down)]}
+
+
+def decide(m: Match, context: Context) -> Decided:
+    if meta(m.out) is not None and meta(m.out).requires_grad:
+        return Decided.refuse(Rejection(Why(
+            "a training graph: the grouped experts' fused GEMMs have no backward yet "
+            "(forward first, issue #21): left to eager's ops", "moe.training"), m.path))
+    dtype = meta(m.mul).dtype
+    programs = (gated_program(m.op, dtype), down_program(m.combine is not None,
+                                                         meta(m.out).dtype))
+    decision = legality.decide(m, *programs)
+    if not decision.accepted:
+        return Decided.refuse(decision)
+    fill = None
+    if m.gate_up_fill is not None and not legality.product_fill_dead(m):
+        fill = legality.product_fill(m.op, m.gate_up_fill.constant)
+    return Decided(decision, Plan(m, *programs, fill))
+
+
+def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
+    """Replace the experts' MLP by two grouped GEMMs with epilogues."""
+    m = plan.match
+    with graph.inserting_before(m.out):
+        source = m.source if m.source is not None else m.x
+        call = graph.call_function(grouped_linear, (
+            plan.gated.to_text(), source, m.w_gate_up, m.offsets, m.index))
+        copy_meta(call, m.mul)
+        (y,) = results(graph, call, 1, m.mul)
+        if plan.product_fill is not None:
+            y = graph.call_method("masked_fill", (y, m.gate_up_fill.mask, plan.product_fill))
+        operands = ()
+        if m.weight is not None:
+            operands = (graph.call_method("float", (m.weight,)),)
+        call = graph.call_function(grouped_linear, (
+            plan.down.to_text(), y, m.w_down, m.offsets, None, *operands))
+        copy_meta(call, m.out)
+        (o,) = results(graph, call, 1, m.out)
+        if m.down_fill is not None:
+            o = graph.call_method("masked_fill", (o, m.down_fill.mask, m.down_fill.constant))
+    o.meta.update({k: v for k, v in m.out.meta.items() if k not in o.meta})
+    m.out.replace_all_uses_with(o)
+    dead = [m.out, m.mul, m.act, m.gate, m.up, m.chunk, m.gate_up, m.down]
+    if m.input_fill is not None:  # dead: the same rows are filled after the GEMM
+        m.input_fill.node.replace_all_uses_with(m.x)
+        graph.erase_node(m.input_fill.node)
+        dead.append(m.x)
+    erase_if_dead(graph, dead)
+    shown = {"programs": [plan.gated, plan.down],
+             "weights": "each expert's [gate; up] rows read interleaved in place by the "
+                        "kernel (QuACK's concat layout): no re-layout, no copy"}
+    if m.index is not None:
+        shown["producer"] = (f"routed rows gathered by the GEMM's row read "
+                             f"({describe(m.source)}[{describe(m.index)}] never written)")
+    return shown
