@@ -11,7 +11,8 @@ on a GPU machine it warms the disk cache before a run.
     python -m coda_rewrite.kernels.aot PROGRAMS.json [--keep-ptx DIR]
 
 PROGRAMS.json is a list of program texts (and ``{"dgated": op}`` entries: the gated
-backward's dgrad kernels, kernels/dgated.py). Prints one JSON line per kernel, with the
+backward's dgrad kernels, kernels/dgated.py; ``{"grouped": text}``: a routed experts'
+grouped GEMM, kernels/grouped.py). Prints one JSON line per kernel, with the
 tile configs it was compiled for (one per row class of the size policy that differs).
 """
 
@@ -119,6 +120,34 @@ def compile_dgated(op: str, m: int = 256, hidden: int = 256, inter: int = 256) -
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def compile_grouped(text: str, tokens: int = 64, k: int = 256, n: int = 256,
+                    experts: int = 4) -> dict:
+    """Trace and compile a grouped program (kernels/grouped.py: QuACK's variable-length
+    GEMM; a gather of the rows for the gated program, the [gate; up] halves read
+    interleaved) at the config it launches with."""
+    import torch
+
+    from ..codegen.program import Kind, parse
+    from .grouped import GroupedLaunch
+    from .quack_path import load
+
+    ks, module = load(text)
+    prog = parse(text)
+    pair = any(o.kind == Kind.PAIR for o in prog.outputs)
+    rows = 2 * tokens
+    a = torch.randn(tokens if pair else rows, k, dtype=torch.bfloat16)
+    b = torch.randn(experts, n, k, dtype=torch.bfloat16)
+    offsets = torch.tensor([rows // 4, rows // 4, rows // 2, rows - 3], dtype=torch.int32)
+    index = torch.randint(0, tokens, (rows,), dtype=torch.int32) if pair else None
+    operands = [torch.rand(rows) for _ in prog.operands]
+    t0 = time.perf_counter()
+    launch = GroupedLaunch(ks, module, a, b, offsets, index, operands)
+    c = launch.config
+    return {"program": prog.key, "module": ks.module_name,
+            "configs": [[c.tile_m, c.tile_n, c.cluster_m]],
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -130,9 +159,14 @@ def main(argv: list[str]) -> int:
     _install_driver_stand_in()
     with open(a.programs) as f:
         texts = json.load(f)
-    for text in texts:  # a program text, or {"dgated": op} for a gated backward kernel
-        got = compile_dgated(text["dgated"]) if isinstance(text, dict) else \
-            compile_program(text)
+    for text in texts:  # a program text, {"dgated": op} (a gated backward kernel) or
+        #                  {"grouped": text} (a routed experts' grouped GEMM)
+        if isinstance(text, dict) and "grouped" in text:
+            got = compile_grouped(text["grouped"])
+        elif isinstance(text, dict):
+            got = compile_dgated(text["dgated"])
+        else:
+            got = compile_program(text)
         print(json.dumps(got), flush=True)
     return 0
 

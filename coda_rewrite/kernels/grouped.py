@@ -89,7 +89,8 @@ class GroupedLaunch:
                  for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), dtypes[value])
                      for value, name in ks.contract.tile_outputs]
-        tile_m, tile_n, cluster_m = self.config = config or GROUPED_TILES
+        tile_m, tile_n, cluster_m = config or GROUPED_TILES
+        self.config = quack_path.tile_config(tile_m, tile_n, cluster_m)  # for the report
         out = self._alloc()
         epi = {**self._operands(operands), **{k: v for k, v in out.items() if k != "D"}}
         pair = any(o.kind == Kind.PAIR for o in prog.outputs)

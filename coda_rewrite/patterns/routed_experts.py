@@ -32,7 +32,6 @@ graph that computes gradients is left as is (``moe.training``).
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.fx as fx
@@ -44,7 +43,8 @@ from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
-from ..graph_utils import chunk_half, copy_meta, erase_if_dead, results, through_casts
+from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, mutated_value, results,
+                           through_casts)
 from ..kernels.grouped import grouped_linear
 from .family import Context, Decided
 from .gated_mlp import activation_of
@@ -167,14 +167,26 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
     x_cast, b, offsets = args
     w_gu = _expert_weight(b)
     p, gu_fill = _after(gu)
-    ch = _sole_user(p)
-    if ch is None or ch.target not in ("chunk", torch.chunk):
-        return None
+    chunks = [u for u in p.users if u.target in ("chunk", torch.chunk)]
+    if not chunks:
+        return None  # not split into gate and up: not this pattern
+    ch = chunks[0]
+    if len(p.users) > 1:
+        other = next(u for u in p.users if u is not ch)
+        updated = mutated_value(other) is p
+        return NoMatch(gu, Why(
+            f"the gate/up output {describe(p)} is also {'updated in place' if updated else 'read'}"
+            f" by {describe(other)}: the fused GEMM never writes it",
+            "moe.in_place" if updated else "moe.intermediate_read"))
     halves = sorted((chunk_half(u) or (None, -1))[1] for u in ch.users)
     if halves != [0, 1] or len(ch.users) != 2:
         return NoMatch(gu, Why(f"{describe(ch)} is not read as two halves [gate; up] of the "
                                "last dim", "moe.not_halves"))
     gate, up = sorted(ch.users, key=lambda u: chunk_half(u)[1])
+    for half in (gate, up):
+        if len(half.users) > 1:
+            return NoMatch(gu, Why(f"{describe(half)} has {len(half.users)} readers: the "
+                                   "fused GEMM never writes it", "moe.intermediate_read"))
     act = _sole_user(gate)
     a = activation_of(act) if act is not None else None
     if a is None or isinstance(a, str) or a[1] is not gate:

@@ -1,0 +1,131 @@
+"""Mixture-of-experts layers (issue #21): Hugging Face's sparse MoE blocks at the
+Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8) and the Mixtral-8x7B shape
+(hidden 4096, 8 experts of 14336, top-2), 8192 tokens, bf16, forward under no_grad:
+eager and torch.compile with the grouped_mm experts implementation (transformers' default
+and fastest), backend="coda" (the routed experts as QuACK's grouped GEMMs with their
+epilogues); variants timed in alternating rounds, outputs checked against a float32
+reference (the same weights, the per-expert loop).
+
+    source .gpu/setup.sh && python benchmarks/moe.py [qwen3|mixtral ...]
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+
+from common import bench_rounds, env_line, kernel_top, write_csv
+
+import coda_rewrite  # noqa: F401  (registers backend="coda")
+from coda_rewrite.kernels import ops
+from coda_rewrite.numerics import rel_err
+
+TOKENS = 8192
+SHAPES = {
+    "qwen3": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                                num_experts_per_tok=8, norm_topk_prob=True)),
+    "mixtral": ("mixtral", dict(hidden_size=4096, intermediate_size=14336,
+                                num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def block(name: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kind, extra = SHAPES[name]
+    cfg = AutoConfig.for_model(kind, vocab_size=256, num_hidden_layers=1,
+                               num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                               **extra)
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    moe = model.model.layers[0].mlp
+    for p in moe.parameters():  # weights at the scale of a trained layer's outputs
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    return moe
+
+
+def reference(moe):
+    """float32 copy running the per-expert loop (transformers' "eager" experts)."""
+    ref = copy.deepcopy(moe).float()
+    ref.experts.config = copy.deepcopy(ref.experts.config)
+    ref.experts.config._experts_implementation = "eager"
+    return ref
+
+
+def sweep(names, configs):
+    """backend=coda's forward per grouped tile config (tile_m, tile_n, cluster_m), each
+    timed right after torch.compile's (the route table holds one config's plans at a
+    time): what GROUPED_TILES is chosen from."""
+    from common import bench
+    from coda_rewrite.kernels import grouped
+    print(env_line(), flush=True)
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        x = torch.randn(1, TOKENS, moe.gate.weight.shape[1], device="cuda",
+                        dtype=torch.bfloat16)
+        base = torch.compile(moe)
+        coda = torch.compile(moe, backend="coda")
+        with torch.no_grad():
+            base(x)
+            for cfg in configs:
+                grouped.GROUPED_TILES = cfg
+                ops._routes.clear()
+                try:
+                    coda(x)  # plans this config's launches
+                except Exception as e:
+                    print(f"{name}: {cfg}: {type(e).__name__}: {str(e)[:150]}", flush=True)
+                    continue
+                t_base, t_coda = bench(lambda: base(x)), bench(lambda: coda(x))
+                print(f"{name}: tiles {cfg}: coda {t_coda:.3f} ms, torch.compile "
+                      f"{t_base:.3f} ms: {t_base / t_coda:.3f}x", flush=True)
+
+
+def main(names):
+    print(env_line(), flush=True)
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        x = torch.randn(1, TOKENS, moe.experts.hidden_dim if hasattr(moe.experts, "hidden_dim")
+                        else moe.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = reference(moe)(x.float())
+            want = want[0] if isinstance(want, tuple) else want
+        torch._dynamo.reset()
+        variants = {
+            "eager grouped_mm": moe,
+            "torch.compile grouped_mm": torch.compile(moe),
+            "backend=coda": torch.compile(moe, backend="coda"),
+        }
+        outs = {}
+        with torch.no_grad():
+            for k, f in variants.items():
+                o = f(x)
+                outs[k] = o[0] if isinstance(o, tuple) else o
+            ops.RUNTIME.clear()
+            variants["backend=coda"](x)
+            print(f"{name}: runtime {ops.runtime_summary()}", flush=True)
+            for k, o in outs.items():
+                print(f"{name}: {k}: rel. error vs float32 loop {rel_err(o.float(), want):.2e}",
+                      flush=True)
+            timed = bench_rounds({k: (lambda f=f: f(x)) for k, f in variants.items()}, rounds=5)
+            base = timed["torch.compile grouped_mm"][0]
+            for k, (ms, spread) in timed.items():
+                print(f"{name}: {k:26s} {ms:8.3f} ms (spread {spread:.1%})  "
+                      f"{base / ms:.3f}x torch.compile", flush=True)
+                rows.append((f"{name} {k}", "ms", ms))
+            for k in ("torch.compile grouped_mm", "backend=coda"):
+                print(f"{name}: kernels of {k}:\n" + kernel_top(lambda: variants[k](x), 10),
+                      flush=True)
+    write_csv("moe layer forward (8192 tokens)", rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["sweep"]:
+        sweep(sys.argv[2:] or ["qwen3"], [(128, 192, 2), (128, 192, 1), (128, 128, 2),
+                                          (128, 208, 1), (128, 128, 1)])
+    else:
+        main(sys.argv[1:] or list(SHAPES))

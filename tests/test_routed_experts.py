@@ -1,0 +1,295 @@
+"""Routed experts (patterns/routed_experts.py, kernels/grouped.py): Hugging Face MoE
+models whose experts run grouped_mm, rewritten, against eager and a float64 copy (the
+per-expert loop); routing edge cases; the look-alikes that must be left as they are,
+each with its code; the grouped op's contract, fake and gradient refusal."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coda_rewrite
+from coda_rewrite.codegen import reference
+from coda_rewrite.kernels import grouped
+from coda_rewrite.numerics import rel_err
+from coda_rewrite.patterns.routed_experts import down_program, gated_program
+
+from conftest import codes
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, head_dim=16)
+FAMILIES = {
+    "mixtral": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      decoder_sparse_step=1),
+    "qwen3_moe": dict(intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, decoder_sparse_step=1),
+    "olmoe": dict(intermediate_size=96, num_experts=8, num_experts_per_tok=2),
+    "glm4_moe": dict(intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1),
+    "granitemoe": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def moe_model(family: str, dtype=torch.bfloat16, seed: int = 0, **overrides):
+    """(the model, a float64 copy running the per-expert loop) from a tiny config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(dtype).eval()
+    exact = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).double().eval()
+    exact.load_state_dict(model.state_dict())
+    exact.set_experts_implementation("eager")
+    assert model.config._experts_implementation == "grouped_mm"
+    return model, exact
+
+
+def _check(model, exact, ids, moe_layers: int):
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want, truth = fast(ids).logits, model(ids).logits, exact(ids).logits
+    done = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    assert len(done) == moe_layers and all(r.status == "rewritten" for r in done), \
+        str(fast.report)
+    if model.dtype == torch.float32:
+        assert rel_err(got, want) <= 1e-5
+    else:
+        assert rel_err(got.double(), truth) <= 1.25 * rel_err(want.double(), truth)
+    return fast.report
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_moe_models_rewritten_no_worse_than_eager(family):
+    model, exact = moe_model(family)
+    moe_layers = 1 if family == "glm4_moe" else 2  # its first layer is dense
+    report = _check(model, exact, torch.randint(0, 128, (2, 16)), moe_layers)
+    rec = next(r for r in report.records if r.pattern == "routed_experts")
+    assert [p.name for p in rec.programs] == ["experts_swiglu", "experts_combine"]
+    assert "gathered by the GEMM's row read" in rec.producer
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_float32_models_take_transformers_fallback_op(family):
+    """In float32, transformers routes grouped_mm through its own custom op under
+    torch.compile (transformers::grouped_mm_fallback): the same product, rewritten."""
+    model, exact = moe_model(family, torch.float32)
+    _check(model, exact, torch.randint(0, 128, (2, 16)), 2)
+
+
+@pytest.mark.parametrize("case", ["top1", "one_expert", "empty_experts", "one_token"])
+def test_routing_edge_cases(case):
+    overrides = {"top1": dict(num_experts_per_tok=1),
+                 "one_expert": dict(num_experts_per_tok=1),
+                 "empty_experts": dict(num_experts=16, num_experts_per_tok=1),
+                 "one_token": {}}[case]
+    model, exact = moe_model("qwen3_moe", **overrides)
+    if case == "one_expert":  # equal router logits: top-1 is expert 0 for every token
+        for layer in (model, exact):
+            for block in layer.model.layers:
+                torch.nn.init.zeros_(block.mlp.gate.weight)
+    ids = torch.randint(0, 128, (1, 1) if case == "one_token" else (2, 3 if
+                                                                     case == "empty_experts"
+                                                                     else 16))
+    _check(model, exact, ids, 2)
+
+
+# ---- look-alikes: hand-written experts in the grouped_mm spelling ----------------------------
+
+def _gmm(a, b, offs):
+    """torch._grouped_mm (16-bit under dynamo); the float64 copy's truth in the
+    reference's loop (torch's kernel takes no float64)."""
+    if a.dtype == torch.float64:
+        return reference.grouped_mm(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+class Experts(torch.nn.Module):
+    """Hugging Face's grouped_mm experts, written out, with one thing changed by ``case``."""
+
+    def __init__(self, case: str = "canonical", experts=4, hidden=32, inter=16, top_k=2,
+                 dtype=torch.bfloat16):
+        super().__init__()
+        self.case, self.e, self.top_k = case, experts, top_k
+        g = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(experts, hidden, generator=g).to(dtype))
+        layout = (experts, hidden, 2 * inter) if case == "kn_weights" else \
+            (experts, 2 * inter, hidden)
+        self.gate_up = torch.nn.Parameter(
+            (torch.randn(layout, generator=g) / hidden ** 0.5).to(dtype))
+        self.down = torch.nn.Parameter(
+            (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype))
+
+    def forward(self, h):
+        case = self.case
+        probs = F.softmax(F.linear(h, self.router), dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        w, ids = top_w.to(h.dtype).reshape(-1), top_i.reshape(-1)
+        ids_g, perm = torch.sort(ids)
+        x = h[perm // self.top_k]
+        w_g = w[perm]
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.e, min=0, max=self.e - 1),
+                            dim=0, dtype=torch.int32)
+        mask = (ids_g >= self.e).unsqueeze(-1)
+        in_mask = (ids_g >= self.e - 1).unsqueeze(-1) if case == "input_fill_other_rows" \
+            else mask
+        x.masked_fill_(in_mask, 0.0)
+        b = self.gate_up if case == "kn_weights" else self.gate_up.transpose(-2, -1)
+        p = _gmm(x, b, offs).masked_fill(mask, 0.0)
+        extra = ()
+        if case == "gate_up_read":
+            extra = (p.sum(),)
+        if case == "gate_up_in_place":
+            p.mul_(1.5)
+        gate, up = p.chunk(2, dim=-1)
+        if case == "gate_read":
+            extra = (gate.sum(),)
+        if case == "up_first":
+            gate, up = up, gate
+        y = F.silu(gate) * up
+        if case == "product_read":
+            extra = (y.sum(),)
+        if case == "product_in_place":
+            y.mul_(2.0)
+        offs_d = offs.clone() if case == "other_offsets" else offs
+        o = _gmm(y, self.down.transpose(-2, -1), offs_d)
+        o = o.masked_fill(mask, 0.0)
+        if case == "feature_weights":
+            o = o * w_g.unsqueeze(-1).expand(-1, o.shape[-1]).contiguous()
+        else:
+            o = o * w_g.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.shape[0])
+        out = o[inv].view(h.shape[0], self.top_k, -1).sum(dim=1)
+        return (out, *extra) if extra else out
+
+
+LOOK_ALIKES = {
+    "canonical": None,
+    "feature_weights": None,        # not a combine: the down GEMM runs without it, fused
+    "gate_up_read": "moe.intermediate_read",
+    "gate_up_in_place": "moe.in_place",
+    "gate_read": "moe.intermediate_read",
+    "product_read": "moe.no_down_projection",
+    "product_in_place": "moe.no_down_projection",
+    "other_offsets": "moe.offsets_differ",
+    "input_fill_other_rows": "moe.input_fill",
+    "up_first": "moe.activation",
+    "kn_weights": "moe.weight_layout",
+}
+
+
+@pytest.mark.parametrize("case", list(LOOK_ALIKES))
+def test_look_alikes(case):
+    """Each look-alike's outputs equal eager's; the spellings the rewrite takes are
+    rewritten, the others left with their code."""
+    model = Experts(case)
+    h = torch.randn(8, 32).bfloat16()
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want, truth = fast(h), ref(h), exact(h.double())
+    got, want, truth = (got, want, truth) if isinstance(got, tuple) else \
+        ((got,), (want,), (truth,))
+    for a, b, t in zip(got, want, truth):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert rel_err(a.double(), t) <= 1.5 * rel_err(b.double(), t) + 1e-6, case
+    records = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    if LOOK_ALIKES[case] is None:
+        assert [r.status for r in records] == ["rewritten"], str(fast.report)
+    else:
+        assert LOOK_ALIKES[case] in codes(fast.report, "routed_experts"), str(fast.report)
+
+
+def test_feature_weights_are_not_a_combine():
+    model = Experts("feature_weights")
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        fast(torch.randn(8, 32).bfloat16())
+    rec = next(r for r in fast.report.records if r.pattern == "routed_experts")
+    assert [p.name for p in rec.programs] == ["experts_swiglu", "experts_down"]
+
+
+def test_training_graph_left_to_eager():
+    """A graph that computes gradients keeps eager's ops (the grouped op has no backward
+    yet), says so, and its gradients are eager's."""
+    model = Experts()
+    ref = copy.deepcopy(model)
+    h = torch.randn(8, 32).bfloat16()
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(h), ref(h)
+    assert rel_err(got, want) <= 1e-2
+    got.float().square().sum().backward()
+    want.float().square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-2
+    assert "moe.training" in codes(fast.report, "routed_experts")
+
+
+# ---- the grouped op ------------------------------------------------------------------------
+
+def _problem(dtype=torch.bfloat16, experts=4, tokens=6, k=32, inter=16, rows=10):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, k, generator=g).to(dtype)
+    w = torch.randn(experts, 2 * inter, k, generator=g).to(dtype)
+    index = torch.randint(0, tokens, (rows,), generator=g)
+    offsets = torch.tensor([0, 3, 3, rows - 2], dtype=torch.int32)
+    return h, w, offsets, index
+
+
+def test_grouped_reference_is_the_gather_then_grouped_gemm():
+    """The op's reference against the spelling it replaces, in float64: rows gathered,
+    per-expert GEMMs (an expert with no rows, two rows past the last offset: zero), the
+    [gate; up] halves, act(gate)·up."""
+    h, w, offsets, index = _problem(torch.float64)
+    prog = gated_program("swiglu", torch.float64)
+    (y,) = grouped.execute(prog.to_text(), h, w, offsets, index, [])
+    x = h[index]
+    want = torch.zeros(10, 16, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        gate, up = (x[start:end] @ w[e].T).chunk(2, dim=-1)
+        want[start:end] = F.silu(gate) * up
+        start = end
+    assert rel_err(y, want) <= 1e-12
+
+
+def test_grouped_op_fake_and_gradient_refusal():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    h, w, offsets, index = _problem()
+    gated, down = gated_program("geglu", torch.bfloat16), down_program(True, torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fh, fw, fo, fi = (mode.from_tensor(t) for t in (h, w, offsets, index))
+        (y,) = grouped.grouped_gemm_epilogue(gated.to_text(), fh, fw, fo, fi, [])
+        assert tuple(y.shape) == (10, 16) and y.dtype == torch.bfloat16
+        (o,) = grouped.grouped_gemm_epilogue(
+            down.to_text(), y, mode.from_tensor(torch.randn(4, 32, 16).bfloat16()), fo,
+            None, [mode.from_tensor(torch.rand(10))])
+        assert tuple(o.shape) == (10, 32)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        grouped.execute(gated.to_text(), h, w.requires_grad_(), offsets, index, [])
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda h, w, o, i: (h.float(), w.float(), o, i), "bf16/fp16"),
+    (lambda h, w, o, i: (h, w, o.long(), i), "offsets"),
+    (lambda h, w, o, i: (h, w.transpose(-2, -1).contiguous().transpose(-2, -1), o, i),
+     "not contiguous"),
+    (lambda h, w, o, i: (h[:, :20], w[:, :, :20], o, i), "multiple of 8"),
+])
+def test_grouped_contract_refusals(change, why):
+    """Tensors the kernel cannot take are named (and run the reference)."""
+    h, w, offsets, index = change(*_problem())
+    prog = gated_program("swiglu", torch.bfloat16)
+    assert why in grouped.contract_violation(prog, h, w, offsets, index, [])
+
+
+def test_expert_pairs_interleaved():
+    w = torch.arange(2 * 3 * 4 * 2.0).reshape(2, 6, 4)  # 2 experts of 3 (gate, up) pairs
+    out = reference.expert_pairs_interleaved(w)
+    for e in range(2):
+        assert torch.equal(out[e, 0::2], w[e, :3]) and torch.equal(out[e, 1::2], w[e, 3:])
