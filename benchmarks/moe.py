@@ -18,7 +18,6 @@ import torch
 
 from common import bench_rounds, env_line, kernel_top, write_csv
 
-import coda_rewrite  # noqa: F401  (registers backend="coda")
 from coda_rewrite.kernels import ops
 from coda_rewrite.numerics import rel_err
 
@@ -83,6 +82,56 @@ def sweep(names, configs):
                       f"{t_base:.3f} ms: {t_base / t_coda:.3f}x", flush=True)
 
 
+def train(names):
+    """Forward + backward of the block (the input and every parameter needing a gradient;
+    loss Σ out·r): torch.compile grouped_mm against backend="coda" (the experts fused,
+    their backward through kernels/grouped.py's rules), alternating rounds; gradients
+    checked against the float32 loop."""
+    print(env_line(), flush=True)
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        hidden = moe.gate.weight.shape[1]
+        x = torch.randn(1, TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(1, TOKENS, hidden, device="cuda")
+        ref = reference(moe)
+        torch._dynamo.reset()
+        variants = {"torch.compile grouped_mm": torch.compile(moe),
+                    "backend=coda": torch.compile(moe, backend="coda")}
+
+        def step(f, x=x):
+            xi = x.detach().requires_grad_()
+            o = f(xi)
+            o = o[0] if isinstance(o, tuple) else o
+            (o.float() * r).sum().backward()
+            return xi.grad
+
+        xr = x.float().requires_grad_()
+        o = ref(xr)
+        ((o[0] if isinstance(o, tuple) else o) * r).sum().backward()
+        for k, f in variants.items():
+            moe.zero_grad(set_to_none=True)
+            gx = step(f)
+            gw = moe.experts.down_proj.grad
+            print(f"{name}: {k}: grad x rel. error {rel_err(gx.float(), xr.grad):.2e}, "
+                  f"grad down_proj {rel_err(gw.float(), ref.experts.down_proj.grad):.2e}",
+                  flush=True)
+        ops.RUNTIME.clear()
+        step(variants["backend=coda"])
+        print(f"{name}: runtime {ops.runtime_summary()}", flush=True)
+        timed = bench_rounds({k: (lambda f=f: step(f)) for k, f in variants.items()},
+                             rounds=5)
+        base = timed["torch.compile grouped_mm"][0]
+        for k, (ms, spread) in timed.items():
+            print(f"{name}: train {k:26s} {ms:8.3f} ms (spread {spread:.1%})  "
+                  f"{base / ms:.3f}x torch.compile", flush=True)
+            rows.append((f"{name} {k}", "ms fwd+bwd", ms))
+        print(f"{name}: kernels of backend=coda fwd+bwd:\n" +
+              kernel_top(lambda: step(variants["backend=coda"]), 14), flush=True)
+    write_csv("moe layer forward + backward (8192 tokens)", rows)
+
+
 def main(names):
     print(env_line(), flush=True)
     rows = []
@@ -124,7 +173,9 @@ def main(names):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["sweep"]:
+    if sys.argv[1:2] == ["train"]:
+        train(sys.argv[2:] or list(SHAPES))
+    elif sys.argv[1:2] == ["sweep"]:
         sweep(sys.argv[2:] or ["qwen3"], [(128, 192, 2), (128, 192, 1), (128, 128, 2),
                                           (128, 208, 1), (128, 128, 1)])
     else:

@@ -32,6 +32,7 @@ from ..graph_utils import in_place_update_of
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
+from .isolated import off_thread
 from ..codegen.program import parse
 from .witness import _size, eval_nodes, exact, guarded, verdict
 
@@ -147,14 +148,17 @@ def decide(m, gated, down) -> Decision:
     seen = guarded(lambda m: _replay(m, gated, down), m)
     if isinstance(seen, Rejection):
         return seen
+    if meta(m.out).requires_grad:
+        grads = guarded(lambda m: off_thread(_replay_gradients, m, gated, down), m)
+        if isinstance(grads, Rejection):
+            return grads
+        seen = f"{seen}; {grads}"
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 
-def _replay(m, gated, down) -> str | Rejection:
-    """The matched nodes on a small float64 routing (an expert with no row, a tail of
-    sentinel rows past the last offset, filled where the model fills) against the fused
-    programs' reference."""
-    gated, down = (parse(exact(p.to_text())) for p in (gated, down))  # unrounded outputs
+def _inputs(m):
+    """A small float64 routing (an expert with no row, rows past the last offset, and
+    filled rows at the tail and inside a group) and values for the match's inputs."""
     g = torch.Generator().manual_seed(0)
     n_exp = _size(meta(m.w_gate_up).shape[0])
     k, i, k_out, tokens, rows = 12, 5, 7, 5, 11
@@ -169,16 +173,35 @@ def _replay(m, gated, down) -> str | Rejection:
     w_gu = torch.randn(n_exp, 2 * i, k, generator=g, dtype=f64)
     w_d = torch.randn(n_exp, k_out, i, generator=g, dtype=f64)
     weight = torch.rand(rows, generator=g, dtype=f64)
+    return dict(n_exp=n_exp, rows=rows, tokens=tokens, h=h, index=index, ends=ends, mask=mask,
+                w_gu=w_gu, w_d=w_d, weight=weight, g=g)
+
+
+def _eager(m, v) -> torch.Tensor:
+    """The matched nodes replayed on the values ``v``."""
+    h, index, mask = v["h"], v["index"], v["mask"]
     x = h[index] if m.source is None else None
-    env = {m.offsets: ends, m.w_gate_up: w_gu, m.w_down: w_d, "__gen__": g}
+    env = {m.offsets: v["ends"], m.w_gate_up: v["w_gu"], m.w_down: v["w_d"], "__gen__": v["g"]}
     env.update({m.source: h, m.index: index} if m.source is not None else {m.x: x})
     for f in (m.input_fill, m.gate_up_fill, m.down_fill):
         if f is not None:
             env[f.mask] = mask
     if m.weight is not None:
-        env[m.weight] = weight
+        env[m.weight] = v["weight"]
     eval_nodes(_nodes_between(m, env), env)
-    want = env[m.out]
+    return env[m.out]
+
+
+def _replay(m, gated, down) -> str | Rejection:
+    """The matched nodes on a small float64 routing against the fused programs'
+    reference."""
+    gated, down = (parse(exact(p.to_text())) for p in (gated, down))  # unrounded outputs
+    v = _inputs(m)
+    h, index, ends, mask, w_gu, w_d, weight, rows, tokens, n_exp = (
+        v[k] for k in ("h", "index", "ends", "mask", "w_gu", "w_d", "weight", "rows",
+                       "tokens", "n_exp"))
+    want = _eager(m, v)
+    x = h[index]
     y = reference.run_grouped(gated, h if m.source is not None else x, w_gu, ends,
                               index if m.source is not None else None, [])[0]
     if m.gate_up_fill is not None and not product_fill_dead(m):
@@ -195,6 +218,42 @@ def _replay(m, gated, down) -> str | Rejection:
     return verdict(rel_err(o, want), f"{n_exp} experts, {rows} routed rows of {tokens} "
                    "tokens (one expert empty, filled rows at the tail and inside a group)",
                    m.path)
+
+
+def _replay_gradients(m, gated, down) -> str | Rejection:
+    """Gradients of the matched nodes (float64 autograd) against the fused GEMMs'
+    backward rules (kernels/grouped.GroupedGated, GroupedDown) on the same routing:
+    the input rows, both expert weights and the combine weight."""
+    from ..kernels.grouped import grouped_linear
+    gated, down = (parse(exact(p.to_text())) for p in (gated, down))
+    v = _inputs(m)
+    leaves = ["h", "w_gu", "w_d"] + (["weight"] if m.weight is not None else [])
+    results = []
+    for fused in (False, True):
+        vals = {**v, **{k: v[k].detach().clone().requires_grad_() for k in leaves}}
+        with torch.enable_grad():
+            if fused:
+                src = vals["h"] if m.source is not None else vals["h"][v["index"]]
+                idx = v["index"] if m.source is not None else None
+                y = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx)[0]
+                if m.gate_up_fill is not None and not product_fill_dead(m):
+                    y = y.masked_fill(v["mask"], product_fill(m.op, m.gate_up_fill.constant))
+                ops_ = [vals["weight"]] if m.weight is not None else []
+                out = grouped_linear(down.to_text(), y, vals["w_d"], v["ends"], None, *ops_)[0]
+                if m.down_fill is not None:
+                    out = out.masked_fill(v["mask"], m.down_fill.constant)
+            else:
+                out = _eager(m, vals)
+            live = torch.arange(v["rows"]) < int(v["ends"][-1])
+            if m.down_fill is None:
+                out = out[live]
+            r = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                            dtype=out.dtype)
+            grads = torch.autograd.grad((out * r).sum(), [vals[k] for k in leaves])
+        results.append(grads)
+    err = max(rel_err(a, b) for a, b in zip(*results))
+    return verdict(err, "the gradients of the input rows, both expert weights and the "
+                   "combine weight", m.path)
 
 
 def _nodes_between(m, env: dict) -> list[fx.Node]:

@@ -17,9 +17,11 @@ router's combine weight, a deferred row scale).
 On Hopper with tensors that meet the contract this is QuACK's variable-length GEMM
 (``cu_seqlens_m``, ``A_idx`` for the gather), planned once per tensor-metadata class
 like every fused GEMM (ops.route_of); elsewhere the reference (codegen/reference.
-run_grouped), the reason counted in ops.RUNTIME. Forward only: the op has no autograd
-formula and refuses a call that could record one (the pattern leaves training graphs
-to eager's ops, and says so).
+run_grouped), the reason counted in ops.RUNTIME. The op itself has no autograd formula
+(it refuses a call that could record one); graphs that compute gradients reach it through
+GroupedGated / GroupedDown below, whose backward rules run the grouped dgrad and wgrad
+GEMMs (``coda::grouped_mm``) with the activation's derivative and the combine weight's
+gradient as elementwise ops between them: nothing recomputed but the gather.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..codegen import reference
-from ..codegen.program import REDUCTIONS, STATEFUL, Kind, parse
+from ..codegen.program import PAIRWISE, REDUCTIONS, STATEFUL, Kind, parse
 from . import ops, quack_path
 
 # QuACK's default config (the tile the varlen MoE GEMMs were measured with: BENCHMARKS.md)
@@ -174,7 +176,130 @@ def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                    *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What the rewritten graph calls: ``program`` over the grouped GEMM of ``x`` [T, K]
     (rows ``x[index]``) with the experts' ``weight`` [E, N, K]. Outside tracing the op
-    boundary is skipped (its dispatch costs host time a decode step pays per layer)."""
+    boundary is skipped (its dispatch costs host time a decode step pays per layer);
+    where a gradient can be asked for, the autograd Functions below."""
+    if ops._needs_grad(x, weight, operands):
+        if any(o.kind == Kind.PAIR for o in parse(program).outputs):
+            return GroupedGated.apply(program, x, weight, offsets, index)
+        return (GroupedDown.apply(program, x, weight, offsets, *operands),)
     if ops._direct(x, weight, operands):
         return tuple(execute(program, x, weight, offsets, index, list(operands)))
     return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index, list(operands)))
+
+
+# ---- training: the backward rules ----------------------------------------------------------
+
+def grouped_mm_impl(a, b, offsets, wgrad: bool):
+    """The grouped GEMMs of the backward. ``wgrad=False``: a [S, K] times b[e] [K, N]
+    per group -> [S, N], rows past offsets[-1] zero; ``wgrad=True``: per group
+    a[rows]ᵀ·b[rows] for a [S, M], b [S, N] -> [E, M, N], an expert with no row zero.
+    torch._grouped_mm where it runs (CUDA, 16-bit, 16-byte strides), else the reference's
+    loop (float32 accumulation)."""
+    experts = offsets.shape[0]
+    fast = a.is_cuda and a.dtype in quack_path._GEMM_DTYPES and b.dtype == a.dtype and \
+        all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
+    if fast and wgrad:
+        out = torch._grouped_mm(a.t(), b, offs=offsets)
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return torch.where((counts > 0)[:, None, None], out, 0)
+    if fast:
+        out = torch._grouped_mm(a, b, offs=offsets)
+        live = torch.arange(a.shape[0], device=a.device) < offsets[-1]
+        return torch.where(live[:, None], out, 0)
+    cd = reference.accumulate_dtype(a.dtype)
+    if not wgrad:
+        return reference.grouped_mm(a, b, offsets, cd).to(a.dtype)
+    out = a.new_zeros(experts, a.shape[1], b.shape[1], dtype=cd)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[e] = a[start:end].to(cd).t() @ b[start:end].to(cd)
+        start = max(start, end)
+    return out.to(a.dtype)
+
+
+def _grouped_mm_fake(a, b, offsets, wgrad):
+    if wgrad:
+        return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+ops._lib.define("grouped_mm(Tensor a, Tensor b, Tensor offsets, bool wgrad) -> Tensor")
+ops._lib.impl("grouped_mm", grouped_mm_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("coda::grouped_mm", _grouped_mm_fake)
+
+
+def _pair_op(program: str) -> str:
+    (op,) = [i.op for i in parse(program).body if i.op in PAIRWISE]
+    return op
+
+
+class GroupedGated(torch.autograd.Function):
+    """The gated grouped GEMM where autograd records it: the forward also stores the
+    pre-activation p [S, 2I] (interleaved, as the kernel computes it; the training
+    program's tile output), which is all the backward needs besides the inputs:
+
+        dp  = act'-rule of (p, dy)          (reference.dgated: dSwiGLU / dGeGLU)
+        dx  = Σ over routed rows of dp·W_gu[e]   (grouped dgrad, then index_add back)
+        dW_gu[e] = dpᵀ·x[rows of e]         (grouped wgrad; the gather made again)"""
+
+    @staticmethod
+    def forward(program, x, weight, offsets, index):
+        return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index, []))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        program, x, weight, offsets, index = inputs
+        ctx.op = _pair_op(program)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(x, weight, offsets, index, output[1])
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        x, weight, offsets, index, p = ctx.saved_tensors
+        cd = reference.accumulate_dtype(p.dtype)
+        dp, _ = reference.dgated(ctx.op, dy.to(cd), p)
+        dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)  # [gate; up] like W_gu's rows
+        rows = x if index is None else x[index]
+        dx_rows = torch.ops.coda.grouped_mm(dp, weight, offsets, False)
+        dw = torch.ops.coda.grouped_mm(dp, rows, offsets, True)
+        if index is None:
+            dx = dx_rows
+        else:
+            dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
+        return None, dx.to(x.dtype), dw.to(weight.dtype), None, None
+
+
+class GroupedDown(torch.autograd.Function):
+    """The down grouped GEMM (o = w[s]·y·W_d[e]ᵀ with the combine weight w, or without)
+    where autograd records it. With g = do·W_d[e] (the grouped dgrad):
+
+        dy = w[s]·g      dw[s] = Σ_i y[s, i]·g[s, i]      dW_d[e] = (w·do)ᵀ·y[rows of e]
+
+    (dw from g and y: no stored unscaled output, no GEMM recomputed)."""
+
+    @staticmethod
+    def forward(program, y, weight, offsets, *operands):
+        return grouped_gemm_epilogue(program, y, weight, offsets, None, list(operands))[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        program, y, weight, offsets, *operands = inputs
+        ctx.save_for_backward(y, weight, offsets, *operands)
+
+    @staticmethod
+    def backward(ctx, do):
+        y, weight, offsets, *combine = ctx.saved_tensors
+        cd = reference.accumulate_dtype(y.dtype)
+        g = torch.ops.coda.grouped_mm(do.to(y.dtype), weight, offsets, False)
+        if not combine:
+            dw = torch.ops.coda.grouped_mm(do.to(y.dtype), y, offsets, True)
+            return None, g, dw.to(weight.dtype), None
+        w = combine[0]
+        dy = (g.to(cd) * w.to(cd)[:, None]).to(y.dtype)
+        # rows past the last offset: y was never written there (the kernel's), g is zero
+        live = torch.arange(y.shape[0], device=y.device) < offsets[-1]
+        dcombine = torch.where(live, (g.to(cd) * y.to(cd)).sum(-1), 0).to(w.dtype)
+        dw = torch.ops.coda.grouped_mm((do.to(cd) * w.to(cd)[:, None]).to(y.dtype), y,
+                                       offsets, True)
+        return None, dy, dw.to(weight.dtype), None, dcombine

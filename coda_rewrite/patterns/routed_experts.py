@@ -25,8 +25,10 @@ filled, the gate/up fill by c stays, on the product, as a fill by act(c)·c.) Th
 token order (inverse permutation, sum over top-k) stays a graph op for Inductor.
 
 Legality: algebra/routed_experts.py (statements.prove_routed_experts, a float64 replay
-of the matched nodes). Forward only: the grouped op has no backward yet, so a match in a
-graph that computes gradients is left as is (``moe.training``).
+of the matched nodes, and of their gradients in a training graph). In training the gated
+GEMM also stores its pre-activation, and the backward runs as rules
+(kernels/grouped.GroupedGated, GroupedDown: grouped dgrad and wgrad GEMMs with the
+activation's derivative and the combine weight's gradient between them).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import routed_experts as legality
-from ..algebra.decision import Rejection, Why
+from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
@@ -245,10 +247,13 @@ def _combine(o: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
     return user, w
 
 
-def gated_program(op: str, dtype: torch.dtype) -> EpilogueProgram:
-    """act(gate)·up of each (gate, up) pair of the accumulator -> y [S, I]."""
+def gated_program(op: str, dtype: torch.dtype, keep_preact: bool = False) -> EpilogueProgram:
+    """act(gate)·up of each (gate, up) pair of the accumulator -> y [S, I] (and the
+    pre-activation acc [S, 2I], interleaved, when training: what the backward reads)."""
     p = ProgramBuilder(f"experts_{op}", gemm=True, family="routed_experts")
     p.output(p.emit(op, "acc", name="y"), Kind.PAIR, dtype_name(dtype))
+    if keep_preact:
+        p.output("acc", Kind.TILE, dtype_name(dtype))
     return p.build()
 
 
@@ -276,14 +281,15 @@ def describe_match(m: Match) -> dict:
     return {"consumers": [describe(m.gate_up), describe(m.down)]}
 
 
+def trains(m: Match) -> bool:
+    """Whether the graph computes a gradient through these experts."""
+    return bool(meta(m.out).requires_grad)
+
+
 def decide(m: Match, context: Context) -> Decided:
-    if meta(m.out) is not None and meta(m.out).requires_grad:
-        return Decided.refuse(Rejection(Why(
-            "a training graph: the grouped experts' fused GEMMs have no backward yet "
-            "(forward first, issue #21): left to eager's ops", "moe.training"), m.path))
     dtype = meta(m.mul).dtype
-    programs = (gated_program(m.op, dtype), down_program(m.combine is not None,
-                                                         meta(m.out).dtype))
+    programs = (gated_program(m.op, dtype, keep_preact=trains(m)),
+                down_program(m.combine is not None, meta(m.out).dtype))
     decision = legality.decide(m, *programs)
     if not decision.accepted:
         return Decided.refuse(decision)
@@ -301,7 +307,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         call = graph.call_function(grouped_linear, (
             plan.gated.to_text(), source, m.w_gate_up, m.offsets, m.index))
         copy_meta(call, m.mul)
-        (y,) = results(graph, call, 1, m.mul)
+        y = results(graph, call, 1, m.mul)[0]
         if plan.product_fill is not None:
             y = graph.call_method("masked_fill", (y, m.gate_up_fill.mask, plan.product_fill))
         operands = ()
