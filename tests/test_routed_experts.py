@@ -328,3 +328,12 @@ def test_hf_training_step_matches_eager(via):
     if via == "optimize":
         done = [r for r in fast.report.records if r.pattern == "routed_experts"]
         assert len(done) == 2 and all(r.status == "rewritten" for r in done)
+
+
+def test_statement_witness_refuses_a_wrong_pair_layout(monkeypatch):
+    """The statement's numeric witness reads [gate; up] as the kernel does: with the
+    halves left concatenated (no interleave) it disagrees and the proof is refused."""
+    from coda_rewrite.algebra import statements
+    monkeypatch.setattr(reference, "expert_pairs_interleaved", lambda w: w)
+    with pytest.raises(statements.Unproved):
+        statements.prove_routed_experts.__wrapped__()
