@@ -337,3 +337,79 @@ def test_statement_witness_refuses_a_wrong_pair_layout(monkeypatch):
     monkeypatch.setattr(reference, "expert_pairs_interleaved", lambda w: w)
     with pytest.raises(statements.Unproved):
         statements.prove_routed_experts.__wrapped__()
+
+
+def test_grouped_launch_host_side(monkeypatch):
+    """The grouped launch's host side without a GPU (QuACK's planned launch stubbed):
+    outputs come back in the program's order (y, then the pre-activation the backward
+    reads), the offsets become cu_seqlens with a leading 0, the gather index int32, the
+    combine weight goes to the program's per-row operand."""
+    from coda_rewrite.codegen.quack_source import generate
+    from coda_rewrite.kernels import quack_path
+    seen = {}
+
+    def fake_gemm(plan, a, b, d, c, values, cu_seqlens_m=None, A_idx=None):
+        seen.update(values=sorted(values), cu=cu_seqlens_m, idx=A_idx)
+        if d is not None:
+            d.fill_(1.0)
+        for name, t in values.items():
+            if name.startswith("postact"):
+                t.fill_(2.0)
+
+    monkeypatch.setattr(quack_path, "run_gemm_epi_plan", fake_gemm)
+
+    def launch_of(program, m, n):
+        launch = object.__new__(grouped.GroupedLaunch)
+        launch.ks, launch.gemm_plan = generate(program), object()
+        launch.m, launch.n, launch.device = m, n, torch.device("cpu")
+        names = [o.name for o in program.operands]
+        launch.kwargs = [(bnd.param, names.index(bnd.name))
+                         for bnd in launch.ks.contract.operands]
+        width = {o.value: n // 2 if o.kind.value == "pair" else n for o in program.outputs}
+        launch.outs = [(name, (m, width[value]), torch.bfloat16)
+                       for value, name in launch.ks.contract.tile_outputs]
+        buffers = dict(launch.ks.contract.tile_outputs)
+        launch.results = [buffers[o.value] for o in program.outputs]
+        return launch
+
+    h, w, offsets, index = _problem()
+    train = launch_of(gated_program("swiglu", torch.bfloat16, keep_preact=True), 10, 32)
+    y, p = train(h, w, offsets, index, [])
+    assert y.shape == (10, 16) and (y == 2).all() and p.shape == (10, 32) and (p == 1).all()
+    assert seen["cu"].tolist() == [0, *offsets.tolist()] and seen["idx"].dtype == torch.int32
+    down = launch_of(down_program(True, torch.bfloat16), 10, 32)
+    (o,) = down(y, torch.zeros(4, 32, 16).bfloat16(), offsets, None, [torch.rand(10)])
+    assert o.shape == (10, 32) and (o == 1).all() and seen["idx"] is None
+    assert seen["values"] == sorted(["D", *(b.param for b in down.ks.contract.operands)])
+
+
+def test_training_policy_leaves_cuda_training_graphs_unfused(monkeypatch):
+    """In a CUDA training graph the routed experts are left to eager's ops by default
+    (they do not pay in a step, measured), fused with fuse_in_training=True; CPU graphs
+    are not affected (decide() on a real match whose output meta is put on a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_rewrite.algebra.decision import Rejection, Why
+    from coda_rewrite.options import Options
+    from coda_rewrite.patterns import routed_experts
+    from coda_rewrite.patterns.family import Context, Decided
+    matches, real = [], routed_experts.decide
+
+    def spy(m, context):  # keep the match, leave the graph as captured
+        matches.append(m)
+        return Decided.refuse(Rejection(Why("held for the test", "test.held"), m.path))
+
+    monkeypatch.setattr(routed_experts, "decide", spy)
+    coda_rewrite.optimize(Experts())(torch.randn(8, 32).bfloat16())  # a training graph
+    (m,) = matches
+    cpu = real(m, Context(Options.make(fuse_in_training=None)))
+    assert cpu.plan is not None  # the reference path: no speed to win or lose
+    v = m.out.meta["example_value"]
+    with FakeTensorMode():
+        m.out.meta["example_value"] = torch.empty(v.shape, dtype=v.dtype, device="cuda",
+                                                  requires_grad=True)
+    for option, fused in ((None, False), (False, False), (True, True)):
+        d = real(m, Context(Options.make(fuse_in_training=option)))
+        assert (d.plan is not None) == fused, option
+        if not fused:
+            assert d.rejection.code == "training.does_not_pay"

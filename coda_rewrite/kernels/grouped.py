@@ -77,7 +77,8 @@ class GroupedLaunch:
     cu_seqlens (a leading 0) and the index to int32, allocates the outputs and launches
     the plan."""
 
-    __slots__ = ("ks", "gemm_plan", "kwargs", "outs", "m", "n", "device", "config", "key")
+    __slots__ = ("ks", "gemm_plan", "kwargs", "outs", "m", "n", "device", "config", "key",
+                 "results")
 
     def __init__(self, ks, module, a, b, offsets, index, operands, config=None):
         prog = ks.program
@@ -91,6 +92,8 @@ class GroupedLaunch:
                  for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), dtypes[value])
                      for value, name in ks.contract.tile_outputs]
+        buffers = dict(ks.contract.tile_outputs)  # value -> QuACK's buffer name
+        self.results = [buffers[o.value] for o in prog.outputs]  # the program's order
         tile_m, tile_n, cluster_m = config or GROUPED_TILES
         self.config = quack_path.tile_config(tile_m, tile_n, cluster_m)  # for the report
         out = self._alloc()
@@ -116,7 +119,7 @@ class GroupedLaunch:
         quack_path.run_gemm_epi_plan(self.gemm_plan, a, b, out.get("D"), None, values,
                                      cu_seqlens_m=_cu_seqlens(offsets),
                                      A_idx=_index32(index))
-        return [out[name] for _, name in self.ks.contract.tile_outputs]
+        return [out[name] for name in self.results]
 
 
 def _cu_seqlens(offsets: torch.Tensor) -> torch.Tensor:
@@ -200,6 +203,9 @@ def grouped_mm_impl(a, b, offsets, wgrad: bool):
         all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
     if fast and wgrad:
         out = torch._grouped_mm(a.t(), b, offs=offsets)
+        if torch.cuda.get_device_capability(a.device)[0] == 9:
+            return out  # an expert with no row gets zeros on Hopper
+        # elsewhere not (seen on Blackwell: pytorch/pytorch#172439): a pass over [E, M, N]
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
         return torch.where((counts > 0)[:, None, None], out, 0)
     if fast:
