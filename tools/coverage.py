@@ -32,10 +32,11 @@ SKIP = {
     "got_ocr2", "mllama", "emu3", "phi4_multimodal", "cpmant", "ctrl", "openai-gpt",
     "gpt-sw3", "blt", "modernbert-decoder",
 }
-FAMILIES = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp", "rope",
-            "lm_head_cross_entropy", "layernorm_gemm")
+FAMILIES = ("attention_inputs", "residual_rmsnorm_gemm", "gated_mlp", "routed_experts",
+            "rope", "lm_head_cross_entropy", "layernorm_gemm")
 SHORT = {"attention_inputs": "attention", "residual_rmsnorm_gemm": "norm → GEMM",
-         "gated_mlp": "gated MLP", "rope": "RoPE", "lm_head_cross_entropy": "LM head + loss",
+         "gated_mlp": "gated MLP", "routed_experts": "routed experts", "rope": "RoPE",
+         "lm_head_cross_entropy": "LM head + loss",
          "layernorm_gemm": "LayerNorm → GEMM"}
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -10,6 +10,7 @@ Side conditions, each checked here:
 * both GEMMs group rows by the same offsets; the weights are [E, 2I, K] and [E, K', I]
   with one E and an even 2I; one floating dtype throughout (casts between the GEMMs
   identities: a rounding the epilogue would skip is refused);
+* every fill fills whole rows (a boolean [S, 1] mask);
 * the gathered rows are read only by the gate/up GEMM, and by a fill in place of the
   same mask the gate/up output is filled with (so that fill is dead: a grouped GEMM is
   row-local); a fill of other rows is refused;
@@ -93,6 +94,14 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         return held, Why(f"the experts' values differ in dtype ({sorted(map(str, dtypes))}):"
                          " a cast the fused epilogue would skip", "moe.dtypes")
     held.append(f"one dtype throughout ({dtypes.pop()})")
+    for f in (m.input_fill, m.gate_up_fill, m.down_fill):
+        mask = meta(f.mask) if f is not None else None
+        if f is not None and (mask is None or mask.dtype != torch.bool or mask.dim() != 2
+                              or mask.shape[1] != 1):
+            return held, Why(f"{describe(f.node)} fills by a mask of shape "
+                             f"{tuple(mask.shape) if mask is not None else '?'}, not whole "
+                             "rows ([S, 1]): the fills' rules are about rows",
+                             "moe.fill_not_rows")
     why = _input_fill(m)
     if why:
         return held, why

@@ -177,15 +177,19 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
     p, gu_fill = _after(gu)
     chunks = [u for u in p.users if u.target in ("chunk", torch.chunk)]
     if not chunks:
-        return None  # not split into gate and up: not this pattern
+        if _after_grouped_gemm(x_cast):
+            return None  # a down projection: its match is its gate/up GEMM's
+        return NoMatch(gu, Why(f"the grouped GEMM's output {describe(p)} is not split into "
+                               "[gate; up] halves by chunk(2, -1) (an interleaved or custom "
+                               "gate, e.g. gpt-oss's clamped SwiGLU)", "moe.not_halves"))
     ch = chunks[0]
     if len(p.users) > 1:
         other = next(u for u in p.users if u is not ch)
         updated = mutated_value(other) is p
-        return NoMatch(gu, Why(
-            f"the gate/up output {describe(p)} is also {'updated in place' if updated else 'read'}"
-            f" by {describe(other)}: the fused GEMM never writes it",
-            "moe.in_place" if updated else "moe.intermediate_read"))
+        how = "updated in place" if updated else "read"
+        return NoMatch(gu, Why(f"the gate/up output {describe(p)} is also {how} by "
+                               f"{describe(other)}: the fused GEMM never writes it",
+                               "moe.in_place" if updated else "moe.intermediate_read"))
     halves = sorted((chunk_half(u) or (None, -1))[1] for u in ch.users)
     if halves != [0, 1] or len(ch.users) != 2:
         return NoMatch(gu, Why(f"{describe(ch)} is not read as two halves [gate; up] of the "
@@ -232,6 +236,21 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
     return Match(mul, act, a[0], gu, y, x, source, index, w_gu, w_d, offsets, ch, gate,
                  up, input_fill, gu_fill, down_fill, combine, weight,
                  combine if combine is not None else o)
+
+
+def _after_grouped_gemm(x, depth: int = 8) -> bool:
+    """Whether ``x`` is computed from another grouped GEMM's output within a few ops."""
+    todo, seen = [(x, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen or d > depth:
+            continue
+        seen.add(n)
+        c = canon(n)
+        if c is not None and c.name == "grouped_mm":
+            return True
+        todo.extend((a, d + 1) for a in n.all_input_nodes)
+    return False
 
 
 def _combine(o: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
