@@ -30,13 +30,16 @@ def test_example_runs(script, tmp_path):
 
 
 def test_coverage_script_reports_a_row_per_architecture():
-    """tools/coverage.py (the README's coverage table) on two architectures: Llama fully
-    rewritten, no LayerNorm; GPT-2 (no RMSNorm, no RoPE, MHA; LayerNorms whose Conv1D
-    GEMMs are not plain ones) with nothing to fuse but its loss."""
+    """tools/coverage.py (the README's coverage table) on three architectures: Llama fully
+    rewritten, no experts, no LayerNorm; Qwen3-MoE's routed experts; GPT-2 (no RMSNorm,
+    no RoPE, MHA; LayerNorms whose Conv1D GEMMs are not plain ones) with nothing to fuse
+    but its loss."""
     run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "coverage.py"), "llama",
-                          "gpt2"], capture_output=True, text=True, timeout=600,
+                          "qwen3_moe", "gpt2"], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
-    assert "| llama | 2/2 | 5/5 | 2/2 | 2/2 | 1/1 | · |" in rows, run.stdout
+    assert "| llama | 2/2 | 5/5 | 2/2 | · | 2/2 | 1/1 | · |" in rows, run.stdout
+    assert any(r.startswith("| qwen3_moe | 2/2 | ") and r.split(" | ")[4] == "2/2"
+               for r in rows), run.stdout
     assert any(r.startswith("| gpt2 | ") and "PASS FAILED" not in r for r in rows), run.stdout
