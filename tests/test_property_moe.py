@@ -1,0 +1,167 @@
+"""An adversary for the routed-experts rewrite: hypothesis generates Hugging Face's
+grouped_mm experts spelling and its look-alikes (routings: experts, top-k, tokens, an
+expert left empty or every token to one; the sentinel fills present, absent, or on
+other rows; the gate activation; the product's operand order; a cast between; the
+router weights applied per row, per entry or not at all; second readers of the gate/up
+output, a half, the activation or the product; updates in place; training and
+inference) and checks that the rewritten module computes what eager computes (bf16
+outputs no worse than eager against a float64 copy; gradients), that the canonical
+spelling is rewritten, and that every match left carries a reason."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, event, given, seed, settings
+from hypothesis import strategies as st
+
+import coda_rewrite
+from coda_rewrite.codegen import reference
+from coda_rewrite.numerics import rel_err
+
+from conftest import adversary_records
+
+H, I = 32, 16
+ACTIVATIONS = {"silu": (F.silu, True), "gelu": (F.gelu, True),
+               "gelu_tanh": (lambda g: F.gelu(g, approximate="tanh"), True),
+               "relu": (F.relu, False), "sigmoid": (torch.sigmoid, False)}
+READERS = ("none", "gate_up", "gate", "up", "act", "product", "gate_up_inplace",
+           "product_inplace")
+
+
+def _gmm(a, b, offs):
+    if a.dtype == torch.float64:
+        return reference.grouped_mm(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+class Experts(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        e = case["experts"]
+        self.router = nn.Parameter(torch.randn(e, H) * case["router_scale"])
+        self.gate_up = nn.Parameter(torch.randn(e, 2 * I, H) / H ** 0.5)
+        self.down = nn.Parameter(torch.randn(e, H, I) / I ** 0.5)
+
+    def forward(self, h):
+        c, e, k = self.case, self.case["experts"], self.case["top_k"]
+        probs = F.softmax(F.linear(h, self.router), dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, k, dim=-1)
+        w, ids = top_w.to(h.dtype).reshape(-1), top_i.reshape(-1)
+        ids_g, perm = torch.sort(ids)
+        x = h[perm // k]
+        w_g = w[perm]
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=e, min=0, max=e - 1), dim=0,
+                            dtype=torch.int32)
+        mask = (ids_g >= c["sentinel_from"]).unsqueeze(-1)
+        if c["fills"] in ("all", "input_only", "other_input"):
+            in_mask = (ids_g >= e - 1).unsqueeze(-1) if c["fills"] == "other_input" else mask
+            x.masked_fill_(in_mask, 0.0)
+        if c["cast"]:
+            x = x.to(h.dtype)
+        p = _gmm(x, self.gate_up.transpose(-2, -1), offs)
+        if c["fills"] in ("all", "other_input", "no_input"):
+            p = p.masked_fill(mask, 0.0)
+        extra = None
+        if c["reader"] == "gate_up":
+            extra = p.sum()
+        if c["reader"] == "gate_up_inplace":
+            p.mul_(1.5)
+        gate, up = p.chunk(2, dim=-1)
+        a = ACTIVATIONS[c["act"]][0](gate)
+        y = a * up if c["order"] == "act*up" else up * a
+        extra = {"gate": gate, "up": up, "act": a, "product": y}.get(c["reader"], extra)
+        if c["reader"] == "product_inplace":
+            y.mul_(2.0)
+        o = _gmm(y, self.down.transpose(-2, -1), offs)
+        if c["fills"] in ("all", "other_input", "no_input"):
+            o = o.masked_fill(mask, 0.0)
+        if c["weights"] == "rows":
+            o = o * w_g.unsqueeze(-1)
+        elif c["weights"] == "rows[:, None]":
+            o = o * w_g[:, None]
+        elif c["weights"] == "entries":
+            o = o * w_g.unsqueeze(-1).expand(-1, H).contiguous()
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.shape[0])
+        out = o[inv].view(h.shape[0], k, -1).sum(dim=1)
+        return out if extra is None else (out, extra)
+
+
+def _mostly(value, others):
+    return st.one_of(st.just(value), st.just(value), others)
+
+
+cases = st.fixed_dictionaries({
+    "experts": st.integers(1, 6),
+    "top_k": st.integers(1, 3),
+    "tokens": st.sampled_from([1, 3, 8, 13]),
+    "router_scale": st.sampled_from([0.0, 1.0, 8.0]),  # 0: every token to the same experts
+    "sentinel_from": st.sampled_from([99, 2]),  # 2: rows of experts ≥ 2 filled
+    "fills": _mostly("all", st.sampled_from(["none", "input_only", "other_input",
+                                             "no_input"])),
+    "cast": st.booleans(),
+    "act": _mostly("silu", st.sampled_from(sorted(ACTIVATIONS))),
+    "order": st.sampled_from(["act*up", "up*act"]),
+    "weights": st.sampled_from(["rows", "rows[:, None]", "entries", "none"]),
+    "reader": _mostly("none", st.sampled_from(READERS)),
+    "train": st.booleans(),
+})
+
+
+def _canonical(case) -> bool:
+    return ACTIVATIONS[case["act"]][1] and case["reader"] == "none" and \
+        case["fills"] in ("all", "none", "no_input")
+
+
+def _run(case, note=event):
+    if case["top_k"] > case["experts"]:
+        case = {**case, "top_k": case["experts"]}
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Experts(case).bfloat16().train(case["train"])
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    h = torch.randn(case["tokens"], H)
+    xs = [h.bfloat16().requires_grad_(case["train"]),
+          h.bfloat16().requires_grad_(case["train"]), h.double()]
+    fast = coda_rewrite.optimize(model)
+    with torch.set_grad_enabled(case["train"]):
+        got, want = fast(xs[0]), ref(xs[1])
+    with torch.no_grad():
+        truth = exact(xs[2])
+    got, want, truth = ((t if isinstance(t, tuple) else (t,)) for t in (got, want, truth))
+    adversary_records(fast.report, "routed_experts", _canonical(case), note)
+    for o, w in zip(got, want):
+        assert o.shape == w.shape and o.dtype == w.dtype
+    # bf16 against the float64 copy: no worse than eager, the errors pooled over draws of
+    # at least 24 tokens in all (one draw of a token or three is a handful of roundings:
+    # 1.53x was seen on one draw for a rewrite whose median over twelve is 0.81x)
+    draws = [(got, want, truth)]
+    with torch.no_grad():
+        for _ in range(max(0, -(-24 // case["tokens"]) - 1)):
+            hi = torch.randn(case["tokens"], H)
+            draws.append(tuple(t if isinstance(t, tuple) else (t,) for t in (
+                fast(hi.bfloat16()), ref(hi.bfloat16()), exact(hi.double()))))
+    for j in range(len(got)):
+        pool = [torch.cat([d[i][j].double().reshape(-1) for d in draws]) for i in range(3)]
+        assert rel_err(pool[0], pool[2]) <= 1.25 * rel_err(pool[1], pool[2]) + 1e-6, case
+    if not case["train"]:
+        return
+    sum(o.float().sum() for o in got).backward()
+    sum(w.float().sum() for w in want).backward()
+    pairs = [(xs[0].grad, xs[1].grad)] + [(p.grad, q.grad) for p, q in zip(
+        model.parameters(), ref.parameters())]
+    for a, b in pairs:  # bf16 gradients: a loose bound a wrong rule still breaks
+        assert (a is None) == (b is None) and (a is None or rel_err(a, b) <= 6e-2), case
+
+
+@seed(20261202)
+@settings(max_examples=120, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cases)
+def test_generated_expert_layers_match_eager(case):
+    _run(case)
