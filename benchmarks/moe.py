@@ -136,6 +136,34 @@ def train(names):
     write_csv("moe layer forward + backward (8192 tokens)", rows)
 
 
+def small(names, token_counts=(8, 64, 512, 2048)):
+    """The forward at decode and short-prompt sizes, each variant replayed from a CUDA
+    graph (the device time: at these sizes a plain loop would time the host), alternating
+    rounds: where the grouped kernels stop paying."""
+    from common import bench_graphed
+    print(env_line(), flush=True)
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        for tokens in token_counts:
+            x = torch.randn(1, tokens, moe.gate.weight.shape[1], device="cuda",
+                            dtype=torch.bfloat16)
+            torch._dynamo.reset()
+            fns = {"torch.compile": torch.compile(moe), "coda": torch.compile(
+                moe, backend="coda")}
+            with torch.no_grad():
+                for f in fns.values():
+                    f(x)
+                times = {k: [] for k in fns}
+                for i in range(3):
+                    for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+                        times[k].append(bench_graphed(lambda f=fns[k]: f(x)))
+            med = {k: sorted(v)[1] for k, v in times.items()}
+            print(f"{name}: {tokens} tokens: torch.compile {med['torch.compile']:.3f} ms, "
+                  f"coda {med['coda']:.3f} ms: {med['torch.compile'] / med['coda']:.3f}x",
+                  flush=True)
+
+
 def main(names):
     print(env_line(), flush=True)
     rows = []
@@ -177,7 +205,9 @@ def main(names):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["train"]:
+    if sys.argv[1:2] == ["small"]:
+        small(sys.argv[2:] or ["qwen3"])
+    elif sys.argv[1:2] == ["train"]:
         train(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["sweep"]:
         sweep(sys.argv[2:] or ["qwen3"], [(128, 192, 2), (128, 192, 1), (128, 128, 2),

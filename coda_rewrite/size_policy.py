@@ -17,6 +17,8 @@ family fused runs 1.01x at 1024 rows and 1.07x at 2048. So each family says from
 rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the larger of the two
 measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
 epilogue as graph ops, with the reason (code ``shape.small_m``).
+The routed experts' grouped GEMMs count routed rows (tokens × top-k): they lose to
+torch's grouped_mm up to 4096 and win at 16384 and more (patterns/routed_experts.py).
 ``options.min_fused_rows`` overrides every family's threshold (0: always fuse).
 """
 
@@ -59,10 +61,11 @@ def too_few_rows(family, match, override: int | None) -> str:
 
 
 def gemms_of(match) -> list[fx.Node]:
-    """The GEMM (linear) nodes a match holds: what a fusing family would replace, and
-    what both speed policies (this one, training_policy.py) look at."""
-    return [n for n in graph_nodes_of(match)
-            if canonical.canon(n) is not None and canonical.canon(n).name == "linear"]
+    """The GEMM nodes (linear; grouped_mm: routed experts, whose rows are the routed
+    ones) a match holds: what a fusing family would replace, and what both speed
+    policies (this one, training_policy.py) look at."""
+    return [n for n in graph_nodes_of(match) if canonical.canon(n) is not None
+            and canonical.canon(n).name in ("linear", "grouped_mm")]
 
 
 def static_rows(linear: fx.Node) -> int | None:

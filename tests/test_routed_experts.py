@@ -407,17 +407,20 @@ def test_grouped_launch_host_side(monkeypatch):
     assert seen["values"] == sorted(["D", *(b.param for b in down.ks.contract.operands)])
 
 
-def test_training_policy_leaves_cuda_training_graphs_unfused(monkeypatch):
-    """In a CUDA training graph the routed experts are left to eager's ops by default
-    (they do not pay in a step, measured), fused with fuse_in_training=True; CPU graphs
-    are not affected (decide() on a real match whose output meta is put on a GPU)."""
+def test_speed_policies_on_cuda_graphs(monkeypatch):
+    """The speed policies see the grouped GEMMs (size_policy.gemms_of): on a GPU the
+    routed experts are left to eager's ops below FUSED_FROM_ROWS routed rows and in a
+    training graph (they do not pay there, measured), unless the options say otherwise;
+    CPU graphs are not affected (a real match whose GEMM metas are put on a GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from coda_rewrite.algebra.decision import Rejection, Why
     from coda_rewrite.options import Options
     from coda_rewrite.patterns import routed_experts
-    from coda_rewrite.patterns.family import Context, Decided
-    matches, real = [], routed_experts.decide
+    from coda_rewrite.patterns.family import Decided
+    from coda_rewrite.size_policy import gemms_of, too_few_rows
+    from coda_rewrite.training_policy import not_paying_in_training
+    matches = []
 
     def spy(m, context):  # keep the match, leave the graph as captured
         matches.append(m)
@@ -426,14 +429,25 @@ def test_training_policy_leaves_cuda_training_graphs_unfused(monkeypatch):
     monkeypatch.setattr(routed_experts, "decide", spy)
     coda_rewrite.optimize(Experts())(torch.randn(8, 32).bfloat16())  # a training graph
     (m,) = matches
-    cpu = real(m, Context(Options.make(fuse_in_training=None)))
-    assert cpu.plan is not None  # the reference path: no speed to win or lose
-    v = m.out.meta["example_value"]
-    with FakeTensorMode():
-        m.out.meta["example_value"] = torch.empty(v.shape, dtype=v.dtype, device="cuda",
-                                                  requires_grad=True)
-    for option, fused in ((None, False), (False, False), (True, True)):
-        d = real(m, Context(Options.make(fuse_in_training=option)))
-        assert (d.plan is not None) == fused, option
-        if not fused:
-            assert d.rejection.code == "training.does_not_pay"
+    assert set(gemms_of(m)) == {m.gate_up, m.down}
+    assert not too_few_rows(routed_experts, m, None)  # CPU: every size
+    assert not not_paying_in_training(routed_experts, m, Options.make(fuse_in_training=None))
+
+    from coda_rewrite.canonical import canon
+
+    def on_gpu(rows, grad):  # the GEMMs' outputs and inputs
+        with FakeTensorMode():
+            for n in (m.gate_up, m.down):
+                n.meta["example_value"] = torch.empty(rows, 32, device="cuda",
+                                                      requires_grad=grad)
+                canon(n).args[0].meta["example_value"] = torch.empty(rows, 32, device="cuda")
+
+    on_gpu(16, False)
+    assert "fewer than the routed_experts fusion's measured threshold" in \
+        too_few_rows(routed_experts, m, None)
+    assert not too_few_rows(routed_experts, m, 0)
+    on_gpu(routed_experts.FUSED_FROM_ROWS, True)
+    assert not too_few_rows(routed_experts, m, None)
+    for option, left in ((None, True), (False, True), (True, False)):
+        opts = Options.make(fuse_in_training=option)
+        assert bool(not_paying_in_training(routed_experts, m, opts)) == left, option

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import routed_experts as legality
-from ..algebra.decision import Rejection, Why
+from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
@@ -52,11 +52,17 @@ from .family import Context, Decided
 from .gated_mlp import activation_of
 
 NAME = "routed_experts"
-# Not in a training step by default (training_policy.py's rule, applied in decide: the
-# family fuses grouped GEMMs, which that module's GEMM count does not see): forward +
-# backward of the Qwen3-30B-A3B-shaped layer 7.02 ms vs torch.compile's 6.23 (0.89x), the
-# Mixtral-8x7B-shaped one 34.2 vs 32.9 (0.96x) with the backward as rules (H200, 8192
-# tokens; BENCHMARKS.md, tenth session); options.fuse_in_training=True fuses it anyway
+# its rewrites replace GEMMs by fused ones, where they pay (size_policy.py) ...
+FUSES_GEMMS = True
+# ... from this many routed rows (tokens × top-k; benchmarks/moe.py, H200, forward from
+# CUDA graphs against torch.compile's grouped_mm: Qwen3-30B-A3B-shaped layer 0.64x /
+# 0.61x / 0.66x at 8 / 64 / 512 tokens (64 to 4096 rows), 1.10x at 8192 tokens (65536
+# rows); Mixtral-8x7B-shaped 0.81x / 0.68x / 0.90x at 16 to 1024 rows, 1.02x at 16384:
+# BENCHMARKS.md, tenth session; the crossover in between is not measured)
+FUSED_FROM_ROWS = 16384
+# ... and not in a training step (training_policy.py): forward + backward of the
+# Qwen3-shaped layer 7.02 ms vs torch.compile's 6.23 (0.89x), the Mixtral-shaped one 34.2
+# vs 32.9 (0.96x) with the backward as rules (8192 tokens); fuse_in_training=True fuses it
 PAYS_IN_TRAINING = False
 
 
@@ -312,13 +318,6 @@ def trains(m: Match) -> bool:
 
 
 def decide(m: Match, context: Context) -> Decided:
-    if trains(m) and meta(m.out).device.type == "cuda" and not PAYS_IN_TRAINING and \
-            context.options.fuse_in_training is not True:
-        return Decided.refuse(Rejection(Why(
-            "a training graph: the routed experts' grouped GEMMs with their backward as "
-            "rules are slower than torch.compile's in a step (measured on the H200): left "
-            "to eager's ops under Inductor; options.fuse_in_training=True fuses them anyway",
-            "training.does_not_pay"), m.path))
     dtype = meta(m.mul).dtype
     programs = (gated_program(m.op, dtype, keep_preact=trains(m)),
                 down_program(m.combine is not None, meta(m.out).dtype))
