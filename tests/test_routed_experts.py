@@ -405,6 +405,13 @@ def test_grouped_launch_host_side(monkeypatch):
     (o,) = down(y, torch.zeros(4, 32, 16).bfloat16(), offsets, None, [torch.rand(10)])
     assert o.shape == (10, 32) and (o == 1).all() and seen["idx"] is None
     assert seen["values"] == sorted(["D", *(b.param for b in down.ks.contract.operands)])
+    # values a planned launch cannot trust: checked on the device before the launch
+    for bad_offsets, bad_index in ((offsets, index + 6), (offsets, index - 6),
+                                   (offsets + 3, index), (offsets.flip(0), index)):
+        seen.clear()
+        with pytest.raises(RuntimeError):
+            train(h, w, bad_offsets, bad_index, [])
+        assert not seen  # nothing launched
 
 
 def test_speed_policies_on_cuda_graphs(monkeypatch):

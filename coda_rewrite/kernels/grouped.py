@@ -113,6 +113,15 @@ class GroupedLaunch:
                 for name, shape, dtype in self.outs}
 
     def __call__(self, a, b, offsets, index, operands) -> list[torch.Tensor]:
+        # A planned launch trusts its tensors' metadata, not their values: an index past
+        # a's rows or offsets past the problem's rows would read or write out of bounds.
+        # Checked on the device (no host sync; a failed check is a device-side assert, as
+        # eager's indexing raises one)
+        ok = (offsets[-1] <= self.m) & (torch.diff(offsets) >= 0).all() & (offsets[0] >= 0)
+        if index is not None:
+            ok = ok & (index.min() >= 0) & (index.max() < a.shape[0])
+        torch._assert_async(ok, "coda::grouped_gemm_epilogue: offsets not cumulative row "
+                                "counts within the rows, or a routed row index out of range")
         out = self._alloc()
         values = self._operands(operands)
         values.update(out)
