@@ -458,3 +458,23 @@ def test_speed_policies_on_cuda_graphs(monkeypatch):
     for option, left in ((None, True), (False, True), (True, False)):
         opts = Options.make(fuse_in_training=option)
         assert bool(not_paying_in_training(routed_experts, m, opts)) == left, option
+
+
+def test_auxiliary_loss_on_router_logits():
+    """Mixtral's load-balancing loss reads the router logits, which the rewrite leaves as
+    graph ops (the combine weight is whatever the graph computes): a training step with
+    it, the experts rewritten, loss, auxiliary loss and every gradient eager's."""
+    model, _ = moe_model("mixtral", torch.float32, output_router_logits=True,
+                         router_aux_loss_coef=0.05)
+    model.train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(ids, labels=ids), ref(ids, labels=ids)
+    assert rel_err(got.aux_loss, want.aux_loss) <= 1e-6 and rel_err(got.loss, want.loss) <= 1e-5
+    got.loss.backward()
+    want.loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4
+    done = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    assert [r.status for r in done] == ["rewritten"] * 2
