@@ -38,7 +38,9 @@ class NotPlaceable(ValueError):
 # ---- what a node reads and updates ------------------------------------------------------
 
 _INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ipow}
+                      operator.itruediv, operator.ipow, operator.ifloordiv, operator.imod,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
 _ALIASING_METHODS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze",
                      "squeeze", "t", "narrow", "select", "as_strided", "flatten",
                      "unflatten", "split", "chunk", "contiguous", "to", "detach",
@@ -55,6 +57,8 @@ def mutated_value(node: fx.Node) -> fx.Node | None:
     if node.op == "call_function":
         if node.target in _INPLACE_FUNCTIONS:
             return node.args[0]
+        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+            return None  # operator.and_ / or_ / not_ are named like in-place ops, and are not
         name = getattr(node.target, "__name__", "")
         if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
             return node.args[0]

@@ -155,6 +155,10 @@ class Experts(torch.nn.Module):
         offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.e, min=0, max=self.e - 1),
                             dim=0, dtype=torch.int32)
         mask = (ids_g >= self.e).unsqueeze(-1)
+        if case == "source_updated":  # after the gather: eager's rows are the old ones
+            h = h * 1.0
+            x = h[perm // self.top_k]
+            h.add_(1.0)
         in_mask = (ids_g >= self.e - 1).unsqueeze(-1) if case == "input_fill_other_rows" \
             else mask
         x.masked_fill_(in_mask, 0.0)
@@ -180,7 +184,7 @@ class Experts(torch.nn.Module):
             y.mul_(2.0)
         offs_d = offs.clone() if case == "other_offsets" else offs
         o = _gmm(y, self.down.transpose(-2, -1), offs_d)
-        o = o.masked_fill(mask, 0.0)
+        o = o.masked_fill(mask, 1.0 if case == "fill_one" else 0.0)
         if case == "feature_weights":
             o = o * w_g.unsqueeze(-1).expand(-1, o.shape[-1]).contiguous()
         else:
@@ -204,6 +208,8 @@ LOOK_ALIKES = {
     "up_first": "moe.activation",
     "kn_weights": "moe.weight_layout",
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
+    "source_updated": "moe.in_place",         # the gathered source updated after the gather
+    "fill_one": "moe.fill_value",             # a fill the router weight would scale
 }
 
 
@@ -478,3 +484,21 @@ def test_auxiliary_loss_on_router_logits():
         assert rel_err(p.grad, q.grad) <= 1e-4
     done = [r for r in fast.report.records if r.pattern == "routed_experts"]
     assert [r.status for r in done] == ["rewritten"] * 2
+
+
+def test_what_counts_as_an_update_in_place():
+    """graph_utils.mutated_value, which the side conditions' in-place checks read:
+    operator.and_ / or_ are named like in-place ops and are not (a mask built with `|`
+    was taken for an update of the mask); operator.ior, setitem and `x.mul_` are."""
+    import operator
+
+    from coda_rewrite.graph_utils import mutated_value
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    pure = [g.call_function(operator.or_, (a, b)), g.call_function(operator.and_, (a, b)),
+            g.call_method("masked_fill", (a, b, 0.0))]
+    updates = [g.call_function(operator.ior, (a, b)), g.call_function(operator.setitem,
+                                                                     (a, 0, b)),
+               g.call_method("mul_", (a, 2.0)), g.call_function(torch.Tensor.add_, (a, b))]
+    assert all(mutated_value(n) is None for n in pure)
+    assert all(mutated_value(n) is a for n in updates)

@@ -14,7 +14,11 @@ Side conditions, each checked here:
 * the gathered rows are read only by the gate/up GEMM, and by a fill in place of the
   same mask the gate/up output is filled with (so that fill is dead: a grouped GEMM is
   row-local); a fill of other rows is refused;
-* a fill of (gate, up) by c moves past the product as act(c)·c, finite;
+* a fill of (gate, up) by c moves past the product as act(c)·c, finite; the down
+  output's fill is by 0 where the router weight multiplies after it (the weight moves
+  into the epilogue, before the fill);
+* nothing updates in place a value the fused GEMMs read where the match ends (the
+  gathered source, the index, offsets, masks, weights): eager read them earlier;
 * the combine weight is one value per routed row.
 """
 
@@ -29,12 +33,12 @@ from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import reference
 from ..codegen.op_table import OPS
-from ..graph_utils import in_place_update_of
+from ..codegen.program import parse
+from ..graph_utils import aliases, in_place_update_of, mutated_value
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
 from .isolated import off_thread
-from ..codegen.program import parse
 from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
@@ -73,6 +77,11 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     if updated is not None:
         return held, Why(f"{describe(updated[0])} updates {describe(updated[1])} in place",
                          "moe.in_place")
+    moved = _moved_input_updated(m)
+    if moved is not None:
+        return held, Why(f"{describe(moved[0])} updates {describe(moved[1])} in place: the "
+                         "fused GEMMs read it where the match ends, not where eager read it",
+                         "moe.in_place")
     held.append("gate/up output, halves, act(gate), product and down output are read "
                 "only inside the match")
     wg, wd = meta(m.w_gate_up), meta(m.w_down)
@@ -108,6 +117,10 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     if m.input_fill is not None:
         held.append(f"the fill in place of the gathered rows ({describe(m.input_fill.node)})"
                     " is dead: the same rows of the gate/up output are filled")
+    if m.combine is not None and m.down_fill is not None and m.down_fill.constant != 0:
+        return held, Why(f"{describe(m.down_fill.node)} fills by {m.down_fill.constant} "
+                         "before the router weight multiplies: with the weight in the "
+                         "epilogue the filled rows would not be scaled", "moe.fill_value")
     if product_fill_dead(m):
         held.append("the fill of the gate/up output is dead: the down output is filled on "
                     "the same rows")
@@ -115,6 +128,21 @@ def side_conditions(m) -> tuple[list[str], str | None]:
             product_fill(m.op, m.gate_up_fill.constant)):
         return held, Why("the gate/up fill makes a non-finite product", "moe.fill_value")
     return held, None
+
+
+def _moved_input_updated(m):
+    """(node, value) of an update in place of a value the fused GEMMs read where the match
+    ends (the gathered source, the index, offsets, masks, router and expert weights), or
+    of a view of one; the gathered rows' own fill excepted (dead, side condition below)."""
+    values = {m.index, m.offsets, m.weight, m.w_gate_up, m.w_down, m.source}
+    values |= {f.mask for f in (m.input_fill, m.gate_up_fill, m.down_fill) if f is not None}
+    watched = aliases({v for v in values if v is not None})
+    for node in m.mul.graph.nodes:
+        target = mutated_value(node)
+        if target is not None and target in watched and \
+                (m.input_fill is None or node is not m.input_fill.node):
+            return node, target
+    return None
 
 
 def _casts_between(m) -> set:

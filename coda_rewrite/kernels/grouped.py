@@ -119,7 +119,8 @@ class GroupedLaunch:
         # eager's indexing raises one)
         ok = (offsets[-1] <= self.m) & (torch.diff(offsets) >= 0).all() & (offsets[0] >= 0)
         if index is not None:
-            ok = ok & (index.min() >= 0) & (index.max() < a.shape[0])
+            lo, hi = torch.aminmax(index)
+            ok = ok & (lo >= 0) & (hi < a.shape[0])
         torch._assert_async(ok, "coda::grouped_gemm_epilogue: offsets not cumulative row "
                                 "counts within the rows, or a routed row index out of range")
         out = self._alloc()
@@ -191,7 +192,12 @@ def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
     boundary is skipped (its dispatch costs host time a decode step pays per layer);
     where a gradient can be asked for, the autograd Functions below."""
     if ops._needs_grad(x, weight, operands):
-        if any(o.kind == Kind.PAIR for o in parse(program).outputs):
+        prog = parse(program)
+        if any(o.kind == Kind.PAIR for o in prog.outputs):
+            if len(prog.outputs) < 2:  # the backward reads the stored pre-activation
+                raise RuntimeError(f"coda: {prog.key} stores no pre-activation and was "
+                                   "called where a gradient can be asked for (a graph "
+                                   "rewritten for inference, run with gradients)")
             return GroupedGated.apply(program, x, weight, offsets, index)
         return (GroupedDown.apply(program, x, weight, offsets, *operands),)
     if ops._direct(x, weight, operands):
