@@ -1,12 +1,14 @@
 """Mixture-of-experts layers (issue #21): Hugging Face's sparse MoE blocks at the
-Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8) and the Mixtral-8x7B shape
-(hidden 4096, 8 experts of 14336, top-2), 8192 tokens, bf16, forward under no_grad:
+Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8), the Mixtral-8x7B shape
+(hidden 4096, 8 experts of 14336, top-2) and the gpt-oss-20b shape (hidden 2880, 32
+experts of 2880, top-4; [E, K, N] weights, biases, the clamped SwiGLU), 8192 tokens,
+bf16, forward under no_grad:
 eager and torch.compile with the grouped_mm experts implementation (transformers' default
 and fastest), backend="coda" (the routed experts as QuACK's grouped GEMMs with their
 epilogues); variants timed in alternating rounds, outputs checked against a float32
 reference (the same weights, the per-expert loop).
 
-    source .gpu/setup.sh && python benchmarks/moe.py [qwen3|mixtral ...]
+    source .gpu/setup.sh && python benchmarks/moe.py [qwen3|mixtral|gpt_oss ...]
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ SHAPES = {
                                 num_experts_per_tok=8, norm_topk_prob=True)),
     "mixtral": ("mixtral", dict(hidden_size=4096, intermediate_size=14336,
                                 num_local_experts=8, num_experts_per_tok=2)),
+    "gpt_oss": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880,
+                                num_local_experts=32, num_experts_per_tok=4,
+                                layer_types=["full_attention"])),
 }
+
+
+def hidden_of(name: str) -> int:
+    return SHAPES[name][1]["hidden_size"]
 
 
 def block(name: str):
@@ -63,8 +72,7 @@ def sweep(names, configs):
     for name in names:
         torch.manual_seed(0)
         moe = block(name)
-        x = torch.randn(1, TOKENS, moe.gate.weight.shape[1], device="cuda",
-                        dtype=torch.bfloat16)
+        x = torch.randn(1, TOKENS, hidden_of(name), device="cuda", dtype=torch.bfloat16)
         base = torch.compile(moe)
         coda = torch.compile(moe, backend="coda")
         with torch.no_grad():
@@ -92,7 +100,7 @@ def train(names):
     for name in names:
         torch.manual_seed(0)
         moe = block(name)
-        hidden = moe.gate.weight.shape[1]
+        hidden = hidden_of(name)
         x = torch.randn(1, TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(1, TOKENS, hidden, device="cuda")
         ref = reference(moe)
@@ -146,8 +154,7 @@ def small(names, token_counts=(8, 64, 512, 2048)):
         torch.manual_seed(0)
         moe = block(name)
         for tokens in token_counts:
-            x = torch.randn(1, tokens, moe.gate.weight.shape[1], device="cuda",
-                            dtype=torch.bfloat16)
+            x = torch.randn(1, tokens, hidden_of(name), device="cuda", dtype=torch.bfloat16)
             torch._dynamo.reset()
             fns = {"torch.compile": torch.compile(moe), "coda": torch.compile(
                 moe, backend="coda")}
@@ -170,8 +177,7 @@ def main(names):
     for name in names:
         torch.manual_seed(0)
         moe = block(name)
-        x = torch.randn(1, TOKENS, moe.experts.hidden_dim if hasattr(moe.experts, "hidden_dim")
-                        else moe.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, TOKENS, hidden_of(name), device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             want = reference(moe)(x.float())
             want = want[0] if isinstance(want, tuple) else want

@@ -12,6 +12,8 @@ Dynamo graphs keep the user's spelling: ``torch._C._nn.linear`` for nn.Linear, `
     cast(a, dtype)       .to(dtype), .float(), .half(), .bfloat16(), .type_as(t), .type(dtype)
     rms_norm(x, shape, w, eps)   torch.rms_norm, F.rms_norm
     getitem(a, index), contiguous(a)
+    clamp(a, lo, hi)     torch.clamp / clip, x.clamp(min=, max=) (a bound None where absent)
+    sigmoid(a)           torch.sigmoid, F.sigmoid, x.sigmoid()
 
 The view is read-only: canonicalisation never edits the graph, so whatever is not
 rewritten later stays exactly the user's code, bit for bit. Composite idioms (the
@@ -55,8 +57,10 @@ _UNARY = {
     torch.rsqrt: "rsqrt", "rsqrt": "rsqrt",
     torch.sqrt: "sqrt", "sqrt": "sqrt",
     torch.square: "square", "square": "square",
+    torch.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid", "sigmoid": "sigmoid",
     "contiguous": "contiguous",
 }
+_CLAMP = {torch.clamp, torch.clip, "clamp", "clip"}
 _CAST_METHODS = {"to", "float", "half", "bfloat16", "double", "type_as", "type"}
 _TRANSPOSE_METHODS = {"t", "transpose", "permute"}
 _RMS_NORM = {torch.rms_norm, torch.nn.functional.rms_norm}
@@ -169,6 +173,13 @@ def canon(node: fx.Node) -> COp | None:
         return COp(named, (args[0],)) if named else None
     if key in _UNARY and len(args) == 1 and not kw:
         return COp(_UNARY[key], (args[0],))
+    if key in _CLAMP and 1 <= len(args) <= 3 and set(kw) <= {"min", "max"}:
+        lo = args[1] if len(args) > 1 else kw.get("min")
+        hi = args[2] if len(args) > 2 else kw.get("max")
+        if all(b is None or constant(b) is not None for b in (lo, hi)) and \
+                (lo, hi) != (None, None):
+            return COp("clamp", (args[0], constant(lo), constant(hi)))
+        return None
     if key in (torch.mean, "mean"):
         dims = args[1] if len(args) > 1 else kw.get("dim")
         keepdim = args[2] if len(args) > 2 else kw.get("keepdim", False)

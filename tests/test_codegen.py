@@ -426,8 +426,16 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     grouped = [routed_experts.gated_program(op, torch.bfloat16).to_text()
                for op in ("swiglu", "geglu")] + \
         [routed_experts.down_program(True, torch.bfloat16).to_text()]
+    # gpt-oss's: the clamped SwiGLU with each expert's bias, pairs stored interleaved, the
+    # [E, K, N] weights read N-contiguous; the down GEMM's bias before the combine weight
+    oai = [{"grouped": routed_experts.gated_program(
+        "swiglu_oai", torch.bfloat16, True, (1.702, 7.0), True).to_text(),
+        "interleaved": True, "n_major": True},
+        {"grouped": routed_experts.down_program(True, torch.bfloat16, True).to_text(),
+         "n_major": True}]
+    grouped += [t["grouped"] for t in oai]
     kernels |= {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in grouped}
-    texts = texts + [{"grouped": t} for t in grouped]
+    texts = texts + [{"grouped": t} for t in grouped[:3]] + oai
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would
            "CODA_KERNEL_DIR": str(tmp_path / "kernels"),              # skip compilation

@@ -71,29 +71,40 @@ def _check(model, exact, ids, moe_layers: int):
     return fast.report
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_moe_models_rewritten_no_worse_than_eager(family):
     model, exact = moe_model(family)
     moe_layers = 1 if family in ("glm4_moe", "deepseek_v3") else 2  # first layer dense
     report = _check(model, exact, torch.randint(0, 128, (2, 16)), moe_layers)
     rec = next(r for r in report.records if r.pattern == "routed_experts")
-    assert [p.name for p in rec.programs] == ["experts_swiglu", "experts_combine"]
+    pair = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
+    assert [p.name for p in rec.programs] == [pair, "experts_combine"]
     assert "gathered by the GEMM's row read" in rec.producer
 
 
-def test_gpt_oss_experts_are_reported_not_matched():
-    """gpt-oss's experts (weights stored [E, K, N], an interleaved clamped SwiGLU with
-    biases) are not this spelling: left as they are, with the code, and correct."""
+def test_gpt_oss_experts_with_clamps_that_bite():
+    """gpt-oss's experts ([E, K, N] weights, interleaved lanes, biases gathered by expert
+    id, the clamped SwiGLU) with a limit that clamps a third of the pre-activations and
+    large biases: both sides of both clamps are exercised; each bias lands on its
+    expert's rows."""
     model, exact = moe_model("gpt_oss")
-    ids = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        fast = coda_rewrite.optimize(model)
-        got, want, truth = fast(ids).logits, model(ids).logits, exact(ids).logits
-    assert codes(fast.report, "routed_experts") == {"moe.not_halves"}
-    assert rel_err(got.double(), truth) <= 1.25 * rel_err(want.double(), truth)
+    for m in (model, exact):
+        for layer in m.model.layers:
+            layer.mlp.experts.limit = 0.5
+            with torch.no_grad():
+                layer.mlp.experts.gate_up_proj_bias.normal_(0, 1.0, generator=torch.Generator()
+                                                            .manual_seed(1))
+                layer.mlp.experts.down_proj_bias.normal_(0, 1.0, generator=torch.Generator()
+                                                         .manual_seed(2))
+    exact.load_state_dict(model.state_dict())
+    report = _check(model, exact, torch.randint(0, 128, (2, 16)), 2)
+    rec = next(r for r in report.records if r.pattern == "routed_experts")
+    oai = next(i for i in rec.programs[0].body if i.op == "swiglu_oai")
+    assert oai.args[1:] == (1.702, 0.5)
+    assert "bias" in rec.biases and "N-contiguous" in rec.weights
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_float32_models_take_transformers_fallback_op(family):
     """In float32, transformers routes grouped_mm through its own custom op under
     torch.compile (transformers::grouped_mm_fallback): the same product, rewritten."""
@@ -206,7 +217,7 @@ LOOK_ALIKES = {
     "other_offsets": "moe.offsets_differ",
     "input_fill_other_rows": "moe.input_fill",
     "up_first": "moe.activation",
-    "kn_weights": "moe.weight_layout",
+    "kn_weights": None,             # [E, K, 2I] stored: read through a transposed view
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
     "source_updated": "moe.in_place",         # the gathered source updated after the gather
     "fill_one": "moe.fill_value",             # a fill the router weight would scale
@@ -244,14 +255,139 @@ def test_feature_weights_are_not_a_combine():
     assert [p.name for p in rec.programs] == ["experts_swiglu", "experts_down"]
 
 
-@pytest.mark.parametrize("case", ["canonical", "feature_weights"])
+class OaiExperts(torch.nn.Module):
+    """gpt-oss's experts in transformers' grouped_mm spelling ([E, K, N] weights, each
+    expert's bias gathered by the sorted expert ids and added in place, interleaved
+    (gate, up) lanes, the clamped SwiGLU), with one thing changed by ``case``; a limit
+    small enough that both clamps bite."""
+
+    def __init__(self, case: str = "canonical", experts=4, hidden=32, inter=16, top_k=2,
+                 dtype=torch.bfloat16, limit=0.6):
+        super().__init__()
+        self.case, self.e, self.top_k, self.limit, self.alpha = case, experts, top_k, limit, 1.702
+        g = torch.Generator().manual_seed(0)
+
+        def param(*shape, scale=1.0):
+            return torch.nn.Parameter((torch.randn(shape, generator=g) * scale).to(dtype))
+        self.router = param(experts, hidden)
+        self.gate_up = param(experts, hidden, 2 * inter, scale=hidden ** -0.5)
+        self.gate_up_bias = param(experts, 2 * inter, scale=0.5)
+        self.down = param(experts, inter, hidden, scale=inter ** -0.5)
+        self.down_bias = param(experts, hidden, scale=0.5)
+
+    def forward(self, h):
+        case, lim = self.case, self.limit
+        logits = F.linear(h, self.router)
+        top_v, top_i = torch.topk(logits, self.top_k, dim=-1)
+        w = F.softmax(top_v, dim=1, dtype=top_v.dtype).reshape(-1)
+        ids = top_i.reshape(-1)
+        ids_g, perm = torch.sort(ids)
+        x = h[perm // self.top_k]
+        w_g = w[perm]
+        # another cast before the count (transformers counts ids.int() on CUDA, which
+        # the CPU histc does not take)
+        counted = ids_g.double() if case == "counted_as_double" else ids_g.float()
+        hist = torch.histc(counted, bins=self.e, min=0,
+                           max=self.e if case == "histc_range" else self.e - 1)
+        offs = torch.cumsum(hist, dim=0, dtype=torch.int32)
+        mask = (ids_g >= self.e).unsqueeze(-1)
+        ids_g.clamp_(max=self.e - (2 if case == "ids_clamped_lower" else 1))
+        b_gu = self.gate_up_bias[ids if case == "bias_unsorted_ids" else ids_g]
+        x.masked_fill_(mask, 0.0)
+        p = _gmm(x, self.gate_up, offs)
+        if case == "bias_after_fill":
+            p = p.masked_fill(mask, 0.0) + b_gu
+        else:
+            p.add_(b_gu)
+            p = p.masked_fill(mask, 0.0)
+        gate, up = p[..., ::2], p[..., 1::2]
+        if case == "odd_gate":
+            gate, up = up, gate
+        raw = gate
+        gate = gate.clamp(min=-lim if case == "gate_clamped_below" else None, max=lim)
+        up = up.clamp(min=-lim, max=2 * lim if case == "up_limit_differs" else lim)
+        glu = gate * torch.sigmoid((raw if case == "sigmoid_unclamped" else gate) * self.alpha)
+        y = (up + (2 if case == "shift_two" else 1)) * glu
+        extra = (glu.sum(),) if case == "glu_read" else ()
+        o = _gmm(y, self.down, offs)
+        o.add_(self.down_bias[ids_g])
+        o = o.masked_fill(mask, 0.0) * w_g.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.shape[0])
+        out = o[inv].view(h.shape[0], self.top_k, -1).sum(dim=1)
+        return (out, *extra) if extra else out
+
+
+OAI_LOOK_ALIKES = {
+    "canonical": None,
+    "counted_as_double": None,
+    "bias_unsorted_ids": "moe.bias_index",     # the bias gathered by the unsorted ids
+    "ids_clamped_lower": "moe.bias_index",     # the last expert's rows take another bias
+    "histc_range": "moe.bias_index",           # bins over [0, E]: not one per expert
+    "bias_after_fill": "moe.not_halves",       # the bias added after the rows are filled
+    "odd_gate": "moe.not_halves",              # the gate in the odd lane
+    "gate_clamped_below": "moe.activation",
+    "up_limit_differs": "moe.activation",
+    "sigmoid_unclamped": "moe.intermediate_read",  # the sigmoid reads the unclamped gate
+    "shift_two": "moe.activation",             # (u + 2): not gpt-oss's activation
+    "glu_read": "moe.activation",              # g·sigmoid(α·g) also returned
+}
+
+
+@pytest.mark.parametrize("case", list(OAI_LOOK_ALIKES))
+def test_gpt_oss_look_alikes(case):
+    """Each gpt-oss look-alike's outputs equal eager's (both clamps biting); the spelling
+    the rewrite takes is rewritten, the others left with their code."""
+    model = OaiExperts(case)
+    h = torch.randn(8, 32).bfloat16()
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want, truth = fast(h), ref(h), exact(h.double())
+    got, want, truth = (got, want, truth) if isinstance(got, tuple) else \
+        ((got,), (want,), (truth,))
+    for a, b, t in zip(got, want, truth):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert rel_err(a.double(), t) <= 1.5 * rel_err(b.double(), t) + 1e-6, case
+    records = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    if OAI_LOOK_ALIKES[case] is None:
+        assert [r.status for r in records] == ["rewritten"], str(fast.report)
+    else:
+        assert OAI_LOOK_ALIKES[case] in codes(fast.report, "routed_experts"), \
+            str(fast.report)
+
+
+@pytest.mark.provokes_pass_bug
+def test_gpt_oss_witness_refuses_biases_of_other_rows(monkeypatch):
+    """The float64 replay feeds the bias gather the expert ids the offsets count: with
+    each id shifted by one expert it disagrees, and the rewrite is refused."""
+    from coda_rewrite.algebra import routed_experts as legality
+    real = legality._inputs
+
+    def shifted(m):
+        v = real(m)
+        v["ids"] = (v["ids"] + 1) % v["n_exp"]
+        return v
+    monkeypatch.setattr(legality, "_inputs", shifted)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(OaiExperts())
+        fast(torch.randn(8, 32).bfloat16())
+    (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    assert rec.status == "rejected" and rec.code == "witness.disagrees", str(fast.report)
+
+
+@pytest.mark.parametrize("case", ["canonical", "feature_weights", "oai"])
 def test_training_gradients_no_worse_than_eager(case):
     """A training graph: the experts fused, their backward through the rules; the output
     and every gradient (the input's, the router's through the combine weight, both
     expert weights) against the float64 copy no worse than eager's."""
-    model = Experts(case)
+    # 64 tokens: with fewer, one pre-activation whose bf16 rounding lands on the other
+    # side of a clamp (or a ReLU-like kink) than its float64 value decides the ratio
+    torch.manual_seed(0)
+    size = dict(hidden=64, inter=64)
+    model = OaiExperts(**size) if case == "oai" else Experts(case, **size)
     ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
-    h = torch.randn(8, 32)
+    h = torch.randn(64, 64)
     xs = [h.bfloat16().requires_grad_(), h.bfloat16().requires_grad_(),
           h.double().requires_grad_()]
     fast = coda_rewrite.optimize(model)
@@ -313,18 +449,59 @@ def test_grouped_op_fake_and_gradient_refusal():
         grouped.execute(gated.to_text(), h, w.requires_grad_(), offsets, index, [])
 
 
+def _n_major(w):
+    return w.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
 @pytest.mark.parametrize("change,why", [
     (lambda h, w, o, i: (h.float(), w.float(), o, i), "bf16/fp16"),
     (lambda h, w, o, i: (h, w, o.long(), i), "offsets"),
-    (lambda h, w, o, i: (h, w.transpose(-2, -1).contiguous().transpose(-2, -1), o, i),
-     "not contiguous"),
+    (lambda h, w, o, i: (h, _n_major(w), o, i), "halves (QuACK's concat layout) need b K-"),
+    (lambda h, w, o, i: (h, w.permute(1, 0, 2).contiguous().permute(1, 0, 2), o, i),
+     "neither K- nor N-contiguous"),
     (lambda h, w, o, i: (h[:, :20], w[:, :, :20], o, i), "multiple of 8"),
 ])
 def test_grouped_contract_refusals(change, why):
     """Tensors the kernel cannot take are named (and run the reference)."""
     h, w, offsets, index = change(*_problem())
     prog = gated_program("swiglu", torch.bfloat16)
-    assert why in grouped.contract_violation(prog, h, w, offsets, index, [])
+    assert why in grouped.contract_violation(prog, h, w, offsets, index, [], False)
+
+
+def test_grouped_contract_takes_n_major_interleaved_and_expert_vectors():
+    """gpt-oss's layout: N-contiguous weights, interleaved pairs, a per-expert bias [E, N]
+    (refused over [gate; up] halves, whose kernel columns are interleaved)."""
+    h, w, offsets, index = _problem()
+    bias = torch.randn(4, 32).bfloat16()
+    prog = gated_program("swiglu_oai", torch.bfloat16, params=(1.702, 7.0), bias=True)
+    assert grouped.contract_violation(prog, h, _n_major(w), offsets, index, [bias],
+                                      True) is None
+    assert "per-expert vector over [gate; up] halves" in grouped.contract_violation(
+        prog, h, w, offsets, index, [bias], False)
+    assert "need [4, 32]" in grouped.contract_violation(prog, h, w, offsets, index,
+                                                        [bias[:, :16]], True)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_grouped_reference_with_expert_bias(interleaved):
+    """The op's reference with a per-expert bias, in float64, against the per-expert loop:
+    row s takes its expert's bias row (in the weight's row order), the pair over columns
+    (2j, 2j + 1) as stored (interleaved) or over the [gate; up] halves."""
+    h, w, offsets, index = _problem(torch.float64)
+    bias = torch.randn(4, 32, dtype=torch.float64)
+    prog = gated_program("swiglu_oai", torch.float64, params=(1.702, 0.5), bias=True)
+    (y,) = grouped.execute(prog.to_text(), h, _n_major(w), offsets, index, [bias],
+                           interleaved)
+    x = h[index]
+    want = torch.zeros(10, 16, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        p = x[start:end] @ w[e].T + bias[e]
+        g, u = (p[:, 0::2], p[:, 1::2]) if interleaved else p.chunk(2, dim=-1)
+        g, u = g.clamp(max=0.5), u.clamp(-0.5, 0.5)
+        want[start:end] = g * torch.sigmoid(1.702 * g) * (u + 1)
+        start = end
+    assert rel_err(y[:8], want[:8]) <= 1e-12  # rows past the last offset: never written
 
 
 def test_expert_pairs_interleaved():

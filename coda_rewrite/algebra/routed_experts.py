@@ -19,12 +19,17 @@ Side conditions, each checked here:
   into the epilogue, before the fill);
 * nothing updates in place a value the fused GEMMs read where the match ends (the
   gathered source, the index, offsets, masks, weights): eager read them earlier;
-* the combine weight is one value per routed row.
+* the combine weight is one value per routed row;
+* an expert bias ``table[ids]`` ([E, N], the experts' dtype) is gathered by the sorted
+  expert ids the offsets count (offsets = cumsum(histc(ids, E bins over [0, E-1])),
+  ids = sort(...).values), so row s's id is the expert whose rows s falls in; nothing
+  updates the ids in place but a clamp to [0, E-1] (values below E unchanged).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -32,9 +37,9 @@ import torch.fx as fx
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import reference
-from ..codegen.op_table import OPS
+from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
-from ..graph_utils import aliases, in_place_update_of, mutated_value
+from ..graph_utils import aliases, mutated_value
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -42,10 +47,10 @@ from .isolated import off_thread
 from .witness import _size, eval_nodes, exact, guarded, verdict
 
 
-def product_fill(op: str, c: float) -> float:
-    """act(c)·c: what a fill of both halves by c makes of the gated product."""
+def product_fill(op: str, c: float, params=()) -> float:
+    """pair(c, c) (act(c)·c): what a fill of both halves by c makes of the gated product."""
     x = torch.tensor([c], dtype=torch.float64)
-    return float(reference.unary(OPS[op].gate_activation)(x)[0] * c)
+    return float(pair_value(OPS[op], x, x, *params)[0])
 
 
 def product_fill_dead(m) -> bool:
@@ -63,9 +68,13 @@ def _reads_outside(value: fx.Node, allowed: set) -> fx.Node | None:
 def side_conditions(m) -> tuple[list[str], str | None]:
     """(conditions that hold, the first that does not)."""
     held = []
-    inner = [m.gate_up, m.chunk, m.gate, m.up, m.act, m.mul, m.down]
+    inner = [m.gate_up, m.gate, m.up, *m.act_nodes, m.mul, m.down]
+    inner += [n for n in (m.chunk,) if n is not None]
     inner += [f.node for f in (m.gate_up_fill, m.down_fill) if f is not None]
-    inside = set(inner) | {m.out} | ({m.combine} if m.combine is not None else set())
+    inner += [b.add for b in m.biases if not b.in_place]
+    in_place_biases = {b.add for b in m.biases if b.in_place}
+    inside = set(inner) | in_place_biases
+    inside |= {m.out} | ({m.combine} if m.combine is not None else set())
     for value in inner:
         if value is m.out:
             continue
@@ -73,7 +82,8 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         if reader is not None:
             return held, Why(f"{describe(value)} is also read by {describe(reader)}: the "
                              "fused GEMMs never write it", "moe.intermediate_read")
-    updated = in_place_update_of(set(inner) - {m.out}, m.mul.graph)
+    updated = next(((n, v) for n, v in _updates_of(set(inner) - {m.out}, m.mul.graph)
+                    if n not in in_place_biases), None)
     if updated is not None:
         return held, Why(f"{describe(updated[0])} updates {describe(updated[1])} in place",
                          "moe.in_place")
@@ -84,18 +94,28 @@ def side_conditions(m) -> tuple[list[str], str | None]:
                          "moe.in_place")
     held.append("gate/up output, halves, act(gate), product and down output are read "
                 "only inside the match")
-    wg, wd = meta(m.w_gate_up), meta(m.w_down)
-    if wg.shape[0] != wd.shape[0] or wg.shape[1] % 2 or wd.shape[2] * 2 != wg.shape[1]:
-        return held, Why(f"expert weights {tuple(wg.shape)} and {tuple(wd.shape)}: need "
-                         "[E, 2I, K] and [E, K', I]", "moe.weight_shapes")
+    wg, wd = _nk(m.w_gate_up, m.gate_up_kn), _nk(m.w_down, m.down_kn)
+    if wg[0] != wd[0] or wg[1] % 2 or wd[2] * 2 != wg[1]:
+        return held, Why(f"expert weights {tuple(meta(m.w_gate_up).shape)} and "
+                         f"{tuple(meta(m.w_down).shape)}: need [E, 2I, K] and [E, K', I] "
+                         "(or [E, K, 2I] and [E, I, K'])", "moe.weight_shapes")
     mo = meta(m.offsets)
-    if mo is None or mo.dim() != 1 or mo.shape[0] != wg.shape[0] or \
+    if mo is None or mo.dim() != 1 or mo.shape[0] != wg[0] or \
             mo.dtype not in (torch.int32, torch.int64):
         return held, Why(f"offsets {describe(m.offsets)} are not one integer per expert",
                          "moe.offsets")
     held.append(f"both grouped GEMMs group rows by {describe(m.offsets)} over "
-                f"{wg.shape[0]} experts")
-    values = [m.x, m.gate_up, m.gate, m.up, m.act, m.mul, m.down, m.w_gate_up, m.w_down]
+                f"{wg[0]} experts")
+    for bias, width in ((m.gate_up_bias, wg[1]), (m.down_bias, wd[1])):
+        if bias is None:
+            continue
+        why = _bias_condition(m, bias, wg[0], width)
+        if why:
+            return held, why
+        held.append(f"{describe(bias.gathered)} is each row's expert's bias: "
+                    f"{describe(bias.ids)} are the sorted expert ids the offsets count")
+    values = [m.x, m.gate_up, m.gate, m.up, m.mul, m.down, m.w_gate_up, m.w_down]
+    values += [b.table for b in m.biases]
     if m.source is not None:
         values.append(m.source)
     dtypes = {meta(v).dtype for v in values}
@@ -125,7 +145,7 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         held.append("the fill of the gate/up output is dead: the down output is filled on "
                     "the same rows")
     elif m.gate_up_fill is not None and not math.isfinite(
-            product_fill(m.op, m.gate_up_fill.constant)):
+            product_fill(m.op, m.gate_up_fill.constant, m.params)):
         return held, Why("the gate/up fill makes a non-finite product", "moe.fill_value")
     return held, None
 
@@ -135,6 +155,7 @@ def _moved_input_updated(m):
     ends (the gathered source, the index, offsets, masks, router and expert weights), or
     of a view of one; the gathered rows' own fill excepted (dead, side condition below)."""
     values = {m.index, m.offsets, m.weight, m.w_gate_up, m.w_down, m.source}
+    values |= {b.table for b in m.biases}
     values |= {f.mask for f in (m.input_fill, m.gate_up_fill, m.down_fill) if f is not None}
     watched = aliases({v for v in values if v is not None})
     for node in m.mul.graph.nodes:
@@ -143,6 +164,72 @@ def _moved_input_updated(m):
                 (m.input_fill is None or node is not m.input_fill.node):
             return node, target
     return None
+
+
+def _updates_of(values: set, graph: fx.Graph):
+    """(node, value) of every update in place of one of ``values`` or of a view of one."""
+    watched = aliases(values)
+    for node in graph.nodes:
+        target = mutated_value(node)
+        if target is not None and target in watched:
+            yield node, target
+
+
+def _nk(w: fx.Node, kn: bool) -> tuple[int, int, int]:
+    """(E, N, K) of an expert weight stored [E, N, K], or [E, K, N] where ``kn``."""
+    e, a, b = meta(w).shape
+    return (e, b, a) if kn else (e, a, b)
+
+
+def _arg(node: fx.Node, pos: int, name: str, default=None):
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def sorted_ids_counted(ids: fx.Node, offsets: fx.Node, experts: int) -> str | None:
+    """Why row s's id is not the expert whose rows s falls in (None: it is): ``ids`` must
+    be the values of a sort of a 1-D tensor, ascending, and ``offsets`` the cumulative
+    count of them per expert, cumsum(histc(ids, bins=E, min=0, max=E-1)) (an id of E or
+    more, an expert-parallel sentinel, is counted by no bin: its row lies past
+    offsets[-1], where nothing is written)."""
+    sort = ids.args[0] if ids.target is operator.getitem and ids.args[1] == 0 else None
+    if not isinstance(sort, fx.Node) or sort.target not in (torch.sort, "sort") or \
+            _arg(sort, 2, "descending", False) or meta(sort.args[0]) is None or \
+            meta(sort.args[0]).dim() != 1:
+        return f"{describe(ids)} are not the ascending sorted values of a 1-D tensor"
+    if offsets.target is not torch.cumsum or _arg(offsets, 1, "dim") not in (0, -1):
+        return f"{describe(offsets)} is not a cumulative sum of per-expert counts"
+    hist = offsets.args[0]
+    if not isinstance(hist, fx.Node) or hist.target is not torch.histc or \
+            _under_number_casts(hist.args[0]) is not ids:
+        return f"{describe(offsets)} does not count {describe(ids)} (histc)"
+    bins, lo, hi = (_arg(hist, 1, "bins", 100), _arg(hist, 2, "min", 0),
+                    _arg(hist, 3, "max", 0))
+    if (bins, lo, hi) != (experts, 0, experts - 1):
+        return (f"{describe(hist)} counts {bins} bins over [{lo}, {hi}], not one per expert "
+                f"over [0, {experts - 1}]")
+    for node, _ in _updates_of({ids}, ids.graph):
+        if not (node.op == "call_method" and node.target == "clamp_" and
+                _arg(node, 1, "min") in (None, 0) and _arg(node, 2, "max") == experts - 1):
+            return f"{describe(node)} updates the expert ids in place"
+    return None
+
+
+def _under_number_casts(node):
+    """``node`` under casts between number types (histc counts ``ids.float()`` on the
+    CPU and ``ids.int()`` on CUDA: transformers picks by device)."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and \
+            node.target in ("int", "long", "float", "double", "to"):
+        node = node.args[0]
+    return node
+
+
+def _bias_condition(m, bias, experts: int, width: int) -> str | None:
+    mt = meta(bias.table)
+    if tuple(mt.shape) != (experts, width):
+        return Why(f"the bias table {describe(bias.table)} is {tuple(mt.shape)}, not "
+                   f"[{experts}, {width}] (one row per expert)", "moe.bias_index")
+    why = sorted_ids_counted(bias.ids, m.offsets, experts)
+    return Why(f"{describe(bias.gathered)}: {why}", "moe.bias_index") if why else None
 
 
 def _casts_between(m) -> set:
@@ -211,15 +298,28 @@ def _inputs(m):
     w_gu = torch.randn(n_exp, 2 * i, k, generator=g, dtype=f64)
     w_d = torch.randn(n_exp, k_out, i, generator=g, dtype=f64)
     weight = torch.rand(rows, generator=g, dtype=f64)
+    # the expert ids the offsets count (the bias gather's index), sentinels clamped
+    ids = reference.expert_of_rows(ends, rows).clamp(max=n_exp - 1).long()
+    b_gu = torch.randn(n_exp, 2 * i, generator=g, dtype=f64)
+    b_d = torch.randn(n_exp, k_out, generator=g, dtype=f64)
     return dict(n_exp=n_exp, rows=rows, tokens=tokens, h=h, index=index, ends=ends, mask=mask,
-                w_gu=w_gu, w_d=w_d, weight=weight, g=g)
+                w_gu=w_gu, w_d=w_d, weight=weight, g=g, ids=ids, b_gu=b_gu, b_d=b_d)
+
+
+def _stored(w: torch.Tensor, kn: bool) -> torch.Tensor:
+    """An [E, N, K] weight as the graph stores it."""
+    return w.transpose(1, 2) if kn else w
 
 
 def _eager(m, v) -> torch.Tensor:
     """The matched nodes replayed on the values ``v``."""
     h, index, mask = v["h"], v["index"], v["mask"]
     x = h[index] if m.source is None else None
-    env = {m.offsets: v["ends"], m.w_gate_up: v["w_gu"], m.w_down: v["w_d"], "__gen__": v["g"]}
+    env = {m.offsets: v["ends"], m.w_gate_up: _stored(v["w_gu"], m.gate_up_kn),
+           m.w_down: _stored(v["w_d"], m.down_kn), "__gen__": v["g"]}
+    for bias, table in ((m.gate_up_bias, v["b_gu"]), (m.down_bias, v["b_d"])):
+        if bias is not None:
+            env[bias.table], env[bias.ids] = table, v["ids"]
     env.update({m.source: h, m.index: index} if m.source is not None else {m.x: x})
     for f in (m.input_fill, m.gate_up_fill, m.down_fill):
         if f is not None:
@@ -241,13 +341,13 @@ def _replay(m, gated, down) -> str | Rejection:
     want = _eager(m, v)
     x = h[index]
     y = reference.run_grouped(gated, h if m.source is not None else x, w_gu, ends,
-                              index if m.source is not None else None, [])[0]
+                              index if m.source is not None else None,
+                              _gated_operands(m, v), m.interleaved)[0]
     if m.gate_up_fill is not None and not product_fill_dead(m):
-        y = y.masked_fill(mask, product_fill(m.op, m.gate_up_fill.constant))
+        y = y.masked_fill(mask, product_fill(m.op, m.gate_up_fill.constant, m.params))
     elif m.gate_up_fill is not None:  # what the kernel leaves there: never written
         y = y.masked_fill(mask, float("nan"))
-    o = reference.run_grouped(down, y, w_d, ends, None,
-                              [weight] if m.weight is not None else [])[0]
+    o = reference.run_grouped(down, y, w_d, ends, None, _down_operands(m, v))[0]
     if m.down_fill is not None:
         o = o.masked_fill(mask, m.down_fill.constant)
     live = torch.arange(rows) < int(ends[-1])
@@ -258,6 +358,16 @@ def _replay(m, gated, down) -> str | Rejection:
                    m.path)
 
 
+def _gated_operands(m, v) -> list:
+    return [v["b_gu"]] if m.gate_up_bias is not None else []
+
+
+def _down_operands(m, v) -> list:
+    """The down program's operands in its order: the bias, then the combine weight."""
+    return ([v["b_d"]] if m.down_bias is not None else []) + \
+        ([v["weight"]] if m.weight is not None else [])
+
+
 def _replay_gradients(m, gated, down) -> str | Rejection:
     """Gradients of the matched nodes (float64 autograd) against the fused GEMMs'
     backward rules (kernels/grouped.GroupedGated, GroupedDown) on the same routing:
@@ -266,6 +376,7 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
     gated, down = (parse(exact(p.to_text())) for p in (gated, down))
     v = _inputs(m)
     leaves = ["h", "w_gu", "w_d"] + (["weight"] if m.weight is not None else [])
+    leaves += [k for k, b in (("b_gu", m.gate_up_bias), ("b_d", m.down_bias)) if b is not None]
     results = []
     for fused in (False, True):
         vals = {**v, **{k: v[k].detach().clone().requires_grad_() for k in leaves}}
@@ -273,11 +384,13 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
             if fused:
                 src = vals["h"] if m.source is not None else vals["h"][v["index"]]
                 idx = v["index"] if m.source is not None else None
-                y = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx)[0]
+                y = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx,
+                                   *_gated_operands(m, vals), interleaved=m.interleaved)[0]
                 if m.gate_up_fill is not None and not product_fill_dead(m):
-                    y = y.masked_fill(v["mask"], product_fill(m.op, m.gate_up_fill.constant))
-                ops_ = [vals["weight"]] if m.weight is not None else []
-                out = grouped_linear(down.to_text(), y, vals["w_d"], v["ends"], None, *ops_)[0]
+                    y = y.masked_fill(v["mask"], product_fill(
+                        m.op, m.gate_up_fill.constant, m.params))
+                out = grouped_linear(down.to_text(), y, vals["w_d"], v["ends"], None,
+                                     *_down_operands(m, vals))[0]
                 if m.down_fill is not None:
                     out = out.masked_fill(v["mask"], m.down_fill.constant)
             else:
@@ -290,8 +403,8 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
             grads = torch.autograd.grad((out * r).sum(), [vals[k] for k in leaves])
         results.append(grads)
     err = max(rel_err(a, b) for a, b in zip(*results))
-    return verdict(err, "the gradients of the input rows, both expert weights and the "
-                   "combine weight", m.path)
+    return verdict(err, "the gradients of the input rows, both expert weights, the "
+                   "combine weight and the expert biases", m.path)
 
 
 def _nodes_between(m, env: dict) -> list[fx.Node]:
@@ -311,4 +424,13 @@ def _nodes_between(m, env: dict) -> list[fx.Node]:
         stack.extend(n.all_input_nodes)
     if m.input_fill is not None:
         keep.add(m.input_fill.node)
+    for b in m.biases:  # an update in place: no reader depends on it, the value does
+        if b.in_place:
+            keep.add(b.add)
+            stack = [b.gathered]
+            while stack:
+                n = stack.pop()
+                if n not in keep and n not in env and order.index(n) >= lo:
+                    keep.add(n)
+                    stack.extend(n.all_input_nodes)
     return [n for n in order[lo:hi + 1] if n in keep]

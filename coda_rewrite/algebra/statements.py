@@ -766,6 +766,12 @@ def prove_routed_experts() -> Proof:
     _require(gathered - read, "the gather as the grouped GEMM's row read")
     _require(r[s_] * _gemm(H[s_, k] * Wx[e(s_), j, k])
              - _gemm((r[s_] * H[s_, k]) * Wx[e(s_), j, k]), "a per-row factor per expert")
+    # an expert bias gathered by the row's expert id: with ids(s) = e(s) (the sorted ids
+    # the offsets count; witnessed below) it is the epilogue's per-expert vector
+    B, ids = sp.IndexedBase("B"), sp.Function("ids")
+    gathered_bias = (_gemm(H[s_, k] * Wx[e(s_), j, k]) + B[ids(s_), j]).subs(ids(s_), e(s_))
+    _require(gathered_bias - (_gemm(H[s_, k] * Wx[e(s_), j, k]) + B[e(s_), j]),
+             "the gathered expert bias as a per-expert epilogue vector")
     # fills, by cases of the row's mask bit: fill(x, M, c) = c where M, x elsewhere
     x0, x1, c, c2, g0, u0 = sp.symbols("x0 x1 c c2 g0 u0")
     for masked in (True, False):
@@ -796,14 +802,25 @@ def prove_routed_experts() -> Proof:
         acc = reference.grouped_mm(h[idx], pair.transpose(-2, -1), ends)
         hh = torch.nn.functional.silu(acc[:, 0::2]) * acc[:, 1::2]
         fused = cw[:, None] * reference.grouped_mm(hh, w_d.transpose(-2, -1), ends)
-        return rel_err(fused, y)
+        # the sorted expert ids (E: a sentinel) against the experts the offsets make of
+        # the rows: cumsum(histc(ids, E bins over [0, E-1])), rows past the end excepted
+        ids = torch.sort(torch.randint(0, n_exp + 1, (rows,), generator=g)).values
+        offs = torch.cumsum(torch.histc(ids.double(), bins=n_exp, min=0, max=n_exp - 1), 0)
+        offs = offs.to(torch.int64)
+        live = int(offs[-1])
+        grouped = reference.expert_of_rows(offs, rows)[:live]
+        mismatch = float((grouped != ids[:live]).any()) + float(live != int((ids < n_exp).sum()))
+        return max(rel_err(fused, y), mismatch)
 
     return Proof(
         "row s: (Σ_k H[σ(s),k]·W_gu[e(s),·,k] → act(gate)·up) · W_d[e(s)]ᵀ · w[s] = "
         "grouped GEMMs with σ as the row read, the pair activation and w[s] in the epilogues",
         ("a grouped GEMM is row-local: row s reads row s of its input and expert e(s)'s "
          "weight only",
-         "W_gu's rows per expert are [gate; up] halves, read interleaved (gated interleave)",
+         "W_gu's rows per expert are [gate; up] halves, read interleaved (gated interleave), "
+         "or stored interleaved",
+         "an expert bias is gathered by sorted expert ids whose per-expert counts are the "
+         "offsets (ids(s) = e(s) for every row before the last offset)",
          "the combine weight w[s] is one scalar per routed row (constant in k)",
          "a fill of rows before a row-local map is dead where the same rows are filled "
          "after it; a fill of (gate, up) by c is a fill of act(gate)·up by act(c)·c"),

@@ -49,7 +49,11 @@ class Op:
     reference: Callable
     lower: str | None = None       # QuACK expression, "{}" per argument (elementwise ops)
     zero_preserving: bool = False  # f(0, ...) = 0 for a zero first argument
-    gate_activation: str | None = None   # pairwise: the activation of the gate lane
+    gate_activation: str | None = None   # pairwise: act(gate)·up with this activation
+    # pairwise, any other pair function: (gate, up, *literal args) -> tensor, and its
+    # QuACK call ("{g}", "{u}" the lanes, "{0}"... the literal args)
+    pair_reference: Callable | None = None
+    pair_lower: str | None = None
     combine: str | None = None     # reduction: how per-tile partials merge
 
 
@@ -82,6 +86,31 @@ def rotate_pairs_by_table(x: torch.Tensor, cs: torch.Tensor,
         c, s = on * c + (1 - on), on * s
     x1, x2 = x[:, 0::2], x[:, 1::2]
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha, limit) -> torch.Tensor:
+    """gpt-oss's gated activation of a (gate, up) pair: the gate clamped above and the up
+    lane on both sides at ``limit``, then g·sigmoid(α·g)·(u + 1) (its SwiGLU with a
+    sharper sigmoid and a shifted up lane). NaN passes through the clamps, as
+    torch.clamp's does; the clamps' derivative is autograd's (1 inside, boundary
+    included, 0 outside)."""
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(g * alpha) * (u + 1)
+
+
+def pair_value(op: "Op", g: torch.Tensor, u: torch.Tensor, *args) -> torch.Tensor:
+    """A pairwise op's value on separate gate and up lanes."""
+    if op.pair_reference is not None:
+        return op.pair_reference(g, u, *args)
+    return OPS[op.gate_activation].reference([g], None, g.dtype) * u
+
+
+def _pairwise(gate_activation=None, pair_reference=None, pair_lower=None, literals=0):
+    return dict(klass=PAIRWISE_CLASS, arity=(1 + literals,), gate_activation=gate_activation,
+                pair_reference=pair_reference, pair_lower=pair_lower,
+                reference=lambda a, ins, cd: pair_value(OPS[ins.op], a[0][:, 0::2],
+                                                        a[0][:, 1::2], *a[1:]))
 
 
 def head_rstd(x: torch.Tensor, width, eps) -> torch.Tensor:
@@ -149,12 +178,13 @@ _SPECS = {
     "cast": dict(klass=ELEMENTWISE_CLASS, arity=(1,), zero_preserving=True,
                  reference=lambda a, ins, cd: a[0].to(STORAGE_DTYPES[ins.dtype]).to(cd)),
     # gated pairs over interleaved columns: act(gate at 2j) · up at 2j + 1, half width
-    "swiglu": dict(klass=PAIRWISE_CLASS, arity=(1,), gate_activation="silu",
-                   reference=lambda a, ins, cd: F.silu(a[0][:, 0::2]) * a[0][:, 1::2]),
-    "geglu": dict(klass=PAIRWISE_CLASS, arity=(1,), gate_activation="gelu_tanh",
-                  reference=lambda a, ins, cd: _gelu_tanh(a[0][:, 0::2]) * a[0][:, 1::2]),
-    "geglu_erf": dict(klass=PAIRWISE_CLASS, arity=(1,), gate_activation="gelu_erf",
-                      reference=lambda a, ins, cd: F.gelu(a[0][:, 0::2]) * a[0][:, 1::2]),
+    "swiglu": _pairwise("silu"),
+    "geglu": _pairwise("gelu_tanh"),
+    "geglu_erf": _pairwise("gelu_erf"),
+    # swiglu_oai(x, alpha, limit): gpt-oss's clamped SwiGLU (literal alpha and limit);
+    # QuACK's own swiglu_oai (its clamps propagate NaN like torch.clamp)
+    "swiglu_oai": _pairwise(pair_reference=swiglu_oai, literals=2,
+                            pair_lower="swiglu_oai({g}, {u}, {0}, {1})"),
     # rotations of adjacent column pairs: rope(x, per-row positions, per-feature
     # float-float frequencies in turns); rope_table(x, cos/sin table [, per-feature 0/1
     # rotate flag])
@@ -228,6 +258,8 @@ def kind_of(program, ins, kinds: list[tuple[Kind, bool]]) -> tuple[Kind, bool]:
     if op.klass == PAIRWISE_CLASS:
         if k != Kind.TILE or final:
             raise ProgramError(f"{name}: {ins.op} pairs up the columns of a tile")
+        if any(isinstance(a, str) or not math.isfinite(a) for a in ins.args[1:]):
+            raise ProgramError(f"{name}: {ins.op} takes finite literal parameters")
         return Kind.PAIR, False
     if op.klass == GROUPED_CLASS:
         if k != Kind.TILE or final:

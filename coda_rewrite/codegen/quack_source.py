@@ -304,7 +304,9 @@ def generate(program: EpilogueProgram) -> KernelSource:
         if i.op in PAIRWISE:  # the accumulator arrives as (gate, up) pairs
             g, u = f"{_arg(i.out)}_gate", f"{_arg(i.out)}_up"
             lines.append(f"{g}, {u} = unpack({args[0]})")
-            rhs = f"{_LOWER[PAIRWISE[i.op]].format(g)} * {u}"
+            op = OPS[i.op]
+            rhs = op.pair_lower.format(*args[1:], g=g, u=u) if op.pair_lower else \
+                f"{_LOWER[op.gate_activation].format(g)} * {u}"
         elif i.op in ROTARY:  # (x1, x2) pairs rotated by θ = pos·f turns, or by a table
             o = _arg(i.out)
             lines.append(f"{o}_x1, {o}_x2 = unpack({args[0]})")
@@ -374,7 +376,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
         '"""',
         "",
         "import cutlass.cute as cute",
-        "from quack.activation import gelu_erf, gelu_tanh_approx, relu, relu_sq, sigmoid, silu",
+        "from quack.activation import (gelu_erf, gelu_tanh_approx, relu, relu_sq, sigmoid, silu,",
+        "                              swiglu_oai)",
         "from quack.epilogue.frontend import gemm_epilogue",
         "from quack.epilogue.math import pack, pexp, unpack",
         "from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce,",

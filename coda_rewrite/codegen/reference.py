@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .op_table import OPS, STORAGE_DTYPES
+from .op_table import OPS, STORAGE_DTYPES, pair_value
 from .program import ACC, EpilogueProgram, Kind
 
 _DTYPES = STORAGE_DTYPES
@@ -78,12 +78,13 @@ def problem_size(program: EpilogueProgram, a, b, operands) -> tuple[int, int]:
 
 
 def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tensor | None,
-                operands: list[torch.Tensor], acc: torch.Tensor | None = None
-                ) -> list[torch.Tensor]:
+                operands: list[torch.Tensor], acc: torch.Tensor | None = None,
+                features_per_row: bool = False) -> list[torch.Tensor]:
     """Evaluate ``program``. Shapes: a [M, K], b [N, K]; operands per their kind:
-    tile [M, N], per-row [M], per-feature [N], scalar []. Returns tiles [M, N] and per-row
-    outputs [M], in each output's storage dtype. ``acc`` replaces the GEMM when given
-    (the backward differentiates the epilogue alone)."""
+    tile [M, N], per-row [M], per-feature [N] ([M, N] with ``features_per_row``: a
+    grouped GEMM's per-expert vector, taken per row), scalar []. Returns tiles [M, N] and
+    per-row outputs [M], in each output's storage dtype. ``acc`` replaces the GEMM when
+    given (the backward differentiates the epilogue alone)."""
     cd = compute_dtype(program, a, b, operands)
     env: dict[str, torch.Tensor] = {}
     if program.gemm:
@@ -93,7 +94,7 @@ def run_program(program: EpilogueProgram, a: torch.Tensor | None, b: torch.Tenso
             t = t.to(cd)
         if spec.kind == Kind.PER_ROW:
             t = t.reshape(-1, 1)
-        elif spec.kind == Kind.PER_FEATURE:
+        elif spec.kind == Kind.PER_FEATURE and not features_per_row:
             t = t.reshape(1, -1)
         env[spec.name] = t
 
@@ -115,26 +116,30 @@ def _device(a, operands):
     return a.device if a is not None else operands[0].device
 
 
-def dgated(op: str, dh: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dgated(op: str, dh: torch.Tensor, p: torch.Tensor, *params) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
     """The gated activation's backward epilogue (the kernel: codegen/dgated_source.py).
 
     From dh [M, I], the down projection's dgrad accumulator in the compute dtype, and the
     stored pre-activation p [M, 2I] with gate and up interleaved ([g0, u0, g1, u1, ...]):
 
-        dp[:, 2j]   = dh·u·act'(g)      dp[:, 2j+1] = dh·act(g)      h = act(g)·u
+        dp[:, 2j] = dh·∂h/∂g      dp[:, 2j+1] = dh·∂h/∂u      h = pair(g, u)
 
-    dp interleaved like p, both outputs rounded once to p's dtype. act' is autograd's of
-    the op table's own activation (one definition of each), in dh's dtype."""
+    (for act(g)·u: dh·u·act'(g) and dh·act(g)), dp interleaved like p, both outputs
+    rounded once to p's dtype. The derivatives are autograd's of the op table's own pair
+    function (one definition of each; ``params``: its literal parameters), in dh's dtype."""
     cd = dh.dtype
-    g, u = p[:, 0::2].to(cd), p[:, 1::2].to(cd)
-    act = unary(OPS[op].gate_activation)
     with torch.enable_grad():
-        leaf = g.detach().requires_grad_(True)
-        a = act(leaf)
-        (dg,) = torch.autograd.grad(a, leaf, dh * u)
-    a = a.detach()
-    dp = torch.stack([dg, dh * a], dim=-1).reshape(p.shape)
-    return dp.to(p.dtype), (a * u).to(p.dtype)
+        g, u = (p[:, k::2].to(cd).detach().requires_grad_(True) for k in (0, 1))
+        h = pair_value(OPS[op], g, u, *params)
+        dg, du = torch.autograd.grad(h, (g, u), dh)
+    dp = torch.stack([dg, du], dim=-1).reshape(p.shape)
+    return dp.to(p.dtype), h.detach().to(p.dtype)
+
+
+def pair_params(ins) -> tuple[float, ...]:
+    """A pairwise instruction's literal parameters (gpt-oss's alpha and limit)."""
+    return tuple(ins.args[1:])
 
 
 # ---- grouped GEMMs (routed experts: kernels/grouped.py) --------------------------------
@@ -164,17 +169,35 @@ def expert_pairs_interleaved(w: torch.Tensor) -> torch.Tensor:
     return w.unflatten(-2, (2, half)).transpose(-3, -2).flatten(-3, -2)
 
 
+def expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each grouped-GEMM row's expert: the e with offsets[e-1] <= s < offsets[e]; E for
+    the rows past offsets[-1] (no expert). On the device, without a host read."""
+    s = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, s, right=True)
+
+
 def run_grouped(program: EpilogueProgram, a: torch.Tensor, b: torch.Tensor,
                 offsets: torch.Tensor, index: torch.Tensor | None,
-                operands: list[torch.Tensor]) -> list[torch.Tensor]:
+                operands: list[torch.Tensor], interleaved: bool = False
+                ) -> list[torch.Tensor]:
     """Evaluate ``program`` over a grouped GEMM (kernels/grouped.py's contract): row s of
     the problem is ``a[index[s]]`` (``a[s]`` without an index) times expert e's weight
     ``b[e]`` [N, K] for the e with offsets[e-1] <= s < offsets[e]; a program with pair
-    outputs reads each expert's rows as [gate; up] halves. Rows past offsets[-1] get the
-    epilogue of a zero accumulator."""
+    outputs reads each expert's rows as [gate; up] halves, or as adjacent (gate, up)
+    rows with ``interleaved``; a per-feature operand [E, N] gives each expert its row
+    (in the weight's row order). Rows past offsets[-1] get the epilogue of a zero
+    accumulator (and the last expert's vectors)."""
     rows = a if index is None else a[index.long()]
-    if any(o.kind == Kind.PAIR for o in program.outputs):
+    halves = any(o.kind == Kind.PAIR for o in program.outputs) and not interleaved
+    per_expert = [o.kind == Kind.PER_FEATURE for o in program.operands]
+    if halves:
         b = expert_pairs_interleaved(b)
+        operands = [expert_pairs_interleaved(t[:, :, None])[:, :, 0] if f else t
+                    for f, t in zip(per_expert, operands)]
     cd = compute_dtype(program, rows, b, operands)
     acc = grouped_mm(rows, b.transpose(-2, -1), offsets, cd)
-    return run_program(program, rows, b[0], operands, acc=acc)
+    if not any(per_expert):
+        return run_program(program, rows, b[0], operands, acc=acc)
+    e = expert_of_rows(offsets, rows.shape[0]).clamp(max=b.shape[0] - 1)
+    operands = [t[e] if f else t for f, t in zip(per_expert, operands)]
+    return run_program(program, rows, b[0], operands, acc=acc, features_per_row=True)

@@ -12,8 +12,9 @@ on a GPU machine it warms the disk cache before a run.
 
 PROGRAMS.json is a list of program texts (and ``{"dgated": op}`` entries: the gated
 backward's dgrad kernels, kernels/dgated.py; ``{"grouped": text}``: a routed experts'
-grouped GEMM, kernels/grouped.py). Prints one JSON line per kernel, with the
-tile configs it was compiled for (one per row class of the size policy that differs).
+grouped GEMM, kernels/grouped.py, with ``"interleaved"`` and ``"n_major"`` for gpt-oss's
+layout). Prints one JSON line per kernel, with the tile configs it was compiled for (one
+per row class of the size policy that differs).
 """
 
 from __future__ import annotations
@@ -121,10 +122,12 @@ def compile_dgated(op: str, m: int = 256, hidden: int = 256, inter: int = 256) -
 
 
 def compile_grouped(text: str, tokens: int = 64, k: int = 256, n: int = 256,
-                    experts: int = 4) -> dict:
+                    experts: int = 4, interleaved: bool = False, n_major: bool = False
+                    ) -> dict:
     """Trace and compile a grouped program (kernels/grouped.py: QuACK's variable-length
     GEMM; a gather of the rows for the gated program, the [gate; up] halves read
-    interleaved) at the config it launches with."""
+    interleaved, or pairs stored interleaved; weights K- or N-contiguous) at the config
+    it launches with."""
     import torch
 
     from ..codegen.program import Kind, parse
@@ -137,11 +140,14 @@ def compile_grouped(text: str, tokens: int = 64, k: int = 256, n: int = 256,
     rows = 2 * tokens
     a = torch.randn(tokens if pair else rows, k, dtype=torch.bfloat16)
     b = torch.randn(experts, n, k, dtype=torch.bfloat16)
+    if n_major:  # [E, K, N] storage read through its transpose
+        b = torch.randn(experts, k, n, dtype=torch.bfloat16).transpose(1, 2)
     offsets = torch.tensor([rows // 4, rows // 4, rows // 2, rows - 3], dtype=torch.int32)
     index = torch.randint(0, tokens, (rows,), dtype=torch.int32) if pair else None
-    operands = [torch.rand(rows) for _ in prog.operands]
+    operands = [torch.rand(experts, n, dtype=torch.bfloat16) if o.kind == Kind.PER_FEATURE
+                else torch.rand(rows) for o in prog.operands]
     t0 = time.perf_counter()
-    launch = GroupedLaunch(ks, module, a, b, offsets, index, operands)
+    launch = GroupedLaunch(ks, module, a, b, offsets, index, operands, interleaved)
     c = launch.config
     return {"program": prog.key, "module": ks.module_name,
             "configs": [[c.tile_m, c.tile_n, c.cluster_m]],
@@ -162,7 +168,8 @@ def main(argv: list[str]) -> int:
     for text in texts:  # a program text, {"dgated": op} (a gated backward kernel) or
         #                  {"grouped": text} (a routed experts' grouped GEMM)
         if isinstance(text, dict) and "grouped" in text:
-            got = compile_grouped(text["grouped"])
+            got = compile_grouped(text["grouped"], interleaved=text.get("interleaved", False),
+                                  n_major=text.get("n_major", False))
         elif isinstance(text, dict):
             got = compile_dgated(text["dgated"])
         else:

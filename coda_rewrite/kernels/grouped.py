@@ -1,18 +1,23 @@
 """The grouped GEMM with an epilogue program: routed experts (patterns/routed_experts.py).
 
-    coda::grouped_gemm_epilogue(program, a, b, offsets, index, operands) -> outputs
+    coda::grouped_gemm_epilogue(program, a, b, offsets, index, operands, interleaved)
+        -> outputs
 
 is torch._grouped_mm's problem with the program of kernels/ops.py in its epilogue:
 row s of the problem is ``a[index[s]]`` (``a[s]`` without an index: the gather of the
 tokens routed to an expert, read by the GEMM instead of written first), its weight
-expert e's ``b[e]`` [N, K] (nn.Linear layout per expert, as Hugging Face stores
-``gate_up_proj`` and ``down_proj``) for the e with offsets[e-1] <= s < offsets[e]
-(``offsets``: torch._grouped_mm's cumulative row counts, int32). Rows past offsets[-1]
-are not written, as in torch's kernel (eager never reads them: Hugging Face fills them).
-A program with pair outputs (act(gate)·up) reads each expert's rows as its [gate; up]
-halves: QuACK's ``concat_layout`` interleaves them inside the kernel, so the weights are
-used as they are stored (no re-layout, no copy). Operands: per-row vectors [S] (the
-router's combine weight, a deferred row scale).
+expert e's ``b[e]`` [N, K] for the e with offsets[e-1] <= s < offsets[e] (``offsets``:
+torch._grouped_mm's cumulative row counts, int32). ``b`` is [E, N, K] K-contiguous (the
+nn.Linear layout per expert, as most Hugging Face MoEs store ``gate_up_proj`` and
+``down_proj``) or N-contiguous (a transposed view of [E, K, N] weights, gpt-oss's):
+QuACK reads either in place. Rows past offsets[-1] are not written, as in torch's
+kernel (eager never reads them: Hugging Face fills them). A program with pair outputs
+(act(gate)·up) reads each expert's rows as its [gate; up] halves, interleaved inside the
+kernel by QuACK's ``concat_layout`` (the weights used as stored: no re-layout, no copy),
+or, with ``interleaved``, as adjacent (gate, up) rows already ([g0, u0, g1, u1, ...],
+gpt-oss's). Operands: per-row vectors [S] (the router's combine weight, a deferred row
+scale) and per-expert vectors [E, N] (each expert's bias: row e applies to expert e's
+rows; in the weight's row order).
 
 On Hopper with tensors that meet the contract this is QuACK's variable-length GEMM
 (``cu_seqlens_m``, ``A_idx`` for the gather), planned once per tensor-metadata class
@@ -36,7 +41,8 @@ from . import ops, quack_path
 GROUPED_TILES = (128, 192, 2)
 
 
-def contract_violation(program, a, b, offsets, index, operands) -> str | None:
+def contract_violation(program, a, b, offsets, index, operands,
+                       interleaved: bool) -> str | None:
     """Why these tensors break the grouped kernel's layout contract (None: they meet it)."""
     if not program.gemm or any(i.op in REDUCTIONS or i.op in STATEFUL for i in program.body) \
             or any(o.kind not in (Kind.TILE, Kind.PAIR) for o in program.outputs):
@@ -51,36 +57,46 @@ def contract_violation(program, a, b, offsets, index, operands) -> str | None:
         return "empty problem"
     if k % 8 or n % 8:
         return f"K={k} or N={n} not a multiple of 8 (16-byte TMA rows)"
-    if any(o.kind == Kind.PAIR for o in program.outputs) and n % 32:
-        return f"N={n}: gated pairs of [gate; up] halves need N a multiple of 32"
-    if not (quack_path._aligned(a) and b.is_contiguous() and b.data_ptr() % 16 == 0):
-        return "a not K-contiguous and 16-byte aligned, or b not contiguous"
+    pairs = any(o.kind == Kind.PAIR for o in program.outputs)
+    if pairs and n % 32:
+        return f"N={n}: gated pairs need N a multiple of 32"
+    if not (quack_path._aligned(a) and (b.is_contiguous() or b.mT.is_contiguous())
+            and b.data_ptr() % 16 == 0):
+        return "a not K-contiguous and 16-byte aligned, or b neither K- nor N-contiguous"
+    if pairs and not interleaved and not b.is_contiguous():
+        return "[gate; up] halves (QuACK's concat layout) need b K-contiguous"
     if offsets.dtype != torch.int32 or tuple(offsets.shape) != (e,):
         return f"offsets {offsets.dtype} {tuple(offsets.shape)}: need int32 [{e}]"
     if index is not None and (index.dtype not in (torch.int32, torch.int64)
                               or index.dim() != 1):
         return f"index {index.dtype} of {index.dim()} dims: need int32/int64 [S]"
     for spec, t in zip(program.operands, operands):
-        if spec.kind != Kind.PER_ROW:
+        shape = {Kind.PER_ROW: (rows,), Kind.PER_FEATURE: (e, n)}.get(spec.kind)
+        if shape is None:
             return f"operand {spec.name} is {spec.kind.value}: the grouped kernel takes " \
-                   "per-row vectors only"
-        if t.dtype not in quack_path._STORE_DTYPES or tuple(t.shape) != (rows,) or \
+                   "per-row and per-expert vectors only"
+        if spec.kind == Kind.PER_FEATURE and pairs and not interleaved:
+            return f"operand {spec.name}: a per-expert vector over [gate; up] halves " \
+                   "(the kernel's columns are interleaved)"
+        if t.dtype not in quack_path._STORE_DTYPES or tuple(t.shape) != shape or \
                 not quack_path._aligned(t):
-            return f"operand {spec.name} {t.dtype} {tuple(t.shape)}: need [{rows}], aligned"
+            return f"operand {spec.name} {t.dtype} {tuple(t.shape)}: need {list(shape)}, " \
+                   "aligned"
     return None
 
 
 class GroupedLaunch:
     """One program on one tensor-metadata class of the grouped GEMM, planned once
     (QuACK's ``EpiMod.gemm`` resolved without a launch, with the variable-length and
-    gather flags and the concat layout); a call converts the offsets to QuACK's
-    cu_seqlens (a leading 0) and the index to int32, allocates the outputs and launches
-    the plan."""
+    gather flags and the concat layout where the pairs are halves); a call converts the
+    offsets to QuACK's cu_seqlens (a leading 0) and the index to int32, allocates the
+    outputs and launches the plan."""
 
     __slots__ = ("ks", "gemm_plan", "kwargs", "outs", "m", "n", "device", "config", "key",
                  "results")
 
-    def __init__(self, ks, module, a, b, offsets, index, operands, config=None):
+    def __init__(self, ks, module, a, b, offsets, index, operands, interleaved,
+                 config=None):
         prog = ks.program
         self.ks, self.key = ks, prog.key
         self.m = a.shape[0] if index is None else index.shape[0]
@@ -103,7 +119,7 @@ class GroupedLaunch:
             a, b, out.get("D"), None, epi_args=epi, tile_M=tile_m, tile_N=tile_n,
             cluster_M=cluster_m, cluster_N=1, pingpong=True, persistent=True,
             cu_seqlens_m=_cu_seqlens(offsets), A_idx=_index32(index), b_kn=False,
-            concat_layout=("B",) if pair else None, _launch=False)
+            concat_layout=("B",) if pair and not interleaved else None, _launch=False)
 
     def _operands(self, operands) -> dict:
         return {param: operands[i] for param, i in self.kwargs}
@@ -140,8 +156,8 @@ def _index32(index):
     return None if index is None or index.dtype == torch.int32 else index.int()
 
 
-def _select(prog, text, a, b, offsets, index, operands):
-    why = contract_violation(prog, a, b, offsets, index, operands) or \
+def _select(prog, text, a, b, offsets, index, operands, interleaved):
+    why = contract_violation(prog, a, b, offsets, index, operands, interleaved) or \
         quack_path.device_violation(a) or quack_path.quack_available()
     if why is not None:
         return why
@@ -149,30 +165,33 @@ def _select(prog, text, a, b, offsets, index, operands):
         ks, module = quack_path.load(text)
     except quack_path.Unlowerable as e:
         return f"not lowerable: {e}"
-    return GroupedLaunch(ks, module, a, b, offsets, index, operands)
+    return GroupedLaunch(ks, module, a, b, offsets, index, operands, interleaved)
 
 
-def execute(program: str, a, b, offsets, index, operands) -> list[torch.Tensor]:
+def execute(program: str, a, b, offsets, index, operands,
+            interleaved: bool = False) -> list[torch.Tensor]:
     ops.refuse_gradients("grouped_gemm_epilogue", a, b, *operands)
     prog = parse(program)
-    key = ("grouped", program, quack_path.metadata_key(a, b, offsets, index, operands))
-    route = ops.route_of(key, lambda: _select(prog, program, a, b, offsets, index, operands))
+    key = ("grouped", program, interleaved,
+           quack_path.metadata_key(a, b, offsets, index, operands))
+    route = ops.route_of(key, lambda: _select(prog, program, a, b, offsets, index, operands,
+                                              interleaved))
     if isinstance(route, str):
         ops.count(prog.key, "reference", route)
         with torch.autocast(device_type=a.device.type, enabled=False):
-            outs = reference.run_grouped(prog, a, b, offsets, index, operands)
+            outs = reference.run_grouped(prog, a, b, offsets, index, operands, interleaved)
         return ops._fresh(outs, [a, b, offsets, index, *operands])
     ops.count(prog.key, "kernel", "generated QuACK epilogue, grouped (variable-length) GEMM")
     return route(a, b, offsets, index, operands)
 
 
 ops._lib.define("grouped_gemm_epilogue(str program, Tensor a, Tensor b, Tensor offsets, "
-                "Tensor? index, Tensor[] operands) -> Tensor[]")
+                "Tensor? index, Tensor[] operands, bool interleaved=False) -> Tensor[]")
 ops._lib.impl("grouped_gemm_epilogue", execute, "CompositeExplicitAutograd")
 grouped_gemm_epilogue = torch.ops.coda.grouped_gemm_epilogue.default
 
 
-def _fake(program, a, b, offsets, index, operands):
+def _fake(program, a, b, offsets, index, operands, interleaved=False):
     ops.refuse_gradients("grouped_gemm_epilogue", a, b, *operands)
     prog = parse(program)
     rows, n = (a.shape[0] if index is None else index.shape[0]), b.shape[1]
@@ -186,7 +205,8 @@ torch.library.register_fake("coda::grouped_gemm_epilogue", _fake)
 
 def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                    offsets: torch.Tensor, index: torch.Tensor | None,
-                   *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                   *operands: torch.Tensor, interleaved: bool = False
+                   ) -> tuple[torch.Tensor, ...]:
     """What the rewritten graph calls: ``program`` over the grouped GEMM of ``x`` [T, K]
     (rows ``x[index]``) with the experts' ``weight`` [E, N, K]. Outside tracing the op
     boundary is skipped (its dispatch costs host time a decode step pays per layer);
@@ -198,11 +218,13 @@ def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                 raise RuntimeError(f"coda: {prog.key} stores no pre-activation and was "
                                    "called where a gradient can be asked for (a graph "
                                    "rewritten for inference, run with gradients)")
-            return GroupedGated.apply(program, x, weight, offsets, index)
+            return GroupedGated.apply(program, x, weight, offsets, index, interleaved,
+                                      *operands)
         return (GroupedDown.apply(program, x, weight, offsets, *operands),)
     if ops._direct(x, weight, operands):
-        return tuple(execute(program, x, weight, offsets, index, list(operands)))
-    return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index, list(operands)))
+        return tuple(execute(program, x, weight, offsets, index, list(operands), interleaved))
+    return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index, list(operands),
+                                       interleaved))
 
 
 # ---- training: the backward rules ----------------------------------------------------------
@@ -250,9 +272,33 @@ ops._lib.impl("grouped_mm", grouped_mm_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("coda::grouped_mm", _grouped_mm_fake)
 
 
-def _pair_op(program: str) -> str:
-    (op,) = [i.op for i in parse(program).body if i.op in PAIRWISE]
-    return op
+def _pair(program: str):
+    (ins,) = [i for i in parse(program).body if i.op in PAIRWISE]
+    return ins.op, reference.pair_params(ins)
+
+
+def per_expert_sum(d: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    """Σ over each expert's rows of ``d`` [S, N] -> [E, N] in the compute dtype (rows past
+    offsets[-1] belong to no expert): a per-expert vector's gradient."""
+    cd = reference.accumulate_dtype(d.dtype)
+    e = reference.expert_of_rows(offsets, d.shape[0])
+    return d.new_zeros(experts + 1, d.shape[1], dtype=cd).index_add_(0, e, d.to(cd))[:experts]
+
+
+def weight_grad(d: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                weight: torch.Tensor) -> torch.Tensor:
+    """Each expert's dᵀ·rows [E, N, K] (``d`` [S, N], ``rows`` [S, K]) laid out like
+    ``weight``: for an N-contiguous weight (a transposed view of [E, K, N] storage) the
+    wgrad GEMM writes [E, K, N] and this is its transposed view, so the gradient reaches
+    the parameter in its own layout (a transposed one would make every accumulation
+    into .grad a strided pass over the whole weight)."""
+    if not weight.is_contiguous() and weight.mT.is_contiguous():
+        return torch.ops.coda.grouped_mm(rows, d, offsets, True).mT
+    return torch.ops.coda.grouped_mm(d, rows, offsets, True)
+
+
+def _named(program: str, operands) -> dict:
+    return dict(zip((o.name for o in parse(program).operands), operands))
 
 
 class GroupedGated(torch.autograd.Function):
@@ -260,18 +306,26 @@ class GroupedGated(torch.autograd.Function):
     pre-activation p [S, 2I] (interleaved, as the kernel computes it; the training
     program's tile output), which is all the backward needs besides the inputs:
 
-        dp  = act'-rule of (p, dy)          (reference.dgated: dSwiGLU / dGeGLU)
+        dp  = the pair's derivative at (p, dy)   (reference.dgated: dSwiGLU, dGeGLU, ...)
         dx  = Σ over routed rows of dp·W_gu[e]   (grouped dgrad, then index_add back)
-        dW_gu[e] = dpᵀ·x[rows of e]         (grouped wgrad; the gather made again)"""
+        dW_gu[e] = dpᵀ·x[rows of e]         (grouped wgrad; the gather made again)
+        db[e] = Σ over e's rows of dp       (a per-expert bias, where the program has one)
+
+    (dp in the weight's row order: [gate; up] halves, or interleaved as stored)."""
 
     @staticmethod
-    def forward(program, x, weight, offsets, index):
-        return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index, []))
+    def forward(program, x, weight, offsets, index, interleaved, *operands):
+        return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index,
+                                           list(operands), interleaved))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        program, x, weight, offsets, index = inputs
-        ctx.op = _pair_op(program)
+        program, x, weight, offsets, index, interleaved, *operands = inputs
+        ctx.pair, ctx.interleaved = _pair(program), interleaved
+        ctx.has_bias = "bias" in _named(program, operands)
+        if set(_named(program, operands)) - {"bias"}:
+            raise RuntimeError(f"coda: {parse(program).key}: the gated grouped GEMM's "
+                               "backward takes a per-expert bias only")
         ctx.mark_non_differentiable(*output[1:])
         ctx.save_for_backward(x, weight, offsets, index, output[1])
 
@@ -279,23 +333,29 @@ class GroupedGated(torch.autograd.Function):
     def backward(ctx, dy, *_):
         x, weight, offsets, index, p = ctx.saved_tensors
         cd = reference.accumulate_dtype(p.dtype)
-        dp, _ = reference.dgated(ctx.op, dy.to(cd), p)
-        dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)  # [gate; up] like W_gu's rows
+        op, params = ctx.pair
+        dp, _ = reference.dgated(op, dy.to(cd), p, *params)
+        if not ctx.interleaved:  # [gate; up] like W_gu's rows
+            dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)
         rows = x if index is None else x[index]
         dx_rows = torch.ops.coda.grouped_mm(dp, weight, offsets, False)
-        dw = torch.ops.coda.grouped_mm(dp, rows, offsets, True)
+        dw = weight_grad(dp, rows, offsets, weight)
         if index is None:
             dx = dx_rows
         else:
             dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
-        return None, dx.to(x.dtype), dw.to(weight.dtype), None, None
+        db = (per_expert_sum(dp, offsets, weight.shape[0]).to(weight.dtype),) \
+            if ctx.has_bias else ()
+        return None, dx.to(x.dtype), dw.to(weight.dtype), None, None, None, *db
 
 
 class GroupedDown(torch.autograd.Function):
-    """The down grouped GEMM (o = w[s]·y·W_d[e]ᵀ with the combine weight w, or without)
-    where autograd records it. With g = do·W_d[e] (the grouped dgrad):
+    """The down grouped GEMM (o = w[s]·(y·W_d[e]ᵀ + b[e]) with the combine weight w and
+    a per-expert bias b, either or both optional) where autograd records it. With the
+    grouped dgrad g = do·W_d[e]:
 
-        dy = w[s]·g      dw[s] = Σ_i y[s, i]·g[s, i]      dW_d[e] = (w·do)ᵀ·y[rows of e]
+        dy = w[s]·g      dw[s] = Σ_i y[s, i]·g[s, i] + Σ_j do[s, j]·b[e, j]
+        dW_d[e] = (w·do)ᵀ·y[rows of e]      db[e] = Σ over e's rows of w·do
 
     (dw from g and y: no stored unscaled output, no GEMM recomputed)."""
 
@@ -306,21 +366,31 @@ class GroupedDown(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         program, y, weight, offsets, *operands = inputs
+        ctx.names = [o.name for o in parse(program).operands]
+        if set(ctx.names) - {"r", "bias"}:
+            raise RuntimeError(f"coda: {parse(program).key}: the down grouped GEMM's "
+                               "backward takes a combine weight r and a bias only")
         ctx.save_for_backward(y, weight, offsets, *operands)
 
     @staticmethod
     def backward(ctx, do):
-        y, weight, offsets, *combine = ctx.saved_tensors
+        y, weight, offsets, *operands = ctx.saved_tensors
+        by_name = dict(zip(ctx.names, operands))
         cd = reference.accumulate_dtype(y.dtype)
+        w, bias = by_name.get("r"), by_name.get("bias")
+        d_acc = do if w is None else (do.to(cd) * w.to(cd)[:, None]).to(y.dtype)
         g = torch.ops.coda.grouped_mm(do.to(y.dtype), weight, offsets, False)
-        if not combine:
-            dw = torch.ops.coda.grouped_mm(do.to(y.dtype), y, offsets, True)
-            return None, g, dw.to(weight.dtype), None
-        w = combine[0]
-        dy = (g.to(cd) * w.to(cd)[:, None]).to(y.dtype)
-        # rows past the last offset: y was never written there (the kernel's), g is zero
-        live = torch.arange(y.shape[0], device=y.device) < offsets[-1]
-        dcombine = torch.where(live, (g.to(cd) * y.to(cd)).sum(-1), 0).to(w.dtype)
-        dw = torch.ops.coda.grouped_mm((do.to(cd) * w.to(cd)[:, None]).to(y.dtype), y,
-                                       offsets, True)
-        return None, dy, dw.to(weight.dtype), None, dcombine
+        dy = g if w is None else (g.to(cd) * w.to(cd)[:, None]).to(y.dtype)
+        dw = weight_grad(d_acc, y, offsets, weight)
+        grads = {}
+        if w is not None:
+            # rows past the last offset: y was never written there (the kernel's), g is 0
+            live = torch.arange(y.shape[0], device=y.device) < offsets[-1]
+            dot = (g.to(cd) * y.to(cd)).sum(-1)
+            if bias is not None:
+                e = reference.expert_of_rows(offsets, y.shape[0]).clamp(max=weight.shape[0] - 1)
+                dot = dot + (do.to(cd) * bias.to(cd)[e]).sum(-1)
+            grads["r"] = torch.where(live, dot, 0).to(w.dtype)
+        if bias is not None:
+            grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
+        return (None, dy, dw.to(weight.dtype), None, *(grads.get(n) for n in ctx.names))

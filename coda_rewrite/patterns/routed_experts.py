@@ -10,12 +10,22 @@ OLMoE, DeepSeek-V2/V3, GLM-4-MoE, ...; transformers/integrations/moe.py) sorts t
     y    = act(p[:, :I]) · p[:, I:]                                   (S × I)
     o    = grouped_mm(y, W_dᵀ, offs).masked_fill(sentinel, 0) · w[:, None]
 
+gpt-oss's spelling is the same pipeline with its weights stored [E, K, N] (grouped_mm's
+own layout), gate and up interleaved (``p[..., ::2]``, ``p[..., 1::2]``), a per-expert
+bias after each GEMM (``p.add_(b[ids])``, ids the sorted expert ids the offsets count)
+and its clamped SwiGLU, ``(clamp(u, -l, l) + 1)·g·sigmoid(α·g)`` with g = min(gate, l)
+(the IR's ``swiglu_oai``).
+
 The rewrite (kernels/grouped.py, QuACK's variable-length GEMM):
 
     y = grouped GEMM of h with rows idx (the gather is the GEMM's row read: x_g is never
         written), [gate; up] halves of each expert's W_gu read interleaved in place,
         epilogue act(gate)·up                                          (S × I stored)
     o = grouped GEMM of y, epilogue w[s]·acc                            (S × K stored)
+
+with each expert's bias, where there is one, added in the epilogue from its row of the
+[E, N] table (the gather by expert id never written), and [E, K, N] weights read in
+place (QuACK takes N-contiguous B).
 
 A fill of rows before a row-local map is dead where the same rows are filled after it,
 and grouped GEMMs are row-local: so the sentinel fill of x_g is dead (the gate/up output
@@ -47,6 +57,7 @@ from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, mutated_value, results,
                            through_casts)
+from ..canonical import constant
 from ..kernels.grouped import grouped_linear
 from .family import Context, Decided
 from .gated_mlp import activation_of
@@ -75,27 +86,50 @@ class Fill:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertBias:
+    """``p + table[ids]`` or ``p.add_(table[ids])``: each routed row's expert's bias."""
+    add: fx.Node
+    table: fx.Node                 # [E, N]
+    ids: fx.Node                   # the expert id of each routed row
+    gathered: fx.Node              # table[ids]
+    in_place: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Match:
-    mul: fx.Node                   # act(gate)·up
-    act: fx.Node
-    op: str                        # swiglu | geglu | geglu_erf
+    mul: fx.Node                   # the gated product, pair(gate, up)
+    act_nodes: tuple[fx.Node, ...]  # between the lanes and the product (act(gate), ...)
+    op: str                        # swiglu | geglu | geglu_erf | swiglu_oai
+    params: tuple[float, ...]      # the pair op's literal parameters (alpha, limit)
     gate_up: fx.Node               # grouped_mm(x, W_guᵀ, offs)
     down: fx.Node                  # grouped_mm(y, W_dᵀ, offs)
     x: fx.Node                     # the gate/up GEMM's input (under identity casts)
     source: fx.Node | None         # h, where x = h[index] (the gather)
     index: fx.Node | None
-    w_gate_up: fx.Node             # [E, 2I, K]
-    w_down: fx.Node                # [E, K', I]
+    w_gate_up: fx.Node             # [E, 2I, K], or [E, K, 2I] where gate_up_kn
+    w_down: fx.Node                # [E, K', I], or [E, I, K'] where down_kn
+    gate_up_kn: bool
+    down_kn: bool
     offsets: fx.Node
-    chunk: fx.Node
+    chunk: fx.Node | None          # the [gate; up] split (None: interleaved lanes)
     gate: fx.Node
     up: fx.Node
     input_fill: Fill | None        # x.masked_fill_(M, c) before the first GEMM
+    gate_up_bias: ExpertBias | None
     gate_up_fill: Fill | None      # p.masked_fill(M, c)
+    down_bias: ExpertBias | None
     down_fill: Fill | None
     combine: fx.Node | None        # o · w[:, None]
     weight: fx.Node | None         # w [S]
     out: fx.Node                   # what the rewrite replaces (combine, fill or down)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.chunk is None
+
+    @property
+    def biases(self) -> list[ExpertBias]:
+        return [b for b in (self.gate_up_bias, self.down_bias) if b is not None]
 
     pattern = NAME
 
@@ -127,27 +161,142 @@ def _sole_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def _after(node: fx.Node) -> tuple[fx.Node, Fill | None]:
+def _readers(node: fx.Node, bias: "ExpertBias | None") -> list[fx.Node]:
+    """``node``'s readers but the bias added to it in place."""
+    return [u for u in node.users if bias is None or not bias.in_place or u is not bias.add]
+
+
+def _after(node: fx.Node, bias: "ExpertBias | None" = None) -> tuple[fx.Node, Fill | None]:
     """(the value read after ``node``, its fill): through a masked_fill that is the
     node's only reader."""
-    user = _sole_user(node)
-    fill = _fill(user) if user is not None else None
+    users = _readers(node, bias)
+    fill = _fill(users[0]) if len(users) == 1 else None
     if fill is not None and fill.node.args[0] is node and fill.node.target == "masked_fill":
         return fill.node, fill
     return node, None
 
 
-def _expert_weight(b) -> fx.Node | None:
-    """W [E, N, K] where ``b`` is its transpose(-2, -1) (nn.Linear layout per expert,
-    as Hugging Face stores gate_up_proj and down_proj)."""
-    if not isinstance(b, fx.Node) or b.op != "call_method" or b.target not in (
-            "transpose", "mT") or not isinstance(b.args[0], fx.Node):
+def _expert_bias(node: fx.Node) -> tuple[fx.Node, ExpertBias | None]:
+    """(the value after the bias, the bias) where ``node``'s output gets each routed row's
+    expert bias ``table[ids]`` added, in place (``node.add_(b)``, read after by one
+    node) or not (its only reader ``node + b``); (node, None) where it does not."""
+    def gathered(b):
+        c = canon(b) if isinstance(b, fx.Node) else None
+        if c is None or c.name != "getitem" or len(b.users) != 1:
+            return None
+        mt, mi = meta(c.args[0]), meta(c.args[1])
+        if mt is None or mt.dim() != 2 or mi is None or mi.dim() != 1 or \
+                mi.dtype not in (torch.int32, torch.int64):
+            return None
+        return c.args[0], c.args[1]
+    users = list(node.users)
+    adds = [u for u in users if u.op == "call_method" and u.target == "add_"]
+    if len(adds) == 1 and len(users) > 1:  # p.add_(b), every other reader after it
+        add = adds[0]
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        found = gathered(add.args[1]) if len(add.args) == 2 and not add.kwargs and \
+            add.args[0] is node and not add.users else None
+        if found and all(order[u] > order[add] for u in users if u is not add):
+            return node, ExpertBias(add, *found, add.args[1], True)
+    if len(users) == 1:
+        c = canon(users[0])
+        if c is not None and c.name == "add" and node in c.args:
+            b = c.args[1] if c.args[0] is node else c.args[0]
+            found = gathered(b)
+            if found:
+                return users[0], ExpertBias(users[0], *found, b, False)
+    return node, None
+
+
+def _expert_weight(b) -> tuple[fx.Node, bool] | None:
+    """(W, kn) for a grouped GEMM's second operand ``b``: W [E, N, K] where ``b`` is its
+    transpose(-2, -1) (nn.Linear layout per expert, as most Hugging Face MoEs store
+    gate_up_proj and down_proj; kn False), or ``b`` itself [E, K, N] (grouped_mm's own
+    layout, gpt-oss's; kn True)."""
+    if not isinstance(b, fx.Node):
         return None
-    w = meta(b.args[0])
-    if w is None or w.dim() != 3:
+    if b.op == "call_method" and b.target in ("transpose", "mT") and \
+            isinstance(b.args[0], fx.Node):
+        w = meta(b.args[0])
+        if w is not None and w.dim() == 3 and sorted(d % 3 for d in b.args[1:]) == [1, 2]:
+            return b.args[0], False
+    mb = meta(b)
+    return (b, True) if mb is not None and mb.dim() == 3 else None
+
+
+def _lane(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(p, 0 or 1) for ``p[..., k::2]`` / ``p[:, k::2]`` of a 2-D p (every other column)."""
+    c = canon(node)
+    if c is None or c.name != "getitem" or meta(c.args[0]) is None or \
+            meta(c.args[0]).dim() != 2:
         return None
-    dims = sorted(d % 3 for d in b.args[1:])
-    return b.args[0] if dims == [1, 2] else None
+    idx = c.args[1] if isinstance(c.args[1], tuple) else (c.args[1],)
+    if len(idx) != 2 or not (idx[0] is Ellipsis or idx[0] == slice(None)) or \
+            not isinstance(idx[1], slice) or idx[1].step != 2 or idx[1].stop is not None:
+        return None
+    start = idx[1].start or 0
+    return (c.args[0], start) if start in (0, 1) else None
+
+
+def _is(node, name: str) -> bool:
+    c = canon(node) if isinstance(node, fx.Node) else None
+    return c is not None and c.name == name
+
+
+def _other(node: fx.Node, one) -> object:
+    a, b = canon(node).args
+    return b if a is one else a
+
+
+def swiglu_oai_of(gate: fx.Node, up: fx.Node):
+    """(product, nodes between, (alpha, limit)) where ``gate`` and ``up`` are read only by
+    gpt-oss's clamped SwiGLU: g = gate.clamp(max=l); u = up.clamp(-l, l);
+    (u + 1)·(g·sigmoid(g·α)) (operands in any order); None otherwise."""
+    g, u = _sole_user(gate), _sole_user(up)
+    if g is None or u is None or not (_is(g, "clamp") and _is(u, "clamp")):
+        return None
+    (_, glo, limit), (_, ulo, uhi) = canon(g).args, canon(u).args
+    if glo is not None or limit is None or limit <= 0 or (ulo, uhi) != (-limit, limit):
+        return None
+    if len(g.users) != 2:
+        return None
+    scaled = next((n for n in g.users if _is(n, "mul") and constant(_other(n, g))), None)
+    glu = next((n for n in g.users if n is not scaled), None)
+    sig = _sole_user(scaled) if scaled is not None else None
+    if sig is None or not _is(sig, "sigmoid") or canon(sig).args[0] is not scaled or \
+            not _is(glu, "mul") or set(canon(glu).args) != {g, sig}:
+        return None
+    alpha = constant(_other(scaled, g))
+    shifted = _sole_user(u)
+    if shifted is None or not _is(shifted, "add") or constant(_other(shifted, u)) != 1.0:
+        return None
+    out = _sole_user(glu)
+    if out is None or _sole_user(shifted) is not out or not _is(out, "mul") or \
+            set(canon(out).args) != {glu, shifted}:
+        return None
+    return out, (g, u, scaled, sig, glu, shifted), (alpha, limit)
+
+
+def _pair(gate: fx.Node, up: fx.Node):
+    """(op, product, nodes between, params) of the gated product of the two lanes, a
+    reason where the lanes are not read by one."""
+    oai = swiglu_oai_of(gate, up)
+    if oai is not None:
+        return "swiglu_oai", oai[0], oai[1], oai[2]
+    for half in (gate, up):
+        if len(half.users) > 1:
+            return Why(f"{describe(half)} has {len(half.users)} readers: the fused GEMM "
+                       "never writes it", "moe.intermediate_read")
+    act = _sole_user(gate)
+    a = activation_of(act) if act is not None else None
+    if a is None or isinstance(a, str) or a[1] is not gate:
+        return Why(f"the gate lane {describe(gate)} is not read by one gating activation "
+                   "(silu, gelu) or gpt-oss's clamped SwiGLU only", "moe.activation")
+    mul = _sole_user(act)
+    cm = canon(mul) if mul is not None else None
+    if cm is None or cm.name != "mul" or set(cm.args) != {act, up}:
+        return Why("act(gate) is not multiplied by the up lane alone", "moe.not_gated")
+    return a[0], mul, (act,), ()
 
 
 def _gather(x: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
@@ -180,44 +329,45 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
     down GEMM, or a grouped GEMM of another kind: not this pattern)."""
     x_cast, b, offsets = args
     w_gu = _expert_weight(b)
-    p, gu_fill = _after(gu)
-    chunks = [u for u in p.users if u.target in ("chunk", torch.chunk)]
-    if not chunks:
+    p, gu_bias = _expert_bias(gu)
+    p, gu_fill = _after(p, gu_bias)
+    readers = _readers(p, gu_bias)
+    chunks = [u for u in readers if u.target in ("chunk", torch.chunk)]
+    lanes = sorted(((lane[1], u) for u in readers if (lane := _lane(u)) and lane[0] is p),
+                   key=lambda t: t[0])
+    if not chunks and [k for k, _ in lanes] != [0, 1]:
         if _after_grouped_gemm(x_cast):
             return None  # a down projection: its match is its gate/up GEMM's
         return NoMatch(gu, Why(f"the grouped GEMM's output {describe(p)} is not split into "
-                               "[gate; up] halves by chunk(2, -1) (an interleaved or custom "
-                               "gate, e.g. gpt-oss's clamped SwiGLU)", "moe.not_halves"))
-    ch = chunks[0]
-    if len(p.users) > 1:
-        other = next(u for u in p.users if u is not ch)
+                               "[gate; up] halves by chunk(2, -1) or into interleaved lanes "
+                               "p[..., 0::2], p[..., 1::2]", "moe.not_halves"))
+    ch = chunks[0] if chunks else None
+    if len(readers) > (1 if ch is not None else 2):
+        other = next(u for u in readers if u is not ch and all(u is not v for _, v in lanes))
         updated = mutated_value(other) is p
         how = "updated in place" if updated else "read"
         return NoMatch(gu, Why(f"the gate/up output {describe(p)} is also {how} by "
                                f"{describe(other)}: the fused GEMM never writes it",
                                "moe.in_place" if updated else "moe.intermediate_read"))
-    halves = sorted((chunk_half(u) or (None, -1))[1] for u in ch.users)
-    if halves != [0, 1] or len(ch.users) != 2:
-        return NoMatch(gu, Why(f"{describe(ch)} is not read as two halves [gate; up] of the "
-                               "last dim", "moe.not_halves"))
-    gate, up = sorted(ch.users, key=lambda u: chunk_half(u)[1])
-    for half in (gate, up):
-        if len(half.users) > 1:
-            return NoMatch(gu, Why(f"{describe(half)} has {len(half.users)} readers: the "
-                                   "fused GEMM never writes it", "moe.intermediate_read"))
-    act = _sole_user(gate)
-    a = activation_of(act) if act is not None else None
-    if a is None or isinstance(a, str) or a[1] is not gate:
-        return NoMatch(gu, Why(f"the gate half {describe(gate)} is not read by one gating "
-                               "activation (silu, gelu) only", "moe.activation"))
-    mul = _sole_user(act)
-    cm = canon(mul) if mul is not None else None
-    if cm is None or cm.name != "mul" or set(cm.args) != {act, up}:
-        return NoMatch(gu, Why("act(gate) is not multiplied by the up half alone",
-                               "moe.not_gated"))
+    if ch is not None:
+        halves = sorted((chunk_half(u) or (None, -1))[1] for u in ch.users)
+        if halves != [0, 1] or len(ch.users) != 2:
+            return NoMatch(gu, Why(f"{describe(ch)} is not read as two halves [gate; up] of "
+                                   "the last dim", "moe.not_halves"))
+        gate, up = sorted(ch.users, key=lambda u: chunk_half(u)[1])
+    else:
+        (_, gate), (_, up) = lanes
+    pair = _pair(gate, up)
+    if isinstance(pair, Why) and ch is None and not isinstance(_pair(up, gate), Why):
+        return NoMatch(gu, Why(f"the gate is the odd lane of {describe(p)}: the kernel pairs "
+                               "(gate, up) as columns (2j, 2j + 1)", "moe.not_halves"))
+    if isinstance(pair, Why):
+        return NoMatch(gu, pair)
+    op, mul, act_nodes, params = pair
     if w_gu is None:
-        return NoMatch(gu, Why(f"the gate/up weight {describe(b)} is not the transpose of "
-                               "a [E, 2I, K] expert weight", "moe.weight_layout"))
+        return NoMatch(gu, Why(f"the gate/up weight {describe(b)} is not a [E, K, 2I] "
+                               "expert weight or the transpose of a [E, 2I, K] one",
+                               "moe.weight_layout"))
     y = _sole_user(mul)
     y = _sole_user(y) if y is not None and canon(y) is not None and \
         canon(y).name == "cast" else y
@@ -227,20 +377,23 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
                                "moe.no_down_projection"))
     w_d = _expert_weight(cd.args[1])
     if w_d is None:
-        return NoMatch(gu, Why(f"the down weight {describe(cd.args[1])} is not the "
-                               "transpose of a [E, K, I] expert weight", "moe.weight_layout"))
+        return NoMatch(gu, Why(f"the down weight {describe(cd.args[1])} is not a [E, I, K] "
+                               "expert weight or the transpose of a [E, K, I] one",
+                               "moe.weight_layout"))
     if cd.args[2] is not offsets:
         return NoMatch(gu, Why("the two grouped GEMMs take different offsets",
                                "moe.offsets_differ"))
-    o, down_fill = _after(y)
-    combine, weight = _combine(o)
+    o, down_bias = _expert_bias(y)
+    o, down_fill = _after(o, down_bias)
+    combine, weight = _combine(o, down_bias)
     x, _ = through_casts(x_cast)
     source, index = _gather(x)
     fills = [f for f in map(_fill, x.users) if f is not None and f.node.args[0] is x]
     input_fill = fills[0] if len(fills) == 1 and \
         fills[0].node.target == "masked_fill_" else None
-    return Match(mul, act, a[0], gu, y, x, source, index, w_gu, w_d, offsets, ch, gate,
-                 up, input_fill, gu_fill, down_fill, combine, weight,
+    return Match(mul, act_nodes, op, params, gu, y, x, source, index, w_gu[0], w_d[0],
+                 w_gu[1], w_d[1], offsets, ch, gate, up, input_fill, gu_bias, gu_fill,
+                 down_bias, down_fill, combine, weight,
                  combine if combine is not None else o)
 
 
@@ -259,10 +412,11 @@ def _after_grouped_gemm(x, depth: int = 8) -> bool:
     return False
 
 
-def _combine(o: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+def _combine(o: fx.Node, bias: ExpertBias | None) -> tuple[fx.Node | None, fx.Node | None]:
     """(o · w[:, None], w) where the down output's only reader scales each row by one
     value of a 1-D w."""
-    user = _sole_user(o)
+    users = _readers(o, bias)
+    user = users[0] if len(users) == 1 else None
     c = canon(user) if user is not None else None
     if c is None or c.name != "mul":
         return None, None
@@ -278,21 +432,30 @@ def _combine(o: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
     return user, w
 
 
-def gated_program(op: str, dtype: torch.dtype, keep_preact: bool = False) -> EpilogueProgram:
-    """act(gate)·up of each (gate, up) pair of the accumulator -> y [S, I] (and the
-    pre-activation acc [S, 2I], interleaved, when training: what the backward reads)."""
+def gated_program(op: str, dtype: torch.dtype, keep_preact: bool = False,
+                  params: tuple[float, ...] = (), bias: bool = False) -> EpilogueProgram:
+    """pair(gate, up) of each (gate, up) pair of the accumulator (+ the expert's bias)
+    -> y [S, I] (and the pre-activation [S, 2I], interleaved, when training: what the
+    backward reads)."""
     p = ProgramBuilder(f"experts_{op}", gemm=True, family="routed_experts")
-    p.output(p.emit(op, "acc", name="y"), Kind.PAIR, dtype_name(dtype))
+    v = p.add("acc", p.operand("bias", Kind.PER_FEATURE), name="p") if bias else "acc"
+    p.output(p.emit(op, v, *params, name="y"), Kind.PAIR, dtype_name(dtype))
     if keep_preact:
-        p.output("acc", Kind.TILE, dtype_name(dtype))
+        p.output(v, Kind.TILE, dtype_name(dtype))
     return p.build()
 
 
-def down_program(combined: bool, dtype: torch.dtype) -> EpilogueProgram:
-    """w[s]·acc (the router's combine weight), or acc -> o [S, K]."""
+def down_program(combined: bool, dtype: torch.dtype, bias: bool = False) -> EpilogueProgram:
+    """w[s]·acc (the router's combine weight), or acc -> o [S, K]; with the expert's bias
+    (acc + b)·w[s] (the bias added where eager adds it, before the weight)."""
     p = ProgramBuilder("experts_combine" if combined else "experts_down", gemm=True,
                        family="routed_experts")
-    v = p.scaled_acc(combined, False)
+    if bias:
+        v = p.add("acc", p.operand("bias", Kind.PER_FEATURE), name="o_b")
+        if combined:
+            v = p.mul(v, p.operand("r", Kind.PER_ROW), name="o_w")
+    else:
+        v = p.scaled_acc(combined, False)
     p.output(v, Kind.TILE, dtype_name(dtype))
     return p.build()
 
@@ -319,15 +482,20 @@ def trains(m: Match) -> bool:
 
 def decide(m: Match, context: Context) -> Decided:
     dtype = meta(m.mul).dtype
-    programs = (gated_program(m.op, dtype, keep_preact=trains(m)),
-                down_program(m.combine is not None, meta(m.out).dtype))
+    programs = (gated_program(m.op, dtype, trains(m), m.params, m.gate_up_bias is not None),
+                down_program(m.combine is not None, meta(m.out).dtype, m.down_bias is not None))
     decision = legality.decide(m, *programs)
     if not decision.accepted:
         return Decided.refuse(decision)
     fill = None
     if m.gate_up_fill is not None and not legality.product_fill_dead(m):
-        fill = legality.product_fill(m.op, m.gate_up_fill.constant)
+        fill = legality.product_fill(m.op, m.gate_up_fill.constant, m.params)
     return Decided(decision, Plan(m, *programs, fill))
+
+
+def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
+    """The expert weight as [E, N, K] (a transposed view of a [E, K, N] one)."""
+    return graph.call_function(torch.transpose, (w, 1, 2)) if kn else w
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
@@ -335,32 +503,47 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     m = plan.match
     with graph.inserting_before(m.out):
         source = m.source if m.source is not None else m.x
+        gu_ops = (m.gate_up_bias.table,) if m.gate_up_bias is not None else ()
         call = graph.call_function(grouped_linear, (
-            plan.gated.to_text(), source, m.w_gate_up, m.offsets, m.index))
+            plan.gated.to_text(), source, _as_nk(graph, m.w_gate_up, m.gate_up_kn),
+            m.offsets, m.index, *gu_ops), {"interleaved": m.interleaved})
         copy_meta(call, m.mul)
         y = results(graph, call, 1, m.mul)[0]
         if plan.product_fill is not None:
             y = graph.call_method("masked_fill", (y, m.gate_up_fill.mask, plan.product_fill))
-        operands = ()
+        operands = (m.down_bias.table,) if m.down_bias is not None else ()
         if m.weight is not None:
-            operands = (graph.call_method("float", (m.weight,)),)
+            operands += (graph.call_method("float", (m.weight,)),)
         call = graph.call_function(grouped_linear, (
-            plan.down.to_text(), y, m.w_down, m.offsets, None, *operands))
+            plan.down.to_text(), y, _as_nk(graph, m.w_down, m.down_kn), m.offsets, None,
+            *operands))
         copy_meta(call, m.out)
         (o,) = results(graph, call, 1, m.out)
         if m.down_fill is not None:
             o = graph.call_method("masked_fill", (o, m.down_fill.mask, m.down_fill.constant))
     o.meta.update({k: v for k, v in m.out.meta.items() if k not in o.meta})
     m.out.replace_all_uses_with(o)
-    dead = [m.out, m.mul, m.act, m.gate, m.up, m.chunk, m.gate_up, m.down]
+    for b in m.biases:  # an update in place is never dead by itself: its value is
+        if b.in_place:
+            graph.erase_node(b.add)
+    dead = [m.out, m.mul, *reversed(m.act_nodes), m.gate, m.up, m.gate_up, m.down]
+    dead += [n for n in (m.chunk,) if n is not None]
+    dead += [b.gathered for b in m.biases]
     if m.input_fill is not None:  # dead: the same rows are filled after the GEMM
         m.input_fill.node.replace_all_uses_with(m.x)
         graph.erase_node(m.input_fill.node)
         dead.append(m.x)
     erase_if_dead(graph, dead)
+    layout = ("each expert's interleaved (gate, up) columns read as stored"
+              if m.interleaved else "each expert's [gate; up] rows read interleaved in "
+              "place by the kernel (QuACK's concat layout)")
+    stored = "[E, K, N] weights read N-contiguous in place" if m.gate_up_kn else \
+        "[E, N, K] weights read K-contiguous in place"
     shown = {"programs": [plan.gated, plan.down],
-             "weights": "each expert's [gate; up] rows read interleaved in place by the "
-                        "kernel (QuACK's concat layout): no re-layout, no copy"}
+             "weights": f"{layout}; {stored}: no re-layout, no copy"}
+    if m.biases:
+        shown["biases"] = ("each expert's bias added in the GEMM epilogue from its row of "
+                           "the [E, N] table (the gather by expert id never written)")
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")

@@ -829,46 +829,110 @@ def test_grouped_kernels(op, shape):
     assert err <= 1.1 * base + 1e-6, (op, shape, "combine", err, base)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("shape", [(512, 256, 8, 2, 128), (333, 512, 16, 4, 96),
+                                   (64, 256, 4, 1, 64)])
+def test_grouped_kernels_gpt_oss_layout(shape):
+    """gpt-oss's grouped programs as kernels: [E, K, N] weights read N-contiguous, (gate,
+    up) pairs stored interleaved, each expert's bias from its row of an [E, N] table,
+    the clamped SwiGLU with a limit that clamps both lanes often; against float64, no
+    worse than the reference's (the same 16-bit inputs, float32 math)."""
+    from coda_rewrite.kernels.grouped import grouped_linear
+    from coda_rewrite.patterns.routed_experts import down_program, gated_program
+    tokens, hidden, experts, top_k, inter = shape
+    torch.manual_seed(0)
+    index, ends = _routing(tokens, experts, top_k, seed=1, empty=(1,), tail=3)
+    h = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    w_gu = (torch.randn(experts, hidden, 2 * inter, device=DEV) / hidden ** 0.5).bfloat16()
+    b_gu = (0.5 * torch.randn(experts, 2 * inter, device=DEV)).bfloat16()
+    w_d = (torch.randn(experts, inter, hidden, device=DEV) / inter ** 0.5).bfloat16()
+    b_d = (0.5 * torch.randn(experts, hidden, device=DEV)).bfloat16()
+    cw = torch.rand(tokens * top_k, device=DEV)
+    gated = gated_program("swiglu_oai", torch.bfloat16, params=(1.702, 0.5), bias=True)
+    down = down_program(True, torch.bfloat16, bias=True)
+    before = _kernel_calls(gated.key), _kernel_calls(down.key)
+    with torch.no_grad():
+        (y,) = grouped_linear(gated.to_text(), h, w_gu.mT, ends, index, b_gu, interleaved=True)
+        (o,) = grouped_linear(down.to_text(), y, w_d.mT, ends, None, b_d, cw)
+    assert (_kernel_calls(gated.key), _kernel_calls(down.key)) == \
+        (before[0] + 1, before[1] + 1), ops.runtime_summary()
+    live = int(ends[-1])
+
+    def exact_of(prog):
+        return dataclasses.replace(prog, outputs=tuple(
+            dataclasses.replace(x, dtype="float64") for x in prog.outputs))
+    ref_y = reference.run_grouped(gated, h, w_gu.mT, ends, index, [b_gu], True)[0]
+    exact_y = reference.run_grouped(exact_of(gated), h.double(), w_gu.double().mT, ends,
+                                    index, [b_gu.double()], True)[0]
+    err, base = rel_err(y[:live].double(), exact_y[:live]), \
+        rel_err(ref_y[:live].double(), exact_y[:live])
+    assert err <= 1.1 * base + 1e-6, (shape, "gated", err, base)
+    ref_o = reference.run_grouped(down, y, w_d.mT, ends, None, [b_d, cw])[0]
+    exact_o = reference.run_grouped(exact_of(down), y.double(), w_d.double().mT, ends, None,
+                                    [b_d.double(), cw.double()])[0]
+    err, base = rel_err(o[:live].double(), exact_o[:live]), \
+        rel_err(ref_o[:live].double(), exact_o[:live])
+    assert err <= 1.1 * base + 1e-6, (shape, "combine", err, base)
+
+
+def _separate_routing(model) -> None:
+    """Router weights 30x their initial scale: a token whose two best experts' logits
+    nearly tie would be routed by bf16 noise (eager's own, or a fused GEMM's: an error of
+    one expert's output, not of the kernels), and the comparison with float64 would
+    measure which tokens flipped."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p.mul_(30.0)
+
+
+_MOE_CONFIGS = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=128, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, intermediate_size=256),
+    "gpt_oss": dict(num_local_experts=4, intermediate_size=256,
+                    layer_types=["full_attention"] * 2),
+}
+
+
+@pytest.mark.parametrize("family", list(_MOE_CONFIGS))
 @pytest.mark.parametrize("via", ["optimize", "backend"])
 def test_moe_models_on_gpu(family, via):
     """A Hugging Face MoE model (bf16, grouped_mm experts) rewritten: the routed experts
     run as grouped kernels, logits against float64 (the per-expert loop) no worse than
     eager's."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    extra = {"qwen3_moe": dict(num_experts=8, moe_intermediate_size=128,
-                               decoder_sparse_step=1),
-             "mixtral": dict(num_local_experts=4, intermediate_size=256)}[family]
     cfg = AutoConfig.for_model(family, vocab_size=512, hidden_size=256, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                               num_experts_per_tok=2, max_position_embeddings=256, **extra)
+                               num_experts_per_tok=2, max_position_embeddings=256,
+                               **_MOE_CONFIGS[family])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(DEV, torch.bfloat16).eval()
+    _separate_routing(model)
     exact = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(DEV, torch.float64).eval()
     exact.load_state_dict(model.state_dict())
     exact.set_experts_implementation("eager")
     ids = torch.randint(0, 512, (2, 200), device=DEV)
-    before = _kernel_calls("experts_swiglu")
+    kernel = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
+    before = _kernel_calls(kernel)
     with torch.no_grad():
         fast = coda_rewrite.optimize(model) if via == "optimize" else \
             torch.compile(model, backend="coda")
         got, eager, want = fast(ids).logits, model(ids).logits, exact(ids).logits
-    assert _kernel_calls("experts_swiglu") - before >= 2, ops.runtime_summary()
+    assert _kernel_calls(kernel) - before >= 2, ops.runtime_summary()
     err, base = rel_err(got.double(), want), rel_err(eager.double(), want)
     print(f"{family} ({via}): err {err:.2e} eager {base:.2e}")
     assert err <= 1.25 * base, (err, base)
 
 
-def test_moe_training_on_gpu():
-    """A bf16 Qwen3-MoE training step with the experts fused (grouped kernels forward,
-    the rules' grouped dgrad/wgrad backward): loss and every gradient against float64
-    (the per-expert loop) no worse than eager's."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_training_on_gpu(family):
+    """A bf16 MoE training step with the experts fused (grouped kernels forward, the
+    rules' grouped dgrad/wgrad backward; gpt-oss's biases and clamped SwiGLU): loss and
+    every gradient against float64 (the per-expert loop) no worse than eager's."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=256,
+    cfg = AutoConfig.for_model(family, vocab_size=512, hidden_size=256,
                                num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=64, num_experts=8,
-                               num_experts_per_tok=2, moe_intermediate_size=128,
-                               decoder_sparse_step=1, max_position_embeddings=256)
+                               num_key_value_heads=2, head_dim=64, num_experts_per_tok=2,
+                               max_position_embeddings=256, **_MOE_CONFIGS[family])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(DEV, torch.bfloat16)
     ref = copy.deepcopy(model)
@@ -876,13 +940,14 @@ def test_moe_training_on_gpu():
     exact.load_state_dict(model.state_dict())
     exact.set_experts_implementation("eager")
     ids = torch.randint(0, 512, (2, 200), device=DEV)
-    before = _kernel_calls("experts_swiglu")
+    kernel = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
+    before = _kernel_calls(kernel)
     fast = torch.compile(model, backend="coda", options=dict(
         patterns=("attention_inputs", "routed_experts"), fuse_in_training=True))
     losses = [f(ids, labels=ids).loss for f in (fast, ref, exact)]
     for loss in losses:
         loss.backward()
-    assert _kernel_calls("experts_swiglu") - before >= 2, ops.runtime_summary()
+    assert _kernel_calls(kernel) - before >= 2, ops.runtime_summary()
     worse = []
     for (name, p), q, t in zip(model.named_parameters(), ref.parameters(),
                                exact.parameters()):

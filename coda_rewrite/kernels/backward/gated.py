@@ -5,8 +5,6 @@ formed it in its epilogue (kernels/gated_down.py), then the rowscale rule with d
 
 from __future__ import annotations
 
-import torch
-
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
 from ...codegen import reference
 from .common import Rule, expect, shaped, through_scaled_acc, up
@@ -16,11 +14,11 @@ def _gated_parts(prog: EpilogueProgram):
     from ...codegen.program import PAIRWISE
     v, i = scaled_acc_prefix(prog)
     body = prog.body
-    expect(len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args == (v,))
+    expect(len(body) == i + 1 and body[i].op in PAIRWISE and body[i].args[0] == v)
     expect({o.name for o in prog.operands} <= {"r", "bias"} and prog.gemm)
     outs = [(o.value, o.kind) for o in prog.outputs]
     expect(outs == [(body[i].out, Kind.PAIR), (v, Kind.TILE)])
-    return PAIRWISE[body[i].op]
+    return body[i]
 
 
 def _gated_vjp(prog, a, b, operands, outputs, grads):
@@ -30,11 +28,8 @@ def _gated_vjp(prog, a, b, operands, outputs, grads):
     dy, dp_direct = grads
     dp = None
     if dy is not None:
-        act = reference.unary(_gated_parts(prog))
-        with torch.enable_grad():
-            p = up(outputs[1]).detach().requires_grad_(True)
-            y = act(p[:, 0::2]) * p[:, 1::2]
-            (dp,) = torch.autograd.grad(y, p, up(dy))
+        pair = _gated_parts(prog)
+        dp, _ = reference.dgated(pair.op, up(dy), up(outputs[1]), *reference.pair_params(pair))
     if dp_direct is not None:
         dp = dp_direct if dp is None else dp + up(dp_direct)
     if dp is None:
