@@ -80,6 +80,14 @@ def in_place_update_of(values: set[fx.Node], graph: fx.Graph
     return None
 
 
+def _copying_index(node: fx.Node) -> bool:
+    """``x[index]`` with a tensor in the index: advanced indexing, which copies (a
+    gather of rows), not a view."""
+    idx = node.args[1] if len(node.args) > 1 else None
+    parts = idx if isinstance(idx, (tuple, list)) else (idx,)
+    return any(isinstance(p, fx.Node) and meta(p) is not None for p in parts)
+
+
 def aliases(values: set[fx.Node]) -> set[fx.Node]:
     """``values`` and every view that may share memory with them."""
     seen, todo = set(values), list(values)
@@ -87,8 +95,9 @@ def aliases(values: set[fx.Node]) -> set[fx.Node]:
         n = todo.pop()
         for u in n.users:
             viewlike = (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
-                u.op == "call_function" and (u.target is operator.getitem or
-                                             getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
+                u.op == "call_function" and (
+                    (u.target is operator.getitem and not _copying_index(u)) or
+                    getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
                 or (u.op == "call_function" and u.target is getattr)
             if viewlike and u.args and u.args[0] is n and u not in seen:
                 seen.add(u)

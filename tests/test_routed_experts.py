@@ -80,6 +80,12 @@ def test_moe_models_rewritten_no_worse_than_eager(family):
     pair = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
     assert [p.name for p in rec.programs] == [pair, "experts_combine"]
     assert "gathered by the GEMM's row read" in rec.producer
+    # the post-attention norm's row scale deferred into the experts' GEMM: r per routed
+    # row in the epilogue, the normalised tokens never written
+    assert "row scale deferred through the routing" in rec.producer
+    assert [i.op for i in rec.programs[0].body][:1] == ["mul"]  # acc · r first
+    norms = [r for r in report.records if r.path.endswith("post_attention_layernorm")]
+    assert norms and all(r.status == "rewritten" for r in norms)
 
 
 def test_gpt_oss_experts_with_clamps_that_bite():
@@ -374,6 +380,55 @@ def test_gpt_oss_witness_refuses_biases_of_other_rows(monkeypatch):
         fast(torch.randn(8, 32).bfloat16())
     (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
     assert rec.status == "rejected" and rec.code == "witness.disagrees", str(fast.report)
+
+
+class NormedExperts(torch.nn.Module):
+    """A GEMM, the residual add, an RMSNorm and the experts reading its output (the
+    post-attention block of an MoE decoder), with one thing changed by ``case``."""
+
+    def __init__(self, case: str = "plain", hidden=32, dtype=torch.bfloat16):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.case = case
+        self.proj = torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) *
+                                        hidden ** -0.5).to(dtype))
+        self.gamma = torch.nn.Parameter((1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype))
+        self.experts = Experts(hidden=hidden, dtype=dtype)
+
+    def forward(self, x, res):
+        z = res + F.linear(x, self.proj)
+        zf = z.float()
+        h = self.gamma * (zf * torch.rsqrt(zf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(z.dtype)
+        h = h.reshape(-1, h.shape[-1])
+        if self.case == "scaled":  # a per-feature factor between the norm and the experts
+            h = h * 2.0
+        out = self.experts(h)
+        return (out, h) if self.case == "norm_returned" else out
+
+
+@pytest.mark.parametrize("case,deferred", [("plain", True), ("norm_returned", True),
+                                           ("scaled", False)])
+def test_norm_rstd_deferred_through_the_routing(case, deferred):
+    """The norm's row scale moves through the routing into the gate/up grouped GEMM
+    (h2's rows read, r per routed row in the epilogue) where the experts read the norm's
+    output through views; with a per-feature factor between them the experts read the
+    normalised value as it is. Every output no worse than eager against float64."""
+    model = NormedExperts(case)
+    x, res = torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 4, 32).bfloat16()
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want, truth = fast(x, res), ref(x, res), exact(x.double(), res.double())
+    got, want, truth = (got, want, truth) if isinstance(got, tuple) else \
+        ((got,), (want,), (truth,))
+    for a, b, t in zip(got, want, truth):
+        assert rel_err(a.double(), t) <= 1.5 * rel_err(b.double(), t) + 1e-6, case
+    (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    (norm,) = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"]
+    assert rec.status == "rewritten" and norm.status == "rewritten", str(fast.report)
+    assert ("deferred through the routing" in rec.producer) == deferred, rec.producer
+    graph = str(fast.report)[str(fast.report).index("rewritten graph:"):]
+    assert ("rsqrt" in graph) == (case != "plain"), case  # the norm materialised or not
 
 
 @pytest.mark.parametrize("case", ["canonical", "feature_weights", "oai"])

@@ -263,17 +263,23 @@ def _input_fill(m) -> str | None:
     return None
 
 
-def decide(m, gated, down) -> Decision:
-    """Legality of replacing match ``m`` by the grouped programs ``gated`` and ``down``."""
+def decide(m, gated, down, deferred: bool = False) -> Decision:
+    """Legality of replacing match ``m`` by the grouped programs ``gated`` and ``down``;
+    ``deferred``: the gathered tokens are a norm's h2 ⊙ r, read as h2 with each routed
+    row scaled by its token's r (the norm family proved h = h2 ⊙ r for its output; the
+    replays feed h = h2 ⊙ r to the matched nodes and (h2, r) to the programs)."""
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
+    if deferred:
+        held.append("the gathered tokens are a normalised value h2 ⊙ r (rstd r per token): "
+                    "the row scale moves through the gather into the epilogue")
     proof = statements.prove_routed_experts()
-    seen = guarded(lambda m: _replay(m, gated, down), m)
+    seen = guarded(lambda m: _replay(m, gated, down, deferred), m)
     if isinstance(seen, Rejection):
         return seen
     if meta(m.out).requires_grad:
-        grads = guarded(lambda m: off_thread(_replay_gradients, m, gated, down), m)
+        grads = guarded(lambda m: off_thread(_replay_gradients, m, gated, down, deferred), m)
         if isinstance(grads, Rejection):
             return grads
         seen = f"{seen}; {grads}"
@@ -302,8 +308,16 @@ def _inputs(m):
     ids = reference.expert_of_rows(ends, rows).clamp(max=n_exp - 1).long()
     b_gu = torch.randn(n_exp, 2 * i, generator=g, dtype=f64)
     b_d = torch.randn(n_exp, k_out, generator=g, dtype=f64)
+    r_tok = torch.rand(tokens, generator=g, dtype=f64) + 0.5   # a deferred rstd per token
     return dict(n_exp=n_exp, rows=rows, tokens=tokens, h=h, index=index, ends=ends, mask=mask,
-                w_gu=w_gu, w_d=w_d, weight=weight, g=g, ids=ids, b_gu=b_gu, b_d=b_d)
+                w_gu=w_gu, w_d=w_d, weight=weight, g=g, ids=ids, b_gu=b_gu, b_d=b_d,
+                r_tok=r_tok)
+
+
+def _eager_input(v: dict, deferred: bool) -> dict:
+    """The values the matched nodes read: h = h2 ⊙ r where the norm's scale is deferred
+    (``h`` then holds h2)."""
+    return dict(v, h=v["h"] * v["r_tok"][:, None]) if deferred else v
 
 
 def _stored(w: torch.Tensor, kn: bool) -> torch.Tensor:
@@ -330,7 +344,7 @@ def _eager(m, v) -> torch.Tensor:
     return env[m.out]
 
 
-def _replay(m, gated, down) -> str | Rejection:
+def _replay(m, gated, down, deferred: bool = False) -> str | Rejection:
     """The matched nodes on a small float64 routing against the fused programs'
     reference."""
     gated, down = (parse(exact(p.to_text())) for p in (gated, down))  # unrounded outputs
@@ -338,11 +352,11 @@ def _replay(m, gated, down) -> str | Rejection:
     h, index, ends, mask, w_gu, w_d, weight, rows, tokens, n_exp = (
         v[k] for k in ("h", "index", "ends", "mask", "w_gu", "w_d", "weight", "rows",
                        "tokens", "n_exp"))
-    want = _eager(m, v)
+    want = _eager(m, _eager_input(v, deferred))
     x = h[index]
     y = reference.run_grouped(gated, h if m.source is not None else x, w_gu, ends,
                               index if m.source is not None else None,
-                              _gated_operands(m, v), m.interleaved)[0]
+                              _gated_operands(m, v, deferred), m.interleaved)[0]
     if m.gate_up_fill is not None and not product_fill_dead(m):
         y = y.masked_fill(mask, product_fill(m.op, m.gate_up_fill.constant, m.params))
     elif m.gate_up_fill is not None:  # what the kernel leaves there: never written
@@ -358,8 +372,10 @@ def _replay(m, gated, down) -> str | Rejection:
                    m.path)
 
 
-def _gated_operands(m, v) -> list:
-    return [v["b_gu"]] if m.gate_up_bias is not None else []
+def _gated_operands(m, v, deferred: bool = False) -> list:
+    """The gated program's operands in its order: the routed rows' rstd, the bias."""
+    return ([v["r_tok"][v["index"]]] if deferred else []) + \
+        ([v["b_gu"]] if m.gate_up_bias is not None else [])
 
 
 def _down_operands(m, v) -> list:
@@ -368,7 +384,7 @@ def _down_operands(m, v) -> list:
         ([v["weight"]] if m.weight is not None else [])
 
 
-def _replay_gradients(m, gated, down) -> str | Rejection:
+def _replay_gradients(m, gated, down, deferred: bool = False) -> str | Rejection:
     """Gradients of the matched nodes (float64 autograd) against the fused GEMMs'
     backward rules (kernels/grouped.GroupedGated, GroupedDown) on the same routing:
     the input rows, both expert weights and the combine weight."""
@@ -377,6 +393,7 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
     v = _inputs(m)
     leaves = ["h", "w_gu", "w_d"] + (["weight"] if m.weight is not None else [])
     leaves += [k for k, b in (("b_gu", m.gate_up_bias), ("b_d", m.down_bias)) if b is not None]
+    leaves += ["r_tok"] if deferred else []
     results = []
     for fused in (False, True):
         vals = {**v, **{k: v[k].detach().clone().requires_grad_() for k in leaves}}
@@ -385,7 +402,8 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
                 src = vals["h"] if m.source is not None else vals["h"][v["index"]]
                 idx = v["index"] if m.source is not None else None
                 y = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx,
-                                   *_gated_operands(m, vals), interleaved=m.interleaved)[0]
+                                   *_gated_operands(m, vals, deferred),
+                                   interleaved=m.interleaved)[0]
                 if m.gate_up_fill is not None and not product_fill_dead(m):
                     y = y.masked_fill(v["mask"], product_fill(
                         m.op, m.gate_up_fill.constant, m.params))
@@ -394,7 +412,7 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
                 if m.down_fill is not None:
                     out = out.masked_fill(v["mask"], m.down_fill.constant)
             else:
-                out = _eager(m, vals)
+                out = _eager(m, _eager_input(vals, deferred))
             live = torch.arange(v["rows"]) < int(v["ends"][-1])
             if m.down_fill is None:
                 out = out[live]
@@ -404,7 +422,7 @@ def _replay_gradients(m, gated, down) -> str | Rejection:
         results.append(grads)
     err = max(rel_err(a, b) for a, b in zip(*results))
     return verdict(err, "the gradients of the input rows, both expert weights, the "
-                   "combine weight and the expert biases", m.path)
+                   "combine weight, the expert biases and the deferred rstd", m.path)
 
 
 def _nodes_between(m, env: dict) -> list[fx.Node]:

@@ -376,8 +376,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
         '"""',
         "",
         "import cutlass.cute as cute",
-        "from quack.activation import (gelu_erf, gelu_tanh_approx, relu, relu_sq, sigmoid, silu,",
-        "                              swiglu_oai)",
+        "from quack.activation import gelu_erf, gelu_tanh_approx, relu, relu_sq, sigmoid, silu",
         "from quack.epilogue.frontend import gemm_epilogue",
         "from quack.epilogue.math import pack, pexp, unpack",
         "from quack.epilogue.ops import (ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce,",
@@ -389,6 +388,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
         "",
         *(["from quack.activation import tanh as tanh_approx", ""]
           if any(i.op == "tanh" for i in program.body) else []),
+        *(["from quack.activation import swiglu_oai", ""]
+          if any(i.op == "swiglu_oai" for i in program.body) else []),
         *(f'_index_{c} = ColVecLoad("{c}")' for c in companions),
         *([""] if companions else []),
         *(["from quack.epilogue.head_rmsnorm import HeadRstd", ""] if grouped else []),

@@ -307,11 +307,15 @@ class GroupedGated(torch.autograd.Function):
     program's tile output), which is all the backward needs besides the inputs:
 
         dp  = the pair's derivative at (p, dy)   (reference.dgated: dSwiGLU, dGeGLU, ...)
-        dx  = Σ over routed rows of dp·W_gu[e]   (grouped dgrad, then index_add back)
-        dW_gu[e] = dpᵀ·x[rows of e]         (grouped wgrad; the gather made again)
+        G   = dp·W_gu[e]                         (grouped dgrad)
+        dx  = Σ over routed rows of r[s]·G       (then index_add back)
+        dW_gu[e] = (r·dp)ᵀ·x[rows of e]     (grouped wgrad; the gather made again)
         db[e] = Σ over e's rows of dp       (a per-expert bias, where the program has one)
+        dr[s] = Σ_k x[s, k]·G[s, k]         (a deferred rstd per routed row, where the
+                                             program scales acc by one: no acc needed)
 
-    (dp in the weight's row order: [gate; up] halves, or interleaved as stored)."""
+    (dp in the weight's row order: [gate; up] halves, or interleaved as stored; r = 1
+    where the program has no row scale)."""
 
     @staticmethod
     def forward(program, x, weight, offsets, index, interleaved, *operands):
@@ -322,31 +326,41 @@ class GroupedGated(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         program, x, weight, offsets, index, interleaved, *operands = inputs
         ctx.pair, ctx.interleaved = _pair(program), interleaved
-        ctx.has_bias = "bias" in _named(program, operands)
-        if set(_named(program, operands)) - {"bias"}:
+        named = _named(program, operands)
+        ctx.has_bias, ctx.names = "bias" in named, list(named)
+        if set(named) - {"bias", "r"}:
             raise RuntimeError(f"coda: {parse(program).key}: the gated grouped GEMM's "
-                               "backward takes a per-expert bias only")
+                               "backward takes a per-expert bias and a row scale only")
         ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(x, weight, offsets, index, output[1])
+        ctx.save_for_backward(x, weight, offsets, index, output[1], named.get("r"))
 
     @staticmethod
     def backward(ctx, dy, *_):
-        x, weight, offsets, index, p = ctx.saved_tensors
+        x, weight, offsets, index, p, r = ctx.saved_tensors
         cd = reference.accumulate_dtype(p.dtype)
         op, params = ctx.pair
         dp, _ = reference.dgated(op, dy.to(cd), p, *params)
         if not ctx.interleaved:  # [gate; up] like W_gu's rows
             dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)
         rows = x if index is None else x[index]
-        dx_rows = torch.ops.coda.grouped_mm(dp, weight, offsets, False)
-        dw = weight_grad(dp, rows, offsets, weight)
+        g = torch.ops.coda.grouped_mm(dp, weight, offsets, False)
+        grads = {}
+        if r is None:
+            dx_rows, d_acc = g, dp
+        else:
+            rf = r.to(cd)[:, None]
+            dx_rows = (g.to(cd) * rf).to(x.dtype)
+            d_acc = (dp.to(cd) * rf).to(dp.dtype)
+            grads["r"] = (rows.to(cd) * g.to(cd)).sum(-1).to(r.dtype)
+        dw = weight_grad(d_acc, rows, offsets, weight)
         if index is None:
             dx = dx_rows
         else:
             dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
-        db = (per_expert_sum(dp, offsets, weight.shape[0]).to(weight.dtype),) \
-            if ctx.has_bias else ()
-        return None, dx.to(x.dtype), dw.to(weight.dtype), None, None, None, *db
+        if ctx.has_bias:
+            grads["bias"] = per_expert_sum(dp, offsets, weight.shape[0]).to(weight.dtype)
+        return (None, dx.to(x.dtype), dw.to(weight.dtype), None, None, None,
+                *(grads.get(n) for n in ctx.names))
 
 
 class GroupedDown(torch.autograd.Function):

@@ -49,12 +49,26 @@ class NoMatch:
         return code_of(self.reason)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeferredNorm:
+    """A normalised value h = h2 ⊙ r (per row) left materialised for its other readers:
+    the values a reader may take instead, and the norm's nodes (dead once none reads
+    them)."""
+    h2: fx.Node
+    r: fx.Node
+    dim: int
+    nodes: tuple[fx.Node, ...]
+
+
 @dataclasses.dataclass
 class Context:
     """What decide and apply may read besides the match: the options, and the nodes the
     rewrites so far in this graph replaced (a value a match names may have moved)."""
     options: "Options"
     replaced: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+    # normalised values whose row scale a rewrite deferred, by the norm's output node:
+    # what a later family may read instead (the routed experts' gather of the tokens)
+    deferred: dict[fx.Node, "DeferredNorm"] = dataclasses.field(default_factory=dict)
 
     def current(self, node):
         """``node``, or what replaced it (followed to the end)."""

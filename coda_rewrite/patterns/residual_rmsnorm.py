@@ -47,7 +47,7 @@ from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay
                            same_meta)
 from ..kernels import ops
 from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
-from .family import Context, Decided
+from .family import Context, Decided, DeferredNorm
 
 NAME = "residual_rmsnorm_gemm"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
@@ -494,6 +494,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         graph.erase_node(c.linear)
         erase_if_dead(graph, c.chain)
 
+    context.deferred[norm.output] = DeferredNorm(h2, r, norm.dim, tuple(norm.nodes))
     dead_candidates = [*norm.nodes]
     if prod is not None:
         dead_candidates += [prod.add, *reversed(prod.between), prod.linear]

@@ -25,7 +25,11 @@ The rewrite (kernels/grouped.py, QuACK's variable-length GEMM):
 
 with each expert's bias, where there is one, added in the epilogue from its row of the
 [E, N] table (the gather by expert id never written), and [E, K, N] weights read in
-place (QuACK takes N-contiguous B).
+place (QuACK takes N-contiguous B). Where the gathered tokens are a normalised value
+whose row scale the norm family deferred (h = h2 ⊙ r: patterns/residual_rmsnorm.py,
+the producer's epilogue wrote h2 and r), the GEMM reads h2's rows and scales each routed
+row by its token's r (r[idx], in the epilogue before the activation): a row scale moves
+through a row selection, and h is never written.
 
 A fill of rows before a row-local map is dead where the same rows are filled after it,
 and grouped GEMMs are row-local: so the sentinel fill of x_g is dead (the gate/up output
@@ -44,22 +48,23 @@ activation's derivative and the combine weight's gradient between them).
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
 
 from .. import patterns
 from ..algebra import routed_experts as legality
+from ..algebra import row_scale
 from ..algebra.decision import Why
-from ..canonical import canon, meta
+from ..canonical import canon, constant, meta
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
-from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, mutated_value, results,
-                           through_casts)
-from ..canonical import constant
+from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, graph_replay, mutated_value,
+                           results, through_casts)
 from ..kernels.grouped import grouped_linear
-from .family import Context, Decided
+from .family import Context, Decided, DeferredNorm
 from .gated_mlp import activation_of
 
 NAME = "routed_experts"
@@ -433,13 +438,14 @@ def _combine(o: fx.Node, bias: ExpertBias | None) -> tuple[fx.Node | None, fx.No
 
 
 def gated_program(op: str, dtype: torch.dtype, keep_preact: bool = False,
-                  params: tuple[float, ...] = (), bias: bool = False) -> EpilogueProgram:
-    """pair(gate, up) of each (gate, up) pair of the accumulator (+ the expert's bias)
-    -> y [S, I] (and the pre-activation [S, 2I], interleaved, when training: what the
-    backward reads)."""
+                  params: tuple[float, ...] = (), bias: bool = False,
+                  row_scale: bool = False) -> EpilogueProgram:
+    """pair(gate, up) of each (gate, up) pair of the accumulator (· the routed row's
+    deferred rstd r) (+ the expert's bias) -> y [S, I] (and the pre-activation [S, 2I],
+    interleaved, when training: what the backward reads)."""
     p = ProgramBuilder(f"experts_{op}", gemm=True, family="routed_experts")
-    v = p.add("acc", p.operand("bias", Kind.PER_FEATURE), name="p") if bias else "acc"
-    p.output(p.emit(op, v, *params, name="y"), Kind.PAIR, dtype_name(dtype))
+    v = p.scaled_acc(row_scale, bias)
+    p.output(p.emit(op, v, *params, name="h"), Kind.PAIR, dtype_name(dtype))
     if keep_preact:
         p.output(v, Kind.TILE, dtype_name(dtype))
     return p.build()
@@ -461,12 +467,46 @@ def down_program(combined: bool, dtype: torch.dtype, bias: bool = False) -> Epil
 
 
 @dataclasses.dataclass(frozen=True)
+class Deferral:
+    """The gathered tokens h are a norm's output whose row scale was deferred: the ops
+    from the norm's output to h (views), replayed on h2 and r."""
+    norm_output: fx.Node
+    chain: tuple[fx.Node, ...]
+    norm: DeferredNorm
+
+
+def deferral_of(m: Match, context: Context) -> Deferral | None:
+    """The deferred norm the gathered source reads through views (a reshape to [tokens,
+    hidden], an identity cast), None where it is not one: then h is read as it is."""
+    if m.source is None:
+        return None
+    chain, node = [], m.source
+    while node not in context.deferred:
+        if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function") \
+                or not node.args or not isinstance(node.args[0], fx.Node) or len(chain) > 3:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    norm = context.deferred[node]
+    src = node
+    for n in reversed(chain):
+        kind, _ = row_scale.chain_op(n, src, norm.dim)
+        if kind not in ("reshape", "identity", "cast") or meta(n).dtype != meta(src).dtype:
+            return None
+        src = n
+    if meta(norm.h2).dtype != meta(m.source).dtype:
+        return None
+    return Deferral(node, tuple(reversed(chain)), norm)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     match: Match
     gated: EpilogueProgram
     down: EpilogueProgram
     product_fill: float | None     # act(c)·c: the gate/up fill moved past the product
     #                                (None: no fill, or a dead one)
+    deferral: Deferral | None = None
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -482,15 +522,17 @@ def trains(m: Match) -> bool:
 
 def decide(m: Match, context: Context) -> Decided:
     dtype = meta(m.mul).dtype
-    programs = (gated_program(m.op, dtype, trains(m), m.params, m.gate_up_bias is not None),
+    deferral = deferral_of(m, context)
+    programs = (gated_program(m.op, dtype, trains(m), m.params, m.gate_up_bias is not None,
+                              deferral is not None),
                 down_program(m.combine is not None, meta(m.out).dtype, m.down_bias is not None))
-    decision = legality.decide(m, *programs)
+    decision = legality.decide(m, *programs, deferred=deferral is not None)
     if not decision.accepted:
         return Decided.refuse(decision)
     fill = None
     if m.gate_up_fill is not None and not legality.product_fill_dead(m):
         fill = legality.product_fill(m.op, m.gate_up_fill.constant, m.params)
-    return Decided(decision, Plan(m, *programs, fill))
+    return Decided(decision, Plan(m, *programs, fill, deferral))
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
@@ -500,10 +542,16 @@ def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     """Replace the experts' MLP by two grouped GEMMs with epilogues."""
-    m = plan.match
+    m, d = plan.match, plan.deferral
     with graph.inserting_before(m.out):
         source = m.source if m.source is not None else m.x
         gu_ops = (m.gate_up_bias.table,) if m.gate_up_bias is not None else ()
+        if d is not None:  # h2's rows, each routed row scaled by its token's r
+            like, call_fn = graph_replay(graph)
+            source, r, _, _ = row_scale.replay_chain(d.chain, d.norm_output, d.norm.dim,
+                                                    d.norm.h2, d.norm.r, like, call_fn)
+            r = graph.call_method("reshape", (r, -1))
+            gu_ops = (graph.call_function(operator.getitem, (r, m.index)), *gu_ops)
         call = graph.call_function(grouped_linear, (
             plan.gated.to_text(), source, _as_nk(graph, m.w_gate_up, m.gate_up_kn),
             m.offsets, m.index, *gu_ops), {"interleaved": m.interleaved})
@@ -547,4 +595,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")
+    if d is not None:
+        shown["producer"] += (f"; the norm's row scale deferred through the routing: h2's "
+                              f"rows read, each scaled by its token's rstd "
+                              f"{describe(d.norm.r)} in the epilogue")
     return shown
