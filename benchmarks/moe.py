@@ -8,7 +8,10 @@ and fastest), backend="coda" (the routed experts as QuACK's grouped GEMMs with t
 epilogues); variants timed in alternating rounds, outputs checked against a float32
 reference (the same weights, the per-expert loop).
 
-    source .gpu/setup.sh && python benchmarks/moe.py [qwen3|mixtral|gpt_oss ...]
+    source .gpu/setup.sh && python benchmarks/moe.py [MODE] [qwen3|mixtral|gpt_oss ...]
+
+MODE: none (the MoE block's forward), layer (a one-layer model's forward: the norm's
+row scale deferred into the experts, with and without), train, small, sweep.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def hidden_of(name: str) -> int:
     return SHAPES[name][1]["hidden_size"]
 
 
-def block(name: str):
+def whole_model(name: str):
+    """A one-layer model of the shape (vocab 256): the decoder layer's attention, its
+    post-attention norm and the MoE block, bf16, on the GPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
     kind, extra = SHAPES[name]
     cfg = AutoConfig.for_model(kind, vocab_size=256, num_hidden_layers=1,
@@ -48,10 +53,13 @@ def block(name: str):
     cfg._experts_implementation = "grouped_mm"
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
-    moe = model.model.layers[0].mlp
-    for p in moe.parameters():  # weights at the scale of a trained layer's outputs
-        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-    return moe
+    for p in model.model.layers[0].mlp.parameters():  # weights at the scale of a trained
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)  # layer's outputs
+    return model
+
+
+def block(name: str):
+    return whole_model(name).model.layers[0].mlp
 
 
 def reference(moe):
@@ -171,6 +179,38 @@ def small(names, token_counts=(8, 64, 512, 2048)):
                   flush=True)
 
 
+def layer(names):
+    """The one-layer model's forward (attention, the post-attention norm, the MoE block),
+    8192 tokens, under no_grad: torch.compile against backend="coda" with every family
+    and without the norm's (the ablation of its row scale deferred through the routing
+    into the experts' grouped GEMM), alternating rounds."""
+    print(env_line(), flush=True)
+    every = ("explicit_attention", "attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
+             "routed_experts", "rope", "lm_head_cross_entropy", "layernorm_gemm")
+    for name in names:
+        torch.manual_seed(0)
+        model = whole_model(name)
+        ids = torch.randint(0, 256, (1, TOKENS), device="cuda")
+        torch._dynamo.reset()
+        variants = {"torch.compile": torch.compile(model),
+                    "coda": torch.compile(model, backend="coda"),
+                    "coda, no norm deferral": torch.compile(model, backend="coda", options={
+                        "patterns": tuple(p for p in every if p != "residual_rmsnorm_gemm")})}
+        with torch.no_grad():
+            want = model(ids).logits.float()
+            for k, f in variants.items():
+                ops.RUNTIME.clear()
+                got = f(ids).logits.float()
+                print(f"{name}: {k}: rel. error vs eager {rel_err(got, want):.2e}; "
+                      f"{ops.runtime_summary()[:3]}", flush=True)
+            timed = bench_rounds({k: (lambda f=f: f(ids)) for k, f in variants.items()},
+                                 rounds=5)
+        base = timed["torch.compile"][0]
+        for k, (ms, spread) in timed.items():
+            print(f"{name}: layer {k:24s} {ms:8.3f} ms (spread {spread:.1%})  "
+                  f"{base / ms:.3f}x torch.compile", flush=True)
+
+
 def main(names):
     print(env_line(), flush=True)
     rows = []
@@ -213,6 +253,8 @@ def main(names):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["small"]:
         small(sys.argv[2:] or ["qwen3"])
+    elif sys.argv[1:2] == ["layer"]:
+        layer(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["train"]:
         train(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["sweep"]:

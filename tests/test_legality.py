@@ -312,6 +312,23 @@ def test_gemm_output_read_twice_keeps_the_producer_unfused():
     assert rec.status == "rewritten" and "also read elsewhere" in rec.producer
 
 
+def test_a_biased_producer_whose_epilogue_has_no_kernel_stays_cublas():
+    """z = x·W0ᵀ + b0 + res: the bias lanes past N of a ragged tile are not loaded, so the
+    producer's sum of squares has no kernel (it would run the reference: a float32 GEMM
+    on a GPU). The producing GEMM stays as it is, the norm takes the row-wise program,
+    the consumer is still row-scaled."""
+    def body(self, x, res):
+        h = rms(F.linear(x, self.w0.weight, self.g) + res, self.g)
+        return self.w1(h)
+
+    report, got, want = run(body)
+    same(got, want, tol=1e-5)
+    rec = report.records[0]
+    assert rec.status == "rewritten", str(report)
+    assert "has no kernel" in rec.producer and "row_sum" in rec.producer, rec.producer
+    assert [p.name for p in rec.programs] == ["rmsnorm_rowscale", "rowscale"]
+
+
 @pytest.mark.provokes_pass_bug
 def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch, _no_pass_bugs):
     from coda_rewrite.algebra import row_scale

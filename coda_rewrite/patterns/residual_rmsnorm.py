@@ -42,6 +42,7 @@ from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
+from ..codegen.quack_source import Unlowerable, generate
 from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
                            same_meta)
@@ -424,9 +425,28 @@ def refresh(m: Match, context: Context) -> Match:
     return dataclasses.replace(m, norm=norm, producer=producer, producer_note=note)
 
 
+def _not_lowerable(program: EpilogueProgram) -> str | None:
+    """Why ``program`` has no kernel (None: it has one)."""
+    try:
+        generate(program)
+    except Unlowerable as e:
+        return str(e)
+    return None
+
+
 def decide(m: Match, context: Context) -> Decided:
     m = refresh(m, context)
     programs = build_programs(m)
+    why = _not_lowerable(programs.norm) if m.producer is not None else None
+    if why is not None:
+        # its epilogue would run as the reference (a float32 GEMM on a GPU: 2 ms per
+        # call at gpt-oss's 8192 x 2880, H200): the producing GEMM stays cuBLAS's, and
+        # the norm gets the row-wise program (e.g. a biased producer: its bias lanes past N
+        # are not loaded, so the sum of squares over a ragged tile would fold them in)
+        m = dataclasses.replace(m, producer=None, producer_note=Why(
+            f"the producer's epilogue has no kernel ({why}): its GEMM is left as it is",
+            "row_scale.producer_unlowerable"))
+        programs = build_programs(m)
     decision, per_consumer, accepted = row_scale.decide(m, programs, m.norm.output.graph)
     chains = {c.linear: bool(c.chain) for c in m.consumers}
     report = {"consumer_decisions": [(describe(n), d, chains[n])
