@@ -223,7 +223,7 @@ LOOK_ALIKES = {
     "other_offsets": "moe.offsets_differ",
     "input_fill_other_rows": "moe.input_fill",
     "up_first": "moe.activation",
-    "kn_weights": None,             # [E, K, 2I] stored: read through a transposed view
+    "kn_weights": "moe.weight_layout",  # [E, K, 2I] split into halves: no kernel reads it
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
     "source_updated": "moe.in_place",         # the gathered source updated after the gather
     "fill_one": "moe.fill_value",             # a fill the router weight would scale

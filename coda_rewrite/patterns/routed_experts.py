@@ -373,6 +373,12 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
         return NoMatch(gu, Why(f"the gate/up weight {describe(b)} is not a [E, K, 2I] "
                                "expert weight or the transpose of a [E, 2I, K] one",
                                "moe.weight_layout"))
+    if w_gu[1] and ch is not None:
+        return NoMatch(gu, Why(f"the gate/up weight {describe(b)} is stored [E, K, 2I] and "
+                               "split into [gate; up] halves: the kernel reads halves "
+                               "interleaved from K-contiguous rows only (QuACK's concat "
+                               "layout), and anything else would run as the reference",
+                               "moe.weight_layout"))
     y = _sole_user(mul)
     y = _sole_user(y) if y is not None and canon(y) is not None and \
         canon(y).name == "cast" else y
