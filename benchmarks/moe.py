@@ -42,6 +42,17 @@ def hidden_of(name: str) -> int:
     return SHAPES[name][1]["hidden_size"]
 
 
+def show(prefix: str, timed: dict, base: str, rows=None, unit: str = "ms") -> None:
+    """One line per variant: median ms, spread, speed against ``base``; each also a CSV
+    row where ``rows`` is given."""
+    ref = timed[base][0]
+    for k, (ms, spread) in timed.items():
+        print(f"{prefix}{k:26s} {ms:8.3f} ms (spread {spread:.1%})  {ref / ms:.3f}x "
+              "torch.compile", flush=True)
+        if rows is not None:
+            rows.append((f"{prefix.split(':')[0]} {k}", unit, ms))
+
+
 def whole_model(name: str):
     """A one-layer model of the shape (vocab 256): the decoder layer's attention, its
     post-attention norm and the MoE block, bf16, on the GPU."""
@@ -142,11 +153,7 @@ def train(names):
         print(f"{name}: runtime {ops.runtime_summary()}", flush=True)
         timed = bench_rounds({k: (lambda f=f: step(f)) for k, f in variants.items()},
                              rounds=5)
-        base = timed["torch.compile grouped_mm"][0]
-        for k, (ms, spread) in timed.items():
-            print(f"{name}: train {k:26s} {ms:8.3f} ms (spread {spread:.1%})  "
-                  f"{base / ms:.3f}x torch.compile", flush=True)
-            rows.append((f"{name} {k}", "ms fwd+bwd", ms))
+        show(f"{name}: train ", timed, "torch.compile grouped_mm", rows, "ms fwd+bwd")
         print(f"{name}: kernels of backend=coda fused fwd+bwd:\n" +
               kernel_top(lambda: step(variants["backend=coda fused"]), 14), flush=True)
     write_csv("moe layer forward + backward (8192 tokens)", rows)
@@ -205,10 +212,7 @@ def layer(names):
                       f"{ops.runtime_summary()[:3]}", flush=True)
             timed = bench_rounds({k: (lambda f=f: f(ids)) for k, f in variants.items()},
                                  rounds=5)
-        base = timed["torch.compile"][0]
-        for k, (ms, spread) in timed.items():
-            print(f"{name}: layer {k:24s} {ms:8.3f} ms (spread {spread:.1%})  "
-                  f"{base / ms:.3f}x torch.compile", flush=True)
+        show(f"{name}: layer ", timed, "torch.compile")
 
 
 def main(names):
@@ -239,11 +243,7 @@ def main(names):
                 print(f"{name}: {k}: rel. error vs float32 loop {rel_err(o.float(), want):.2e}",
                       flush=True)
             timed = bench_rounds({k: (lambda f=f: f(x)) for k, f in variants.items()}, rounds=5)
-            base = timed["torch.compile grouped_mm"][0]
-            for k, (ms, spread) in timed.items():
-                print(f"{name}: {k:26s} {ms:8.3f} ms (spread {spread:.1%})  "
-                      f"{base / ms:.3f}x torch.compile", flush=True)
-                rows.append((f"{name} {k}", "ms", ms))
+            show(f"{name}: ", timed, "torch.compile grouped_mm", rows)
             for k in ("torch.compile grouped_mm", "backend=coda"):
                 print(f"{name}: kernels of {k}:\n" + kernel_top(lambda: variants[k](x), 10),
                       flush=True)

@@ -119,11 +119,20 @@ def _canonical(case) -> bool:
 
 
 def _run(case, note=event):
+    _check(Experts, case, _canonical(case), note, min_tokens=24, grad_tol=6e-2)
+
+
+def _check(model_class, case, canonical: bool, note, min_tokens: int, grad_tol: float):
+    """The rewritten module against eager and a float64 copy: outputs no worse than eager's
+    (pooled over draws of at least ``min_tokens`` tokens: one draw of a token or three is
+    a handful of roundings, 1.53x was seen on one draw for a rewrite whose median over
+    twelve is 0.81x), gradients within ``grad_tol`` of eager's; the canonical spelling
+    rewritten, every match left with a code."""
     if case["top_k"] > case["experts"]:
         case = {**case, "top_k": case["experts"]}
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Experts(case).bfloat16().train(case["train"])
+    model = model_class(case).bfloat16().train(case["train"])
     ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     h = torch.randn(case["tokens"], H)
     xs = [h.bfloat16().requires_grad_(case["train"]),
@@ -134,15 +143,12 @@ def _run(case, note=event):
     with torch.no_grad():
         truth = exact(xs[2])
     got, want, truth = ((t if isinstance(t, tuple) else (t,)) for t in (got, want, truth))
-    adversary_records(fast.report, "routed_experts", _canonical(case), note)
+    adversary_records(fast.report, "routed_experts", canonical, note)
     for o, w in zip(got, want):
         assert o.shape == w.shape and o.dtype == w.dtype
-    # bf16 against the float64 copy: no worse than eager, the errors pooled over draws of
-    # at least 24 tokens in all (one draw of a token or three is a handful of roundings:
-    # 1.53x was seen on one draw for a rewrite whose median over twelve is 0.81x)
     draws = [(got, want, truth)]
     with torch.no_grad():
-        for _ in range(max(0, -(-24 // case["tokens"]) - 1)):
+        for _ in range(max(0, -(-min_tokens // case["tokens"]) - 1)):
             hi = torch.randn(case["tokens"], H)
             draws.append(tuple(t if isinstance(t, tuple) else (t,) for t in (
                 fast(hi.bfloat16()), ref(hi.bfloat16()), exact(hi.double()))))
@@ -156,7 +162,7 @@ def _run(case, note=event):
     pairs = [(xs[0].grad, xs[1].grad)] + [(p.grad, q.grad) for p, q in zip(
         model.parameters(), ref.parameters())]
     for a, b in pairs:  # bf16 gradients: a loose bound a wrong rule still breaks
-        assert (a is None) == (b is None) and (a is None or rel_err(a, b) <= 6e-2), case
+        assert (a is None) == (b is None) and (a is None or rel_err(a, b) <= grad_tol), case
 
 
 @seed(20261202)
@@ -267,41 +273,9 @@ def _oai_canonical(case) -> bool:
 
 
 def _run_oai(case, note=event):
-    if case["top_k"] > case["experts"]:
-        case = {**case, "top_k": case["experts"]}
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = OaiExperts(case).bfloat16().train(case["train"])
-    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
-    h = torch.randn(case["tokens"], H)
-    xs = [h.bfloat16().requires_grad_(case["train"]),
-          h.bfloat16().requires_grad_(case["train"]), h.double()]
-    fast = coda_rewrite.optimize(model)
-    with torch.set_grad_enabled(case["train"]):
-        got, want = fast(xs[0]), ref(xs[1])
-    with torch.no_grad():
-        truth = exact(xs[2])
-    got, want, truth = ((t if isinstance(t, tuple) else (t,)) for t in (got, want, truth))
-    adversary_records(fast.report, "routed_experts", _oai_canonical(case), note)
-    for o, w in zip(got, want):
-        assert o.shape == w.shape and o.dtype == w.dtype
-    draws = [(got, want, truth)]  # pooled over ≥ 64 tokens: a pre-activation whose
-    with torch.no_grad():         # rounding crosses a clamp is one draw's whole error
-        for _ in range(max(0, -(-64 // case["tokens"]) - 1)):
-            hi = torch.randn(case["tokens"], H)
-            draws.append(tuple(t if isinstance(t, tuple) else (t,) for t in (
-                fast(hi.bfloat16()), ref(hi.bfloat16()), exact(hi.double()))))
-    for j in range(len(got)):
-        pool = [torch.cat([d[i][j].double().reshape(-1) for d in draws]) for i in range(3)]
-        assert rel_err(pool[0], pool[2]) <= 1.25 * rel_err(pool[1], pool[2]) + 1e-6, case
-    if not case["train"]:
-        return
-    sum(o.float().sum() for o in got).backward()
-    sum(w.float().sum() for w in want).backward()
-    pairs = [(xs[0].grad, xs[1].grad)] + [(p.grad, q.grad) for p, q in zip(
-        model.parameters(), ref.parameters())]
-    for a, b in pairs:  # bf16 gradients: a loose bound a wrong rule still breaks
-        assert (a is None) == (b is None) and (a is None or rel_err(a, b) <= 1e-1), case
+    # pooled over 64 tokens: a pre-activation whose rounding crosses a clamp is one
+    # small draw's whole error
+    _check(OaiExperts, case, _oai_canonical(case), note, min_tokens=64, grad_tol=1e-1)
 
 
 @seed(20261203)
