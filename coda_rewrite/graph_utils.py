@@ -81,11 +81,13 @@ def in_place_update_of(values: set[fx.Node], graph: fx.Graph
 
 
 def _copying_index(node: fx.Node) -> bool:
-    """``x[index]`` with a tensor in the index: advanced indexing, which copies (a
-    gather of rows), not a view."""
+    """``x[index]`` with a tensor of one or more dims in the index: advanced indexing,
+    which copies (a gather of rows), not a view. (A 0-d integer tensor indexes like an
+    int, into a view: ``x[torch.tensor(1)]`` shares x's memory.)"""
     idx = node.args[1] if len(node.args) > 1 else None
     parts = idx if isinstance(idx, (tuple, list)) else (idx,)
-    return any(isinstance(p, fx.Node) and meta(p) is not None for p in parts)
+    return any(isinstance(p, fx.Node) and meta(p) is not None and meta(p).dim() >= 1
+               for p in parts)
 
 
 def aliases(values: set[fx.Node]) -> set[fx.Node]:

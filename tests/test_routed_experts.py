@@ -6,6 +6,7 @@ each with its code; the grouped op's contract, fake and gradient refusal."""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -715,8 +716,6 @@ def test_what_counts_as_an_update_in_place():
     """graph_utils.mutated_value, which the side conditions' in-place checks read:
     operator.and_ / or_ are named like in-place ops and are not (a mask built with `|`
     was taken for an update of the mask); operator.ior, setitem and `x.mul_` are."""
-    import operator
-
     from coda_rewrite.graph_utils import mutated_value
     g = torch.fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
@@ -727,3 +726,27 @@ def test_what_counts_as_an_update_in_place():
                g.call_method("mul_", (a, 2.0)), g.call_function(torch.Tensor.add_, (a, b))]
     assert all(mutated_value(n) is None for n in pure)
     assert all(mutated_value(n) is a for n in updates)
+
+
+def test_what_shares_memory_with_a_value():
+    """graph_utils.aliases, which the in-place side conditions watch: a basic index (a
+    slice, an int, a 0-d integer tensor) is a view; advanced indexing by a tensor of one
+    or more dims (the experts' gather of the routed rows, a mask) copies. Checked against
+    torch itself, so the rule cannot drift from what indexing does."""
+    from coda_rewrite.graph_utils import aliases
+    x, i1, i0, mask = torch.zeros(4, 3), torch.tensor([1, 2]), torch.tensor(1), \
+        torch.tensor([True, False, True, False])
+    g = torch.fx.Graph()
+    nodes = {}
+    for name, value in (("x", x), ("i1", i1), ("i0", i0), ("mask", mask)):
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["example_value"] = value
+    cases = {"rows": (nodes["i1"],), "row0d": (nodes["i0"],), "mask": (nodes["mask"],),
+             "slice": ((slice(None), 1),), "column": ((slice(None), nodes["i1"]),)}
+    values = {"rows": x[i1], "row0d": x[i0], "mask": x[mask], "slice": x[:, 1],
+              "column": x[:, i1]}
+    made = {k: g.call_function(operator.getitem, (nodes["x"], *idx)) for k, idx in cases.items()}
+    seen = aliases({nodes["x"]})
+    for k, node in made.items():
+        shares = values[k].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        assert (node in seen) == shares, k
