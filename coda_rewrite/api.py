@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from .backend import CodaBackend
 from .options import Options
+from .patterns import routed_experts
 from .report import Report
 
 
@@ -136,6 +137,7 @@ def optimize(model: nn.Module, example_inputs=None, *, dynamic: bool | None = No
     backend = CodaBackend(opts)
     compiled = torch.compile(_entry_point(), backend=backend, dynamic=dynamic,
                              fullgraph=fullgraph)
+    backend.report.notes += routed_experts.implementation_notes(model)
     wrapped = CodaModule(model, compiled, backend)
     if example_inputs is not None:
         _call(wrapped, example_inputs)
@@ -151,6 +153,7 @@ def explain(model: nn.Module, *example_inputs, **kwargs) -> Report:
                         inductor=kwargs.get("inductor", False))
     model_kwargs = {k: v for k, v in kwargs.items() if k not in names}
     backend = CodaBackend(opts)
+    backend.report.notes += routed_experts.implementation_notes(model)
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         compiled(*example_inputs, **model_kwargs)

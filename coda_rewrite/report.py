@@ -188,6 +188,9 @@ class Report:
         self.graphs: list[GraphReport] = []
         self.uncaptured_calls = 0  # optimize() calls that ran no rewritten graph (warned)
         self.graph_breaks: list[str] = []  # dynamo's reasons, where optimize() saw a break
+        # what optimize()/explain() saw in the module tree itself, before any graph (a
+        # module whose selected implementation no family rewrites), each with its code
+        self.notes: list[str] = []
 
     def add(self, g: GraphReport, dump_dir: str | None) -> None:
         self.graphs.append(g)
@@ -211,6 +214,7 @@ class Report:
                       if self.uncaptured_calls else "")
         uncaptured += "".join(f"\ngraph break (the code around it runs as eager): {b}"
                               for b in self.graph_breaks)
+        uncaptured += "".join(f"\nnote: {n}" for n in self.notes)
         if not self.graphs:
             return "coda_rewrite: no graph was captured" + uncaptured
         done = self.count(pattern=None)

@@ -111,6 +111,26 @@ def test_gpt_oss_experts_with_clamps_that_bite():
     assert "bias" in rec.biases and "N-contiguous" in rec.weights
 
 
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+def test_report_names_an_experts_implementation_not_rewritten(impl):
+    """A model whose experts run transformers' per-expert loop or batched matmul: nothing
+    of them is a candidate (the loop breaks the graph), so the report says so at the
+    model level, with the code and the switch that gets the fused path."""
+    model, _ = moe_model("qwen3_moe")
+    model.set_experts_implementation(impl)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        fast(torch.randint(0, 128, (2, 8)))
+    notes = fast.report.notes
+    if impl == "grouped_mm":
+        assert not notes
+        return
+    (note,) = notes
+    assert f"experts_implementation={impl!r}" in note and "[moe.implementation]" in note
+    assert "2 experts module(s) (model.layers.0.mlp.experts" in note
+    assert f"note: {note}" in str(fast.report)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_float32_models_take_transformers_fallback_op(family):
     """In float32, transformers routes grouped_mm through its own custom op under

@@ -408,6 +408,24 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
                  combine if combine is not None else o)
 
 
+def implementation_notes(model: torch.nn.Module) -> list[str]:
+    """The report's model-level notes: experts modules (transformers'
+    ``use_experts_implementation``) whose selected implementation is not grouped_mm. Their
+    per-expert loop ("eager": dynamo also breaks the graph at its data-dependent list of
+    experts) or batched matmul is not a spelling this family rewrites, and nothing in the
+    captured graphs would say so."""
+    found: dict[str, list[str]] = {}
+    for name, mod in model.named_modules():
+        impl = getattr(getattr(mod, "config", None), "_experts_implementation", None)
+        if impl is not None and impl != "grouped_mm" and hasattr(mod, "has_gate"):
+            found.setdefault(impl, []).append(name)
+    return [f"{len(names)} experts module(s) ({names[0]}, ...) run "
+            f"experts_implementation={impl!r}, which the routed experts rewrite does not "
+            "take (it rewrites transformers' grouped_mm path): set it with "
+            "model.set_experts_implementation('grouped_mm') for the fused grouped GEMMs "
+            "[moe.implementation]" for impl, names in found.items()]
+
+
 def _after_grouped_gemm(x, depth: int = 8) -> bool:
     """Whether ``x`` is computed from another grouped GEMM's output within a few ops."""
     todo, seen = [(x, 0)], set()
