@@ -90,21 +90,38 @@ def _copying_index(node: fx.Node) -> bool:
                for p in parts)
 
 
+def _viewlike(u: fx.Node) -> bool:
+    """``u`` may return a view of its first argument."""
+    return (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
+        u.op == "call_function" and (
+            (u.target is operator.getitem and not _copying_index(u)) or
+            getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
+        or (u.op == "call_function" and u.target is getattr)
+
+
 def aliases(values: set[fx.Node]) -> set[fx.Node]:
     """``values`` and every view that may share memory with them."""
     seen, todo = set(values), list(values)
     while todo:
         n = todo.pop()
         for u in n.users:
-            viewlike = (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
-                u.op == "call_function" and (
-                    (u.target is operator.getitem and not _copying_index(u)) or
-                    getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
-                or (u.op == "call_function" and u.target is getattr)
-            if viewlike and u.args and u.args[0] is n and u not in seen:
+            if _viewlike(u) and u.args and u.args[0] is n and u not in seen:
                 seen.add(u)
                 todo.append(u)
     return seen
+
+
+def memory_sharers(values: set[fx.Node]) -> set[fx.Node]:
+    """Every value that may share memory with one of ``values``: the tensors they are
+    views of (up to the first that is not a view), and every view of those. What a read
+    moved later than eager's must watch: an update in place of the base of a view
+    changes the view too (``aliases`` alone looks at views of the values only)."""
+    roots = set()
+    for v in values:
+        while isinstance(v.args[0] if v.args else None, fx.Node) and _viewlike(v):
+            v = v.args[0]
+        roots.add(v)
+    return aliases(roots | set(values))
 
 
 def same_value(a, b, depth: int = 4) -> bool:

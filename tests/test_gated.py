@@ -197,3 +197,34 @@ def test_gated_backward_rule_matches_autograd(op, has_r, has_bias):
 def test_inference_program_stores_no_preactivation():
     prog = gated_program("swiglu", True, False, torch.bfloat16, keep_preact=False)
     assert [o.kind for o in prog.outputs] == [Kind.PAIR]
+
+
+class _UpdatedBetween(nn.Module):
+    """gate GEMM, then x (or the tensor x is a view of) updated in place, then the up GEMM:
+    the two read different x, which one fused GEMM at the product cannot."""
+
+    def __init__(self, through_view: bool):
+        super().__init__()
+        self.through_view = through_view
+        self.gate, self.up = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x0):
+        base = x0 * 1.0
+        x = base.view(-1, 32) if self.through_view else base
+        g = self.gate(x)
+        base.add_(1.0)
+        return self.down(F.silu(g) * self.up(x))
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+def test_input_updated_between_gate_and_up_is_refused(through_view):
+    torch.manual_seed(0)
+    model = _UpdatedBetween(through_view)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want = fast(x), ref(x)
+    assert torch.equal(got, want)
+    assert codes(fast.report, "gated_mlp") == {"gated.in_place"}, str(fast.report)

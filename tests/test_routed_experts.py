@@ -205,6 +205,11 @@ class Experts(torch.nn.Module):
             h = h * 1.0
             x = h[perm // self.top_k]
             h.add_(1.0)
+        if case == "source_base_updated":  # the tensor the gathered source is a view of
+            base = h * 1.0
+            h = base.view(-1, base.shape[-1])
+            x = h[perm // self.top_k]
+            base.add_(1.0)
         in_mask = (ids_g >= self.e - 1).unsqueeze(-1) if case == "input_fill_other_rows" \
             else mask
         x.masked_fill_(in_mask, 0.0)
@@ -253,6 +258,7 @@ LOOK_ALIKES = {
     "kn_weights": "moe.weight_layout",  # [E, K, 2I] split into halves: no kernel reads it
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
     "source_updated": "moe.in_place",         # the gathered source updated after the gather
+    "source_base_updated": "moe.in_place",    # ... through the tensor it is a view of
     "fill_one": "moe.fill_value",             # a fill the router weight would scale
 }
 

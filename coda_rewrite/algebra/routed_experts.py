@@ -39,7 +39,7 @@ from ..capture import describe
 from ..codegen import reference
 from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
-from ..graph_utils import aliases, mutated_value
+from ..graph_utils import aliases, memory_sharers, mutated_value
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -153,11 +153,12 @@ def side_conditions(m) -> tuple[list[str], str | None]:
 def _moved_input_updated(m):
     """(node, value) of an update in place of a value the fused GEMMs read where the match
     ends (the gathered source, the index, offsets, masks, router and expert weights), or
-    of a view of one; the gathered rows' own fill excepted (dead, side condition below)."""
+    of memory one shares (a view of it, the tensor it is a view of); the gathered rows'
+    own fill excepted (dead, side condition below)."""
     values = {m.index, m.offsets, m.weight, m.w_gate_up, m.w_down, m.source}
     values |= {b.table for b in m.biases}
     values |= {f.mask for f in (m.input_fill, m.gate_up_fill, m.down_fill) if f is not None}
-    watched = aliases({v for v in values if v is not None})
+    watched = memory_sharers({v for v in values if v is not None})
     for node in m.mul.graph.nodes:
         target = mutated_value(node)
         if target is not None and target in watched and \
