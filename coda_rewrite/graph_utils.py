@@ -124,6 +124,26 @@ def memory_sharers(values: set[fx.Node]) -> set[fx.Node]:
     return aliases(roots | set(values))
 
 
+def updated_between(values, first: fx.Node, last: fx.Node
+                    ) -> tuple[fx.Node, fx.Node] | None:
+    """(node, value) of the first update in place, strictly between ``first`` and
+    ``last`` in graph order, of memory one of ``values`` shares (memory_sharers): where a
+    fused op reads ``values`` at another point of that span than eager did, such an update
+    is read by one and not the other."""
+    values = {v for v in values if isinstance(v, fx.Node)}
+    if not values:
+        return None
+    watched = memory_sharers(values)
+    inside = False
+    for node in first.graph.nodes:
+        if node is last:
+            return None
+        if inside and mutated_value(node) in watched:
+            return node, mutated_value(node)
+        inside = inside or node is first
+    return None
+
+
 def same_value(a, b, depth: int = 4) -> bool:
     """Two graph values known to be equal: the same node, or the same pure call on
     arguments that are (the norm rewrite casts each consumer's input separately under

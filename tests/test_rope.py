@@ -1439,3 +1439,40 @@ def test_kept_values_from_inference_mode_do_not_reach_a_training_step(family):
     want.backward()
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
     grads_match(model, ref)
+
+
+class _UpdatedBetweenProjections(ChunkSpelling):
+    """q's GEMM, then x updated in place, then k's and v's: they read different x, which
+    one fused GEMM reading x at one point cannot."""
+
+    def forward(self, x0):
+        x = x0 * 1.0
+        b, s, _ = x.shape
+        pos = torch.arange(s, device=x.device)[None]
+        th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((th, th), dim=-1)
+        cos, sin = emb.cos().unsqueeze(2), emb.sin().unsqueeze(2)
+
+        def rotate_half(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return torch.cat((-t2, t1), dim=-1)
+        q = self.q(x).view(b, s, 4, 8)
+        x.add_(1.0)
+        k = self.k(x).view(b, s, 2, 8)
+        v = self.v(x).view(b, s, 2, 8)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, s, 32)
+
+
+def test_input_updated_between_the_projections_is_refused():
+    m = _UpdatedBetweenProjections()
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(m)
+        got, want = fast(x), ref(x)
+    assert torch.equal(got, want)
+    assert codes(fast.report, "rope") == {"rope.in_place"}, str(fast.report)

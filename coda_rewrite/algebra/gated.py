@@ -27,7 +27,7 @@ import torch.fx as fx
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts
-from ..graph_utils import memory_sharers, mutated_value, same_value
+from ..graph_utils import same_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -118,17 +118,15 @@ def moved_read_updated(m) -> Why | None:
     of them (or of memory one shares) in between would reach the fused GEMM and not
     eager's (a gate GEMM, then x.add_(1), then the up GEMM: the two read different x)."""
     projections = (m.gate,) if m.packed else (m.gate, m.up)
-    reads = {n for p in projections for n in (p.x, p.weight, p.bias, p.r)
-             if isinstance(n, fx.Node)}
     order = {n: i for i, n in enumerate(m.mul.graph.nodes)}
-    first = min(order[n] for p in projections for n in p.nodes if n in order)
-    watched = memory_sharers(reads)
-    for node in m.mul.graph.nodes:
-        if first < order[node] < order[m.mul] and mutated_value(node) in watched:
-            return Why(f"{describe(node)} updates {describe(mutated_value(node))} in place "
-                       "between eager's gate/up GEMMs and the product: the fused GEMM, which "
-                       "runs at the product, would read the updated value", "gated.in_place")
-    return None
+    first = min((n for p in projections for n in p.nodes if n in order), key=order.get)
+    found = updated_between([v for p in projections for v in (p.x, p.weight, p.bias, p.r)],
+                            first, m.mul)
+    if found is None:
+        return None
+    return Why(f"{describe(found[0])} updates {describe(found[1])} in place between eager's "
+               "gate/up GEMMs and the product: the fused GEMM, which runs at the product, "
+               "would read the updated value", "gated.in_place")
 
 
 def decide(m, program) -> Decision:

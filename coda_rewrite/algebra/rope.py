@@ -38,7 +38,7 @@ import torch.fx as fx
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts
-from ..graph_utils import MATMUL, mutated_value
+from ..graph_utils import MATMUL, mutated_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -341,7 +341,36 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     return held, _side_conditions(m, held)
 
 
+def moved_read_updated(m) -> str | None:
+    """The fused GEMM reads x, the weights, biases, row scale and angles at one point
+    (patterns/rope.apply's anchor), eager's projections and rotations at theirs: an update
+    in place of one of them (or of memory one shares) anywhere from the first projection
+    to the last reader of a value the match replaces would be read by one and not the
+    other (q's GEMM, then x.add_(1), then k's: the two read different x)."""
+    order = {n: i for i, n in enumerate(m.rotated[0].out.graph.nodes)}
+    gemms = [n for s in m.segments for n in s.proj.nodes if n in order]
+    # to the last reader of what it replaces (the fused GEMM may sit as late as the first)
+    ends = [r.out for r in m.rotated] + [s.column_node for s in m.passthrough]
+    ends += [u for e in list(ends) for u in e.users]
+    angles = (m.angle.inv_freq, m.angle.pos, m.angle.cos, m.angle.sin) \
+        if m.angle is not None else ()
+    reads = [m.proj.x, m.proj.r, m.table, *angles,
+             *(v for s in m.segments for v in (s.proj.weight, s.proj.bias))]
+    ends = [n for n in ends if n in order]
+    if not gemms or not ends:
+        return None
+    found = updated_between(reads, min(gemms, key=order.get), max(ends, key=order.get))
+    if found is None:
+        return None
+    return Why(f"{describe(found[0])} updates {describe(found[1])} in place between the "
+               "projections and the rotation: the fused GEMM reads it at one point, eager's "
+               "GEMMs at theirs", "rope.in_place")
+
+
 def _side_conditions(m, held) -> str | None:
+    why = moved_read_updated(m)
+    if why:
+        return why
     shapes = {(r.head_dim, r.rotary_dim, r.rotary_offset, r.stored_pairs) for r in m.rotated}
     if len(shapes) != 1:
         return Why("q and k differ in head_dim, rotary span or stored pair order (one "
