@@ -424,3 +424,29 @@ def test_one_pass_finish_equals_the_chunked_rule(monkeypatch, with_d_logits, log
                        [o.detach() for o in outs], [dz, dloss, None])
     for x, w in zip([got[0], got[1], got[2][0]], want):
         assert rel_err(x, w) <= 1e-12
+
+
+def test_hidden_state_updated_between_the_gemm_and_the_loss_is_refused():
+    """logits = head(h), then h updated in place, then the loss: the fused GEMM runs at
+    the loss and would read the updated h."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(32, 64, bias=False)
+
+        def forward(self, h0, t):
+            h = h0 * 1.0
+            logits = self.head(h)
+            h.add_(1.0)
+            return F.cross_entropy(logits.float(), t), h.sum()
+
+    torch.manual_seed(0)
+    model = Head()
+    ref = copy.deepcopy(model)
+    h, t = torch.randn(16, 32), torch.randint(0, 64, (16,))
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want = fast(h, t), ref(h, t)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert codes(fast.report, "lm_head_cross_entropy") == {"cross_entropy.in_place"}, \
+        str(fast.report)

@@ -329,6 +329,24 @@ def test_a_biased_producer_whose_epilogue_has_no_kernel_stays_cublas():
     assert [p.name for p in rec.programs] == ["rmsnorm_rowscale", "rowscale"]
 
 
+def test_producer_input_updated_before_the_residual_add_keeps_the_producer_unfused():
+    """y = x·W0ᵀ, then x updated in place, then y + res: the fused producer runs at the
+    add and would read the updated x; the GEMM stays as it is, the norm is still
+    deferred (row-wise program)."""
+    def body(self, x, res):
+        x = x * 1.0
+        y = self.w0(x)
+        x.add_(1.0)
+        return self.w1(rms(y + res, self.g)) + x.sum()
+
+    report, got, want = run(body)
+    same(got, want, tol=1e-5)
+    rec = report.records[0]
+    assert rec.status == "rewritten" and "between the producing GEMM and the residual add" \
+        in rec.producer, str(report)
+    assert [p.name for p in rec.programs] == ["rmsnorm_rowscale", "rowscale"]
+
+
 @pytest.mark.provokes_pass_bug
 def test_a_checker_crash_costs_the_rewrite_not_the_compile(monkeypatch, _no_pass_bugs):
     from coda_rewrite.algebra import row_scale

@@ -23,7 +23,7 @@ import torch
 from ..canonical import meta
 from ..capture import describe
 from ..codegen import layouts
-from ..graph_utils import mutated_value
+from ..graph_utils import mutated_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -52,6 +52,13 @@ def side_conditions(m, materialise: bool) -> tuple[list[str], str | None]:
             return held, Why(f"{describe(reader)} updates the logits in place",
                              "cross_entropy.in_place")
     order = {n: i for i, n in enumerate(m.ce.graph.nodes)}
+    gemm = min((n for n in m.proj.nodes if n in order), key=order.get, default=m.proj.out)
+    moved = updated_between([m.proj.x, m.proj.weight, m.proj.bias, m.proj.r],
+                            gemm, m.ce)
+    if moved is not None:  # the fused GEMM runs at the loss, eager's GEMM before
+        return held, Why(f"{describe(moved[0])} updates {describe(moved[1])} in place between "
+                         "the logits GEMM and the loss, where the fused GEMM would read it",
+                         "cross_entropy.in_place")
     early = [r for r in m.logits_readers if order[r] < order[m.ce]]
     if early:
         return held, Why(f"the logits are read before the loss ({describe(early[0])}); the "

@@ -45,7 +45,7 @@ from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.quack_source import Unlowerable, generate
 from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
-                           same_meta)
+                           same_meta, updated_between)
 from ..kernels import ops
 from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from .family import Context, Decided, DeferredNorm
@@ -437,6 +437,16 @@ def _not_lowerable(program: EpilogueProgram) -> str | None:
 def decide(m: Match, context: Context) -> Decided:
     m = refresh(m, context)
     programs = build_programs(m)
+    moved = updated_between([m.producer.x, m.producer.weight, m.producer.bias],
+                            m.producer.linear, m.producer.add) if m.producer else None
+    if moved is not None:
+        # the fused producer runs at the residual add: it would read the GEMM's input
+        # after this update, eager's GEMM before it
+        m = dataclasses.replace(m, producer=None, producer_note=Why(
+            f"{describe(moved[0])} updates {describe(moved[1])} in place between the "
+            "producing GEMM and the residual add, where the fused producer would read it: "
+            "its GEMM is left as it is", "row_scale.producer_input_updated"))
+        programs = build_programs(m)
     why = _not_lowerable(programs.norm) if m.producer is not None else None
     if why is not None:
         # its epilogue would run as the reference (a float32 GEMM on a GPU: 2 ms per
