@@ -70,9 +70,9 @@ def mutated_value(node: fx.Node) -> fx.Node | None:
 def in_place_update_of(values: set[fx.Node], graph: fx.Graph
                        ) -> tuple[fx.Node, fx.Node] | None:
     """(the node, the value it updates) of the first update in place, anywhere in
-    ``graph``, of one of ``values`` or of a view that may share memory with one; None
-    where nothing updates them."""
-    watched = aliases(values)
+    ``graph``, of memory one of ``values`` may share (a view of it, the tensor it is a
+    view of, that tensor's other views); None where nothing updates them."""
+    watched = memory_sharers(values)
     for node in graph.nodes:
         target = mutated_value(node)
         if target is not None and target in watched:

@@ -522,3 +522,29 @@ def test_the_gpu_speed_policy(monkeypatch):
     assert refused(cache_relayouts=True, with_act=False) == "layernorm.alone_does_not_pay"
     assert refused(min_fused_rows=0) == refused(with_act=False, min_fused_rows=4096) == ""
     assert refused(grad=True) == refused(device="cpu") == ""
+
+
+def test_norm_input_updated_through_its_base_is_refused():
+    """LN(z) read by a GEMM, with z a view of a tensor updated in place after the norm: the
+    deferred GEMM reads z at its own position, where the update has landed (eager's norm
+    read it before); refused [layernorm.in_place]."""
+    class Viewed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 64)
+
+        def forward(self, x0):
+            base = x0 * 1.0
+            h = self.ln(base.view(-1, 32))
+            base.add_(1.0)
+            return self.fc(h)
+
+    torch.manual_seed(0)
+    model = Viewed()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want = fast(x), ref(x)
+    assert torch.equal(got, want)
+    assert codes(fast.report, "layernorm_gemm") == {"layernorm.in_place"}, str(fast.report)
