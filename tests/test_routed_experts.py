@@ -266,7 +266,8 @@ LOOK_ALIKES = {
 def check_look_alike(model, expected: str | None):
     """A look-alike's outputs equal eager's (no worse against float64); rewritten where
     ``expected`` is None, else left with that code."""
-    h = torch.randn(8, 32).bfloat16()
+    torch.manual_seed(0)  # 64 tokens: with a handful, a few roundings decide the ratio
+    h = torch.randn(64, 32).bfloat16()
     ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     with torch.no_grad():
         fast = coda_rewrite.optimize(model)
@@ -433,8 +434,9 @@ def test_norm_rstd_deferred_through_the_routing(case, deferred):
     (h2's rows read, r per routed row in the epilogue) where the experts read the norm's
     output through views; with a per-feature factor between them the experts read the
     normalised value as it is. Every output no worse than eager against float64."""
+    torch.manual_seed(0)  # 64 tokens: with 8, a few roundings decide the ratio to eager's
     model = NormedExperts(case)
-    x, res = torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 4, 32).bfloat16()
+    x, res = torch.randn(4, 16, 32).bfloat16(), torch.randn(4, 16, 32).bfloat16()
     ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     with torch.no_grad():
         fast = coda_rewrite.optimize(model)
