@@ -51,6 +51,10 @@ def moe_model(family: str, dtype=torch.bfloat16, seed: int = 0, **overrides):
     cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(dtype).eval()
+    with torch.no_grad():  # router logits 30x apart: a token whose top-k nearly ties is
+        for name, p in model.named_parameters():  # routed by rounding noise, eager's or
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # the rewrite's,
+                p.mul_(30.0)  # and the comparison would count the flipped tokens
     exact = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).double().eval()
     exact.load_state_dict(model.state_dict())
     exact.set_experts_implementation("eager")
