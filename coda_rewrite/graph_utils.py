@@ -67,17 +67,21 @@ def mutated_value(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def in_place_update_of(values: set[fx.Node], graph: fx.Graph
-                       ) -> tuple[fx.Node, fx.Node] | None:
-    """(the node, the value it updates) of the first update in place, anywhere in
-    ``graph``, of memory one of ``values`` may share (a view of it, the tensor it is a
-    view of, that tensor's other views); None where nothing updates them."""
+def in_place_updates(values: set[fx.Node], graph: fx.Graph):
+    """(the node, the value it updates) of every update in place, anywhere in ``graph``,
+    of memory one of ``values`` may share (a view of it, the tensor it is a view of,
+    that tensor's other views), in graph order."""
     watched = memory_sharers(values)
     for node in graph.nodes:
         target = mutated_value(node)
         if target is not None and target in watched:
-            return node, target
-    return None
+            yield node, target
+
+
+def in_place_update_of(values: set[fx.Node], graph: fx.Graph
+                       ) -> tuple[fx.Node, fx.Node] | None:
+    """The first of ``in_place_updates``; None where nothing updates them."""
+    return next(in_place_updates(values, graph), None)
 
 
 def _copying_index(node: fx.Node) -> bool:
@@ -119,7 +123,10 @@ def memory_sharers(values: set[fx.Node]) -> set[fx.Node]:
     roots = set()
     for v in values:
         while isinstance(v.args[0] if v.args else None, fx.Node) and _viewlike(v):
-            v = v.args[0]
+            base = v.args[0]
+            if meta(base) is None and not _viewlike(base):
+                break  # an element of a tuple a non-view op returned (sort's values)
+            v = base
         roots.add(v)
     return aliases(roots | set(values))
 
@@ -127,20 +134,23 @@ def memory_sharers(values: set[fx.Node]) -> set[fx.Node]:
 def updated_between(values, first: fx.Node, last: fx.Node
                     ) -> tuple[fx.Node, fx.Node] | None:
     """(node, value) of the first update in place, strictly between ``first`` and
-    ``last`` in graph order, of memory one of ``values`` shares (memory_sharers): where a
-    fused op reads ``values`` at another point of that span than eager did, such an update
-    is read by one and not the other."""
+    ``last`` (in either graph order), of memory one of ``values`` shares (memory_sharers):
+    where a fused op reads ``values`` at another point of that span than eager did, such
+    an update is read by one and not the other."""
     values = {v for v in values if isinstance(v, fx.Node)}
     if not values:
         return None
     watched = memory_sharers(values)
-    inside = False
+    ends, inside = {first, last}, False
     for node in first.graph.nodes:
-        if node is last:
-            return None
-        if inside and mutated_value(node) in watched:
-            return node, mutated_value(node)
-        inside = inside or node is first
+        if node in ends:
+            if inside or first is last:
+                return None
+            inside = True
+            continue
+        target = mutated_value(node) if inside else None
+        if target is not None and target in watched:
+            return node, target
     return None
 
 

@@ -234,6 +234,21 @@ def codes(report, pattern: str | None = None) -> set[str]:
         d.code for r in recs for _, d, _ in r.consumer_decisions if not d.accepted}
 
 
+def left_as_eager(model, inputs: tuple, pattern: str, code: str) -> None:
+    """A look-alike the rewrite must refuse: optimize() leaves the match with ``code`` and
+    every output is eager's, bit for bit (nothing of the match was replaced)."""
+    import copy
+
+    import coda_rewrite
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want = fast(*inputs), ref(*inputs)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert codes(fast.report, pattern) == {code}, str(fast.report)
+
+
 def adversary_records(report, pattern: str, must_rewrite: bool, note) -> bool:
     """What an adversary (tests/test_property_*.py) checks of the report: each match of
     ``pattern`` left as is carries a reason code, and a spelling the rewrite must take

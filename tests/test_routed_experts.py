@@ -193,6 +193,8 @@ class Experts(torch.nn.Module):
             (torch.randn(layout, generator=g) / hidden ** 0.5).to(dtype))
         self.down = torch.nn.Parameter(
             (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype))
+        if case == "halves_bias":
+            self.bias = torch.nn.Parameter(torch.randn(experts, 2 * inter, generator=g).to(dtype))
 
     def forward(self, h):
         case = self.case
@@ -219,6 +221,8 @@ class Experts(torch.nn.Module):
         x.masked_fill_(in_mask, 0.0)
         b = self.gate_up if case == "kn_weights" else self.gate_up.transpose(-2, -1)
         p = _gmm(x, b, offs)
+        if case == "halves_bias":  # gpt-oss's per-expert bias, on [gate; up] halves
+            p = p + self.bias[ids_g]
         if case == "elementwise_fill":  # the first gate column too: not whole rows
             mask = mask | (torch.arange(p.shape[-1]) == 0)
         p = p.masked_fill(mask, 0.0)
@@ -260,6 +264,7 @@ LOOK_ALIKES = {
     "input_fill_other_rows": "moe.input_fill",
     "up_first": "moe.activation",
     "kn_weights": "moe.weight_layout",  # [E, K, 2I] split into halves: no kernel reads it
+    "halves_bias": "moe.weight_layout",  # a bias over the halves: no kernel adds it
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
     "source_updated": "moe.in_place",         # the gathered source updated after the gather
     "source_base_updated": "moe.in_place",    # ... through the tensor it is a view of
@@ -782,3 +787,27 @@ def test_what_shares_memory_with_a_value():
     for k, node in made.items():
         shares = values[k].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         assert (node in seen) == shares, k
+
+
+@pytest.mark.parametrize("dtype,exact", [(torch.float32, True), (torch.float64, True),
+                                         (torch.int32, True), (torch.bfloat16, False),
+                                         (torch.float16, False), (torch.bool, False)])
+def test_expert_ids_counted_only_through_exact_casts(dtype, exact):
+    """The per-expert bias is tied to the offsets only where histc counts the sorted ids
+    themselves: through a cast to a number type that keeps every id (bf16 rounds ids above
+    256, fp16 above 2048, bool folds them to 0 and 1)."""
+    from coda_rewrite.algebra.routed_experts import sorted_ids_counted
+
+    def f(x):
+        ids, _ = torch.sort(x)
+        return torch.cumsum(torch.histc(ids.to(dtype), bins=4, min=0, max=3), dim=0)
+    gm = torch.fx.symbolic_trace(f)
+    x = torch.randint(0, 4, (10,))
+    vals = {"x": x, "sort": torch.sort(x), "getitem": torch.sort(x)[0],
+            "to": x.to(dtype), "histc": torch.zeros(4), "cumsum": torch.zeros(4)}
+    for n in gm.graph.nodes:  # the metadata dynamo would give (no histc kernel for ints)
+        if n.name in vals:
+            n.meta["example_value"] = vals[n.name]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    why = sorted_ids_counted(nodes["getitem"], nodes["cumsum"], 4)
+    assert (why is None) == exact, why

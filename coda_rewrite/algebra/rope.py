@@ -357,8 +357,10 @@ def moved_read_updated(m) -> str | None:
     reads = [m.proj.x, m.proj.r, m.table, *angles,
              *(v for s in m.segments for v in (s.proj.weight, s.proj.bias))]
     ends = [n for n in ends if n in order]
-    if not gemms or not ends:
-        return None
+    if not gemms or not ends:  # fails closed: where eager read them is not in the graph
+        return Why("the projections or the values they replace are not in the graph: "
+                   "where eager read the fused GEMM's inputs cannot be checked",
+                   "rope.in_place")
     found = updated_between(reads, min(gemms, key=order.get), max(ends, key=order.get))
     if found is None:
         return None

@@ -39,7 +39,7 @@ from ..capture import describe
 from ..codegen import reference
 from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
-from ..graph_utils import aliases, memory_sharers, mutated_value
+from ..graph_utils import in_place_updates
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -82,7 +82,7 @@ def side_conditions(m) -> tuple[list[str], str | None]:
         if reader is not None:
             return held, Why(f"{describe(value)} is also read by {describe(reader)}: the "
                              "fused GEMMs never write it", "moe.intermediate_read")
-    updated = next(((n, v) for n, v in _updates_of(set(inner) - {m.out}, m.mul.graph)
+    updated = next(((n, v) for n, v in in_place_updates(set(inner) - {m.out}, m.mul.graph)
                     if n not in in_place_biases), None)
     if updated is not None:
         return held, Why(f"{describe(updated[0])} updates {describe(updated[1])} in place",
@@ -158,22 +158,9 @@ def _moved_input_updated(m):
     values = {m.index, m.offsets, m.weight, m.w_gate_up, m.w_down, m.source}
     values |= {b.table for b in m.biases}
     values |= {f.mask for f in (m.input_fill, m.gate_up_fill, m.down_fill) if f is not None}
-    watched = memory_sharers({v for v in values if v is not None})
-    for node in m.mul.graph.nodes:
-        target = mutated_value(node)
-        if target is not None and target in watched and \
-                (m.input_fill is None or node is not m.input_fill.node):
-            return node, target
-    return None
-
-
-def _updates_of(values: set, graph: fx.Graph):
-    """(node, value) of every update in place of one of ``values`` or of a view of one."""
-    watched = aliases(values)
-    for node in graph.nodes:
-        target = mutated_value(node)
-        if target is not None and target in watched:
-            yield node, target
+    return next(((n, v) for n, v in in_place_updates({v for v in values if v is not None},
+                                                      m.mul.graph)
+                 if m.input_fill is None or n is not m.input_fill.node), None)
 
 
 def _nk(w: fx.Node, kn: bool) -> tuple[int, int, int]:
@@ -208,18 +195,24 @@ def sorted_ids_counted(ids: fx.Node, offsets: fx.Node, experts: int) -> str | No
     if (bins, lo, hi) != (experts, 0, experts - 1):
         return (f"{describe(hist)} counts {bins} bins over [{lo}, {hi}], not one per expert "
                 f"over [0, {experts - 1}]")
-    for node, _ in _updates_of({ids}, ids.graph):
+    for node, _ in in_place_updates({ids}, ids.graph):
         if not (node.op == "call_method" and node.target == "clamp_" and
                 _arg(node, 1, "min") in (None, 0) and _arg(node, 2, "max") == experts - 1):
             return f"{describe(node)} updates the expert ids in place"
     return None
 
 
+# the number types that hold every expert id exactly (bf16 and fp16 round ids above
+# 256 / 2048, bool folds them to 0 and 1)
+_EXACT_ID_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
 def _under_number_casts(node):
-    """``node`` under casts between number types (histc counts ``ids.float()`` on the
-    CPU and ``ids.int()`` on CUDA: transformers picks by device)."""
+    """``node`` under casts to number types that keep every expert id (histc counts
+    ``ids.float()`` on the CPU and ``ids.int()`` on CUDA: transformers picks by device)."""
     while isinstance(node, fx.Node) and node.op == "call_method" and \
-            node.target in ("int", "long", "float", "double", "to"):
+            node.target in ("int", "long", "float", "double", "to") and \
+            meta(node) is not None and meta(node).dtype in _EXACT_ID_DTYPES:
         node = node.args[0]
     return node
 

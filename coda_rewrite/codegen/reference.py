@@ -116,8 +116,8 @@ def _device(a, operands):
     return a.device if a is not None else operands[0].device
 
 
-def dgated(op: str, dh: torch.Tensor, p: torch.Tensor, *params) -> tuple[torch.Tensor,
-                                                                           torch.Tensor]:
+def dgated(op: str, dh: torch.Tensor, p: torch.Tensor,
+           *params) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated activation's backward epilogue (the kernel: codegen/dgated_source.py).
 
     From dh [M, I], the down projection's dgrad accumulator in the compute dtype, and the

@@ -434,29 +434,33 @@ def _not_lowerable(program: EpilogueProgram) -> str | None:
     return None
 
 
+def _producer_refused(m: Match) -> Why | None:
+    """Why a producing GEMM that could take the norm's epilogue is left as it is: an
+    update in place of its input before the residual add, where the fused producer runs
+    (it would read the updated input, eager's GEMM the one before); or a program with no
+    kernel, which would run as the reference (a float32 GEMM on a GPU: 2 ms per call at
+    gpt-oss's 8192 x 2880, H200) — a biased producer: its bias lanes past N are not loaded,
+    so the sum of squares over a ragged tile would fold them in."""
+    p = m.producer
+    moved = updated_between([p.x, p.weight, p.bias], p.linear, p.add)
+    if moved is not None:
+        return Why(f"{describe(moved[0])} updates {describe(moved[1])} in place between the "
+                   "producing GEMM and the residual add, where the fused producer would read "
+                   "it: its GEMM is left as it is", "row_scale.producer_input_updated")
+    try:
+        generate(norm_program(m.norm, p))
+    except Unlowerable as e:
+        return Why(f"the producer's epilogue has no kernel ({e}): its GEMM is left as it is",
+                   "row_scale.producer_unlowerable")
+    return None
+
+
 def decide(m: Match, context: Context) -> Decided:
     m = refresh(m, context)
+    why = _producer_refused(m) if m.producer is not None else None
+    if why is not None:  # the norm takes the row-wise program
+        m = dataclasses.replace(m, producer=None, producer_note=why)
     programs = build_programs(m)
-    moved = updated_between([m.producer.x, m.producer.weight, m.producer.bias],
-                            m.producer.linear, m.producer.add) if m.producer else None
-    if moved is not None:
-        # the fused producer runs at the residual add: it would read the GEMM's input
-        # after this update, eager's GEMM before it
-        m = dataclasses.replace(m, producer=None, producer_note=Why(
-            f"{describe(moved[0])} updates {describe(moved[1])} in place between the "
-            "producing GEMM and the residual add, where the fused producer would read it: "
-            "its GEMM is left as it is", "row_scale.producer_input_updated"))
-        programs = build_programs(m)
-    why = _not_lowerable(programs.norm) if m.producer is not None else None
-    if why is not None:
-        # its epilogue would run as the reference (a float32 GEMM on a GPU: 2 ms per
-        # call at gpt-oss's 8192 x 2880, H200): the producing GEMM stays cuBLAS's, and
-        # the norm gets the row-wise program (e.g. a biased producer: its bias lanes past N
-        # are not loaded, so the sum of squares over a ragged tile would fold them in)
-        m = dataclasses.replace(m, producer=None, producer_note=Why(
-            f"the producer's epilogue has no kernel ({why}): its GEMM is left as it is",
-            "row_scale.producer_unlowerable"))
-        programs = build_programs(m)
     decision, per_consumer, accepted = row_scale.decide(m, programs, m.norm.output.graph)
     chains = {c.linear: bool(c.chain) for c in m.consumers}
     report = {"consumer_decisions": [(describe(n), d, chains[n])

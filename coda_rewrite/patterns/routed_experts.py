@@ -379,6 +379,11 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
                                "interleaved from K-contiguous rows only (QuACK's concat "
                                "layout), and anything else would run as the reference",
                                "moe.weight_layout"))
+    if gu_bias is not None and ch is not None:
+        return NoMatch(gu, Why(f"{describe(gu_bias.gathered)} biases [gate; up] halves: the "
+                               "kernel's columns are the halves interleaved (QuACK's concat "
+                               "layout interleaves the weight rows, not a bias), so it "
+                               "would run as the reference", "moe.weight_layout"))
     y = _sole_user(mul)
     y = _sole_user(y) if y is not None and canon(y) is not None and \
         canon(y).name == "cast" else y
