@@ -11,7 +11,8 @@ reference (the same weights, the per-expert loop).
     source .gpu/setup.sh && python benchmarks/moe.py [MODE] [qwen3|mixtral|gpt_oss ...]
 
 MODE: none (the MoE block's forward), layer (a one-layer model's forward: the norm's
-row scale deferred into the experts, with and without), train, small, sweep.
+row scale deferred into the experts, with and without), train, small, sweep, dgated (the
+down projection's fused backward per tile config, against the rules).
 """
 
 from __future__ import annotations
@@ -154,9 +155,59 @@ def train(names):
         timed = bench_rounds({k: (lambda f=f: step(f)) for k, f in variants.items()},
                              rounds=5)
         show(f"{name}: train ", timed, "torch.compile grouped_mm", rows, "ms fwd+bwd")
-        print(f"{name}: kernels of backend=coda fused fwd+bwd:\n" +
-              kernel_top(lambda: step(variants["backend=coda fused"]), 14), flush=True)
+        for k in ("torch.compile grouped_mm", "backend=coda fused"):
+            print(f"{name}: kernels of {k} fwd+bwd:\n" +
+                  kernel_top(lambda f=variants[k]: step(f), 16), flush=True)
     write_csv("moe layer forward + backward (8192 tokens)", rows)
+
+
+def dgated(names, configs=((128, 128, 2), (128, 192, 2), (128, 256, 1), (128, 96, 2),
+                           (64, 192, 2), (256, 128, 1))):
+    """The down projection's backward alone at the layer's routed rows (8192 tokens ×
+    top-k, the routing of a random router): the rules' grouped dgrad (torch._grouped_mm)
+    + one compiled elementwise pass (dp, h·w, the combine weight's gradient), against
+    coda::grouped_dgated (the same in the dgrad's epilogue) per tile config."""
+    from common import bench
+    from coda_rewrite.codegen.reference import dgated as ref_dgated
+    from coda_rewrite.kernels import grouped_dgated
+    print(env_line(), flush=True)
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        e, top_k = moe.experts.num_experts, SHAPES[name][1]["num_experts_per_tok"]
+        hidden = hidden_of(name)
+        w_d = moe.experts.down_proj.detach()
+        if w_d.shape[1] != hidden:  # gpt-oss's [E, I, H]: the forward reads its transpose
+            w_d = w_d.mT
+        inter, rows = w_d.shape[2], TOKENS * top_k
+        ids = torch.sort(torch.randint(0, e, (rows,), device="cuda")).values
+        offsets = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+        do = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        p = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        score = torch.rand(rows, device="cuda")
+        op, params = ("swiglu_oai", (1.702, 7.0)) if name == "gpt_oss" else ("swiglu", ())
+
+        def rules():
+            g = torch._grouped_mm(do, w_d, offs=offsets)  # W_d[e] as (k, n) = [H, I]
+            dp, h = ref_dgated(op, g.float() * score[:, None], p, *params)
+            return dp, (h.float() * score[:, None]).bfloat16(), (h.float() * g).sum(-1)
+
+        compiled = torch.compile(rules)
+        t_rules = bench(compiled)
+        t_gemm = bench(lambda: torch._grouped_mm(do, w_d, offs=offsets))
+        print(f"{name}: S={rows} H={hidden} I={inter}: grouped_mm {t_gemm:.3f} ms, + the "
+              f"compiled epilogue pass {t_rules:.3f} ms", flush=True)
+        module = grouped_dgated.load(op, params, True)
+        for tiles in configs:
+            try:
+                launch = grouped_dgated.Launch(module, do, w_d, offsets, p, score, tiles)
+                t = bench(lambda: launch(do, w_d, offsets, p, score))
+            except Exception as err:
+                print(f"{name}: tiles {tiles}: {type(err).__name__}: {str(err)[:120]}",
+                      flush=True)
+                continue
+            print(f"{name}: tiles {tiles}: grouped_dgated {t:.3f} ms: {t_rules / t:.3f}x "
+                  "the rules", flush=True)
 
 
 def small(names, token_counts=(8, 64, 512, 2048)):
@@ -255,6 +306,8 @@ if __name__ == "__main__":
         small(sys.argv[2:] or ["qwen3"])
     elif sys.argv[1:2] == ["layer"]:
         layer(sys.argv[2:] or list(SHAPES))
+    elif sys.argv[1:2] == ["dgated"]:
+        dgated(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["train"]:
         train(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["sweep"]:

@@ -45,6 +45,8 @@ class MatchRecord:
     program_checks: list[Decision] = dataclasses.field(default_factory=list)
     notes: list[tuple[str, Decision]] = dataclasses.field(default_factory=list)
     weights: str = ""                    # how the fused GEMM's weights are re-laid out
+    biases: str = ""                     # where the fused GEMM adds a bias it reads
+    backward: str = ""                   # where the match's backward runs, if fused
     kind: RejectionKind | None = None    # why it was left as is, as a type (None: rewritten
                                          # or not matched)
     code: str = ""                       # the failed condition's stable code (algebra/
@@ -72,6 +74,10 @@ class MatchRecord:
                 lines += [f"      step {s}" for s in d.steps]
         if self.weights:
             lines.append(f"    weights: {self.weights}")
+        if self.biases:
+            lines.append(f"    biases: {self.biases}")
+        if self.backward:
+            lines.append(f"    backward: {self.backward}")
         if self.materialised:
             lines.append("    materialised (still read outside the rewrite): "
                          + ", ".join(self.materialised))

@@ -436,6 +436,13 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     grouped += [t["grouped"] for t in oai]
     kernels |= {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in grouped}
     texts = texts + [{"grouped": t} for t in grouped[:3]] + oai
+    # the routed experts' backward dgrad kernels (kernels/grouped_dgated.py): the combine
+    # weight per row and its gradient as a reduction, under variable-length groups
+    routed = [("swiglu", ()), ("swiglu_oai", (1.702, 7.0))]
+    routed_modules = {dgated_source.generate(op, params, True).module_name
+                      for op, params in routed}
+    kernels |= routed_modules
+    texts = texts + [{"grouped_dgated": op, "params": list(params)} for op, params in routed]
     (tmp_path / "programs.json").write_text(json.dumps(texts))
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),  # a cache hit would
            "CODA_KERNEL_DIR": str(tmp_path / "kernels"),              # skip compilation
@@ -452,7 +459,7 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     # with (quack_path.ROW_CLASSES), so no first call at run time meets an untried one
     per_kernel = {c["module"]: len(c["configs"]) for c in compiled}
     grouped_modules = {generate(coda_rewrite.codegen.program.parse(t)).module_name
-                       for t in grouped}
+                       for t in grouped} | routed_modules
     assert all(n >= 3 for m, n in per_kernel.items() if m not in grouped_modules), per_kernel
     assert len(ptx) == len(kernels), [p.name for p in ptx]  # the dump names no config
     objects = list((tmp_path / "cache").glob("**/*.o"))     # QuACK's cache: one each

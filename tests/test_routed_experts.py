@@ -464,7 +464,8 @@ def test_norm_rstd_deferred_through_the_routing(case, deferred):
 
 @pytest.mark.parametrize("case", ["canonical", "feature_weights", "oai"])
 def test_training_gradients_no_worse_than_eager(case):
-    """A training graph: the experts fused, their backward through the rules; the output
+    """A training graph: the experts fused, their backward in the down projection's
+    dgrad epilogue and the gate/up GEMM's rules; the output
     and every gradient (the input's, the router's through the combine weight, both
     expert weights) against the float64 copy no worse than eager's."""
     # 64 tokens: with fewer, one pre-activation whose bf16 rounding lands on the other
@@ -479,10 +480,14 @@ def test_training_gradients_no_worse_than_eager(case):
     fast = coda_rewrite.optimize(model)
     outs = [f(x) for f, x in zip((fast, ref, exact), xs)]
     r = torch.randn(outs[0].shape)
+    before = _dgated_routed_calls()
     for o in outs:
         (o.double() * r.double()).sum().backward()
     done = [rec for rec in fast.report.records if rec.pattern == "routed_experts"]
     assert [rec.status for rec in done] == ["rewritten"], str(fast.report)
+    # the down projection's backward in its dgrad epilogue (kernels/grouped_dgated.py)
+    assert _dgated_routed_calls() == before + 1 and "dgrad epilogue" in done[0].backward
+    assert "backward: " in str(fast.report)
     assert "gradients" in done[0].decision.witness
     pairs = [(outs[0], outs[1], outs[2]), (xs[0].grad, xs[1].grad, xs[2].grad)]
     pairs += [(p.grad, q.grad, t.grad) for p, q, t in zip(
@@ -811,3 +816,94 @@ def test_expert_ids_counted_only_through_exact_casts(dtype, exact):
     nodes = {n.name: n for n in gm.graph.nodes}
     why = sorted_ids_counted(nodes["getitem"], nodes["cumsum"], 4)
     assert (why is None) == exact, why
+
+
+# ---- the backward in the down projection's dgrad epilogue (kernels/grouped_dgated.py) --
+
+def _dgated_routed_calls() -> int:
+    from coda_rewrite.kernels import ops
+    return sum(n for (key, _, _), n in ops.RUNTIME.items()
+               if key.startswith("dgated_routed_"))
+
+
+PAIRS = {"swiglu": (), "geglu": (), "geglu_erf": (), "swiglu_oai": (1.702, 0.5)}
+
+
+@pytest.mark.parametrize("op", list(PAIRS))
+@pytest.mark.parametrize("combine, bias", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_down_backward_equals_the_rules(op, combine, bias, interleaved):
+    """GroupedGatedDown (dp, h·w and the combine weight's gradient from one dgrad) gives
+    every gradient the rules give (GroupedDown, then GroupedGated from dy), in float64
+    where both are exact: the input's, both expert weights', the combine weight's, each
+    bias's, with an expert that has no row, rows past the last offset and the product
+    also read elsewhere (its gradient reaches the gated GEMM beside dp's)."""
+    from coda_rewrite.kernels.grouped_dgated import grouped_down_linear
+    dt, g = torch.float64, torch.Generator().manual_seed(1)
+    experts, tokens, hidden, inter, rows = 4, 6, 16, 8, 11
+    params = PAIRS[op]
+    h = torch.randn(tokens, hidden, generator=g, dtype=dt)
+    w_gu = torch.randn(experts, 2 * inter, hidden, generator=g, dtype=dt)
+    w_d = torch.randn(experts, hidden, inter, generator=g, dtype=dt)
+    index = torch.randint(0, tokens, (rows,), generator=g)
+    offsets = torch.tensor([3, 3, 6, rows - 2], dtype=torch.int32)  # expert 1 empty
+    score = torch.rand(rows, generator=g, dtype=dt)
+    b_gu = torch.randn(experts, 2 * inter, generator=g, dtype=dt)
+    b_d = torch.randn(experts, hidden, generator=g, dtype=dt)
+    seed = torch.randn(rows, hidden, generator=g, dtype=dt)
+    gated = gated_program(op, dt, True, params, bias).to_text()
+    down = down_program(combine, dt, bias).to_text()
+
+    def run(fused: bool):
+        leaves = [t.clone().requires_grad_() for t in (h, w_gu, w_d, score, b_gu, b_d)]
+        x, wgu, wd, w, bgu, bd = leaves
+        gu_ops = (bgu,) if bias else ()
+        y, p = grouped.grouped_linear(gated, x, wgu, offsets, index, *gu_ops,
+                                      interleaved=interleaved)
+        ops_ = ((bd,) if bias else ()) + ((w,) if combine else ())
+        if fused:
+            o = grouped_down_linear(down, op, params, y, p, wd, offsets, *ops_)
+        else:
+            (o,) = grouped.grouped_linear(down, y, wd, offsets, None, *ops_)
+        live = (torch.arange(rows) < offsets[-1])[:, None]
+        loss = (torch.where(live, o, 0) * seed).sum() + (y[:5] ** 2).sum()
+        loss.backward()
+        return [t.grad for t in leaves]
+
+    before = _dgated_routed_calls()
+    got = run(True)
+    assert _dgated_routed_calls() == before + 1
+    for name, a, b in zip(("h", "w_gate_up", "w_down", "w", "b_gate_up", "b_down"),
+                          got, run(False)):
+        if b is None:
+            assert a is None, name
+        else:
+            assert rel_err(a, b) <= 1e-10, (name, rel_err(a, b))
+
+
+def test_grouped_dgated_reference_against_float64():
+    """coda::grouped_dgated's reference (what runs off Hopper, and what the kernel is
+    checked against on the GPU) at bf16: dp, h·w and the combine weight's gradient no
+    further from float64 than bf16 rounding, an empty expert and rows past the last
+    offset included (zero)."""
+    g = torch.Generator().manual_seed(2)
+    experts, hidden, inter, rows = 3, 32, 16, 40
+    do = torch.randn(rows, hidden, generator=g).bfloat16()
+    w_d = (torch.randn(experts, hidden, inter, generator=g) / hidden ** 0.5).bfloat16()
+    p = torch.randn(rows, 2 * inter, generator=g).bfloat16()
+    score = torch.rand(rows, generator=g)
+    offsets = torch.tensor([17, 17, rows - 3], dtype=torch.int32)
+    dp, hw, dscore = torch.ops.coda.grouped_dgated("swiglu", [], do, w_d, offsets, p, score)
+    acc = reference.grouped_mm(do.double(), w_d.double(), offsets)
+    gate, up = p[:, 0::2].double(), p[:, 1::2].double()
+    h = F.silu(gate) * up
+    dh = acc * score.double()[:, None]
+    sg = torch.sigmoid(gate)
+    want_dp = torch.stack((dh * up * sg * (1 + gate * (1 - sg)), dh * F.silu(gate)),
+                          -1).reshape(rows, -1)
+    live = slice(0, rows - 3)
+    assert rel_err(dp[live].double(), want_dp[live]) < 8e-3
+    assert rel_err(hw[live].double(), (h * score.double()[:, None])[live]) < 8e-3
+    assert rel_err(dscore[live].double(), (h * acc).sum(-1)[live]) < 1e-5
+    assert dp[rows - 3:].abs().sum() == 0 and dscore[rows - 3:].abs().sum() == 0
+    assert dscore.dtype == torch.float32 and hw.dtype == torch.bfloat16

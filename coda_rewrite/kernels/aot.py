@@ -13,7 +13,8 @@ on a GPU machine it warms the disk cache before a run.
 PROGRAMS.json is a list of program texts (and ``{"dgated": op}`` entries: the gated
 backward's dgrad kernels, kernels/dgated.py; ``{"grouped": text}``: a routed experts'
 grouped GEMM, kernels/grouped.py, with ``"interleaved"`` and ``"n_major"`` for gpt-oss's
-layout). Prints one JSON line per kernel, with the tile configs it was compiled for (one
+layout; ``{"grouped_dgated": op, "params": [...]}``: the routed experts' backward dgrad
+kernel, kernels/grouped_dgated.py). Prints one JSON line per kernel, with the tile configs it was compiled for (one
 per row class of the size policy that differs).
 """
 
@@ -121,6 +122,28 @@ def compile_dgated(op: str, m: int = 256, hidden: int = 256, inter: int = 256) -
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def compile_grouped_dgated(op: str, params=(), routed: bool = True, rows: int = 128,
+                           hidden: int = 256, inter: int = 256, experts: int = 4) -> dict:
+    """Trace and compile the routed experts' backward dgrad kernel (kernels/
+    grouped_dgated.py: variable-length groups, the combine weight per row, its gradient
+    as a per-row reduction) at the config it launches with, w_down I-contiguous."""
+    import torch
+
+    from .grouped_dgated import Launch, load
+
+    module = load(op, tuple(params), routed)
+    dout = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    w = torch.randn(experts, hidden, inter, dtype=torch.bfloat16)
+    p = torch.randn(rows, 2 * inter, dtype=torch.bfloat16)
+    offsets = torch.tensor([rows // 4, rows // 4, rows // 2, rows - 3], dtype=torch.int32)
+    score = torch.rand(rows) if routed else None
+    t0 = time.perf_counter()
+    c = Launch(module, dout, w, offsets, p, score).config
+    return {"program": f"dgated_routed_{op}" if routed else f"dgated_{op}_grouped",
+            "module": module.__name__, "configs": [[c.tile_m, c.tile_n, c.cluster_m]],
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
 def compile_grouped(text: str, tokens: int = 64, k: int = 256, n: int = 256,
                     experts: int = 4, interleaved: bool = False, n_major: bool = False
                     ) -> dict:
@@ -165,11 +188,15 @@ def main(argv: list[str]) -> int:
     _install_driver_stand_in()
     with open(a.programs) as f:
         texts = json.load(f)
-    for text in texts:  # a program text, {"dgated": op} (a gated backward kernel) or
-        #                  {"grouped": text} (a routed experts' grouped GEMM)
+    for text in texts:  # a program text, {"dgated": op} (a gated backward kernel),
+        #                  {"grouped": text} (a routed experts' grouped GEMM) or
+        #                  {"grouped_dgated": op} (the routed experts' backward kernel)
         if isinstance(text, dict) and "grouped" in text:
             got = compile_grouped(text["grouped"], interleaved=text.get("interleaved", False),
                                   n_major=text.get("n_major", False))
+        elif isinstance(text, dict) and "grouped_dgated" in text:
+            got = compile_grouped_dgated(text["grouped_dgated"], text.get("params", ()),
+                                         text.get("routed", True))
         elif isinstance(text, dict):
             got = compile_dgated(text["dgated"])
         else:

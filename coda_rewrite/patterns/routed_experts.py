@@ -59,11 +59,13 @@ from ..algebra import row_scale
 from ..algebra.decision import Why
 from ..canonical import canon, constant, meta
 from ..capture import describe, model_path
+from ..codegen import dgated_source
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, graph_replay, mutated_value,
                            results, through_casts)
 from ..kernels.grouped import grouped_linear
+from ..kernels.grouped_dgated import grouped_down_linear
 from .family import Context, Decided, DeferredNorm
 from .gated_mlp import activation_of
 
@@ -564,6 +566,14 @@ def decide(m: Match, context: Context) -> Decided:
     return Decided(decision, Plan(m, *programs, fill, deferral))
 
 
+def fused_backward(plan: Plan) -> bool:
+    """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated):
+    where a gradient flows and its input is the gated GEMM's output itself (a fill moved
+    past the product changes rows the recomputed pair(p) would not)."""
+    return trains(plan.match) and plan.product_fill is None and \
+        dgated_source.supported(plan.match.op)
+
+
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
     """The expert weight as [E, N, K] (a transposed view of a [E, K, N] one)."""
     return graph.call_function(torch.transpose, (w, 1, 2)) if kn else w
@@ -591,11 +601,18 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         operands = (m.down_bias.table,) if m.down_bias is not None else ()
         if m.weight is not None:
             operands += (graph.call_method("float", (m.weight,)),)
-        call = graph.call_function(grouped_linear, (
-            plan.down.to_text(), y, _as_nk(graph, m.w_down, m.down_kn), m.offsets, None,
-            *operands))
-        copy_meta(call, m.out)
-        (o,) = results(graph, call, 1, m.out)
+        w_down = _as_nk(graph, m.w_down, m.down_kn)
+        if fused_backward(plan):  # the pre-activation, for the down GEMM's backward
+            p = graph.call_function(operator.getitem, (call, 1))
+            copy_meta(p, m.gate_up)
+            o = graph.call_function(grouped_down_linear, (
+                plan.down.to_text(), m.op, m.params, y, p, w_down, m.offsets, *operands))
+            copy_meta(o, m.out)
+        else:
+            call = graph.call_function(grouped_linear, (
+                plan.down.to_text(), y, w_down, m.offsets, None, *operands))
+            copy_meta(call, m.out)
+            (o,) = results(graph, call, 1, m.out)
         if m.down_fill is not None:
             o = graph.call_method("masked_fill", (o, m.down_fill.mask, m.down_fill.constant))
     o.meta.update({k: v for k, v in m.out.meta.items() if k not in o.meta})
@@ -621,6 +638,10 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if m.biases:
         shown["biases"] = ("each expert's bias added in the GEMM epilogue from its row of "
                            "the [E, N] table (the gather by expert id never written)")
+    if fused_backward(plan):
+        shown["backward"] = (
+            f"d{m.op} and the combine weight's gradient in the down projection's grouped "
+            "dgrad epilogue (coda::grouped_dgated: its product never written, h not kept)")
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")

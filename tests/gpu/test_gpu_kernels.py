@@ -874,6 +874,45 @@ def test_grouped_kernels_gpt_oss_layout(shape):
     assert err <= 1.1 * base + 1e-6, (shape, "combine", err, base)
 
 
+@pytest.mark.parametrize("op, params", [("swiglu", ()), ("geglu", ()),
+                                        ("swiglu_oai", (1.702, 0.5))])
+@pytest.mark.parametrize("shape", [(512, 256, 8, 2, 128), (333, 512, 16, 4, 96)])
+@pytest.mark.parametrize("combine", [True, False])
+def test_grouped_dgated_kernel(op, params, shape, combine):
+    """The routed experts' backward dgrad kernel (kernels/grouped_dgated.py: dp with the
+    combine weight folded, h·w, the weight's gradient as a per-row reduction) against
+    float64, no worse than the reference (the same 16-bit inputs, float32 math): an
+    expert with no row, sentinel rows past the last offset, w_down in both majors."""
+    from coda_rewrite.codegen.op_table import OPS, pair_value
+    from coda_rewrite.kernels import grouped_dgated
+    tokens, hidden, experts, top_k, inter = shape
+    torch.manual_seed(0)
+    _, ends = _routing(tokens, experts, top_k, seed=1, empty=(1,), tail=3)
+    rows, live = tokens * top_k, int(ends[-1])
+    do = torch.randn(rows, hidden, device=DEV, dtype=torch.bfloat16)
+    w_d = (torch.randn(experts, hidden, inter, device=DEV) / hidden ** 0.5).bfloat16()
+    p = (2 * torch.randn(rows, 2 * inter, device=DEV)).bfloat16()
+    score = torch.rand(rows, device=DEV) if combine else None
+    for w in (w_d, w_d.mT.contiguous().mT):  # I-contiguous, H-contiguous (gpt-oss's)
+        before = _kernel_calls(f"dgated_routed_{op}")
+        got = torch.ops.coda.grouped_dgated(op, list(params), do, w, ends, p, score)
+        assert _kernel_calls(f"dgated_routed_{op}") == before + 1, ops.runtime_summary()
+        ref = grouped_dgated.run_reference(op, params, do, w, ends, p, score)
+        acc = reference.grouped_mm(do.double(), w.double(), ends)
+        s64 = 1.0 if score is None else score.double()[:, None]
+        with torch.enable_grad():
+            g, u = (p[:, k::2].double().requires_grad_() for k in (0, 1))
+            h = pair_value(OPS[op], g, u, *params)
+            dg, du = torch.autograd.grad(h, (g, u), acc * s64)
+        exact = [torch.stack((dg, du), -1).reshape(rows, -1), h.detach() * s64]
+        if combine:
+            exact.append((h.detach() * acc).sum(-1))
+        for name, a, b, t in zip(("dp", "h*w", "dscore"), got, ref, exact):
+            err, base = rel_err(a[:live].double(), t[:live]), \
+                rel_err(b[:live].double(), t[:live])
+            assert err <= 1.1 * base + 1e-6, (op, shape, name, err, base)
+
+
 def _separate_routing(model) -> None:
     """Router weights 30x their initial scale: a token whose two best experts' logits
     nearly tie would be routed by bf16 noise (eager's own, or a fused GEMM's: an error of
@@ -925,8 +964,9 @@ def test_moe_models_on_gpu(family, via):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_training_on_gpu(family):
-    """A bf16 MoE training step with the experts fused (grouped kernels forward, the
-    rules' grouped dgrad/wgrad backward; gpt-oss's biases and clamped SwiGLU): loss and
+    """A bf16 MoE training step with the experts fused (grouped kernels forward; the
+    down projection's backward in its grouped dgrad epilogue, the rules' grouped
+    dgrad/wgrad for the rest; gpt-oss's biases and clamped SwiGLU): loss and
     every gradient against float64 (the per-expert loop) no worse than eager's."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(family, vocab_size=512, hidden_size=256,
@@ -948,6 +988,8 @@ def test_moe_training_on_gpu(family):
     for loss in losses:
         loss.backward()
     assert _kernel_calls(kernel) - before >= 2, ops.runtime_summary()
+    # the down projection's backward in its dgrad epilogue (kernels/grouped_dgated.py)
+    assert _kernel_calls("dgated_routed_") >= 2, ops.runtime_summary()
     worse = []
     for (name, p), q, t in zip(model.named_parameters(), ref.parameters(),
                                exact.parameters()):

@@ -1,0 +1,248 @@
+"""The routed experts' backward fused the CODA way: the gated activation's derivative and
+the combine weight's gradient in the epilogue of the down projection's grouped dgrad GEMM.
+
+    coda::grouped_dgated(op, params, dout [S, H], w_down [E, H, I], offsets, p [S, 2I],
+                         score [S]?) -> (dp [S, 2I], h·w [S, I], dscore [S] float32)
+
+The forward of a routed expert block is o[s] = w[s]·(h[s]·W_d[e]ᵀ) with h = pair(p) the
+gated grouped GEMM's output, p its stored pre-activation (interleaved [g0, u0, ...]) and
+w the router's combine weight of routed row s (kernels/grouped.py). Its backward starts
+with the grouped dgrad acc = dout·W_d[e] [S, I]; the rules (grouped.GroupedDown, then
+GroupedGated) write acc, read it back for dh = w·acc, the combine weight's gradient
+Σ_j h·acc and the activation's derivative, and keep h from the forward for W_d's
+gradient. Here the dgrad GEMM's epilogue (codegen/dgated_source.generate(routed=True),
+the shape of QuACK's own ``make_dgated_moe_mod``) reads p and w and writes
+
+    D       = dp = pair'(p)·(w·acc)        the gate/up GEMM's backward reads it as it is
+    postact = h·w                          W_d's gradient is doutᵀ·(h·w), per expert
+    dscore  = Σ_j h[s, j]·acc[s, j]        w's gradient (float32 per-tile partials,
+                                           summed here over the N tiles)
+
+so acc is never written, h is never kept (S × I values per layer), and the down GEMM's
+forward keeps p instead of y (which the gated GEMM keeps anyway). Without a combine
+weight (score None) the dense epilogue runs under the variable-length groups: dp and h.
+
+QuACK's variable-length GEMM (``cu_seqlens_m``) on Hopper, planned once per tensor-
+metadata class like every fused GEMM; elsewhere the reference (reference.grouped_mm,
+reference.dgated), the reason counted in ops.RUNTIME. Rows past offsets[-1] belong to no
+expert: the kernel does not write them; the caller masks them (GroupedGatedDown).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..codegen import dgated_source, reference
+from ..codegen.op_table import OPS, pair_value
+from ..codegen.program import parse
+from . import ops, quack_path
+from .grouped import (_cu_seqlens, grouped_gemm_epilogue, grouped_linear, per_expert_sum,
+                      weight_grad)
+
+# the 8B-shaped MLP's choice for the dense dgated epilogue (kernels/dgated.LARGE_M_TILES);
+# measured for the routed one in benchmarks/moe.py (BENCHMARKS.md, twelfth session)
+ROUTED_TILES = (128, 128, 2)
+
+
+def contract_violation(dout, weight, offsets, p, score) -> str | None:
+    """Why these tensors break the kernel's contract (None: they meet it)."""
+    if dout.dim() != 2 or weight.dim() != 3 or p.dim() != 2:
+        return "dout [S, H], w_down [E, H, I] and p [S, 2I] expected"
+    (rows, hidden), (experts, _, inter) = dout.shape, weight.shape
+    if tuple(weight.shape[1:]) != (hidden, inter) or tuple(p.shape) != (rows, 2 * inter):
+        return (f"shapes dout {tuple(dout.shape)}, w_down {tuple(weight.shape)}, p "
+                f"{tuple(p.shape)}: expected [S, H], [E, H, I], [S, 2I]")
+    if dout.dtype not in quack_path._GEMM_DTYPES or weight.dtype != dout.dtype or \
+            p.dtype != dout.dtype:
+        return f"dtypes {dout.dtype}/{weight.dtype}/{p.dtype}: one 16-bit dtype"
+    if rows == 0 or hidden % 8 or inter % 8:
+        return f"S={rows}, H={hidden}, I={inter}: rows, and H, I multiples of 8"
+    if not (quack_path._aligned(dout) and quack_path._aligned(p)
+            and (weight.is_contiguous() or weight.mT.is_contiguous())
+            and weight.data_ptr() % 16 == 0):
+        return "dout or p not row-major and 16-byte aligned, or w_down neither H- nor " \
+               "I-contiguous"
+    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (experts,):
+        return f"offsets {offsets.dtype} {tuple(offsets.shape)}: need int32 [{experts}]"
+    if score is not None and (score.dtype != torch.float32 or tuple(score.shape) != (rows,)
+                              or not quack_path._aligned(score)):
+        return f"score {score.dtype} {tuple(score.shape)}: need float32 [{rows}], aligned"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load(op: str, params: tuple, routed: bool):
+    return quack_path.import_generated(dgated_source.generate(op, params, routed))
+
+
+class Launch:
+    """The grouped dgrad GEMM + epilogue on one tensor-metadata class, resolved once
+    (QuACK's ``EpiMod.gemm`` without a launch); a call allocates dp, h·w and the dscore
+    partials, launches, and sums the partials."""
+
+    __slots__ = ("gemm_plan", "rows", "inter", "device", "dtype", "partials", "config")
+
+    def __init__(self, module, dout, weight, offsets, p, score, config=None):
+        self.rows, self.inter = dout.shape[0], weight.shape[2]
+        self.device, self.dtype = dout.device, dout.dtype
+        tile_m, tile_n, cluster_m = config or ROUTED_TILES
+        self.config = quack_path.tile_config(tile_m, tile_n, cluster_m)
+        mod = module.epilogue
+        self.partials = None
+        if score is not None:
+            self.partials = mod.sinks["dscore"].sink_alloc_shape(
+                (self.rows,), self.inter, tile_m, tile_n)
+        out = self._alloc()
+        epi = {k: v for k, v in out.items() if k != "D"}
+        if score is not None:
+            epi["score"] = score
+        # B as QuACK's (n, k) = (I, H) per expert: W_d[e] read in place, either major
+        self.gemm_plan = mod.gemm(
+            dout, weight.mT, out["D"], p, epi_args=epi, tile_M=tile_m, tile_N=tile_n,
+            cluster_M=cluster_m, cluster_N=1, pingpong=True, persistent=True,
+            cu_seqlens_m=_cu_seqlens(offsets), b_kn=False, _launch=False)
+
+    def _alloc(self) -> dict:
+        out = {"D": torch.empty(self.rows, 2 * self.inter, device=self.device,
+                                dtype=self.dtype),
+               "postact": torch.empty(self.rows, self.inter, device=self.device,
+                                      dtype=self.dtype)}
+        if self.partials is not None:
+            out["dscore"] = torch.empty(self.partials, device=self.device,
+                                        dtype=torch.float32)
+        return out
+
+    def __call__(self, dout, weight, offsets, p, score) -> list[torch.Tensor]:
+        out = self._alloc()
+        values = {k: v for k, v in out.items() if k != "D"}
+        if score is not None:
+            values["score"] = score
+        quack_path.run_gemm_epi_plan(self.gemm_plan, dout, weight.mT, out["D"], p, values,
+                                     cu_seqlens_m=_cu_seqlens(offsets))
+        results = [out["D"], out["postact"]]
+        if score is not None:
+            results.append(out["dscore"].sum(-1))
+        return results
+
+
+def run_reference(op: str, params, dout, weight, offsets, p, score) -> list[torch.Tensor]:
+    """The same math in torch: the grouped dgrad accumulated as the kernel does (float32
+    from 16-bit operands), then reference.dgated at dh = w·acc."""
+    cd = reference.accumulate_dtype(p.dtype)
+    with torch.autocast(device_type=dout.device.type, enabled=False):
+        acc = reference.grouped_mm(dout, weight, offsets, cd)
+        w = torch.ones((), dtype=cd, device=p.device) if score is None else \
+            score.to(cd)[:, None]
+        dp, _ = reference.dgated(op, acc * w, p, *params)
+        g, u = (p[:, k::2].to(cd) for k in (0, 1))
+        h = pair_value(OPS[op], g, u, *params)
+        results = [dp, (h * w).to(p.dtype)]
+        if score is not None:
+            results.append((h * acc).sum(-1))
+    return results
+
+
+def _select(op, params, dout, weight, offsets, p, score):
+    if not dgated_source.supported(op):
+        return f"no backward epilogue for {op}"
+    why = contract_violation(dout, weight, offsets, p, score) or \
+        quack_path.device_violation(dout) or quack_path.quack_available()
+    if why is not None:
+        return why
+    return Launch(load(op, tuple(params), score is not None), dout, weight, offsets, p, score)
+
+
+def execute(op: str, params: list[float], dout, weight, offsets, p, score=None
+            ) -> list[torch.Tensor]:
+    key = ("grouped_dgated", op, tuple(params),
+           quack_path.metadata_key(dout, weight, offsets, p, score))
+    route = ops.route_of(key, lambda: _select(op, params, dout, weight, offsets, p, score))
+    name = f"dgated_routed_{op}"
+    if isinstance(route, str):
+        ops.count(name, "reference", route)
+        return run_reference(op, params, dout, weight, offsets, p, score)
+    ops.count(name, "kernel", "generated QuACK epilogue, grouped dgrad (packed C/D)")
+    return route(dout, weight, offsets, p, score)
+
+
+def _fake(op, params, dout, weight, offsets, p, score=None):
+    rows, inter = dout.shape[0], weight.shape[2]
+    outs = [p.new_empty(rows, 2 * inter), p.new_empty(rows, inter)]
+    if score is not None:
+        outs.append(p.new_empty(rows, dtype=reference.accumulate_dtype(p.dtype)))
+    return outs
+
+
+ops._lib.define("grouped_dgated(str op, float[] params, Tensor dout, Tensor weight, "
+                "Tensor offsets, Tensor p, Tensor? score) -> Tensor[]")
+ops._lib.impl("grouped_dgated", execute, "CompositeExplicitAutograd")
+torch.library.register_fake("coda::grouped_dgated", _fake)
+
+
+class GroupedGatedDown(torch.autograd.Function):
+    """The down grouped GEMM o[s] = w[s]·(y[s]·W_d[e]ᵀ + b[e]) where autograd records it
+    and y is the gated grouped GEMM's output h = pair(p) itself (not a filled or
+    otherwise changed copy: patterns/routed_experts.py checks). Forward: the down GEMM's
+    program, as GroupedDown's. Backward: coda::grouped_dgated, then
+
+        dW_d[e] = doutᵀ·(h·w) over e's rows       (grouped wgrad: no product recomputed)
+        dw[s]   = dscore[s] + Σ_j dout[s, j]·b[e, j]     db[e] = Σ over e's rows of w·dout
+
+    The gradient goes to p, none to y: o depends on y only as pair(p). The gated GEMM's
+    backward (grouped.GroupedGated) adds a gradient y gets from any other reader."""
+
+    @staticmethod
+    def forward(program, op, params, y, p, weight, offsets, *operands):
+        return grouped_gemm_epilogue(program, y, weight, offsets, None, list(operands))[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        program, op, params, y, p, weight, offsets, *operands = inputs
+        ctx.names = [o.name for o in parse(program).operands]
+        if set(ctx.names) - {"r", "bias"}:
+            raise RuntimeError(f"coda: {parse(program).key}: the down grouped GEMM's "
+                               "backward takes a combine weight r and a bias only")
+        ctx.op, ctx.params = op, list(params)
+        ctx.save_for_backward(p, weight, offsets, *operands)
+
+    @staticmethod
+    def backward(ctx, do):
+        p, weight, offsets, *operands = ctx.saved_tensors
+        by_name = dict(zip(ctx.names, operands))
+        w, bias = by_name.get("r"), by_name.get("bias")
+        do = do.contiguous()
+        outs = torch.ops.coda.grouped_dgated(ctx.op, ctx.params, do, weight, offsets, p, w)
+        dp, hw = outs[0], outs[1]
+        # rows past the last offset belong to no expert: the kernel left them unwritten
+        live = (torch.arange(p.shape[0], device=p.device) < offsets[-1])[:, None]
+        dp = torch.where(live, dp, 0)
+        hw = torch.where(live, hw, 0)
+        dw_down = weight_grad(do, hw, offsets, weight)
+        grads = {}
+        if w is not None:
+            dot = outs[2]
+            if bias is not None:
+                cd = reference.accumulate_dtype(do.dtype)
+                e = reference.expert_of_rows(offsets, do.shape[0]).clamp(
+                    max=weight.shape[0] - 1)
+                dot = dot + (do.to(cd) * bias.to(cd)[e]).sum(-1)
+            grads["r"] = torch.where(live[:, 0], dot, 0).to(w.dtype)
+        if bias is not None:
+            cd = reference.accumulate_dtype(do.dtype)
+            d_acc = do if w is None else (do.to(cd) * w.to(cd)[:, None])
+            grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
+        return (None, None, None, None, dp, dw_down.to(weight.dtype), None,
+                *(grads.get(n) for n in ctx.names))
+
+
+def grouped_down_linear(program: str, op: str, params, y: torch.Tensor, p: torch.Tensor,
+                        weight: torch.Tensor, offsets: torch.Tensor,
+                        *operands: torch.Tensor) -> torch.Tensor:
+    """The down grouped GEMM for the rewritten graph: GroupedGatedDown where a gradient
+    can be asked for, else the forward program alone (p unused)."""
+    if ops._needs_grad(y, weight, operands) or (p.requires_grad and torch.is_grad_enabled()):
+        return GroupedGatedDown.apply(program, op, tuple(params), y, p, weight, offsets,
+                                      *operands)
+    return grouped_linear(program, y, weight, offsets, None, *operands)[0]
