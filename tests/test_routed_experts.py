@@ -832,13 +832,24 @@ PAIRS = {"swiglu": (), "geglu": (), "geglu_erf": (), "swiglu_oai": (1.702, 0.5)}
 @pytest.mark.parametrize("op", list(PAIRS))
 @pytest.mark.parametrize("combine, bias", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_fused_down_backward_equals_the_rules(op, combine, bias, interleaved):
+def test_fused_down_backward_equals_the_rules(op, combine, bias, interleaved, monkeypatch):
     """GroupedGatedDown (dp, h·w and the combine weight's gradient from one dgrad) gives
     every gradient the rules give (GroupedDown, then GroupedGated from dy), in float64
     where both are exact: the input's, both expert weights', the combine weight's, each
     bias's, with an expert that has no row, rows past the last offset and the product
-    also read elsewhere (its gradient reaches the gated GEMM beside dp's)."""
+    also read elsewhere (its gradient reaches the gated GEMM beside dp's). The kernel
+    leaves the rows past the last offset unwritten: here they hold NaN, and no gradient
+    may read them."""
+    from coda_rewrite.kernels import grouped_dgated
     from coda_rewrite.kernels.grouped_dgated import grouped_down_linear
+    real = grouped_dgated.run_reference
+
+    def unwritten_tail(op_, params_, dout, weight, offsets_, p, score_):
+        outs = real(op_, params_, dout, weight, offsets_, p, score_)
+        for t in outs:
+            t[int(offsets_[-1]):] = float("nan")
+        return outs
+    monkeypatch.setattr(grouped_dgated, "run_reference", unwritten_tail)
     dt, g = torch.float64, torch.Generator().manual_seed(1)
     experts, tokens, hidden, inter, rows = 4, 6, 16, 8, 11
     params = PAIRS[op]
@@ -907,3 +918,19 @@ def test_grouped_dgated_reference_against_float64():
     assert rel_err(dscore[live].double(), (h * acc).sum(-1)[live]) < 1e-5
     assert dp[rows - 3:].abs().sum() == 0 and dscore[rows - 3:].abs().sum() == 0
     assert dscore.dtype == torch.float32 and hw.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_fused_down_backward_meets_the_kernel_contract(family):
+    """A bf16 MoE model's training step hands coda::grouped_dgated 16-bit operands of one
+    dtype (Mixtral's float32 combine weight makes the down output, so dout, float32: the
+    GEMM's operand is cast back), so on the CPU the only reason it runs the reference is
+    the device (on the H200 a float32 dout sent it to the reference: 124 ms a step)."""
+    from coda_rewrite.kernels import ops
+    model, _ = moe_model(family)
+    model.train()
+    ids = torch.randint(0, 128, (2, 16))
+    ops.RUNTIME.clear()
+    coda_rewrite.optimize(model)(ids, labels=ids).loss.backward()
+    reasons = {r for (key, _, r) in ops.RUNTIME if key.startswith("dgated_routed_")}
+    assert reasons and all(r.startswith("device cpu") for r in reasons), reasons

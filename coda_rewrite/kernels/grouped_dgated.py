@@ -25,7 +25,8 @@ weight (score None) the dense epilogue runs under the variable-length groups: dp
 QuACK's variable-length GEMM (``cu_seqlens_m``) on Hopper, planned once per tensor-
 metadata class like every fused GEMM; elsewhere the reference (reference.grouped_mm,
 reference.dgated), the reason counted in ops.RUNTIME. Rows past offsets[-1] belong to no
-expert: the kernel does not write them; the caller masks them (GroupedGatedDown).
+expert: the kernel does not write them, and nothing downstream reads them
+(GroupedGatedDown).
 """
 
 from __future__ import annotations
@@ -82,10 +83,14 @@ class Launch:
     (QuACK's ``EpiMod.gemm`` without a launch); a call allocates dp, h·w and the dscore
     partials, launches, and sums the partials."""
 
-    __slots__ = ("gemm_plan", "rows", "inter", "device", "dtype", "partials", "config")
+    __slots__ = ("gemm_plan", "rows", "inter", "device", "dtype", "partials", "config",
+                 "key", "m", "n")
 
-    def __init__(self, module, dout, weight, offsets, p, score, config=None):
+    def __init__(self, module, dout, weight, offsets, p, score, config=None, op: str = ""):
+        """``config`` overrides ROUTED_TILES (benchmarks); ``op`` names the kernel in the
+        report's launch configs (ops.launch_configs: key, m, n, config)."""
         self.rows, self.inter = dout.shape[0], weight.shape[2]
+        self.key, self.m, self.n = f"dgated_routed_{op}", self.rows, self.inter
         self.device, self.dtype = dout.device, dout.dtype
         tile_m, tile_n, cluster_m = config or ROUTED_TILES
         self.config = quack_path.tile_config(tile_m, tile_n, cluster_m)
@@ -151,7 +156,8 @@ def _select(op, params, dout, weight, offsets, p, score):
         quack_path.device_violation(dout) or quack_path.quack_available()
     if why is not None:
         return why
-    return Launch(load(op, tuple(params), score is not None), dout, weight, offsets, p, score)
+    return Launch(load(op, tuple(params), score is not None), dout, weight, offsets, p, score,
+                  op=op)
 
 
 def execute(op: str, params: list[float], dout, weight, offsets, p, score=None
@@ -212,25 +218,26 @@ class GroupedGatedDown(torch.autograd.Function):
         p, weight, offsets, *operands = ctx.saved_tensors
         by_name = dict(zip(ctx.names, operands))
         w, bias = by_name.get("r"), by_name.get("bias")
-        do = do.contiguous()
-        outs = torch.ops.coda.grouped_dgated(ctx.op, ctx.params, do, weight, offsets, p, w)
+        cd = reference.accumulate_dtype(p.dtype)
+        # the GEMM's operand in the weight's dtype: a combine weight in float32 (Mixtral's
+        # router) makes the output, and so dout, float32
+        do16 = do.to(p.dtype).contiguous()
+        outs = torch.ops.coda.grouped_dgated(ctx.op, ctx.params, do16, weight, offsets, p, w)
+        # dp and h·w past the last offset (rows of no expert) are left unwritten by the
+        # kernel and read by nothing: the grouped GEMMs and per-expert sums after it read
+        # the experts' rows only (masking them would be a pass over each)
         dp, hw = outs[0], outs[1]
-        # rows past the last offset belong to no expert: the kernel left them unwritten
-        live = (torch.arange(p.shape[0], device=p.device) < offsets[-1])[:, None]
-        dp = torch.where(live, dp, 0)
-        hw = torch.where(live, hw, 0)
-        dw_down = weight_grad(do, hw, offsets, weight)
+        dw_down = weight_grad(do16, hw, offsets, weight)
         grads = {}
-        if w is not None:
+        if w is not None:  # a gradient of the graph's own tensor: zero past the last offset
             dot = outs[2]
             if bias is not None:
-                cd = reference.accumulate_dtype(do.dtype)
                 e = reference.expert_of_rows(offsets, do.shape[0]).clamp(
                     max=weight.shape[0] - 1)
                 dot = dot + (do.to(cd) * bias.to(cd)[e]).sum(-1)
-            grads["r"] = torch.where(live[:, 0], dot, 0).to(w.dtype)
+            live = torch.arange(p.shape[0], device=p.device) < offsets[-1]
+            grads["r"] = torch.where(live, dot, 0).to(w.dtype)
         if bias is not None:
-            cd = reference.accumulate_dtype(do.dtype)
             d_acc = do if w is None else (do.to(cd) * w.to(cd)[:, None])
             grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
         return (None, None, None, None, dp, dw_down.to(weight.dtype), None,

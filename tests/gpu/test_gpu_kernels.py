@@ -897,6 +897,8 @@ def test_grouped_dgated_kernel(op, params, shape, combine):
         before = _kernel_calls(f"dgated_routed_{op}")
         got = torch.ops.coda.grouped_dgated(op, list(params), do, w, ends, p, score)
         assert _kernel_calls(f"dgated_routed_{op}") == before + 1, ops.runtime_summary()
+        assert any(f"kernel dgated_routed_{op}: 128 x 128" in line
+                   for line in ops.runtime_summary()), ops.runtime_summary()
         ref = grouped_dgated.run_reference(op, params, do, w, ends, p, score)
         acc = reference.grouped_mm(do.double(), w.double(), ends)
         s64 = 1.0 if score is None else score.double()[:, None]
@@ -910,7 +912,12 @@ def test_grouped_dgated_kernel(op, params, shape, combine):
         for name, a, b, t in zip(("dp", "h*w", "dscore"), got, ref, exact):
             err, base = rel_err(a[:live].double(), t[:live]), \
                 rel_err(b[:live].double(), t[:live])
-            assert err <= 1.1 * base + 1e-6, (op, shape, name, err, base)
+            # dscore stays float32 (no 16-bit rounding to hide the activation's float32
+            # math): QuACK's GELU lanes differ from torch's by ~1e-6 relative there (seen:
+            # 1.3e-6 against the reference's 1.1e-7), 3 orders below the bf16 rounding
+            # of the gradient it feeds; a wrong term is O(1)
+            slack = 1e-5 if name == "dscore" else 1e-6
+            assert err <= 1.1 * base + slack, (op, shape, name, err, base)
 
 
 def _separate_routing(model) -> None:
