@@ -229,6 +229,13 @@ def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
 
 # ---- training: the backward rules ----------------------------------------------------------
 
+def _grouped_mm_runs(a, b) -> bool:
+    """Whether torch._grouped_mm takes these operands (CUDA, one 16-bit dtype, rows of a
+    multiple of 16 bytes)."""
+    return a.is_cuda and a.dtype in quack_path._GEMM_DTYPES and b.dtype == a.dtype and \
+        all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
+
+
 def grouped_mm_impl(a, b, offsets, wgrad: bool):
     """The grouped GEMMs of the backward. ``wgrad=False``: a [S, K] times b[e] [K, N]
     per group -> [S, N], rows past offsets[-1] unspecified (the callers zero them:
@@ -237,8 +244,7 @@ def grouped_mm_impl(a, b, offsets, wgrad: bool):
     torch._grouped_mm where it runs (CUDA, 16-bit, 16-byte strides), else the reference's
     loop (float32 accumulation)."""
     experts = offsets.shape[0]
-    fast = a.is_cuda and a.dtype in quack_path._GEMM_DTYPES and b.dtype == a.dtype and \
-        all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
+    fast = _grouped_mm_runs(a, b)
     if fast and wgrad:
         out = torch._grouped_mm(a.t(), b, offs=offsets)
         if torch.cuda.get_device_capability(a.device)[0] == 9:
@@ -286,8 +292,15 @@ def _pair(program: str):
 
 
 def per_expert_sum(d: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
-    """Σ over each expert's rows of ``d`` [S, N] -> [E, N] in the compute dtype (rows past
-    offsets[-1] belong to no expert): a per-expert vector's gradient."""
+    """Σ over each expert's rows of ``d`` [S, N] -> [E, N] (rows past offsets[-1] belong to
+    no expert, and are not read): a per-expert vector's gradient. Where the grouped GEMM
+    runs, as one: 1ᵀ·d per expert (the wgrad of a ones column, float32 accumulation, one
+    rounding to d's dtype) — an index_add onto E rows made every routed row an atomic
+    add onto a handful of addresses (1.77 ms for gpt-oss-20b's two biases at 8192
+    tokens, H200). Elsewhere in the compute dtype."""
+    if _grouped_mm_runs(d, d):
+        ones = d.new_ones(d.shape[0], 8)  # 8 columns: 16-byte rows for the GEMM
+        return torch.ops.coda.grouped_mm(ones, d, offsets, True)[:, 0]
     cd = reference.accumulate_dtype(d.dtype)
     e = reference.expert_of_rows(offsets, d.shape[0])
     return d.new_zeros(experts + 1, d.shape[1], dtype=cd).index_add_(0, e, d.to(cd))[:experts]
@@ -409,7 +422,7 @@ class GroupedDown(torch.autograd.Function):
         by_name = dict(zip(ctx.names, operands))
         cd = reference.accumulate_dtype(y.dtype)
         w, bias = by_name.get("r"), by_name.get("bias")
-        d_acc = do if w is None else (do.to(cd) * w.to(cd)[:, None]).to(y.dtype)
+        d_acc = do.to(y.dtype) if w is None else (do.to(cd) * w.to(cd)[:, None]).to(y.dtype)
         g = live_rows(torch.ops.coda.grouped_mm(do.to(y.dtype), weight, offsets, False),
                       offsets)
         dy = g if w is None else (g.to(cd) * w.to(cd)[:, None]).to(y.dtype)

@@ -238,7 +238,7 @@ class GroupedGatedDown(torch.autograd.Function):
             live = torch.arange(p.shape[0], device=p.device) < offsets[-1]
             grads["r"] = torch.where(live, dot, 0).to(w.dtype)
         if bias is not None:
-            d_acc = do if w is None else (do.to(cd) * w.to(cd)[:, None])
+            d_acc = do16 if w is None else (do.to(cd) * w.to(cd)[:, None]).to(p.dtype)
             grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
         return (None, None, None, None, dp, dw_down.to(weight.dtype), None,
                 *(grads.get(n) for n in ctx.names))
