@@ -623,3 +623,21 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
     (y,) = plain(a, b, [torch.ones(m), torch.ones(n)])
     assert y.shape == (m, n) and y.dtype == torch.bfloat16 and (y == 1).all()
     assert calls[-1] == ["D"]
+
+
+def test_a_reference_run_on_a_cuda_device_warns():
+    """A fused op that falls back to its reference on a CUDA device (a rewrite slower than
+    the graph it replaced) warns, once per kernel and reason; off CUDA it is only counted."""
+    import warnings as w
+    from coda_rewrite.kernels import ops
+    before = dict(ops.RUNTIME)
+    with w.catch_warnings(record=True) as seen:
+        w.simplefilter("default")
+        ops.count_reference("probe_kernel", "a reason", torch.device("cpu"))
+        assert not seen
+        for _ in range(3):
+            ops.count_reference("probe_kernel", "a reason", torch.device("cuda", 0))
+    assert len(seen) == 1 and issubclass(seen[0].category, RuntimeWarning)
+    assert "probe_kernel" in str(seen[0].message) and "a reason" in str(seen[0].message)
+    assert ops.RUNTIME[("probe_kernel", "reference", "a reason")] - \
+        before.get(("probe_kernel", "reference", "a reason"), 0) == 4

@@ -122,7 +122,7 @@ def execute(op: str, dout, w, p) -> list[torch.Tensor]:
     route = ops.route_of((f"dgated:{op}", quack_path.metadata_key(dout, w, p)), decide)
     name = f"dgated_{op}"
     if isinstance(route, str):
-        ops.count(name, "reference", route)
+        ops.count_reference(name, route, dout.device)
         return list(run_reference(op, dout, w, p))
     ops.count(name, "kernel", "generated QuACK epilogue (packed C/D)")
     return list(route(dout, w, p))

@@ -177,7 +177,7 @@ def execute(program: str, a, b, offsets, index, operands,
     route = ops.route_of(key, lambda: _select(prog, program, a, b, offsets, index, operands,
                                               interleaved))
     if isinstance(route, str):
-        ops.count(prog.key, "reference", route)
+        ops.count_reference(prog.key, route, a.device)
         with torch.autocast(device_type=a.device.type, enabled=False):
             outs = reference.run_grouped(prog, a, b, offsets, index, operands, interleaved)
         return ops._fresh(outs, [a, b, offsets, index, *operands])

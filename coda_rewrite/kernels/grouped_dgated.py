@@ -167,7 +167,7 @@ def execute(op: str, params: list[float], dout, weight, offsets, p, score=None
     route = ops.route_of(key, lambda: _select(op, params, dout, weight, offsets, p, score))
     name = f"dgated_routed_{op}"
     if isinstance(route, str):
-        ops.count(name, "reference", route)
+        ops.count_reference(name, route, dout.device)
         return run_reference(op, params, dout, weight, offsets, p, score)
     ops.count(name, "kernel", "generated QuACK epilogue, grouped dgrad (packed C/D)")
     return route(dout, weight, offsets, p, score)

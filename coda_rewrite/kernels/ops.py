@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 
 import torch
 
@@ -41,6 +42,20 @@ def count(key: str, impl: str, reason: str) -> None:
     """One call of the kernel or op named ``key`` ran ``impl`` for ``reason``."""
     with _lock:
         RUNTIME[(key, impl, reason)] += 1
+
+
+def count_reference(key: str, reason: str, device: torch.device) -> None:
+    """A fused op ran its reference (torch ops in the compute dtype) instead of its kernel.
+    Expected off Hopper; on a CUDA device it is a rewrite that runs slower than the graph
+    it replaced (seen: a float32 gradient sent the routed experts' backward to the
+    reference, 124 ms instead of 32 a step), so it also warns, once per kernel and
+    reason (Python's warning registry), besides the count runtime_summary() shows."""
+    count(key, "reference", reason)
+    if device.type == "cuda":
+        warnings.warn(f"coda_rewrite: {key} runs its reference implementation on {device}, "
+                      f"not its generated kernel ({reason}): slower than the unfused graph; "
+                      "coda_rewrite.kernels.ops.runtime_summary() lists every fallback",
+                      RuntimeWarning, stacklevel=3)
 
 
 def runtime_summary() -> list[str]:
@@ -109,7 +124,7 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
         return quack_path.prepare(*kernel, a, b, operands) if kernel is not None else why
     route = route_of((program, quack_path.metadata_key(a, b, operands)), decide)
     if isinstance(route, str):
-        _count(prog, "reference", route)
+        count_reference(prog.key, route, (a if a is not None else operands[0]).device)
         return _fresh(_run_reference(prog, a, b, operands), [a, b, *operands])
     _count(prog, "kernel", "generated QuACK epilogue")
     return route(a, b, operands)  # fresh buffers, never an input
