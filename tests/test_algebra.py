@@ -25,7 +25,7 @@ D = 32
 
 def test_every_statement_is_proved_with_a_witness():
     proved = S.all_statements()
-    assert len(proved) == 20
+    assert len(proved) == 21
     for name, p in proved:
         assert isinstance(p, Proof) and p.steps and p.assumptions, name
         assert p.witness.startswith("float64"), (name, p.witness)
@@ -44,6 +44,20 @@ def test_every_statement_proves_under_no_grad():
         for prove in provers:
             p = getattr(prove, "__wrapped__", prove)()  # not the cached proof
             assert p.witness.startswith("float64"), prove.__name__
+
+
+def test_routed_backward_witness_refuses_a_wrong_epilogue(monkeypatch):
+    """The routed experts' backward statement replays the op's reference: an epilogue
+    that forgot to fold the router weight into dp (or scaled dscore by it) is refused."""
+    from coda_rewrite.kernels import grouped_dgated
+    real = grouped_dgated.run_reference
+
+    def unscaled(op, params, dout, weight, offsets, p, score):
+        return real(op, params, dout, weight, offsets, p, torch.ones_like(score))[:2] + \
+            real(op, params, dout, weight, offsets, p, score)[2:]
+    monkeypatch.setattr(grouped_dgated, "run_reference", unscaled)
+    with pytest.raises(S.Unproved, match="routed experts' backward"):
+        S.prove_routed_backward.__wrapped__()
 
 
 def test_false_neighbours_are_refused():

@@ -257,6 +257,16 @@ def _input_fill(m) -> str | None:
     return None
 
 
+def down_backward_fused(m) -> bool:
+    """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated)
+    when the match trains: its input is the gated GEMM's output itself (a live fill of the
+    product changes rows that the pair recomputed from p would not) and the pair has a
+    backward epilogue."""
+    from ..codegen import dgated_source
+    product_filled = m.gate_up_fill is not None and not product_fill_dead(m)
+    return not product_filled and dgated_source.supported(m.op)
+
+
 def decide(m, gated, down, deferred: bool = False) -> Decision:
     """Legality of replacing match ``m`` by the grouped programs ``gated`` and ``down``;
     ``deferred``: the gathered tokens are a norm's h2 ⊙ r, read as h2 with each routed
@@ -272,12 +282,17 @@ def decide(m, gated, down, deferred: bool = False) -> Decision:
     seen = guarded(lambda m: _replay(m, gated, down, deferred), m)
     if isinstance(seen, Rejection):
         return seen
+    statement, assumptions, steps = proof.statement, (*proof.assumptions, *held), proof.steps
     if meta(m.out).requires_grad:
         grads = guarded(lambda m: off_thread(_replay_gradients, m, gated, down, deferred), m)
         if isinstance(grads, Rejection):
             return grads
         seen = f"{seen}; {grads}"
-    return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
+        if down_backward_fused(m):
+            back = statements.prove_routed_backward()
+            statement = f"{statement}; backward: {back.statement}"
+            assumptions, steps = (*assumptions, *back.assumptions), (*steps, *back.steps)
+    return Proof(statement, assumptions, steps, seen)
 
 
 def _inputs(m):
@@ -380,9 +395,11 @@ def _down_operands(m, v) -> list:
 
 def _replay_gradients(m, gated, down, deferred: bool = False) -> str | Rejection:
     """Gradients of the matched nodes (float64 autograd) against the fused GEMMs'
-    backward rules (kernels/grouped.GroupedGated, GroupedDown) on the same routing:
-    the input rows, both expert weights and the combine weight."""
+    backward (kernels/grouped.GroupedGated with grouped_dgated.GroupedGatedDown, or
+    GroupedDown where the down GEMM's backward is not fused) on the same routing: the
+    input rows, both expert weights and the combine weight."""
     from ..kernels.grouped import grouped_linear
+    from ..kernels.grouped_dgated import grouped_down_linear
     gated, down = (parse(exact(p.to_text())) for p in (gated, down))
     v = _inputs(m)
     leaves = ["h", "w_gu", "w_d"] + (["weight"] if m.weight is not None else [])
@@ -395,14 +412,18 @@ def _replay_gradients(m, gated, down, deferred: bool = False) -> str | Rejection
             if fused:
                 src = vals["h"] if m.source is not None else vals["h"][v["index"]]
                 idx = v["index"] if m.source is not None else None
-                y = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx,
-                                   *_gated_operands(m, vals, deferred),
-                                   interleaved=m.interleaved)[0]
+                y, p = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx,
+                                      *_gated_operands(m, vals, deferred),
+                                      interleaved=m.interleaved)[:2]
                 if m.gate_up_fill is not None and not product_fill_dead(m):
                     y = y.masked_fill(v["mask"], product_fill(
                         m.op, m.gate_up_fill.constant, m.params))
-                out = grouped_linear(down.to_text(), y, vals["w_d"], v["ends"], None,
-                                     *_down_operands(m, vals))[0]
+                if down_backward_fused(m):
+                    out = grouped_down_linear(down.to_text(), m.op, m.params, y, p,
+                                              vals["w_d"], v["ends"], *_down_operands(m, vals))
+                else:
+                    out = grouped_linear(down.to_text(), y, vals["w_d"], v["ends"], None,
+                                         *_down_operands(m, vals))[0]
                 if m.down_fill is not None:
                     out = out.masked_fill(v["mask"], m.down_fill.constant)
             else:

@@ -831,6 +831,90 @@ def prove_routed_experts() -> Proof:
         _witness("routed experts", num))
 
 
+@functools.cache
+def prove_routed_backward() -> Proof:
+    """The routed experts' down projection backward as its grouped dgrad epilogue forms
+    it (kernels/grouped_dgated.py): o[s] = w[s]·(h[s]·W[e]ᵀ + b[e]) for routed row s of
+    expert e, h = act(g) ⊙ u, so with acc = dout·W[e] (the dgrad GEMM, per expert)
+
+        ∂L/∂g = (w·acc) ⊙ u ⊙ act'(g)     ∂L/∂u = (w·acc) ⊙ act(g)
+        ∂L/∂w[s] = Σ_i h[s,i]·acc[s,i] + Σ_j dout[s,j]·b[e,j]
+        ∂L/∂W[e] = doutᵀ·(w ⊙ h)          ∂L/∂b[e] = Σ_s w[s]·dout[s]
+
+    (the router weight's gradient needs no stored output: the transposition
+    Σ_j dout·(h·Wᵀ) = Σ_i h·(dout·W)). Checked by the chain rule on a symbolic
+    2-row × 2-feature × 2-output instance of one expert (rows are independent and
+    experts row-local: prove_routed_experts), act undefined; the numeric witness runs
+    the op's reference against autograd on a float64 routing with an empty expert."""
+    rows, feats, outs = 2, 2, 2
+    act = sp.Function("act")
+
+    def sym(name, n, c):
+        return sp.Matrix(n, c, lambda a, b: sp.Symbol(f"{name}{a}{b}", real=True))
+    g, u, wd, dout = sym("g", rows, feats), sym("u", rows, feats), sym("w", outs, feats), \
+        sym("d", rows, outs)
+    wr = sp.Matrix(rows, 1, lambda a, _: sp.Symbol(f"r{a}", real=True))
+    bias = sp.Matrix(1, outs, lambda _, b: sp.Symbol(f"b{b}", real=True))
+    h = g.applyfunc(act).multiply_elementwise(u)
+    pre = h * wd.T + sp.ones(rows, 1) * bias
+    o = sp.Matrix(rows, outs, lambda a, b: wr[a] * pre[a, b])
+    loss = sum(dout.multiply_elementwise(o)[:, :])
+    acc = dout * wd
+    for a in range(rows):
+        for c in range(feats):
+            dh = wr[a] * acc[a, c]
+            _require(sp.diff(loss, g[a, c]) - dh * u[a, c] * sp.diff(act(g[a, c]), g[a, c]),
+                     "dL/dg = (w·acc)·u·act'(g)")
+            _require(sp.diff(loss, u[a, c]) - dh * act(g[a, c]), "dL/du = (w·acc)·act(g)")
+        _require(sp.diff(loss, wr[a]) - sum(h[a, c] * acc[a, c] for c in range(feats))
+                 - sum(dout[a, c] * bias[c] for c in range(outs)),
+                 "dL/dw = Σ h·acc + Σ dout·b")
+    hw = sp.Matrix(rows, feats, lambda a, c: wr[a] * h[a, c])
+    grad_w = dout.T * hw
+    for a in range(outs):
+        for c in range(feats):
+            _require(sp.diff(loss, wd[a, c]) - grad_w[a, c], "dL/dW = doutᵀ·(w⊙h)")
+        _require(sp.diff(loss, bias[a]) - sum(wr[q] * dout[q, a] for q in range(rows)),
+                 "dL/db = Σ w·dout")
+
+    def num(seed):
+        from ..kernels.grouped_dgated import run_reference
+        n_exp, hid, inter, rows_ = _shape(seed, (2, 4), (1, 5), (1, 5), (3, 9))
+        gen = _gen(seed)
+        f64 = torch.float64
+        ends = torch.sort(torch.randint(0, rows_ + 1, (n_exp,), generator=gen)).values
+        ends[0] = 0  # an expert with no row
+        wd_ = torch.randn(n_exp, hid, inter, generator=gen, dtype=f64, requires_grad=True)
+        p = torch.randn(rows_, 2 * inter, generator=gen, dtype=f64, requires_grad=True)
+        wr_ = torch.rand(rows_, generator=gen, dtype=f64, requires_grad=True)
+        dd = torch.randn(rows_, hid, generator=gen, dtype=f64)
+        live = (torch.arange(rows_) < int(ends[-1]))[:, None]
+        with torch.enable_grad():
+            h_ = torch.nn.functional.silu(p[:, 0::2]) * p[:, 1::2]
+            o_ = reference.grouped_mm(h_, wd_.transpose(-2, -1), ends) * wr_[:, None]
+            auto = torch.autograd.grad((torch.where(live, o_, 0) * dd).sum(), (p, wr_, wd_))
+        dp, hw_, dscore = run_reference("swiglu", (), dd, wd_.detach(), ends, p.detach(),
+                                        wr_.detach())
+        dw = torch.zeros_like(wd_)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            dw[e] = dd[start:end].T @ hw_[start:end]
+            start = end
+        lv = live[:, 0]
+        return max(rel_err(dp[lv], auto[0][lv]), rel_err(dscore[lv], auto[1][lv]),
+                   rel_err(dw, auto[2]))
+
+    return Proof(
+        "o[s] = w[s]·(h[s]·W[e]ᵀ + b[e]), acc = dout·W[e]  ⇒  ∂L/∂(g, u) = pair'(p)·(w·acc), "
+        "∂L/∂w = Σ h·acc + Σ dout·b[e], ∂L/∂W[e] = doutᵀ·(w⊙h), ∂L/∂b[e] = Σ w·dout",
+        ("the down GEMM reads the gated GEMM's output h = pair(p) itself: its whole "
+         "gradient goes to the stored pre-activation p",
+         "w[s] is one scalar per routed row"),
+        ("the chain rule on a symbolic instance of one expert, act undefined",
+         "the router weight's gradient by transposition: Σ_j dout·(h·Wᵀ) = Σ_i h·(dout·W)"),
+        _witness("routed experts' backward", num))
+
+
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
@@ -851,6 +935,8 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("gated activation interleave", prove_gated_interleave()),
             ("gated backward in the down projection's dgrad", prove_gated_backward()),
             ("sharded GEMM (tensor parallelism)", prove_sharded_gemm()),
-            ("routed experts' grouped GEMMs", prove_routed_experts())]
+            ("routed experts' grouped GEMMs", prove_routed_experts()),
+            ("routed experts' backward in the down projection's dgrad",
+             prove_routed_backward())]
     return out
 

@@ -59,7 +59,6 @@ from ..algebra import row_scale
 from ..algebra.decision import Why
 from ..canonical import canon, constant, meta
 from ..capture import describe, model_path
-from ..codegen import dgated_source
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, graph_replay, mutated_value,
@@ -568,10 +567,8 @@ def decide(m: Match, context: Context) -> Decided:
 
 def fused_backward(plan: Plan) -> bool:
     """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated):
-    where a gradient flows and its input is the gated GEMM's output itself (a fill moved
-    past the product changes rows the recomputed pair(p) would not)."""
-    return trains(plan.match) and plan.product_fill is None and \
-        dgated_source.supported(plan.match.op)
+    where a gradient flows, and the algebra allows it (legality.down_backward_fused)."""
+    return trains(plan.match) and legality.down_backward_fused(plan.match)
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
