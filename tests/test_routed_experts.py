@@ -203,6 +203,14 @@ class Experts(torch.nn.Module):
         w, ids = top_w.to(h.dtype).reshape(-1), top_i.reshape(-1)
         ids_g, perm = torch.sort(ids)
         x = h[perm // self.top_k]
+        if case == "extra_token":  # one more row than tokens: not every row gathered k times
+            x = torch.cat((h, h[:1])).__getitem__(perm // self.top_k)
+        if case == "other_divisor":  # tokens gathered k + 1 times, some not at all
+            x = h[perm // (self.top_k + 1)]
+        if case == "perm_updated":  # the permutation changed after the index was made
+            index = perm // self.top_k
+            x = h[index]
+            perm.add_(0)
         w_g = w[perm]
         offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.e, min=0, max=self.e - 1),
                             dim=0, dtype=torch.int32)
@@ -462,7 +470,8 @@ def test_norm_rstd_deferred_through_the_routing(case, deferred):
     assert ("rsqrt" in graph) == (case != "plain"), case  # the norm materialised or not
 
 
-@pytest.mark.parametrize("case", ["canonical", "feature_weights", "oai"])
+@pytest.mark.parametrize("case", ["canonical", "feature_weights", "oai", "extra_token",
+                                  "other_divisor", "perm_updated"])
 def test_training_gradients_no_worse_than_eager(case):
     """A training graph: the experts fused, their backward in the down projection's
     dgrad epilogue and the gate/up GEMM's rules; the output
@@ -488,6 +497,10 @@ def test_training_gradients_no_worse_than_eager(case):
     # the down projection's backward in its dgrad epilogue (kernels/grouped_dgated.py)
     assert _dgated_routed_calls() == before + 1 and "dgrad epilogue" in done[0].backward
     assert "backward: " in str(fast.report)
+    # the tokens' gradient summed per token after the inverse permutation only where the
+    # index is perm // top_k over exactly the gathered source's rows, perm not updated
+    summed = case in ("canonical", "feature_weights", "oai")
+    assert ("after the inverse of" in done[0].backward) == summed, done[0].backward
     assert "gradients" in done[0].decision.witness
     pairs = [(outs[0], outs[1], outs[2]), (xs[0].grad, xs[1].grad, xs[2].grad)]
     pairs += [(p.grad, q.grad, t.grad) for p, q, t in zip(

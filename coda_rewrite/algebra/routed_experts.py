@@ -39,7 +39,7 @@ from ..capture import describe
 from ..codegen import reference
 from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
-from ..graph_utils import in_place_updates
+from ..graph_utils import in_place_update_of, in_place_updates
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -257,6 +257,35 @@ def _input_fill(m) -> str | None:
     return None
 
 
+def token_order(m) -> tuple[fx.Node, int] | None:
+    """(perm, k) where the gather index is ``perm // k``, perm the permutation a sort
+    returned of N = T·k values and T the gathered source's rows (Hugging Face's
+    ``hidden[perm // top_k]`` after ``sort(top_k_index.reshape(-1))``): every token is
+    gathered exactly k times, so the gather's gradient is each token's k rows summed
+    after the inverse permutation, a gather and a sum instead of N atomic adds. None
+    elsewhere (any other index, a shape that is not provably T·k, perm updated in place):
+    the backward scatters with index_add."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    idx, src = m.index, m.source
+    if idx is None or src is None or idx.op != "call_function" or \
+            idx.target not in (operator.floordiv, torch.floor_divide) or len(idx.args) != 2:
+        return None
+    perm, k = idx.args
+    if not isinstance(k, int) or k < 1 or not isinstance(perm, fx.Node) or \
+            perm.target is not operator.getitem or perm.args[1] != 1:
+        return None
+    sort = perm.args[0]
+    if not isinstance(sort, fx.Node) or sort.target not in (torch.sort, "sort"):
+        return None
+    mp, ms = meta(perm), meta(src)
+    if mp is None or ms is None or mp.dim() != 1 or \
+            not statically_known_true(mp.shape[0] == ms.shape[0] * k):
+        return None
+    if in_place_update_of({perm}, perm.graph) is not None:
+        return None
+    return perm, k
+
+
 def down_backward_fused(m) -> bool:
     """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated)
     when the match trains: its input is the gated GEMM's output itself (a live fill of the
@@ -304,6 +333,12 @@ def _inputs(m):
     f64 = torch.float64
     h = torch.randn(tokens, k, generator=g, dtype=f64)
     index = torch.randint(0, tokens, (rows,), generator=g)
+    order = token_order(m)
+    perm = None
+    if order is not None:  # index = perm // top_k: every token gathered top_k times
+        rows = tokens * order[1]
+        perm = torch.randperm(rows, generator=g)
+        index = perm // order[1]
     counts = torch.randint(1, 4, (n_exp,), generator=g)
     if n_exp > 1:
         counts[0] = 0  # an expert with no row
@@ -320,7 +355,7 @@ def _inputs(m):
     r_tok = torch.rand(tokens, generator=g, dtype=f64) + 0.5   # a deferred rstd per token
     return dict(n_exp=n_exp, rows=rows, tokens=tokens, h=h, index=index, ends=ends, mask=mask,
                 w_gu=w_gu, w_d=w_d, weight=weight, g=g, ids=ids, b_gu=b_gu, b_d=b_d,
-                r_tok=r_tok)
+                r_tok=r_tok, perm=perm, top_k=order[1] if order is not None else 0)
 
 
 def _eager_input(v: dict, deferred: bool) -> dict:
@@ -414,7 +449,8 @@ def _replay_gradients(m, gated, down, deferred: bool = False) -> str | Rejection
                 idx = v["index"] if m.source is not None else None
                 y, p = grouped_linear(gated.to_text(), src, vals["w_gu"], v["ends"], idx,
                                       *_gated_operands(m, vals, deferred),
-                                      interleaved=m.interleaved)[:2]
+                                      interleaved=m.interleaved, perm=v["perm"],
+                                      top_k=v["top_k"])[:2]
                 if m.gate_up_fill is not None and not product_fill_dead(m):
                     y = y.masked_fill(v["mask"], product_fill(
                         m.op, m.gate_up_fill.constant, m.params))

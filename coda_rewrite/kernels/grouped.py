@@ -205,12 +205,15 @@ torch.library.register_fake("coda::grouped_gemm_epilogue", _fake)
 
 def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                    offsets: torch.Tensor, index: torch.Tensor | None,
-                   *operands: torch.Tensor, interleaved: bool = False
+                   *operands: torch.Tensor, interleaved: bool = False,
+                   perm: torch.Tensor | None = None, top_k: int = 0
                    ) -> tuple[torch.Tensor, ...]:
     """What the rewritten graph calls: ``program`` over the grouped GEMM of ``x`` [T, K]
     (rows ``x[index]``) with the experts' ``weight`` [E, N, K]. Outside tracing the op
     boundary is skipped (its dispatch costs host time a decode step pays per layer);
-    where a gradient can be asked for, the autograd Functions below."""
+    where a gradient can be asked for, the autograd Functions below. ``perm``, ``top_k``:
+    index is perm // top_k for a permutation perm of T·top_k rows (algebra/
+    routed_experts.token_order), which the gather's gradient uses."""
     if ops._needs_grad(x, weight, operands):
         prog = parse(program)
         if any(o.kind == Kind.PAIR for o in prog.outputs):
@@ -219,7 +222,7 @@ def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                                    "called where a gradient can be asked for (a graph "
                                    "rewritten for inference, run with gradients)")
             return GroupedGated.apply(program, x, weight, offsets, index, interleaved,
-                                      *operands)
+                                      perm, top_k, *operands)
         return (GroupedDown.apply(program, x, weight, offsets, *operands),)
     if ops._direct(x, weight, operands):
         return tuple(execute(program, x, weight, offsets, index, list(operands), interleaved))
@@ -332,7 +335,9 @@ class GroupedGated(torch.autograd.Function):
                                                   grouped_dgated.GroupedGatedDown, forms
                                                   dp in its dgrad epilogue)
         G   = dp·W_gu[e]                         (grouped dgrad)
-        dx  = Σ over routed rows of r[s]·G       (then index_add back)
+        dx  = Σ over routed rows of r[s]·G       (each token's top-k rows summed after
+                                                  the inverse permutation where the index
+                                                  is perm // k, else an index_add)
         dW_gu[e] = (r·dp)ᵀ·x[rows of e]     (grouped wgrad; the gather made again)
         db[e] = Σ over e's rows of dp       (a per-expert bias, where the program has one)
         dr[s] = Σ_k x[s, k]·G[s, k]         (a deferred rstd per routed row, where the
@@ -342,14 +347,14 @@ class GroupedGated(torch.autograd.Function):
     where the program has no row scale)."""
 
     @staticmethod
-    def forward(program, x, weight, offsets, index, interleaved, *operands):
+    def forward(program, x, weight, offsets, index, interleaved, perm, top_k, *operands):
         return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index,
                                            list(operands), interleaved))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        program, x, weight, offsets, index, interleaved, *operands = inputs
-        ctx.pair, ctx.interleaved = _pair(program), interleaved
+        program, x, weight, offsets, index, interleaved, perm, top_k, *operands = inputs
+        ctx.pair, ctx.interleaved, ctx.top_k = _pair(program), interleaved, top_k
         named = _named(program, operands)
         ctx.has_bias, ctx.names = "bias" in named, list(named)
         if set(named) - {"bias", "r"}:
@@ -357,11 +362,11 @@ class GroupedGated(torch.autograd.Function):
                                "backward takes a per-expert bias and a row scale only")
         ctx.mark_non_differentiable(*output[2:])
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, weight, offsets, index, output[1], named.get("r"))
+        ctx.save_for_backward(x, weight, offsets, index, output[1], named.get("r"), perm)
 
     @staticmethod
     def backward(ctx, dy, dp_given, *_):
-        x, weight, offsets, index, p, r = ctx.saved_tensors
+        x, weight, offsets, index, p, r, perm = ctx.saved_tensors
         cd = reference.accumulate_dtype(p.dtype)
         op, params = ctx.pair
         dp = dp_given
@@ -369,7 +374,7 @@ class GroupedGated(torch.autograd.Function):
             dp_y, _ = reference.dgated(op, dy.to(cd), p, *params)
             dp = dp_y if dp is None else (dp.to(cd) + dp_y.to(cd)).to(p.dtype)
         if dp is None:
-            return (None,) * (6 + len(ctx.names))
+            return (None,) * (8 + len(ctx.names))
         if not ctx.interleaved:  # [gate; up] like W_gu's rows
             dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)
         rows = x if index is None else x[index]
@@ -385,11 +390,15 @@ class GroupedGated(torch.autograd.Function):
         dw = weight_grad(d_acc, rows, offsets, weight)
         if index is None:
             dx = dx_rows
+        elif perm is not None:  # token t's rows are inv[t·k : (t+1)·k]: no atomic adds
+            inv = torch.empty_like(perm).scatter_(
+                0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype))
+            dx = dx_rows.to(cd)[inv].view(x.shape[0], ctx.top_k, x.shape[1]).sum(1)
         else:
             dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
         if ctx.has_bias:
             grads["bias"] = per_expert_sum(dp, offsets, weight.shape[0]).to(weight.dtype)
-        return (None, dx.to(x.dtype), dw.to(weight.dtype), None, None, None,
+        return (None, dx.to(x.dtype), dw.to(weight.dtype), None, None, None, None, None,
                 *(grads.get(n) for n in ctx.names))
 
 

@@ -588,9 +588,13 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                                                     d.norm.h2, d.norm.r, like, call_fn)
             r = graph.call_method("reshape", (r, -1))
             gu_ops = (graph.call_function(operator.getitem, (r, m.index)), *gu_ops)
+        order = legality.token_order(m) if trains(m) else None
+        kwargs = {"interleaved": m.interleaved}
+        if order is not None:  # the gather's gradient: a sum per token, no atomic adds
+            kwargs.update(perm=order[0], top_k=order[1])
         call = graph.call_function(grouped_linear, (
             plan.gated.to_text(), source, _as_nk(graph, m.w_gate_up, m.gate_up_kn),
-            m.offsets, m.index, *gu_ops), {"interleaved": m.interleaved})
+            m.offsets, m.index, *gu_ops), kwargs)
         copy_meta(call, m.mul)
         y = results(graph, call, 1, m.mul)[0]
         if plan.product_fill is not None:
@@ -639,6 +643,11 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         shown["backward"] = (
             f"d{m.op} and the combine weight's gradient in the down projection's grouped "
             "dgrad epilogue (coda::grouped_dgated: its product never written, h not kept)")
+    if order is not None:
+        shown["backward"] = (shown.get("backward", "") + "; " if fused_backward(plan)
+                             else "") + (
+            f"the tokens' gradient: each token's {order[1]} routed rows summed after the "
+            f"inverse of {describe(order[0])} (no atomic scatter)")
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")
