@@ -77,9 +77,12 @@ FUSES_GEMMS = True
 # rows); Mixtral-8x7B-shaped 0.81x / 0.68x / 0.90x at 16 to 1024 rows, 1.02x at 16384:
 # BENCHMARKS.md, tenth session; the crossover in between is not measured)
 FUSED_FROM_ROWS = 16384
-# ... and not in a training step (training_policy.py): forward + backward of the
-# Qwen3-shaped layer 7.02 ms vs torch.compile's 6.23 (0.89x), the Mixtral-shaped one 34.2
-# vs 32.9 (0.96x) with the backward as rules (8192 tokens); fuse_in_training=True fuses it
+# ... and not in a training step (training_policy.py): forward + backward of the block at
+# 8192 tokens with the down projection's backward in its dgrad epilogue, against
+# torch.compile's: Qwen3-30B-A3B-shaped 1.00x, Mixtral-8x7B-shaped 1.01x, gpt-oss-20b-
+# shaped 1.07x, where leaving the experts to eager's ops gave 1.01x / 1.04x / 0.99x in the
+# same run (rounds' spreads 2-15%: not shown to pay; BENCHMARKS.md, twelfth session; the
+# backward as rules alone was 0.89x / 0.96x / 0.95x); fuse_in_training=True fuses it
 PAYS_IN_TRAINING = False
 
 
