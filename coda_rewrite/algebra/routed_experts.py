@@ -33,10 +33,11 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..canonical import canon, meta
 from ..capture import describe
-from ..codegen import reference
+from ..codegen import dgated_source, reference
 from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
 from ..graph_utils import in_place_update_of, in_place_updates
@@ -265,7 +266,6 @@ def token_order(m) -> tuple[fx.Node, int] | None:
     after the inverse permutation, a gather and a sum instead of N atomic adds. None
     elsewhere (any other index, a shape that is not provably T·k, perm updated in place):
     the backward scatters with index_add."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
     idx, src = m.index, m.source
     if idx is None or src is None or idx.op != "call_function" or \
             idx.target not in (operator.floordiv, torch.floor_divide) or len(idx.args) != 2:
@@ -291,7 +291,6 @@ def down_backward_fused(m) -> bool:
     when the match trains: its input is the gated GEMM's output itself (a live fill of the
     product changes rows that the pair recomputed from p would not) and the pair has a
     backward epilogue."""
-    from ..codegen import dgated_source
     product_filled = m.gate_up_fill is not None and not product_fill_dead(m)
     return not product_filled and dgated_source.supported(m.op)
 

@@ -14,8 +14,8 @@ PROGRAMS.json is a list of program texts (and ``{"dgated": op}`` entries: the ga
 backward's dgrad kernels, kernels/dgated.py; ``{"grouped": text}``: a routed experts'
 grouped GEMM, kernels/grouped.py, with ``"interleaved"`` and ``"n_major"`` for gpt-oss's
 layout; ``{"grouped_dgated": op, "params": [...]}``: the routed experts' backward dgrad
-kernel, kernels/grouped_dgated.py). Prints one JSON line per kernel, with the tile configs it was compiled for (one
-per row class of the size policy that differs).
+kernel, kernels/grouped_dgated.py). Prints one JSON line per kernel, with the tile
+configs it was compiled for (one per row class of the size policy that differs).
 """
 
 from __future__ import annotations

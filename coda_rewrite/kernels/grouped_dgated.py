@@ -42,8 +42,11 @@ from . import ops, quack_path
 from .grouped import (_cu_seqlens, grouped_gemm_epilogue, grouped_linear, per_expert_sum,
                       weight_grad)
 
-# the 8B-shaped MLP's choice for the dense dgated epilogue (kernels/dgated.LARGE_M_TILES);
-# measured for the routed one in benchmarks/moe.py (BENCHMARKS.md, twelfth session)
+# 128 x 128 tiles, cluster 2 (as the dense epilogue's kernels/dgated.LARGE_M_TILES): the
+# best of five configs at the three MoE shapes of benchmarks/moe.py (H200, 8192 tokens):
+# 0.514 / 3.529 / 1.113 ms at Qwen3-30B-A3B / Mixtral-8x7B / gpt-oss-20b against QuACK's
+# default 128 x 192's 0.733 / 4.747 / 2.142 (its D is twice the GEMM's N wide, packed
+# pairs); 64 x 192 ties at the Qwen3 shape only (BENCHMARKS.md, twelfth session)
 ROUTED_TILES = (128, 128, 2)
 
 

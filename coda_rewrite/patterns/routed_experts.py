@@ -642,15 +642,16 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if m.biases:
         shown["biases"] = ("each expert's bias added in the GEMM epilogue from its row of "
                            "the [E, N] table (the gather by expert id never written)")
+    backward = []
     if fused_backward(plan):
-        shown["backward"] = (
-            f"d{m.op} and the combine weight's gradient in the down projection's grouped "
-            "dgrad epilogue (coda::grouped_dgated: its product never written, h not kept)")
+        backward.append(f"d{m.op} and the combine weight's gradient in the down "
+                        "projection's grouped dgrad epilogue (coda::grouped_dgated: its "
+                        "product never written, h not kept)")
     if order is not None:
-        shown["backward"] = (shown.get("backward", "") + "; " if fused_backward(plan)
-                             else "") + (
-            f"the tokens' gradient: each token's {order[1]} routed rows summed after the "
-            f"inverse of {describe(order[0])} (no atomic scatter)")
+        backward.append(f"the tokens' gradient: each token's {order[1]} routed rows summed "
+                        f"after the inverse of {describe(order[0])} (no atomic scatter)")
+    if backward:
+        shown["backward"] = "; ".join(backward)
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")
