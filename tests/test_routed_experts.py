@@ -949,3 +949,33 @@ def test_fused_down_backward_meets_the_kernel_contract(family):
     fast(ids, labels=ids).loss.backward()
     reasons = {r for (key, _, r) in ops.RUNTIME if key.startswith("dgated_routed_")}
     assert reasons and all(r.startswith("device cpu") for r in reasons), reasons
+
+
+def test_dense_experts_are_reported_not_silently_left():
+    """Llama 4's experts run every token through every expert (torch.bmm over stacked
+    weights): not a spelling the family rewrites, and the report says so per layer
+    (`moe.dense_experts`) rather than listing nothing; a bmm of two activations (an
+    attention-like product) is not reported; outputs as eager's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(
+        "llama4_text", vocab_size=128, hidden_size=64, intermediate_size=64,
+        intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(copy.deepcopy(model))
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+    dense = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    assert [(r.path, r.code) for r in dense] == [
+        (f"model.layers.{i}.feed_forward.experts", "moe.dense_experts") for i in range(2)]
+    assert "runs the experts densely" in str(fast.report)
+
+    class Scores(torch.nn.Module):
+        def forward(self, q, k):
+            return torch.bmm(q, k.transpose(1, 2)).chunk(2, dim=-1)[0].sum()
+    scores = coda_rewrite.optimize(Scores())
+    scores(torch.randn(2, 4, 8), torch.randn(2, 6, 8))
+    assert not [r for r in scores.report.records if r.pattern == "routed_experts"]
