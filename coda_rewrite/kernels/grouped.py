@@ -26,7 +26,10 @@ run_grouped), the reason counted in ops.RUNTIME. The op itself has no autograd f
 (it refuses a call that could record one); graphs that compute gradients reach it through
 GroupedGated / GroupedDown below, whose backward rules run the grouped dgrad and wgrad
 GEMMs (``coda::grouped_mm``) with the activation's derivative and the combine weight's
-gradient as elementwise ops between them: nothing recomputed but the gather.
+gradient as elementwise ops between them: nothing recomputed but the gather. Where the
+down GEMM reads the gated GEMM's output itself, kernels/grouped_dgated.GroupedGatedDown
+takes its place: the activation's derivative and the combine weight's gradient in the
+down projection's dgrad epilogue, the CODA way.
 """
 
 from __future__ import annotations
