@@ -347,3 +347,21 @@ def test_generated_dgrad_inputs_match_autograd(op, dtype, m, hidden, inter, scal
     for got, want in ((dp[:, 0::2], want_g), (dp[:, 1::2], want_u),
                       (h, (act(g) * u).detach())):
         assert rel_err(got.double(), want) <= tol, (op, dtype, rel_err(got.double(), want))
+
+
+def test_a_second_derivative_through_the_fused_backward_raises():
+    """GatedDown's backward runs coda::dgated, which has no derivative of its own: a
+    backward with create_graph=True raises (the fallback would only warn, and a second
+    derivative would lack the dgrad epilogue's terms); a first derivative works."""
+    from coda_rewrite.kernels.gated_down import gated_down_linear
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    y = F.silu(p[:, 0::2]) * p[:, 1::2]
+    out = gated_down_linear("swiglu", y, p, w)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(out.sum(), p, create_graph=True)
+    (dp,) = torch.autograd.grad(out.sum(), p)
+    with torch.enable_grad():
+        want = torch.autograd.grad((F.silu(p[:, 0::2]) * p[:, 1::2] @ w.T).sum(), p)[0]
+    assert rel_err(dp, want) <= 1e-12

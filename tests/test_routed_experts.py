@@ -979,3 +979,29 @@ def test_dense_experts_are_reported_not_silently_left():
     scores = coda_rewrite.optimize(Scores())
     scores(torch.randn(2, 4, 8), torch.randn(2, 6, 8))
     assert not [r for r in scores.report.records if r.pattern == "routed_experts"]
+
+
+def test_a_second_derivative_through_the_experts_raises():
+    """The experts' backward runs ops with no autograd formula (the grouped GEMMs, the
+    fused dgrad epilogue): a backward that would build a graph for a second derivative
+    raises instead of coming back without their terms (autograd's fallback only warns,
+    and a later backward would silently skip them)."""
+    from coda_rewrite.kernels.grouped_dgated import grouped_down_linear
+    dt, g = torch.float64, torch.Generator().manual_seed(0)
+    h, w_gu = torch.randn(4, 8, dtype=dt, generator=g), torch.randn(2, 8, 8, dtype=dt,
+                                                                     generator=g)
+    w_d, w = torch.randn(2, 8, 4, dtype=dt, generator=g), torch.rand(4, dtype=dt, generator=g)
+    for t in (h, w_gu, w_d, w):
+        t.requires_grad_()
+    offsets = torch.tensor([2, 4], dtype=torch.int32)
+    y, p = grouped.grouped_linear(gated_program("swiglu", dt, True).to_text(), h, w_gu,
+                                  offsets, torch.arange(4))
+    for fused in (True, False):
+        o = grouped_down_linear(down_program(True, dt).to_text(), "swiglu", (), y, p, w_d,
+                                offsets, w) if fused else \
+            grouped.grouped_linear(down_program(True, dt).to_text(), y, w_d, offsets, None,
+                                   w)[0]
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            torch.autograd.grad(o.sum(), h, create_graph=True)
+        (gh,) = torch.autograd.grad(o.sum(), h, retain_graph=True)  # a first one works
+        assert torch.isfinite(gh).all()

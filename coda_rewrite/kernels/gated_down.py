@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import dgated
+from . import dgated, ops
 from .backward.common import up
 
 # importing kernels/dgated defines coda::dgated, the op the backward below calls
@@ -52,6 +52,7 @@ class GatedDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        ops.refuse_second_derivative("the gated MLP's down projection")
         p, w = ctx.saved_tensors
         _, _, want_p, want_w, want_bias = ctx.needs_input_grad
         dout = dout.contiguous()

@@ -369,6 +369,7 @@ class GroupedGated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dp_given, *_):
+        ops.refuse_second_derivative("the routed experts' gate/up GEMM")
         x, weight, offsets, index, p, r, perm = ctx.saved_tensors
         cd = reference.accumulate_dtype(p.dtype)
         op, params = ctx.pair
@@ -430,6 +431,7 @@ class GroupedDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        ops.refuse_second_derivative("the routed experts' down GEMM")
         y, weight, offsets, *operands = ctx.saved_tensors
         by_name = dict(zip(ctx.names, operands))
         cd = reference.accumulate_dtype(y.dtype)

@@ -218,6 +218,7 @@ class GroupedGatedDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        ops.refuse_second_derivative("the routed experts' down GEMM")
         p, weight, offsets, *operands = ctx.saved_tensors
         by_name = dict(zip(ctx.names, operands))
         w, bias = by_name.get("r"), by_name.get("bias")

@@ -175,6 +175,19 @@ _lib.define("gemm_epilogue_nograd(str program, Tensor? a, Tensor? b, Tensor[] op
             "-> Tensor[]")
 
 
+def refuse_second_derivative(what: str) -> None:
+    """Called first in a backward that runs ops with no autograd formula of their own (the
+    grouped GEMMs, the dgrad epilogues): under ``create_graph=True`` (grad mode on inside
+    a backward; AOTAutograd traces backwards with it off) their results would carry no
+    graph, and a second derivative would come back without their terms, or a later
+    backward would silently skip them. It raises instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"coda_rewrite: {what}'s backward runs kernels that have no "
+                           "derivative of their own: a backward with create_graph=True "
+                           "(a second derivative) is not supported through it; leave the "
+                           "family out (options.patterns) for such a model")
+
+
 def refuse_gradients(op: str, *tensors) -> None:
     """An op without an autograd formula refuses a call where autograd could record one
     (PyTorch's fallback would only warn, and the gradient would be missing). Inside an
