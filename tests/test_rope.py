@@ -1450,3 +1450,27 @@ def test_input_updated_between_the_projections_is_refused():
     one fused GEMM reading x at one point cannot."""
     left_as_eager(ChunkSpelling(update_between=True), (torch.randn(2, 6, 32),), "rope",
                   "rope.in_place")
+
+
+def test_a_second_derivative_through_a_fused_gemm_raises():
+    """A gradient penalty (backward with create_graph=True) through the rotating q/k/v
+    GEMM: its backward rules read saved outputs of a formula-less op, so the second
+    derivative came back 0.68 off eager's, silently; now it raises, and the first
+    derivative is unchanged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"  # SDPA's CPU kernel has no double backward itself
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).double().train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 8))
+    fast = coda_rewrite.optimize(model, patterns=("rope",), fuse_in_training=True)
+    x = model.get_input_embeddings()(ids).detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(fast(inputs_embeds=x, labels=ids).loss, x, create_graph=True)
+    assert [r.status for r in fast.report.records if r.pattern == "rope"] == ["rewritten"]
+    got = torch.autograd.grad(fast(inputs_embeds=x, labels=ids).loss, x)[0]
+    want = torch.autograd.grad(ref(inputs_embeds=x, labels=ids).loss, x)[0]
+    assert rel_err(got, want) <= 1e-6  # the epilogue's angles are float-float float32

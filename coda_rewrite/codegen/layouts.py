@@ -119,6 +119,10 @@ class _LayerNormStatistics(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dr, dmu):
+        if torch.is_grad_enabled():  # r and μ come from a kernel with no derivative: a
+            raise RuntimeError(      # second derivative would miss their dependence on z
+                "coda_rewrite: the LayerNorm statistics' backward has no second derivative "
+                "(a backward with create_graph=True is not supported through it)")
         z, r, mu = ctx.saved_tensors
         k, wide = z.shape[-1], r.dtype
         dz = torch.zeros_like(z, dtype=wide)

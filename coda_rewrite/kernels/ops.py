@@ -266,6 +266,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
+    # the rules read saved outputs of a formula-less op and run some (the LM head's
+    # softmax gradient, the norm's statistics) in place or as kernels: no graph for a
+    # second derivative (seen: 0.68 relative error through RoPE's, silently)
+    refuse_second_derivative(f"the fused GEMM {parse(ctx.program).key}")
     saved = list(ctx.saved_tensors)
     a = saved.pop(0) if ctx.has_a else None
     b = saved.pop(0) if ctx.has_b else None

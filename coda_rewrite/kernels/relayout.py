@@ -178,6 +178,7 @@ def _backward_recomputed(ctx, grads):
     from ..codegen.program import parse
     from . import backward
     program, kind, spec, n_src, n_ops, keep_outputs, n_out = ctx.meta
+    ops.refuse_second_derivative(f"the fused GEMM {parse(program).key}")  # as ops._backward
     a, *rest = ctx.saved_tensors
     sources, operands, kept = rest[:n_src], rest[n_src:n_src + n_ops], rest[n_src + n_ops:]
     outputs = ops.outputs_for_rule(kept, keep_outputs, n_out)
