@@ -1005,3 +1005,41 @@ def test_a_second_derivative_through_the_experts_raises():
             torch.autograd.grad(o.sum(), h, create_graph=True)
         (gh,) = torch.autograd.grad(o.sum(), h, retain_graph=True)  # a first one works
         assert torch.isfinite(gh).all()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_frozen_expert_weights_skip_their_gradient_gemms(fused, monkeypatch):
+    """Expert weights that do not require a gradient (adapter fine-tuning, a frozen MoE):
+    the backward runs no wgrad GEMM, and the gradients asked for (the input's, the
+    router weight's) are the ones computed with every weight trainable."""
+    from coda_rewrite.kernels import grouped_dgated
+    from coda_rewrite.kernels.grouped_dgated import grouped_down_linear
+    calls = []
+    for mod in (grouped, grouped_dgated):
+        real = mod.weight_grad
+        monkeypatch.setattr(mod, "weight_grad",
+                            lambda *a, real=real: calls.append(1) or real(*a))
+    dt, g = torch.float64, torch.Generator().manual_seed(3)
+    h = torch.randn(6, 16, dtype=dt, generator=g)
+    w_gu, w_d = torch.randn(3, 16, 16, dtype=dt, generator=g), \
+        torch.randn(3, 16, 8, dtype=dt, generator=g)
+    w = torch.rand(12, dtype=dt, generator=g)
+    offsets, index = torch.tensor([4, 4, 12], dtype=torch.int32), torch.arange(12) // 2
+    gated, down = gated_program("swiglu", dt, True).to_text(), down_program(True, dt).to_text()
+
+    def run(train_weights: bool):
+        x, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+        wgu, wd = (t.clone().requires_grad_(train_weights) for t in (w_gu, w_d))
+        y, p = grouped.grouped_linear(gated, x, wgu, offsets, index)
+        o = grouped_down_linear(down, "swiglu", (), y, p, wd, offsets, wr) if fused else \
+            grouped.grouped_linear(down, y, wd, offsets, None, wr)[0]
+        (o * torch.linspace(-1, 1, o.numel(), dtype=dt).view_as(o)).sum().backward()
+        return x.grad, wr.grad, wgu.grad, wd.grad
+
+    want = run(True)
+    assert len(calls) == 2
+    calls.clear()
+    got = run(False)
+    assert calls == [] and got[2] is None and got[3] is None
+    for a, b in zip(got[:2], want[:2]):
+        assert rel_err(a, b) <= 1e-12

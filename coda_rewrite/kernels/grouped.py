@@ -381,28 +381,39 @@ class GroupedGated(torch.autograd.Function):
             return (None,) * (8 + len(ctx.names))
         if not ctx.interleaved:  # [gate; up] like W_gu's rows
             dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)
-        rows = x if index is None else x[index]
-        g = live_rows(torch.ops.coda.grouped_mm(dp, weight, offsets, False), offsets)
+        # only what is asked for: frozen expert weights (adapter fine-tuning) skip the
+        # wgrad GEMM, a frozen input the dgrad
+        want_x, want_w = ctx.needs_input_grad[1:3]
+        want = dict(zip(ctx.names, ctx.needs_input_grad[8:]))
+        want_r = r is not None and want.get("r", False)
+        rows = (x if index is None else x[index]) if want_w or want_r else None
+        g = live_rows(torch.ops.coda.grouped_mm(dp, weight, offsets, False), offsets) \
+            if want_x or want_r else None
         grads = {}
-        if r is None:
-            dx_rows, d_acc = g, dp
-        else:
+        d_acc, rf = dp, None
+        if r is not None:
             rf = r.to(cd)[:, None]
-            dx_rows = (g.to(cd) * rf).to(x.dtype)
             d_acc = (dp.to(cd) * rf).to(dp.dtype)
-            grads["r"] = (rows.to(cd) * g.to(cd)).sum(-1).to(r.dtype)
-        dw = weight_grad(d_acc, rows, offsets, weight)
-        if index is None:
-            dx = dx_rows
-        elif perm is not None:  # token t's rows are inv[t·k : (t+1)·k]: no atomic adds
-            inv = torch.empty_like(perm).scatter_(
-                0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype))
-            dx = dx_rows.to(cd)[inv].view(x.shape[0], ctx.top_k, x.shape[1]).sum(1)
-        else:
-            dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
-        if ctx.has_bias:
+            if want_r:
+                grads["r"] = (rows.to(cd) * g.to(cd)).sum(-1).to(r.dtype)
+        dx = dw = None
+        if want_w:
+            dw = weight_grad(d_acc, rows, offsets, weight).to(weight.dtype)
+        if want_x:
+            dx_rows = g if rf is None else (g.to(cd) * rf).to(x.dtype)
+            if index is None:
+                dx = dx_rows
+            elif perm is not None:  # token t's rows are inv[t·k : (t+1)·k]: no atomic adds
+                inv = torch.empty_like(perm).scatter_(
+                    0, perm, torch.arange(perm.shape[0], device=perm.device,
+                                          dtype=perm.dtype))
+                dx = dx_rows.to(cd)[inv].view(x.shape[0], ctx.top_k, x.shape[1]).sum(1)
+            else:
+                dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
+            dx = dx.to(x.dtype)
+        if ctx.has_bias and want.get("bias", False):
             grads["bias"] = per_expert_sum(dp, offsets, weight.shape[0]).to(weight.dtype)
-        return (None, dx.to(x.dtype), dw.to(weight.dtype), None, None, None, None, None,
+        return (None, dx, dw, None, None, None, None, None,
                 *(grads.get(n) for n in ctx.names))
 
 
@@ -436,13 +447,18 @@ class GroupedDown(torch.autograd.Function):
         by_name = dict(zip(ctx.names, operands))
         cd = reference.accumulate_dtype(y.dtype)
         w, bias = by_name.get("r"), by_name.get("bias")
+        want_y, want_w = ctx.needs_input_grad[1:3]
+        want = dict(zip(ctx.names, ctx.needs_input_grad[4:]))
+        want_r = w is not None and want.get("r", False)
         d_acc = do.to(y.dtype) if w is None else (do.to(cd) * w.to(cd)[:, None]).to(y.dtype)
         g = live_rows(torch.ops.coda.grouped_mm(do.to(y.dtype), weight, offsets, False),
-                      offsets)
-        dy = g if w is None else (g.to(cd) * w.to(cd)[:, None]).to(y.dtype)
-        dw = weight_grad(d_acc, y, offsets, weight)
+                      offsets) if want_y or want_r else None
+        dy = None
+        if want_y:
+            dy = g if w is None else (g.to(cd) * w.to(cd)[:, None]).to(y.dtype)
+        dw = weight_grad(d_acc, y, offsets, weight).to(weight.dtype) if want_w else None
         grads = {}
-        if w is not None:
+        if want_r:
             # rows past the last offset: y was never written there (the kernel's), g is 0
             live = torch.arange(y.shape[0], device=y.device) < offsets[-1]
             dot = (g.to(cd) * y.to(cd)).sum(-1)
@@ -450,6 +466,6 @@ class GroupedDown(torch.autograd.Function):
                 e = reference.expert_of_rows(offsets, y.shape[0]).clamp(max=weight.shape[0] - 1)
                 dot = dot + (do.to(cd) * bias.to(cd)[e]).sum(-1)
             grads["r"] = torch.where(live, dot, 0).to(w.dtype)
-        if bias is not None:
+        if bias is not None and want.get("bias", False):
             grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
-        return (None, dy, dw.to(weight.dtype), None, *(grads.get(n) for n in ctx.names))
+        return (None, dy, dw, None, *(grads.get(n) for n in ctx.names))

@@ -223,6 +223,10 @@ class GroupedGatedDown(torch.autograd.Function):
         by_name = dict(zip(ctx.names, operands))
         w, bias = by_name.get("r"), by_name.get("bias")
         cd = reference.accumulate_dtype(p.dtype)
+        want_p, want_w = ctx.needs_input_grad[4:6]
+        want = dict(zip(ctx.names, ctx.needs_input_grad[7:]))
+        if not (want_p or want_w or any(want.values())):
+            return (None,) * (7 + len(ctx.names))
         # the GEMM's operand in the weight's dtype: a combine weight in float32 (Mixtral's
         # router) makes the output, and so dout, float32
         do16 = do.to(p.dtype).contiguous()
@@ -231,9 +235,11 @@ class GroupedGatedDown(torch.autograd.Function):
         # kernel and read by nothing: the grouped GEMMs and per-expert sums after it read
         # the experts' rows only (masking them would be a pass over each)
         dp, hw = outs[0], outs[1]
-        dw_down = weight_grad(do16, hw, offsets, weight)
+        # frozen expert weights (adapter fine-tuning) skip the wgrad GEMM
+        dw_down = weight_grad(do16, hw, offsets, weight).to(weight.dtype) if want_w else None
         grads = {}
-        if w is not None:  # a gradient of the graph's own tensor: zero past the last offset
+        if w is not None and want.get("r", False):
+            # a gradient of the graph's own tensor: zero past the last offset
             dot = outs[2]
             if bias is not None:
                 e = reference.expert_of_rows(offsets, do.shape[0]).clamp(
@@ -241,10 +247,10 @@ class GroupedGatedDown(torch.autograd.Function):
                 dot = dot + (do.to(cd) * bias.to(cd)[e]).sum(-1)
             live = torch.arange(p.shape[0], device=p.device) < offsets[-1]
             grads["r"] = torch.where(live, dot, 0).to(w.dtype)
-        if bias is not None:
+        if bias is not None and want.get("bias", False):
             d_acc = do16 if w is None else (do.to(cd) * w.to(cd)[:, None]).to(p.dtype)
             grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
-        return (None, None, None, None, dp, dw_down.to(weight.dtype), None,
+        return (None, None, None, None, dp if want_p else None, dw_down, None,
                 *(grads.get(n) for n in ctx.names))
 
 
