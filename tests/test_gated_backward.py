@@ -365,3 +365,38 @@ def test_a_second_derivative_through_the_fused_backward_raises():
     with torch.enable_grad():
         want = torch.autograd.grad((F.silu(p[:, 0::2]) * p[:, 1::2] @ w.T).sum(), p)[0]
     assert rel_err(dp, want) <= 1e-12
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_frozen_weights_skip_the_weight_gradient_gemm(frozen, monkeypatch):
+    """Adapter-style fine-tuning through optimize() (no AOTAutograd to drop unused
+    outputs): with every projection and the LM head frozen, no fused GEMM's backward
+    runs a wgrad GEMM, and the embedding's gradient is eager's; trainable, they all do."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from coda_rewrite.kernels.backward import centred, common, cross_entropy
+    computed = []
+    real = common.wgrad
+
+    def spy(d, a):
+        out = real(d, a)
+        computed.append(out is not None)
+        return out
+    for mod in (common, centred, cross_entropy):
+        monkeypatch.setattr(mod, "wgrad", spy)
+    cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            p.requires_grad_(not frozen)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    fast = coda_rewrite.optimize(model, fuse_in_training=True)
+    fast(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    assert len(computed) >= 9 and all(c != frozen for c in computed), computed
+    emb, want = model.model.embed_tokens.weight.grad, ref.model.embed_tokens.weight.grad
+    assert rel_err(emb, want) <= 1e-5

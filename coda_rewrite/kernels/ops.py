@@ -275,8 +275,13 @@ def _backward(ctx, grads):
     b = saved.pop(0) if ctx.has_b else None
     operands, kept = saved[:ctx.n_operands], saved[ctx.n_operands:]
     outputs = outputs_for_rule(kept, ctx.keep_outputs, ctx.n_outputs)
-    grad_a, grad_b, grad_ops = backward.vjp(parse(ctx.program), a, b, operands, outputs,
-                                            list(grads))
+    # a frozen weight (adapter fine-tuning): the rules skip its wgrad GEMM
+    want_b = backward.common.WANT_WEIGHT_GRAD.set(bool(ctx.needs_input_grad[2]))
+    try:
+        grad_a, grad_b, grad_ops = backward.vjp(parse(ctx.program), a, b, operands, outputs,
+                                                list(grads))
+    finally:
+        backward.common.WANT_WEIGHT_GRAD.reset(want_b)
     return None, grad_a, grad_b, grad_ops
 
 

@@ -188,8 +188,12 @@ def _backward_recomputed(ctx, grads):
     want = [s for s in src if s.requires_grad]
     with torch.enable_grad() if want else torch.no_grad():
         relaid = compute(kind, spec, src, a.dtype)
-    grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, relaid.detach(),
-                                            list(operands), outputs, list(grads))
+    want_b = backward.common.WANT_WEIGHT_GRAD.set(bool(want))  # frozen sources: no wgrad
+    try:
+        grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, relaid.detach(),
+                                                list(operands), outputs, list(grads))
+    finally:
+        backward.common.WANT_WEIGHT_GRAD.reset(want_b)
     grad_src = [None] * n_src
     if grad_b is not None and want:
         got = iter(torch.autograd.grad(relaid, want, grad_b.to(relaid.dtype),

@@ -18,7 +18,7 @@ recomputed; what is saved is z (which eager's norm saves too) instead of LN(z)."
 from __future__ import annotations
 
 from ...codegen.program import ACC, EpilogueProgram
-from .common import Rule, expect, shaped, up
+from .common import Rule, expect, shaped, up, wgrad
 
 
 def _parts(prog: EpilogueProgram) -> bool:
@@ -45,7 +45,7 @@ def _centred_vjp(prog, a, b, operands, outputs, grads):
     g = up(dy.to(b.dtype) @ b)                        # G = dy·W'
     centred = up(a) - mu                              # z − μ
     grad_a = (g * r).to(a.dtype)
-    grad_b = (dy * r).to(a.dtype).t() @ centred.to(a.dtype)
+    grad_b = wgrad((dy * r).to(a.dtype), centred.to(a.dtype))
     grads_by_name = {
         "r": (g * centred).sum(-1).to(by_name["r"].dtype),
         "mu": (-r[:, 0] * (dy.to(by_name["s"].dtype) @ by_name["s"])).to(

@@ -4,6 +4,8 @@ VJP, the rowscale rule every consumer program starts with, and shape checks that
 
 from __future__ import annotations
 
+import contextvars
+
 import dataclasses
 from typing import Callable
 
@@ -53,10 +55,23 @@ def shaped(parts):
     return matches
 
 
+# Whether the fused GEMM's weight (b) wants a gradient: set by the op's autograd around
+# its rule (kernels/ops._backward). Frozen weights (adapter fine-tuning) skip the wgrad
+# GEMM, which optimize()'s graphs, run without AOTAutograd's dead-code elimination, would
+# otherwise compute and drop.
+WANT_WEIGHT_GRAD = contextvars.ContextVar("coda_want_weight_grad", default=True)
+
+
+def wgrad(d: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+    """dᵀ·a, the weight's gradient; None where the weight is frozen."""
+    return d.t() @ a if WANT_WEIGHT_GRAD.get() else None
+
+
 def gemm_grads(d_acc: torch.Tensor, a, b):
-    """grad_a = d_acc·b, grad_b = d_accᵀ·a, in the operands' dtype."""
+    """grad_a = d_acc·b, grad_b = d_accᵀ·a (None for a frozen weight), in the operands'
+    dtype."""
     d = d_acc.to(a.dtype)
-    return d @ b, d.t() @ a
+    return d @ b, wgrad(d, a)
 
 
 def through_scaled_acc(prog, a, b, operands, dy):
@@ -72,7 +87,7 @@ def through_scaled_acc(prog, a, b, operands, dy):
         r = up(by_name["r"])[:, None]
         g = up(dy.to(b.dtype) @ b)                        # G = dy·b
         grad_a = (g * r).to(a.dtype)
-        grad_b = (dy * r).to(a.dtype).t() @ a
+        grad_b = wgrad((dy * r).to(a.dtype), a)
         grads_by_name["r"] = (g * up(a)).sum(-1).to(by_name["r"].dtype)
     else:
         grad_a, grad_b = gemm_grads(dy, a, b)

@@ -18,7 +18,7 @@ import torch
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
 from ...codegen import reference
-from .common import Rule, expect, shaped, up
+from .common import Rule, expect, shaped, up, wgrad
 
 _CE_CHUNK_BYTES = 1 << 29
 _NO_INDEX = -(2 ** 31)  # QuACK's ignore_index: a value no target takes
@@ -202,7 +202,7 @@ def _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse):
     """grad_a = d_acc·b, grad_b = d_accᵀ·a, and the row scale's and bias's gradients."""
     m, n = a.shape[0], b.shape[0]
     grad_a = d_acc @ b                                   # G = d_acc·b
-    grad_b = d_acc.t() @ a
+    grad_b = wgrad(d_acc, a)
     grads_by_name = {}
     if r is not None:  # dy/dr = acc: Σ_j dy·acc = Σ_k a·(dy·b) = Σ_k a·G / r
         grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / r).to(
