@@ -417,6 +417,16 @@ class GroupedGated(torch.autograd.Function):
                 *(grads.get(n) for n in ctx.names))
 
 
+def down_operand_names(program: str) -> list[str]:
+    """The down program's operand names, which its backward (GroupedDown's, or the fused
+    grouped_dgated.GroupedGatedDown's) takes: a combine weight r and a bias."""
+    names = [o.name for o in parse(program).operands]
+    if set(names) - {"r", "bias"}:
+        raise RuntimeError(f"coda: {parse(program).key}: the down grouped GEMM's backward "
+                           "takes a combine weight r and a bias only")
+    return names
+
+
 class GroupedDown(torch.autograd.Function):
     """The down grouped GEMM (o = w[s]·(y·W_d[e]ᵀ + b[e]) with the combine weight w and
     a per-expert bias b, either or both optional) where autograd records it. With the
@@ -434,10 +444,7 @@ class GroupedDown(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         program, y, weight, offsets, *operands = inputs
-        ctx.names = [o.name for o in parse(program).operands]
-        if set(ctx.names) - {"r", "bias"}:
-            raise RuntimeError(f"coda: {parse(program).key}: the down grouped GEMM's "
-                               "backward takes a combine weight r and a bias only")
+        ctx.names = down_operand_names(program)
         ctx.save_for_backward(y, weight, offsets, *operands)
 
     @staticmethod

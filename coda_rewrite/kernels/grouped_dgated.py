@@ -37,10 +37,9 @@ import torch
 
 from ..codegen import dgated_source, reference
 from ..codegen.op_table import OPS, pair_value
-from ..codegen.program import parse
 from . import ops, quack_path
-from .grouped import (_cu_seqlens, grouped_gemm_epilogue, grouped_linear, per_expert_sum,
-                      weight_grad)
+from .grouped import (_cu_seqlens, down_operand_names, grouped_gemm_epilogue, grouped_linear,
+                      per_expert_sum, weight_grad)
 
 # 128 x 128 tiles, cluster 2 (as the dense epilogue's kernels/dgated.LARGE_M_TILES): the
 # best of five configs at the three MoE shapes of benchmarks/moe.py (H200, 8192 tokens):
@@ -209,10 +208,7 @@ class GroupedGatedDown(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         program, op, params, y, p, weight, offsets, *operands = inputs
-        ctx.names = [o.name for o in parse(program).operands]
-        if set(ctx.names) - {"r", "bias"}:
-            raise RuntimeError(f"coda: {parse(program).key}: the down grouped GEMM's "
-                               "backward takes a combine weight r and a bias only")
+        ctx.names = down_operand_names(program)
         ctx.op, ctx.params = op, list(params)
         ctx.save_for_backward(p, weight, offsets, *operands)
 
