@@ -1043,3 +1043,34 @@ def test_frozen_expert_weights_skip_their_gradient_gemms(fused, monkeypatch):
     assert calls == [] and got[2] is None and got[3] is None
     for a, b in zip(got[:2], want[:2]):
         assert rel_err(a, b) <= 1e-12
+
+
+def test_grouped_dgated_launch_host_side(monkeypatch):
+    """The routed backward kernel's launch without a GPU (QuACK's planned launch stubbed):
+    dp, h·w and the per-tile dscore partials summed per row come back, the offsets
+    become cu_seqlens with a leading 0, B is w_down's (I, H) view; offsets a planned
+    launch cannot trust are refused on the device before anything launches."""
+    from coda_rewrite.kernels import grouped_dgated, quack_path
+    seen = {}
+
+    def fake_gemm(plan, a, b, d, c, values, cu_seqlens_m=None):
+        seen.update(values=sorted(values), cu=cu_seqlens_m, b=tuple(b.shape), c=c)
+        d.fill_(1.0)
+        values["postact"].fill_(2.0)
+        values["dscore"].fill_(0.5)
+    monkeypatch.setattr(quack_path, "run_gemm_epi_plan", fake_gemm)
+    launch = object.__new__(grouped_dgated.Launch)
+    launch.gemm_plan, launch.key, launch.m, launch.n = object(), "k", 10, 16
+    launch.device, launch.dtype, launch.partials = torch.device("cpu"), torch.bfloat16, (10, 3)
+    do, w_d = torch.randn(10, 32).bfloat16(), torch.randn(4, 32, 16).bfloat16()
+    p, score = torch.randn(10, 32).bfloat16(), torch.rand(10)
+    offsets = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    dp, hw, dscore = launch(do, w_d, offsets, p, score)
+    assert dp.shape == (10, 32) and (dp == 1).all() and hw.shape == (10, 16) and (hw == 2).all()
+    assert (dscore == 1.5).all() and seen["b"] == (4, 16, 32) and seen["c"] is p
+    assert seen["cu"].tolist() == [0, 0, 3, 3, 8] and "score" in seen["values"]
+    for bad in (offsets + 3, offsets.flip(0), offsets - 1):
+        seen.clear()
+        with pytest.raises(RuntimeError):
+            launch(do, w_d, bad, p, score)
+        assert not seen  # nothing launched

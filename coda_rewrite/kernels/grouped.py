@@ -132,16 +132,7 @@ class GroupedLaunch:
                 for name, shape, dtype in self.outs}
 
     def __call__(self, a, b, offsets, index, operands) -> list[torch.Tensor]:
-        # A planned launch trusts its tensors' metadata, not their values: an index past
-        # a's rows or offsets past the problem's rows would read or write out of bounds.
-        # Checked on the device (no host sync; a failed check is a device-side assert, as
-        # eager's indexing raises one)
-        ok = (offsets[-1] <= self.m) & (torch.diff(offsets) >= 0).all() & (offsets[0] >= 0)
-        if index is not None:
-            lo, hi = torch.aminmax(index)
-            ok = ok & (lo >= 0) & (hi < a.shape[0])
-        torch._assert_async(ok, "coda::grouped_gemm_epilogue: offsets not cumulative row "
-                                "counts within the rows, or a routed row index out of range")
+        check_routing("grouped_gemm_epilogue", offsets, self.m, index, a.shape[0])
         out = self._alloc()
         values = self._operands(operands)
         values.update(out)
@@ -149,6 +140,20 @@ class GroupedLaunch:
                                      cu_seqlens_m=_cu_seqlens(offsets),
                                      A_idx=_index32(index))
         return [out[name] for name in self.results]
+
+
+def check_routing(op: str, offsets: torch.Tensor, rows: int,
+                  index: torch.Tensor | None = None, sources: int = 0) -> None:
+    """A planned launch trusts its tensors' metadata, not their values: offsets past the
+    problem's rows (or an index past the source's) would read or write out of bounds.
+    Checked on the device (no host sync; a failed check is a device-side assert, as eager's
+    indexing raises one)."""
+    ok = (offsets[-1] <= rows) & (torch.diff(offsets) >= 0).all() & (offsets[0] >= 0)
+    if index is not None:
+        lo, hi = torch.aminmax(index)
+        ok = ok & (lo >= 0) & (hi < sources)
+    torch._assert_async(ok, f"coda::{op}: offsets not cumulative row counts within the "
+                            "rows, or a routed row index out of range")
 
 
 def _cu_seqlens(offsets: torch.Tensor) -> torch.Tensor:

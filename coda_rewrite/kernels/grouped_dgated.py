@@ -38,8 +38,8 @@ import torch
 from ..codegen import dgated_source, reference
 from ..codegen.op_table import OPS, pair_value
 from . import ops, quack_path
-from .grouped import (_cu_seqlens, down_operand_names, grouped_gemm_epilogue, grouped_linear,
-                      per_expert_sum, weight_grad)
+from .grouped import (_cu_seqlens, check_routing, down_operand_names, grouped_gemm_epilogue,
+                      grouped_linear, per_expert_sum, weight_grad)
 
 # 128 x 128 tiles, cluster 2 (as the dense epilogue's kernels/dgated.LARGE_M_TILES): the
 # best of five configs at the three MoE shapes of benchmarks/moe.py (H200, 8192 tokens):
@@ -85,14 +85,13 @@ class Launch:
     (QuACK's ``EpiMod.gemm`` without a launch); a call allocates dp, h·w and the dscore
     partials, launches, and sums the partials."""
 
-    __slots__ = ("gemm_plan", "rows", "inter", "device", "dtype", "partials", "config",
-                 "key", "m", "n")
+    __slots__ = ("gemm_plan", "device", "dtype", "partials", "config", "key", "m", "n")
 
     def __init__(self, module, dout, weight, offsets, p, score, config=None, op: str = ""):
         """``config`` overrides ROUTED_TILES (benchmarks); ``op`` names the kernel in the
-        report's launch configs (ops.launch_configs: key, m, n, config)."""
-        self.rows, self.inter = dout.shape[0], weight.shape[2]
-        self.key, self.m, self.n = f"dgated_routed_{op}", self.rows, self.inter
+        report's launch configs (ops.launch_configs: key, m, n, config). m: the routed
+        rows, n: the intermediate width I."""
+        self.key, self.m, self.n = f"dgated_routed_{op}", dout.shape[0], weight.shape[2]
         self.device, self.dtype = dout.device, dout.dtype
         tile_m, tile_n, cluster_m = config or ROUTED_TILES
         self.config = quack_path.tile_config(tile_m, tile_n, cluster_m)
@@ -100,7 +99,7 @@ class Launch:
         self.partials = None
         if score is not None:
             self.partials = mod.sinks["dscore"].sink_alloc_shape(
-                (self.rows,), self.inter, tile_m, tile_n)
+                (self.m,), self.n, tile_m, tile_n)
         out = self._alloc()
         epi = {k: v for k, v in out.items() if k != "D"}
         if score is not None:
@@ -112,16 +111,15 @@ class Launch:
             cu_seqlens_m=_cu_seqlens(offsets), b_kn=False, _launch=False)
 
     def _alloc(self) -> dict:
-        out = {"D": torch.empty(self.rows, 2 * self.inter, device=self.device,
-                                dtype=self.dtype),
-               "postact": torch.empty(self.rows, self.inter, device=self.device,
-                                      dtype=self.dtype)}
+        out = {"D": torch.empty(self.m, 2 * self.n, device=self.device, dtype=self.dtype),
+               "postact": torch.empty(self.m, self.n, device=self.device, dtype=self.dtype)}
         if self.partials is not None:
             out["dscore"] = torch.empty(self.partials, device=self.device,
                                         dtype=torch.float32)
         return out
 
     def __call__(self, dout, weight, offsets, p, score) -> list[torch.Tensor]:
+        check_routing("grouped_dgated", offsets, self.m)
         out = self._alloc()
         values = {k: v for k, v in out.items() if k != "D"}
         if score is not None:

@@ -175,13 +175,16 @@ _lib.define("gemm_epilogue_nograd(str program, Tensor? a, Tensor? b, Tensor[] op
             "-> Tensor[]")
 
 
-def refuse_second_derivative(what: str) -> None:
+def refuse_second_derivative(what: str, program: str | None = None) -> None:
     """Called first in a backward that runs ops with no autograd formula of their own (the
     grouped GEMMs, the dgrad epilogues): under ``create_graph=True`` (grad mode on inside
     a backward; AOTAutograd traces backwards with it off) their results would carry no
     graph, and a second derivative would come back without their terms, or a later
-    backward would silently skip them. It raises instead."""
+    backward would silently skip them. It raises instead. ``program``: a fused GEMM's
+    text, named in the message (parsed only then: this runs on every backward)."""
     if torch.is_grad_enabled():
+        if program is not None:
+            what = f"{what} {parse(program).key}"
         raise RuntimeError(f"coda_rewrite: {what}'s backward runs kernels that have no "
                            "derivative of their own: a backward with create_graph=True "
                            "(a second derivative) is not supported through it; leave the "
@@ -269,19 +272,15 @@ def _backward(ctx, grads):
     # the rules read saved outputs of a formula-less op and run some (the LM head's
     # softmax gradient, the norm's statistics) in place or as kernels: no graph for a
     # second derivative (seen: 0.68 relative error through RoPE's, silently)
-    refuse_second_derivative(f"the fused GEMM {parse(ctx.program).key}")
+    refuse_second_derivative("the fused GEMM", ctx.program)
     saved = list(ctx.saved_tensors)
     a = saved.pop(0) if ctx.has_a else None
     b = saved.pop(0) if ctx.has_b else None
     operands, kept = saved[:ctx.n_operands], saved[ctx.n_operands:]
     outputs = outputs_for_rule(kept, ctx.keep_outputs, ctx.n_outputs)
-    # a frozen weight (adapter fine-tuning): the rules skip its wgrad GEMM
-    want_b = backward.common.WANT_WEIGHT_GRAD.set(bool(ctx.needs_input_grad[2]))
-    try:
+    with backward.common.weight_grad_wanted(ctx.needs_input_grad[2]):
         grad_a, grad_b, grad_ops = backward.vjp(parse(ctx.program), a, b, operands, outputs,
                                                 list(grads))
-    finally:
-        backward.common.WANT_WEIGHT_GRAD.reset(want_b)
     return None, grad_a, grad_b, grad_ops
 
 

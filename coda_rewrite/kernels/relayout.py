@@ -178,7 +178,7 @@ def _backward_recomputed(ctx, grads):
     from ..codegen.program import parse
     from . import backward
     program, kind, spec, n_src, n_ops, keep_outputs, n_out = ctx.meta
-    ops.refuse_second_derivative(f"the fused GEMM {parse(program).key}")  # as ops._backward
+    ops.refuse_second_derivative("the fused GEMM", program)  # as ops._backward
     a, *rest = ctx.saved_tensors
     sources, operands, kept = rest[:n_src], rest[n_src:n_src + n_ops], rest[n_src + n_ops:]
     outputs = ops.outputs_for_rule(kept, keep_outputs, n_out)
@@ -188,12 +188,9 @@ def _backward_recomputed(ctx, grads):
     want = [s for s in src if s.requires_grad]
     with torch.enable_grad() if want else torch.no_grad():
         relaid = compute(kind, spec, src, a.dtype)
-    want_b = backward.common.WANT_WEIGHT_GRAD.set(bool(want))  # frozen sources: no wgrad
-    try:
+    with backward.common.weight_grad_wanted(bool(want)):  # frozen sources: no wgrad
         grad_a, grad_b, grad_ops = backward.vjp(parse(program), a, relaid.detach(),
                                                 list(operands), outputs, list(grads))
-    finally:
-        backward.common.WANT_WEIGHT_GRAD.reset(want_b)
     grad_src = [None] * n_src
     if grad_b is not None and want:
         got = iter(torch.autograd.grad(relaid, want, grad_b.to(relaid.dtype),

@@ -565,6 +565,11 @@ class Plan:
     product_fill: float | None     # act(c)·c: the gate/up fill moved past the product
     #                                (None: no fill, or a dead one)
     deferral: Deferral | None = None
+    # training only: the down GEMM's backward in its dgrad epilogue (kernels/grouped_dgated;
+    # legality.down_backward_fused), and (perm, top_k) where the tokens' gradient is a sum
+    # per token after the inverse permutation (legality.token_order)
+    fused_backward: bool = False
+    token_order: tuple[fx.Node, int] | None = None
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -590,13 +595,11 @@ def decide(m: Match, context: Context) -> Decided:
     fill = None
     if m.gate_up_fill is not None and not legality.product_fill_dead(m):
         fill = legality.product_fill(m.op, m.gate_up_fill.constant, m.params)
-    return Decided(decision, Plan(m, *programs, fill, deferral))
-
-
-def fused_backward(plan: Plan) -> bool:
-    """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated):
-    where a gradient flows, and the algebra allows it (legality.down_backward_fused)."""
-    return trains(plan.match) and legality.down_backward_fused(plan.match)
+    training = trains(m)
+    return Decided(decision, Plan(
+        m, *programs, fill, deferral,
+        fused_backward=training and legality.down_backward_fused(m),
+        token_order=legality.token_order(m) if training else None))
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
@@ -616,7 +619,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                                                     d.norm.h2, d.norm.r, like, call_fn)
             r = graph.call_method("reshape", (r, -1))
             gu_ops = (graph.call_function(operator.getitem, (r, m.index)), *gu_ops)
-        order = legality.token_order(m) if trains(m) else None
+        order = plan.token_order
         kwargs = {"interleaved": m.interleaved}
         if order is not None:  # the gather's gradient: a sum per token, no atomic adds
             kwargs.update(perm=order[0], top_k=order[1])
@@ -631,7 +634,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         if m.weight is not None:
             operands += (graph.call_method("float", (m.weight,)),)
         w_down = _as_nk(graph, m.w_down, m.down_kn)
-        if fused_backward(plan):  # the pre-activation, for the down GEMM's backward
+        if plan.fused_backward:  # the pre-activation, for the down GEMM's backward
             p = graph.call_function(operator.getitem, (call, 1))
             copy_meta(p, m.gate_up)
             o = graph.call_function(grouped_down_linear, (
@@ -668,7 +671,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         shown["biases"] = ("each expert's bias added in the GEMM epilogue from its row of "
                            "the [E, N] table (the gather by expert id never written)")
     backward = []
-    if fused_backward(plan):
+    if plan.fused_backward:
         backward.append(f"d{m.op} and the combine weight's gradient in the down "
                         "projection's grouped dgrad epilogue (coda::grouped_dgated: its "
                         "product never written, h not kept)")

@@ -4,8 +4,8 @@ VJP, the rowscale rule every consumer program starts with, and shape checks that
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-
 import dataclasses
 from typing import Callable
 
@@ -56,15 +56,25 @@ def shaped(parts):
 
 
 # Whether the fused GEMM's weight (b) wants a gradient: set by the op's autograd around
-# its rule (kernels/ops._backward). Frozen weights (adapter fine-tuning) skip the wgrad
-# GEMM, which optimize()'s graphs, run without AOTAutograd's dead-code elimination, would
-# otherwise compute and drop.
-WANT_WEIGHT_GRAD = contextvars.ContextVar("coda_want_weight_grad", default=True)
+# its rule (weight_grad_wanted: kernels/ops._backward, relayout's recomputed backward).
+# Frozen weights (adapter fine-tuning) skip the wgrad GEMM, which optimize()'s graphs, run
+# without AOTAutograd's dead-code elimination, would otherwise compute and drop.
+_WANT_WEIGHT_GRAD = contextvars.ContextVar("coda_want_weight_grad", default=True)
+
+
+@contextlib.contextmanager
+def weight_grad_wanted(wanted):
+    """Run a rule knowing whether its weight wants a gradient (``wgrad`` reads it)."""
+    token = _WANT_WEIGHT_GRAD.set(bool(wanted))
+    try:
+        yield
+    finally:
+        _WANT_WEIGHT_GRAD.reset(token)
 
 
 def wgrad(d: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
     """dᵀ·a, the weight's gradient; None where the weight is frozen."""
-    return d.t() @ a if WANT_WEIGHT_GRAD.get() else None
+    return d.t() @ a if _WANT_WEIGHT_GRAD.get() else None
 
 
 def gemm_grads(d_acc: torch.Tensor, a, b):
