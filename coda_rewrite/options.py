@@ -17,7 +17,7 @@ class Options:
     # (default: $CODA_DUMP_DIR, else nowhere).
     dump_dir: str | None = None
     # Patterns to apply; the others are still matched and reported as disabled.
-    patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs",
+    patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs", "dense_experts",
                                  "residual_rmsnorm_gemm", "gated_mlp", "routed_experts", "rope",
                                  "lm_head_cross_entropy", "layernorm_gemm")
     # Logits are written where something besides the loss reads them (a model output),

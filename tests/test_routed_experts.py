@@ -951,11 +951,11 @@ def test_fused_down_backward_meets_the_kernel_contract(family):
     assert reasons and all(r.startswith("device cpu") for r in reasons), reasons
 
 
-def test_dense_experts_are_reported_not_silently_left():
+def test_dense_experts_are_taken_by_their_own_family():
     """Llama 4's experts run every token through every expert (torch.bmm over stacked
-    weights): not a spelling the family rewrites, and the report says so per layer
-    (`moe.dense_experts`) rather than listing nothing; a bmm of two activations (an
-    attention-like product) is not reported; outputs as eager's."""
+    weights): patterns/dense_experts.py rewrites them to their routed rows
+    (tests/test_dense_experts.py); a bmm of two activations (an attention-like product)
+    is no candidate of either family; outputs as eager's."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(
         "llama4_text", vocab_size=128, hidden_size=64, intermediate_size=64,
@@ -968,17 +968,16 @@ def test_dense_experts_are_reported_not_silently_left():
     with torch.no_grad():
         fast = coda_rewrite.optimize(copy.deepcopy(model))
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
-    dense = [r for r in fast.report.records if r.pattern == "routed_experts"]
-    assert [(r.path, r.code) for r in dense] == [
-        (f"model.layers.{i}.feed_forward.experts", "moe.dense_experts") for i in range(2)]
-    assert "runs the experts densely" in str(fast.report)
+    dense = [(r.path, r.status) for r in fast.report.records if r.pattern == "dense_experts"]
+    assert dense == [(f"model.layers.{i}.feed_forward.experts", "rewritten") for i in range(2)]
 
     class Scores(torch.nn.Module):
         def forward(self, q, k):
             return torch.bmm(q, k.transpose(1, 2)).chunk(2, dim=-1)[0].sum()
     scores = coda_rewrite.optimize(Scores())
     scores(torch.randn(2, 4, 8), torch.randn(2, 6, 8))
-    assert not [r for r in scores.report.records if r.pattern == "routed_experts"]
+    assert not [r for r in scores.report.records
+                if r.pattern in ("routed_experts", "dense_experts")]
 
 
 def test_a_second_derivative_through_the_experts_raises():

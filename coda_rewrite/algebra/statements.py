@@ -915,6 +915,74 @@ def prove_routed_backward() -> Proof:
         _witness("routed experts' backward", num))
 
 
+
+@functools.cache
+def prove_dense_experts() -> Proof:
+    """A dense experts layer on its routed rows only (patterns/dense_experts.py): with
+    F_e(x) = (act(x·G_e) ⊙ (x·U_e))·D_e (no bias) and scores s[t, e] zero off token t's
+    top-k set S_t,
+
+        Σ_e F_e(s[t, e]·x_t)  =  Σ_{e ∈ S_t} F_e(s[t, e]·x_t)
+
+    because F_e(0) = act(0)·0·D_e = 0 for any finite act(0). Checked on a symbolic
+    instance (3 experts, top-2 {0, 2}, 2 input features, 1 gated feature, act undefined)
+    and refuted where an expert has a bias (F_e(0) ≠ 0) or the off-top-k score is not
+    zero; the sigmoid of the −∞ fill is 0 (sympy's limit). The numeric witness compares
+    the dense sum with kernels/routing.py's sort, gather, grouped GEMMs and per-token
+    sum on random routings."""
+    act = sp.Function("act")
+    feats, experts, chosen = 2, 3, (0, 2)
+    x = [sp.Symbol(f"x{a}", real=True) for a in range(feats)]
+    s = [sp.Symbol(f"s{e}", positive=True) for e in range(experts)]
+
+    def expert(e, scale, bias=0):
+        gate = sum(scale * x[a] * sp.Symbol(f"G{e}{a}") for a in range(feats))
+        up = sum(scale * x[a] * sp.Symbol(f"U{e}{a}") for a in range(feats))
+        return (act(gate) * up + bias) * sp.Symbol(f"D{e}")
+
+    def dense(bias=0, off=0):
+        return sum(expert(e, s[e] if e in chosen else off, bias) for e in range(experts))
+    routed = sum(expert(e, s[e]) for e in chosen)
+    _require(dense() - routed, "the dense sum over experts equals the routed rows' sum")
+    _refute(dense(bias=sp.Symbol("b")) - sum(expert(e, s[e], sp.Symbol("b"))
+                                             for e in chosen),
+            "an expert with a bias maps a zero row to zero")
+    _refute(dense(off=sp.Symbol("c", positive=True)) - routed,
+            "a score that is not zero off the top-k drops out")
+    _require(sp.limit(1 / (1 + sp.exp(-sp.Symbol("z"))), sp.Symbol("z"), -sp.oo),
+             "sigmoid(-oo) = 0")
+
+    def num(seed):
+        from ..kernels import routing
+        e, t, kk, ii, top = _shape(seed, (1, 5), (1, 6), (1, 5), (1, 3), (1, 3))
+        top = min(top, e)
+        g = _gen(seed)
+        f64 = torch.float64
+        x_, logits = torch.randn(t, kk, generator=g, dtype=f64), \
+            torch.randn(t, e, generator=g, dtype=f64)
+        w_gu = torch.randn(e, kk, 2 * ii, generator=g, dtype=f64)
+        w_d = torch.randn(e, ii, kk, generator=g, dtype=f64)
+        vals, idx = torch.topk(logits, top, dim=1)
+        scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter(1, idx, vals))
+        rows = x_.repeat(e, 1) * scores.t().reshape(-1, 1)
+        gate, up = torch.bmm(rows.view(e, t, kk), w_gu).chunk(2, dim=-1)
+        want = torch.bmm(torch.nn.functional.silu(gate) * up, w_d).sum(0)
+        perm, offsets, inverse = routing.sort_by_expert(idx, e)
+        p = routing.expert_gemm(routing.gather_scaled(x_, scores, idx, perm), w_gu, offsets)
+        gate, up = p.chunk(2, dim=-1)
+        o = routing.expert_gemm(torch.nn.functional.silu(gate) * up, w_d, offsets)
+        return rel_err(routing.back_to_tokens(o, inverse, top), want)
+
+    return Proof(
+        "Σ_e F_e(s[t,e]·x_t) = Σ_{e in top-k(t)} F_e(s[t,e]·x_t): a dense experts layer "
+        "equals its routed rows (sorted by expert, grouped GEMMs, summed per token)",
+        ("each expert's MLP maps a zero row to zero: no bias, act(0) finite",
+         "scores are exactly zero off each token's top-k set (the fill's image is 0)",
+         "the top-k indices are distinct per token: each chosen pair is one routed row"),
+        ("F_e(0·x) = act(0)·0·D_e = 0 term by term (sympy, act undefined)",
+         "refuted with an expert bias, and with a nonzero score off the top-k"),
+        _witness("dense experts on their routed rows", num))
+
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
@@ -937,6 +1005,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("sharded GEMM (tensor parallelism)", prove_sharded_gemm()),
             ("routed experts' grouped GEMMs", prove_routed_experts()),
             ("routed experts' backward in the down projection's dgrad",
-             prove_routed_backward())]
+             prove_routed_backward()),
+            ("dense experts on their routed rows", prove_dense_experts())]
     return out
 

@@ -4,6 +4,9 @@
                        that the next family sees the call it makes
     attention          SDPA's inputs as eager passes them (is_causal, enable_gqa), before
                        RoPE, whose escape analysis reads the SDPA calls it leaves
+    dense_experts      a mixture-of-experts layer that runs every expert on every token
+                       (Llama 4's bmm experts) → its routed rows only: before the
+                       norms, so that they see the gather that replaces the copies
     residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
@@ -24,8 +27,8 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 
 from __future__ import annotations
 
-from . import (attention, cross_entropy, explicit_attention, gated_mlp, layernorm,
-               residual_rmsnorm, rope, routed_experts)
+from . import (attention, cross_entropy, dense_experts, explicit_attention, gated_mlp,
+               layernorm, residual_rmsnorm, rope, routed_experts)
 
-FAMILIES = (explicit_attention, attention, residual_rmsnorm, gated_mlp, routed_experts, rope,
-            cross_entropy, layernorm)
+FAMILIES = (explicit_attention, attention, dense_experts, residual_rmsnorm, gated_mlp,
+            routed_experts, rope, cross_entropy, layernorm)

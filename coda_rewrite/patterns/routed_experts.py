@@ -286,7 +286,7 @@ def swiglu_oai_of(gate: fx.Node, up: fx.Node):
     return out, (g, u, scaled, sig, glu, shifted), (alpha, limit)
 
 
-def _pair(gate: fx.Node, up: fx.Node):
+def pair_of(gate: fx.Node, up: fx.Node):
     """(op, product, nodes between, params) of the gated product of the two lanes, a
     reason where the lanes are not read by one."""
     oai = swiglu_oai_of(gate, up)
@@ -324,10 +324,6 @@ def _gather(x: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     out = []
     for node in graph.nodes:
-        dense = _dense_experts(node)
-        if dense is not None:
-            out.append(dense)
-            continue
         c = canon(node)
         if c is None or c.name != "grouped_mm":
             continue
@@ -335,27 +331,6 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         if found is not None:
             out.append(found)
     return out
-
-
-def _dense_experts(node: fx.Node) -> NoMatch | None:
-    """A gated experts' MLP run densely, every token through every expert: ``torch.bmm``
-    of [E, T, K] rows with a stacked [E, K, 2I] weight whose output is split into [gate;
-    up] halves (Llama 4's experts). Not a spelling this family rewrites (its kernels take
-    the routed rows only); reported, so that it is not silently left."""
-    if node.op not in ("call_function", "call_method") or node.target not in (torch.bmm, "bmm"):
-        return None
-    a, b = (node.args + (None, None))[:2]
-    ma, mb = (meta(v) if isinstance(v, fx.Node) else None for v in (a, b))
-    if ma is None or mb is None or ma.dim() != 3 or mb.dim() != 3 or \
-            not isinstance(b, fx.Node) or b.op not in ("placeholder", "get_attr"):
-        return None
-    if not any(u.target in ("chunk", torch.chunk) for u in node.users):
-        return None
-    return NoMatch(node, Why(f"{describe(node)} runs the experts densely (every token "
-                             f"through each of {mb.shape[0]} experts' stacked weights, "
-                             "torch.bmm): the routed experts rewrite takes transformers' "
-                             "grouped_mm experts (routed rows only); left as it is",
-                             "moe.dense_experts"))
 
 
 def _match(gu: fx.Node, args) -> Match | NoMatch | None:
@@ -391,8 +366,8 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
         gate, up = sorted(ch.users, key=lambda u: chunk_half(u)[1])
     else:
         (_, gate), (_, up) = lanes
-    pair = _pair(gate, up)
-    if isinstance(pair, Why) and ch is None and not isinstance(_pair(up, gate), Why):
+    pair = pair_of(gate, up)
+    if isinstance(pair, Why) and ch is None and not isinstance(pair_of(up, gate), Why):
         return NoMatch(gu, Why(f"the gate is the odd lane of {describe(p)}: the kernel pairs "
                                "(gate, up) as columns (2j, 2j + 1)", "moe.not_halves"))
     if isinstance(pair, Why):

@@ -1,0 +1,97 @@
+"""The routed form of a dense experts layer: the ops patterns/dense_experts.py puts in the
+graph in place of every token run through every expert.
+
+Llama 4's experts (transformers' Llama4TextExperts) run densely: each token's input is
+scaled by its routing score for expert e (zero off the router's top-k) and every
+expert's MLP runs on every token, as two torch.bmm over the stacked weights; the outputs
+are summed over the experts. Where an expert's MLP maps a zero row to zero, only the
+top-k (token, expert) pairs contribute, so the same sum is
+
+    rows  = the T·k pairs sorted by expert (a stable sort of the top-k ids)
+    x[s]  = tokens[token(s)] · scores[token(s), expert(s)]            (S × K)
+    y     = grouped GEMMs over the rows (the expert's gate/up, the activation, its down)
+    out   = Σ over each token's k rows, back in token order
+
+E/k times fewer GEMM FLOPs (16 for Llama-4-Scout's 16 experts and top-1), and the
+[E, T, 2I] intermediate is [T·k, 2I]. The sums run in each token's own order (the
+inverse permutation: no atomic adds, deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grouped, ops
+
+
+def sort_by_expert(index: torch.Tensor, experts: int):
+    """(perm, offsets, inverse) of the top-k (token, slot) pairs ``index`` [T, k] sorted
+    by expert: row s of the routed problem is pair perm[s] (token perm[s] // k), the
+    rows of expert e end at offsets[e] (int32, what grouped GEMMs take), and pair p is
+    row inverse[p]. The counts are a histogram over E bins of the ids as float32
+    (exact below 2²⁴ rows; histc takes no integers on the CPU), a fixed-size output
+    where bincount's size would depend on the data."""
+    flat = index.reshape(-1)
+    ids, perm = torch.sort(flat, stable=True)
+    counts = torch.histc(ids.float(), bins=experts, min=0, max=experts - 1)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    inverse = torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype))
+    return perm, offsets, inverse
+
+
+def gather_scaled(tokens: torch.Tensor, scores: torch.Tensor, index: torch.Tensor,
+                  perm: torch.Tensor) -> torch.Tensor:
+    """Each routed row's token scaled by its score for its expert: tokens [T, K], scores
+    [T, E], index [T, k] -> [T·k, K] in expert order. The product in the dtypes eager
+    multiplies in (tokens · the scores' column, promoted alike)."""
+    k = index.shape[1]
+    weight = scores.gather(1, index).reshape(-1)[perm]
+    return tokens[perm // k] * weight.unsqueeze(-1)
+
+
+def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Σ over each token's k routed rows [T·k, N] -> [T, N], in the rows' dtype (torch's
+    sum accumulates in float32 for 16-bit inputs, as eager's sum over the experts)."""
+    return rows[inverse].reshape(-1, top_k, rows.shape[-1]).sum(1)
+
+
+def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+                ) -> torch.Tensor:
+    """Rows [offsets[e-1], offsets[e]) of ``a`` [S, K] times ``weight[e]`` [K, N] (the
+    stacked experts' own [E, K, N] layout). torch._grouped_mm where it takes the operands
+    in a traced graph (bfloat16, 16-byte rows: Inductor lowers it as it would the
+    model's own); elsewhere (float32, float16, odd widths; the float64 witness) the
+    same product through coda::grouped_mm, whose backward is ExpertGemm's."""
+    if a.dtype == torch.bfloat16 and weight.dtype == a.dtype and \
+            all(n * 2 % 16 == 0 for n in (a.shape[1], weight.shape[-1])):
+        return torch._grouped_mm(a, weight, offs=offsets)
+    return ExpertGemm.apply(a, weight, offsets)
+
+
+class ExpertGemm(torch.autograd.Function):
+    """The grouped GEMM with its two backward GEMMs, over formula-less coda::grouped_mm
+    (torch._grouped_mm on CUDA 16-bit operands, the reference's loop elsewhere)."""
+
+    @staticmethod
+    def forward(a, weight, offsets):
+        return grouped.live_rows(torch.ops.coda.grouped_mm(a, weight, offsets, False),
+                                 offsets)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, weight, offsets = inputs
+        ctx.save_for_backward(a, weight, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ops.refuse_second_derivative("the routed form of the dense experts' GEMM")
+        a, weight, offsets = ctx.saved_tensors
+        grad = grad.to(a.dtype).contiguous()
+        da = dw = None
+        if ctx.needs_input_grad[0]:
+            da = grouped.live_rows(torch.ops.coda.grouped_mm(
+                grad, weight.mT, offsets, False), offsets)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.coda.grouped_mm(a, grad, offsets, True)
+        return da, dw, None
