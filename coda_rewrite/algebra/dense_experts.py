@@ -28,7 +28,6 @@ stays on the tokens and experts that hold it.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 
 from ..canonical import meta
 from ..capture import describe

@@ -40,7 +40,7 @@ from ..algebra import dense_experts as algebra
 from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
-from ..graph_utils import CHUNK, chunk_half, copy_meta, erase_if_dead, through_casts
+from ..graph_utils import CHUNK, chunk_half, copy_meta, erase_if_dead
 from ..kernels import routing
 from .family import Context, Decided
 from .routed_experts import pair_of
