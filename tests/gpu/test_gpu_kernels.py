@@ -1049,5 +1049,6 @@ def test_llama4_dense_experts_on_gpu(via):
         1.5 * abs(float(losses[1]) - float(losses[2])) + 1e-3
     assert not worse, worse
     if via == "optimize":
-        assert [r.status for r in fast.report.records if r.pattern == "dense_experts"] == \
-            ["rewritten"] * 2, str(fast.report)
+        statuses = [r.status for r in fast.report.records if r.pattern == "dense_experts"]
+        # two graphs (inference, then training), two layers each
+        assert statuses == ["rewritten"] * 4, str(fast.report)
