@@ -100,7 +100,7 @@ def main(names):
                   f"  {timed['torch.compile'][0] / timed[k][0]:.2f}x torch.compile, peak "
                   f"{peak(lambda f=variants[k]: step(f)):.1f} GiB", flush=True)
             rows.append((f"{name} fwd+bwd {k}", "ms", timed[k][0]))
-        del variants, moe
+        variants = moe = None  # noqa: F841 (freed before the next shape)
         torch.cuda.empty_cache()
     write_csv("Llama 4 MoE block: dense experts on their routed rows", rows)
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import coda_rewrite
-from coda_rewrite.kernels import routing
+from coda_rewrite import routing
+from coda_rewrite.kernels.expert_gemm import expert_gemm
 from coda_rewrite.numerics import rel_err
 
 from conftest import codes
@@ -273,7 +274,7 @@ def test_a_product_of_zero_lanes_that_is_not_zero_is_refused(monkeypatch):
 
 
 def test_routed_form_against_the_dense_sum():
-    """kernels/routing.py alone, float64: sort, scaled gather, grouped GEMMs, per-token
+    """coda_rewrite/routing.py with expert_gemm, float64: sort, scaled gather, grouped GEMMs, per-token
     sum equal to every expert on every token summed, top-k 1 to 3, an empty expert."""
     g = torch.Generator().manual_seed(0)
     for top_k in (1, 2, 3):
@@ -291,9 +292,9 @@ def test_routed_form_against_the_dense_sum():
         perm, offsets, inverse = routing.sort_by_expert(idx, e)
         assert offsets.dtype == torch.int32 and int(offsets[-1]) == t * top_k
         assert int(offsets[4] - offsets[3]) == 0
-        gate, up = routing.expert_gemm(routing.gather_scaled(x, s, idx, perm), w_gu,
+        gate, up = expert_gemm(routing.gather_scaled(x, s, idx, perm), w_gu,
                                        offsets).chunk(2, -1)
-        got = routing.back_to_tokens(routing.expert_gemm(F.silu(gate) * up, w_d, offsets),
+        got = routing.back_to_tokens(expert_gemm(F.silu(gate) * up, w_d, offsets),
                                      inverse, top_k)
         assert rel_err(got, want) <= 1e-13
 
@@ -315,3 +316,32 @@ def test_witness_refuses_a_wrong_routed_form(monkeypatch):
     assert torch.equal(fast(x), mod(x))
     (rec,) = [r for r in fast.report.records if r.pattern == "dense_experts"]
     assert rec.kind == RejectionKind.WITNESS_DISAGREES, str(fast.report)
+
+
+def _fake_cuda_match(tokens: int, top_k: int = 1, experts: int = 16):
+    """A Match whose tokens and weights are CUDA metas (the size rule reads those only)."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_rewrite.patterns import dense_experts
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(tokens, 64, device="cuda")
+        w = torch.empty(experts, 64, 128, device="cuda")
+    g = fx.Graph()
+    tok, wgu = g.placeholder("x"), g.placeholder("w")
+    tok.meta["example_value"], wgu.meta["example_value"] = x, w
+    return dense_experts, SimpleNamespace(tokens=tok, w_gate_up=wgu, top_k=top_k)
+
+
+@pytest.mark.parametrize("tokens,left", [(1, False), (16, False), (17, True), (128, True),
+                                         (255, True), (256, False), (8192, False)])
+def test_size_rule_on_the_gpu(tokens, left):
+    """On CUDA the dense layer is left where the routed GEMMs lose (measured at 16
+    experts: 2E to 16E routed rows); min_fused_rows replaces the window by a threshold."""
+    family, m = _fake_cuda_match(tokens)
+    why = family.too_dense_to_pay(m, None)
+    assert bool(why) == left, why
+    assert family.too_dense_to_pay(m, 0) == ""
+    assert bool(family.too_dense_to_pay(m, 10_000)) == (tokens < 10_000)

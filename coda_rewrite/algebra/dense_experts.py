@@ -2,7 +2,7 @@
 (patterns/dense_experts.py): the identity (statements.prove_dense_experts), its side
 conditions on the matched graph, and a float64 replay of the matched nodes (the router
 from its logits, every expert on every token, the sum) against the routed form
-(kernels/routing.py) on the same values, and of their gradients in a training graph.
+(coda_rewrite/routing.py) on the same values, and of their gradients in a training graph.
 
 Side conditions, each checked here:
 
@@ -32,7 +32,8 @@ import torch
 from ..canonical import meta
 from ..capture import describe
 from ..graph_utils import memory_sharers, mutated_value
-from ..kernels import routing
+from .. import routing
+from ..codegen import reference
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -183,13 +184,13 @@ def _dense(m, env: dict) -> torch.Tensor:
 
 
 def _routed(m, env: dict) -> torch.Tensor:
-    """The routed form (kernels/routing.py) with the matched activation replayed on the
+    """The routed form (coda_rewrite/routing.py) with the matched activation replayed on the
     routed rows' halves."""
     index, scores = env[m.index], env[m.scores]
     perm, offsets, inverse = routing.sort_by_expert(index, _size(meta(m.w_gate_up).shape[0]))
     x = routing.gather_scaled(env[m.tokens], scores, index, perm)
-    p = routing.expert_gemm(x, env[m.w_gate_up], offsets)
+    p = reference.grouped_mm(x, env[m.w_gate_up], offsets)
     lanes = {m.gate_up: p, "__gen__": env["__gen__"]}
     eval_nodes(m.pair_nodes, lanes)
-    o = routing.expert_gemm(lanes[m.product], env[m.w_down], offsets)
+    o = reference.grouped_mm(lanes[m.product], env[m.w_down], offsets)
     return routing.back_to_tokens(o, inverse, m.top_k)

@@ -928,7 +928,7 @@ def prove_dense_experts() -> Proof:
     instance (3 experts, top-2 {0, 2}, 2 input features, 1 gated feature, act undefined)
     and refuted where an expert has a bias (F_e(0) ≠ 0) or the off-top-k score is not
     zero; the sigmoid of the −∞ fill is 0 (sympy's limit). The numeric witness compares
-    the dense sum with kernels/routing.py's sort, gather, grouped GEMMs and per-token
+    the dense sum with coda_rewrite/routing.py's sort, gather, grouped GEMMs and per-token
     sum on random routings."""
     act = sp.Function("act")
     feats, experts, chosen = 2, 3, (0, 2)
@@ -953,7 +953,7 @@ def prove_dense_experts() -> Proof:
              "sigmoid(-oo) = 0")
 
     def num(seed):
-        from ..kernels import routing
+        from .. import routing
         e, t, kk, ii, top = _shape(seed, (1, 5), (1, 6), (1, 5), (1, 3), (1, 3))
         top = min(top, e)
         g = _gen(seed)
@@ -968,9 +968,9 @@ def prove_dense_experts() -> Proof:
         gate, up = torch.bmm(rows.view(e, t, kk), w_gu).chunk(2, dim=-1)
         want = torch.bmm(torch.nn.functional.silu(gate) * up, w_d).sum(0)
         perm, offsets, inverse = routing.sort_by_expert(idx, e)
-        p = routing.expert_gemm(routing.gather_scaled(x_, scores, idx, perm), w_gu, offsets)
+        p = reference.grouped_mm(routing.gather_scaled(x_, scores, idx, perm), w_gu, offsets)
         gate, up = p.chunk(2, dim=-1)
-        o = routing.expert_gemm(torch.nn.functional.silu(gate) * up, w_d, offsets)
+        o = reference.grouped_mm(torch.nn.functional.silu(gate) * up, w_d, offsets)
         return rel_err(routing.back_to_tokens(o, inverse, top), want)
 
     return Proof(

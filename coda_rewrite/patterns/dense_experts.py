@@ -12,7 +12,7 @@ densely:
     out     = bmm(act(gate) · up, W_d).view(−1, K').reshape(E, T, K').sum(0)
 
 E/k of those rows are exact zeros: a zero score makes a zero input row, and a bias-free
-gated MLP maps it to zero. The rewrite (kernels/routing.py) runs the chosen (token,
+gated MLP maps it to zero. The rewrite (coda_rewrite/routing.py) runs the chosen (token,
 expert) pairs only — sorted by expert, each scaled by its score, two grouped GEMMs
 (torch._grouped_mm, the layout Hugging Face's other MoEs use), the matched activation
 replayed on the routed halves, and a per-token sum back in token order — E/k times fewer
@@ -37,11 +37,12 @@ import torch.nn.functional as F
 
 from .. import patterns
 from ..algebra import dense_experts as algebra
-from ..algebra.decision import Why
+from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..graph_utils import CHUNK, chunk_half, copy_meta, erase_if_dead
-from ..kernels import routing
+from .. import routing
+from ..kernels.expert_gemm import expert_gemm
 from .family import Context, Decided
 from .routed_experts import pair_of
 
@@ -340,7 +341,42 @@ def describe_match(m: Match) -> dict:
     return {"consumers": [describe(m.gate_up), describe(m.out)]}
 
 
+# Where the routed form pays on the GPU, in routed rows R = tokens × top-k against E
+# experts (benchmarks/dense_experts_small.py: the Llama-4-Scout block, 16 experts, top-1,
+# H200, CUDA graphs, against torch.compile of the dense block): 4.1x at R = 1, 1.23x at
+# 8, 1.07x at 16, then 0.66x / 0.69x / 0.70x at 32 / 64 / 128, 1.02x at 256, 1.87x at
+# 512, 6.7x at 8192. While R ≤ E few experts are active and the routed GEMMs read only
+# theirs; from about 2E rows every expert is active and torch._grouped_mm reads the
+# weights slower than the dense bmm (1.55 ms against ~1.05 for 4 GiB), until the dense
+# layer's E/k times larger FLOPs dominate (from 16E rows). Measured at E = 16 only; the
+# bounds scale with E by that argument, not by measurement.
+FEW_ROWS_PER_EXPERT, MANY_ROWS_PER_EXPERT = 1, 16
+
+
+def too_dense_to_pay(m: Match, override: int | None) -> str:
+    """Why the dense layer is left at this size on the GPU ("" where the routed form
+    pays, on other devices, and where the row count is symbolic). ``override``
+    (options.min_fused_rows) replaces the window by a plain threshold (0: always)."""
+    x = meta(m.tokens)
+    tokens = x.shape[0] if x is not None and x.device.type == "cuda" else None
+    if not isinstance(tokens, int):
+        return ""
+    rows, experts = tokens * m.top_k, int(meta(m.w_gate_up).shape[0])
+    if override is not None:
+        return "" if rows >= override else \
+            f"{rows} routed rows, fewer than min_fused_rows = {override}: left dense"
+    if rows <= FEW_ROWS_PER_EXPERT * experts or rows >= MANY_ROWS_PER_EXPERT * experts:
+        return ""
+    return (f"{rows} routed rows over {experts} experts: every expert is active and the "
+            "dense bmm reads the weights faster than the routed grouped GEMMs below "
+            f"{MANY_ROWS_PER_EXPERT * experts} rows (measured, patterns/dense_experts.py): "
+            "left dense")
+
+
 def decide(m: Match, context: Context) -> Decided:
+    dense = too_dense_to_pay(m, context.options.min_fused_rows)
+    if dense:
+        return Decided.refuse(Rejection(Why(dense, "shape.small_m"), m.path))
     decision = algebra.decide(m)
     if not decision.accepted:
         return Decided.refuse(decision)
@@ -348,18 +384,18 @@ def decide(m: Match, context: Context) -> Decided:
 
 
 def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
-    """The routed form (kernels/routing.py) in place of the dense layer."""
+    """The routed form (coda_rewrite/routing.py) in place of the dense layer."""
     experts = int(meta(m.w_gate_up).shape[0])
     with graph.inserting_before(m.out):
         emit = _Emitter(graph, m.out)
         routing_ = emit.call(routing.sort_by_expert, m.index, experts)
         perm, offsets, inverse = (emit.call(operator.getitem, routing_, i) for i in range(3))
         x = emit.call(routing.gather_scaled, m.tokens, m.scores, m.index, perm)
-        p = emit.call(routing.expert_gemm, x, m.w_gate_up, offsets)
+        p = emit.call(expert_gemm, x, m.w_gate_up, offsets)
         copies = {m.gate_up: p}
         for node in m.pair_nodes:  # the matched activation, on the routed rows' halves
             copies[node] = emit.copy(node, copies)
-        o = emit.call(routing.expert_gemm, copies[m.product], m.w_down, offsets)
+        o = emit.call(expert_gemm, copies[m.product], m.w_down, offsets)
         y = emit.call(routing.back_to_tokens, o, inverse, m.top_k)
     y.meta.update({k: v for k, v in m.out.meta.items() if k not in y.meta})
     m.out.replace_all_uses_with(y)

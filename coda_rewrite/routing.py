@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from . import grouped, ops
-
 
 def sort_by_expert(index: torch.Tensor, experts: int):
     """(perm, offsets, inverse) of the top-k (token, slot) pairs ``index`` [T, k] sorted
@@ -54,44 +52,3 @@ def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> tor
     """Σ over each token's k routed rows [T·k, N] -> [T, N], in the rows' dtype (torch's
     sum accumulates in float32 for 16-bit inputs, as eager's sum over the experts)."""
     return rows[inverse].reshape(-1, top_k, rows.shape[-1]).sum(1)
-
-
-def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
-                ) -> torch.Tensor:
-    """Rows [offsets[e-1], offsets[e]) of ``a`` [S, K] times ``weight[e]`` [K, N] (the
-    stacked experts' own [E, K, N] layout). torch._grouped_mm where it takes the operands
-    in a traced graph (bfloat16, 16-byte rows: Inductor lowers it as it would the
-    model's own); elsewhere (float32, float16, odd widths; the float64 witness) the
-    same product through coda::grouped_mm, whose backward is ExpertGemm's."""
-    if a.dtype == torch.bfloat16 and weight.dtype == a.dtype and \
-            all(n * 2 % 16 == 0 for n in (a.shape[1], weight.shape[-1])):
-        return torch._grouped_mm(a, weight, offs=offsets)
-    return ExpertGemm.apply(a, weight, offsets)
-
-
-class ExpertGemm(torch.autograd.Function):
-    """The grouped GEMM with its two backward GEMMs, over formula-less coda::grouped_mm
-    (torch._grouped_mm on CUDA 16-bit operands, the reference's loop elsewhere)."""
-
-    @staticmethod
-    def forward(a, weight, offsets):
-        return grouped.live_rows(torch.ops.coda.grouped_mm(a, weight, offsets, False),
-                                 offsets)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        a, weight, offsets = inputs
-        ctx.save_for_backward(a, weight, offsets)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ops.refuse_second_derivative("the routed form of the dense experts' GEMM")
-        a, weight, offsets = ctx.saved_tensors
-        grad = grad.to(a.dtype).contiguous()
-        da = dw = None
-        if ctx.needs_input_grad[0]:
-            da = grouped.live_rows(torch.ops.coda.grouped_mm(
-                grad, weight.mT, offsets, False), offsets)
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.coda.grouped_mm(a, grad, offsets, True)
-        return da, dw, None
