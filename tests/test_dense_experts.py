@@ -275,8 +275,8 @@ def test_a_product_of_zero_lanes_that_is_not_zero_is_refused(monkeypatch):
 
 def test_routed_form_against_the_dense_sum():
     """coda_rewrite/routing.py with expert_gemm, float64: sort, scaled gather, grouped
-    GEMMs, per-token
-    sum equal to every expert on every token summed, top-k 1 to 3, an empty expert."""
+    GEMMs, per-token sum equal to every expert on every token summed, top-k 1 to 3, an
+    empty expert."""
     g = torch.Generator().manual_seed(0)
     for top_k in (1, 2, 3):
         e, t, k, i = 5, 9, 6, 4
