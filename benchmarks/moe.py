@@ -133,6 +133,9 @@ def train(names):
                         moe, backend="coda", options={"fuse_in_training": True})}
 
         def step(f, x=x):
+            # as a training loop after optimizer.zero_grad() (set_to_none, PyTorch's
+            # default): the gradients are assigned, not added into the last step's
+            moe.zero_grad(set_to_none=True)
             xi = x.detach().requires_grad_()
             o = f(xi)
             o = o[0] if isinstance(o, tuple) else o
@@ -157,7 +160,7 @@ def train(names):
         show(f"{name}: train ", timed, "torch.compile grouped_mm", rows, "ms fwd+bwd")
         for k in ("torch.compile grouped_mm", "backend=coda fused"):
             print(f"{name}: kernels of {k} fwd+bwd:\n" +
-                  kernel_top(lambda f=variants[k]: step(f), 16), flush=True)
+                  kernel_top(lambda f=variants[k]: step(f), 24), flush=True)
     write_csv("moe layer forward + backward (8192 tokens)", rows)
 
 
