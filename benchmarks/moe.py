@@ -28,6 +28,9 @@ from coda_rewrite.kernels import ops
 from coda_rewrite.numerics import rel_err
 
 TOKENS = 8192
+# every size fused: what the kernels cost (the size policy leaves the experts unfused below
+# FUSED_FROM_ROWS routed rows, where these runs measured them to lose or run even)
+FUSED = {"min_fused_rows": 0}
 SHAPES = {
     "qwen3": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
                                 num_experts_per_tok=8, norm_topk_prob=True)),
@@ -94,7 +97,7 @@ def sweep(names, configs):
         moe = block(name)
         x = torch.randn(1, TOKENS, hidden_of(name), device="cuda", dtype=torch.bfloat16)
         base = torch.compile(moe)
-        coda = torch.compile(moe, backend="coda")
+        coda = torch.compile(moe, backend="coda", options=FUSED)
         with torch.no_grad():
             base(x)
             for cfg in configs:
@@ -130,7 +133,7 @@ def train(names):
         variants = {"torch.compile grouped_mm": torch.compile(moe),
                     "backend=coda": torch.compile(moe, backend="coda"),
                     "backend=coda fused": torch.compile(
-                        moe, backend="coda", options={"fuse_in_training": True})}
+                        moe, backend="coda", options={"fuse_in_training": True, **FUSED})}
 
         def step(f, x=x):
             # as a training loop after optimizer.zero_grad() (set_to_none, PyTorch's
@@ -234,7 +237,7 @@ def small(names, token_counts=(8, 64, 512, 2048)):
             x = torch.randn(1, tokens, hidden_of(name), device="cuda", dtype=torch.bfloat16)
             torch._dynamo.reset()
             fns = {"torch.compile": torch.compile(moe), "coda": torch.compile(
-                moe, backend="coda")}
+                moe, backend="coda", options=FUSED)}
             with torch.no_grad():
                 for f in fns.values():
                     f(x)
@@ -291,7 +294,7 @@ def main(names):
         variants = {
             "eager grouped_mm": moe,
             "torch.compile grouped_mm": torch.compile(moe),
-            "backend=coda": torch.compile(moe, backend="coda"),
+            "backend=coda": torch.compile(moe, backend="coda", options=FUSED),
         }
         outs = {}
         with torch.no_grad():

@@ -71,12 +71,14 @@ from .gated_mlp import activation_of
 NAME = "routed_experts"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py) ...
 FUSES_GEMMS = True
-# ... from this many routed rows (tokens × top-k; benchmarks/moe.py, H200, forward from
-# CUDA graphs against torch.compile's grouped_mm: Qwen3-30B-A3B-shaped layer 0.64x /
-# 0.61x / 0.66x at 8 / 64 / 512 tokens (64 to 4096 rows), 1.10x at 8192 tokens (65536
-# rows); Mixtral-8x7B-shaped 0.81x / 0.68x / 0.90x at 16 to 1024 rows, 1.02x at 16384:
-# BENCHMARKS.md, tenth session; the crossover in between is not measured)
-FUSED_FROM_ROWS = 16384
+# ... from this many routed rows (tokens × top-k; benchmarks/moe.py small, H200, the
+# forward replayed from CUDA graphs against torch.compile's grouped_mm, every size fused):
+# Qwen3-30B-A3B-shaped layer 0.64x / 0.61x / 0.66x at 8 / 64 / 512 tokens, 0.94-0.96x at
+# 2048 tokens (16384 rows), 0.99x at 4096 (32768), 1.10x at 8192 (65536: not replayed
+# from a graph); Mixtral-8x7B-shaped 0.68-0.90x at 16 to 1024 rows, 0.99x at 16384 (8192
+# tokens; 1.02x not replayed from a graph): below 65536 rows it loses or runs even
+# (BENCHMARKS.md, tenth and thirteenth sessions)
+FUSED_FROM_ROWS = 65536
 # ... and not in a training step (training_policy.py): forward + backward of the block at
 # 8192 tokens with the down projection's backward in its dgrad epilogue, against
 # torch.compile's: Qwen3-30B-A3B-shaped 1.00x, Mixtral-8x7B-shaped 1.01x, gpt-oss-20b-
