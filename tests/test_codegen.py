@@ -433,6 +433,9 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
         "interleaved": True, "n_major": True},
         {"grouped": routed_experts.down_program(True, torch.bfloat16, True).to_text(),
          "n_major": True}]
+    # DeepSeek-V4's clamped SwiGLU over [gate; up] halves, its pre-activation kept
+    oai.append({"grouped": routed_experts.gated_program(
+        "swiglu_clamp", torch.bfloat16, True, (7.0,)).to_text()})
     grouped += [t["grouped"] for t in oai]
     kernels |= {generate(coda_rewrite.codegen.program.parse(t)).module_name for t in grouped}
     texts = texts + [{"grouped": t} for t in grouped[:3]] + oai

@@ -42,7 +42,19 @@ FAMILIES = {
                         v_head_dim=32, num_key_value_heads=4),
     "gpt_oss": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                     layer_types=["full_attention"] * 2),
+    # the clamped SwiGLU silu(min(g, l))·clamp(u, -l, l) (the IR's swiglu_clamp)
+    "deepseek_v4": dict(intermediate_size=96, num_local_experts=4, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, first_k_dense_replace=1, n_group=2, topk_group=1),
+    "hy_v4": dict(intermediate_size=96, num_experts=4, num_local_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=64, q_lora_rank=32, kv_lora_rank=16,
+                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                  first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
+PAIR_PROGRAMS = {"gpt_oss": "experts_swiglu_oai", "deepseek_v4": "experts_swiglu_clamp",
+         "hy_v4": "experts_swiglu_clamp"}
 
 
 def moe_model(family: str, dtype=torch.bfloat16, seed: int = 0, **overrides):
@@ -79,12 +91,14 @@ def _check(model, exact, ids, moe_layers: int):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_models_rewritten_no_worse_than_eager(family):
     model, exact = moe_model(family)
-    moe_layers = 1 if family in ("glm4_moe", "deepseek_v3") else 2  # first layer dense
-    report = _check(model, exact, torch.randint(0, 128, (2, 16)), moe_layers)
+    moe_layers = 1 if family in ("glm4_moe", "deepseek_v3", "hy_v4") else 2  # layer 0 dense
+    report = _check(model, exact, torch.randint(3, 128, (2, 16)), moe_layers)
     rec = next(r for r in report.records if r.pattern == "routed_experts")
-    pair = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
-    assert [p.name for p in rec.programs] == [pair, "experts_combine"]
+    assert [p.name for p in rec.programs] == [PAIR_PROGRAMS.get(family, "experts_swiglu"),
+                                              "experts_combine"]
     assert "gathered by the GEMM's row read" in rec.producer
+    if family in ("deepseek_v4", "hy_v4"):  # their norms are not multiplied back
+        return  # (rmsnorm.not_multiplied_back: no deferred row scale to follow)
     # the post-attention norm's row scale deferred into the experts' GEMM: r per routed
     # row in the epilogue, the normalised tokens never written
     assert "row scale deferred through the routing" in rec.producer
@@ -244,7 +258,17 @@ class Experts(torch.nn.Module):
             extra = (gate.sum(),)
         if case == "up_first":
             gate, up = up, gate
-        y = F.silu(gate) * up
+        if case.startswith("clamped"):  # DeepSeek-V4's clamped SwiGLU, and look-alikes
+            lim = 0.6  # small enough that both clamps bite
+            gate = gate.clamp(min=-lim if case == "clamped_gate_below" else None, max=lim)
+            up = up.clamp(min=None if case == "clamped_up_one_side" else -lim,
+                          max=2 * lim if case == "clamped_up_limit_differs" else lim)
+        if case == "clamped_gelu":
+            y = F.gelu(gate, approximate="tanh") * up
+        elif case == "clamped_up_first":
+            y = up * F.silu(gate)
+        else:
+            y = F.silu(gate) * up
         if case == "product_read":
             extra = (y.sum(),)
         if case == "product_in_place":
@@ -277,6 +301,12 @@ LOOK_ALIKES = {
     "source_updated": "moe.in_place",         # the gathered source updated after the gather
     "source_base_updated": "moe.in_place",    # ... through the tensor it is a view of
     "fill_one": "moe.fill_value",             # a fill the router weight would scale
+    "clamped": None,                          # silu(min(g, l))·clamp(u, -l, l)
+    "clamped_up_first": None,                 # the product's operands swapped
+    "clamped_gate_below": "moe.activation",   # the gate clamped on both sides
+    "clamped_up_one_side": "moe.activation",
+    "clamped_up_limit_differs": "moe.activation",
+    "clamped_gelu": "moe.activation",         # a clamped GeGLU: no op of the IR
 }
 
 
@@ -615,15 +645,17 @@ def test_expert_pairs_interleaved():
         assert torch.equal(out[e, 0::2], w[e, :3]) and torch.equal(out[e, 1::2], w[e, 3:])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])
 @pytest.mark.parametrize("via", ["optimize", "backend",
                                  pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_hf_training_step_matches_eager(via):
+def test_hf_training_step_matches_eager(via, family):
     """A float32 Qwen3-MoE training step (transformers' grouped_mm fallback op under
-    torch.compile): loss and every parameter's gradient equal eager's."""
-    model, _ = moe_model("qwen3_moe", torch.float32)
+    torch.compile), and DeepSeek-V4's (its clamped SwiGLU: the backward as rules, autograd
+    of the op table's pair function): loss and every parameter's gradient equal eager's."""
+    model, _ = moe_model(family, torch.float32)
     model.train()
     ref = copy.deepcopy(model)
-    ids = torch.randint(0, 128, (2, 16))
+    ids = torch.randint(3, 128, (2, 16))
     fast = coda_rewrite.optimize(model) if via == "optimize" else \
         torch.compile(model, backend="coda", options={"inductor": via == "inductor"})
     loss = fast(ids, labels=ids).loss
@@ -632,10 +664,12 @@ def test_hf_training_step_matches_eager(via):
     loss.backward()
     want.backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if q.grad is None:
-            assert p.grad is None, name
+        if q.grad is None:  # (torch.compile alone gives DeepSeek-V4's unused compressor
+            assert p.grad is None or not p.grad.any(), name  # a zero gradient)
             continue
-        assert rel_err(p.grad, q.grad) <= 1e-4, name
+        # DeepSeek-V4's router, 30x sharpened, gets gradients of ~1e-11: rounding noise
+        assert rel_err(p.grad, q.grad) <= 1e-4 or \
+            float((p.grad - q.grad).abs().max()) <= 1e-8, name
     if via == "optimize":
         done = [r for r in fast.report.records if r.pattern == "routed_experts"]
         assert len(done) == 2 and all(r.status == "rewritten" for r in done)

@@ -99,6 +99,14 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha, limit) -> torch.Tensor:
     return g * torch.sigmoid(g * alpha) * (u + 1)
 
 
+def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit) -> torch.Tensor:
+    """DeepSeek-V4's and Hunyuan-V4's gated activation of a (gate, up) pair: SwiGLU of the
+    gate clamped above and the up lane clamped on both sides at ``limit``,
+    silu(min(g, l))·clamp(u, −l, l). NaN passes through the clamps, as torch.clamp's
+    does; the clamps' derivative is autograd's (1 inside, boundary included, 0 outside)."""
+    return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+
+
 def pair_value(op: "Op", g: torch.Tensor, u: torch.Tensor, *args) -> torch.Tensor:
     """A pairwise op's value on separate gate and up lanes."""
     if op.pair_reference is not None:
@@ -185,6 +193,11 @@ _SPECS = {
     # QuACK's own swiglu_oai (its clamps propagate NaN like torch.clamp)
     "swiglu_oai": _pairwise(pair_reference=swiglu_oai, literals=2,
                             pair_lower="swiglu_oai({g}, {u}, {0}, {1})"),
+    # swiglu_clamp(x, limit): DeepSeek-V4's clamped SwiGLU (literal limit); the clamps are
+    # QuACK's swiglu_oai's (NaN through them like torch.clamp), then its SiLU
+    "swiglu_clamp": _pairwise(pair_reference=swiglu_clamp, literals=1,
+                              pair_lower="silu(_minnumf({g}, {0})) * "
+                                         "_maxnumf(_minnumf({u}, {0}), -{0})"),
     # rotations of adjacent column pairs: rope(x, per-row positions, per-feature
     # float-float frequencies in turns); rope_table(x, cos/sin table [, per-feature 0/1
     # rotate flag])

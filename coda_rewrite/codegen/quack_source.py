@@ -390,6 +390,10 @@ def generate(program: EpilogueProgram) -> KernelSource:
           if any(i.op == "tanh" for i in program.body) else []),
         *(["from quack.activation import swiglu_oai", ""]
           if any(i.op == "swiglu_oai" for i in program.body) else []),
+        # the clamps of QuACK's swiglu_oai (private helpers; quack-kernels is pinned, and
+        # CI compiles this)
+        *(["from quack.activation import _maxnumf, _minnumf", ""]
+          if any(i.op == "swiglu_clamp" for i in program.body) else []),
         *(f'_index_{c} = ColVecLoad("{c}")' for c in companions),
         *([""] if companions else []),
         *(["from quack.epilogue.head_rmsnorm import HeadRstd", ""] if grouped else []),

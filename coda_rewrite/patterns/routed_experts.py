@@ -288,12 +288,36 @@ def swiglu_oai_of(gate: fx.Node, up: fx.Node):
     return out, (g, u, scaled, sig, glu, shifted), (alpha, limit)
 
 
+def swiglu_clamp_of(gate: fx.Node, up: fx.Node):
+    """(product, nodes between, (limit,)) where ``gate`` and ``up`` are read only by
+    DeepSeek-V4's clamped SwiGLU: g = gate.clamp(max=l); u = up.clamp(-l, l);
+    silu(g)·u (operands in any order); None otherwise."""
+    g, u = _sole_user(gate), _sole_user(up)
+    if g is None or u is None or not (_is(g, "clamp") and _is(u, "clamp")):
+        return None
+    (_, glo, limit), (_, ulo, uhi) = canon(g).args, canon(u).args
+    if glo is not None or limit is None or limit <= 0 or (ulo, uhi) != (-limit, limit):
+        return None
+    act = _sole_user(g)
+    a = activation_of(act) if act is not None else None
+    if a is None or isinstance(a, str) or a != ("swiglu", g):
+        return None
+    out = _sole_user(act)
+    if out is None or _sole_user(u) is not out or not _is(out, "mul") or \
+            set(canon(out).args) != {act, u}:
+        return None
+    return out, (g, u, act), (float(limit),)
+
+
 def pair_of(gate: fx.Node, up: fx.Node):
     """(op, product, nodes between, params) of the gated product of the two lanes, a
     reason where the lanes are not read by one."""
     oai = swiglu_oai_of(gate, up)
     if oai is not None:
         return "swiglu_oai", oai[0], oai[1], oai[2]
+    clamped = swiglu_clamp_of(gate, up)
+    if clamped is not None:
+        return "swiglu_clamp", *clamped
     for half in (gate, up):
         if len(half.users) > 1:
             return Why(f"{describe(half)} has {len(half.users)} readers: the fused GEMM "
