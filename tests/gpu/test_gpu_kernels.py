@@ -789,14 +789,15 @@ def _routing(tokens, experts, top_k, seed, empty=(), tail=0):
     return (perm // top_k).to(DEV), ends.to(DEV)
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("op, params", [("swiglu", ()), ("geglu", ()),
+                                        ("swiglu_clamp", (0.5,))])
 @pytest.mark.parametrize("shape", [(512, 256, 8, 2, 128), (333, 512, 16, 4, 96),
                                    (64, 256, 4, 1, 64)])
-def test_grouped_kernels(op, shape):
+def test_grouped_kernels(op, params, shape):
     """Both grouped programs (the gated one with the gather and the [gate; up] halves
     read interleaved; the combine one) as kernels against float64, no worse than the
     reference's (the same 16-bit inputs, float32 math): an expert with no row, sentinel
-    rows at the tail."""
+    rows at the tail; DeepSeek-V4's clamped SwiGLU with a limit both clamps bite at."""
     from coda_rewrite.kernels.grouped import grouped_linear
     from coda_rewrite.patterns.routed_experts import down_program, gated_program
     tokens, hidden, experts, top_k, inter = shape
@@ -806,7 +807,8 @@ def test_grouped_kernels(op, shape):
     w_gu = (torch.randn(experts, 2 * inter, hidden, device=DEV) / hidden ** 0.5).bfloat16()
     w_d = (torch.randn(experts, hidden, inter, device=DEV) / inter ** 0.5).bfloat16()
     cw = torch.rand(tokens * top_k, device=DEV)
-    gated, down = gated_program(op, torch.bfloat16), down_program(True, torch.bfloat16)
+    gated = gated_program(op, torch.bfloat16, params=params)
+    down = down_program(True, torch.bfloat16)
     before = _kernel_calls(gated.key), _kernel_calls(down.key)
     with torch.no_grad():
         (y,) = grouped_linear(gated.to_text(), h, w_gu, ends, index)
