@@ -222,3 +222,25 @@ def test_input_updated_between_gate_and_up_is_refused(through_view):
     torch.manual_seed(0)
     left_as_eager(_UpdatedBetween(through_view), (torch.randn(2, 8, 32),), "gated_mlp",
                   "gated.in_place")
+
+
+def test_a_clamped_swiglu_mlp_is_reported_not_passed_over():
+    """DeepSeek-V4's dense MLP, silu(gate.clamp(max=l))·up.clamp(-l, l): the dense gated
+    GEMM has no such epilogue yet; the report says so per MLP (`gated.clamped`) instead
+    of listing nothing, and the outputs are eager's."""
+    class Clamped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up = torch.nn.Linear(16, 32, bias=False), \
+                torch.nn.Linear(16, 32, bias=False)
+            self.down = torch.nn.Linear(32, 16, bias=False)
+
+        def forward(self, x):
+            return self.down(F.silu(self.gate(x).clamp(max=0.5)) *
+                             self.up(x).clamp(min=-0.5, max=0.5))
+    torch.manual_seed(0)
+    model, x = Clamped(), torch.randn(4, 16)
+    fast = coda_rewrite.optimize(model)
+    assert torch.equal(fast(x), model(x))
+    assert [r.code for r in fast.report.records if r.pattern == "gated_mlp"] == \
+        ["gated.clamped"], str(fast.report)

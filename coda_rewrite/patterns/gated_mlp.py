@@ -266,6 +266,14 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
                 found = found or NoMatch(node, a)
                 continue
             gate, cast_before = through_casts(a[1])
+            clamped = _clamped_projection(gate)
+            if clamped is not None:  # DeepSeek-V4's dense MLP: said, not passed over
+                found = found or NoMatch(node, Why(
+                    f"the gate {describe(clamped)} is clamped before its activation (a "
+                    "clamped SwiGLU, silu(min(g, l))·clamp(u, −l, l)): the routed experts "
+                    "take it (the IR's swiglu_clamp), the dense gated GEMM does not yet",
+                    "gated.clamped"))
+                continue
             if cast_after or cast_before:
                 if projection_of(gate) is not None:
                     found = found or NoMatch(node, Why(
@@ -284,6 +292,15 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         if found is not None:
             out.append(found)
     return out
+
+
+def _clamped_projection(gate) -> fx.Node | None:
+    """The GEMM output under ``gate`` where gate is a clamp of one (None otherwise)."""
+    c = canon(gate) if isinstance(gate, fx.Node) else None
+    if c is None or c.name != "clamp" or not isinstance(c.args[0], fx.Node):
+        return None
+    v = c.args[0]
+    return v if projection_of(v) is not None or chunk_half(v) is not None else None
 
 
 def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
