@@ -208,10 +208,18 @@ def qk_norm_programs():
             rope_table_program(True, False, bf, passthrough=True, norm=(128, 1e-6, True, True))]
 
 
+def rowscale_swiglu_clamp():
+    """DeepSeek-V4's clamped SwiGLU (literal limit) after the deferred rstd."""
+    def body(p, o):
+        y = p.emit("swiglu_clamp", p.mul(ACC, o["r"], name="y"), 7.0, name="act")
+        return [(y, Kind.PAIR, "bfloat16")]
+    return program_of("rowscale_swiglu_clamp", body, [("r", Kind.PER_ROW)])
+
+
 # Pair mode and stateful sinks: N must be even (pairs) and the index operand is an int
-PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, gated_training, geglu_erf_plain,
-                     lse_target, ce_logits_kept, ce_no_logits, rope_qkv, rope_bias_scaled,
-                     rope_table_qk, rope_table_qkv]
+PAIR_AND_STATEFUL = [rowscale_gated, rowscale_geglu, rowscale_swiglu_clamp, gated_training,
+                     geglu_erf_plain, lse_target, ce_logits_kept, ce_no_logits, rope_qkv,
+                     rope_bias_scaled, rope_table_qk, rope_table_qkv]
 
 
 @pytest.mark.parametrize("make", [residual_rmsnorm, rowscale_bias], ids=lambda f: f.__name__)

@@ -224,23 +224,61 @@ def test_input_updated_between_gate_and_up_is_refused(through_view):
                   "gated.in_place")
 
 
-def test_a_clamped_swiglu_mlp_is_reported_not_passed_over():
-    """DeepSeek-V4's dense MLP, silu(gate.clamp(max=l))·up.clamp(-l, l): the dense gated
-    GEMM has no such epilogue yet; the report says so per MLP (`gated.clamped`) instead
-    of listing nothing, and the outputs are eager's."""
-    class Clamped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate, self.up = torch.nn.Linear(16, 32, bias=False), \
-                torch.nn.Linear(16, 32, bias=False)
-            self.down = torch.nn.Linear(32, 16, bias=False)
+class ClampedMLP(torch.nn.Module):
+    """DeepSeek-V4's dense MLP, silu(gate.clamp(max=l))·up.clamp(-l, l), with one thing
+    changed by ``case``; a limit both clamps bite at."""
 
-        def forward(self, x):
-            return self.down(F.silu(self.gate(x).clamp(max=0.5)) *
-                             self.up(x).clamp(min=-0.5, max=0.5))
+    def __init__(self, case="canonical", limit=0.5):
+        super().__init__()
+        self.case, self.limit = case, limit
+        if case == "packed":
+            self.gate_up = torch.nn.Linear(16, 64, bias=False)
+        else:
+            self.gate = torch.nn.Linear(16, 32, bias=case == "biases")
+            self.up = torch.nn.Linear(16, 32, bias=case == "biases")
+        self.down = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        case, lim = self.case, self.limit
+        if case == "packed":
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        gate = gate.clamp(min=-lim if case == "gate_below" else None, max=lim)
+        up = up.clamp(min=-lim, max=2 * lim if case == "up_limit_differs" else lim)
+        act = F.gelu(gate, approximate="tanh") if case == "gelu" else F.silu(gate)
+        return self.down(act * up)
+
+
+CLAMPED = {"canonical": None, "biases": None, "packed": None,
+           "gate_below": "gated.clamped", "up_limit_differs": "gated.clamped",
+           "gelu": "gated.clamped"}
+
+
+@pytest.mark.parametrize("case", list(CLAMPED))
+@pytest.mark.parametrize("training", [False, True])
+def test_clamped_swiglu_mlp(case, training):
+    """DeepSeek-V4's and Hunyuan-V4's dense MLP: one GEMM with the IR's swiglu_clamp in
+    its epilogue (the backward as rules: no dgrad epilogue for it), outputs and every
+    gradient equal to eager's (float64); the look-alikes left with their reason, never
+    passed over in silence."""
     torch.manual_seed(0)
-    model, x = Clamped(), torch.randn(4, 16)
-    fast = coda_rewrite.optimize(model)
-    assert torch.equal(fast(x), model(x))
-    assert [r.code for r in fast.report.records if r.pattern == "gated_mlp"] == \
-        ["gated.clamped"], str(fast.report)
+    model = ClampedMLP(case).double()
+    x = torch.randn(4, 6, 16, dtype=torch.float64, requires_grad=training)
+    fast_model = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(fast_model)
+    with torch.set_grad_enabled(training):
+        got, want = fast(x), model(x)
+    assert rel_err(got, want) <= 1e-12
+    records = [r for r in fast.report.records if r.pattern == "gated_mlp"]
+    if CLAMPED[case] is None:
+        assert [r.status for r in records] == ["rewritten"], str(fast.report)
+        assert records[0].programs[0].body[-1].op == "swiglu_clamp"
+    else:
+        assert [r.code for r in records] == [CLAMPED[case]], str(fast.report)
+    if training:
+        r = torch.randn_like(want)
+        g1 = torch.autograd.grad((got * r).sum(), [x, *fast_model.parameters()])
+        g0 = torch.autograd.grad((want * r).sum(), [x, *model.parameters()])
+        for a, b in zip(g1, g0):
+            assert rel_err(a, b) <= 1e-10

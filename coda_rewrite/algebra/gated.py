@@ -57,7 +57,8 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     g, u = m.gate, m.up
     if m.packed:
         chunk = g.nodes[-1]
-        for v, reader in ((m.gate_value, m.act), (m.up_value, m.mul), (g.out, chunk)):
+        for v, reader in ((m.gate_value, m.gate_reader), (m.up_value, m.up_reader),
+                          (g.out, chunk), *_clamp_readers(m)):
             why = _only_reader(v, reader)
             if why:
                 return held, why
@@ -84,7 +85,7 @@ def side_conditions(m) -> tuple[list[str], str | None]:
             return held, Why("gate and up outputs differ in shape", "gated.shapes")
         held.append(f"gate and up read the same input {describe(g.x)}"
                     + (f" and row scale {describe(g.r)}" if g.r is not None else ""))
-        for v, reader in ((g.out, m.act), (u.out, m.mul)):
+        for v, reader in ((g.out, m.gate_reader), (u.out, m.up_reader), *_clamp_readers(m)):
             why = _only_reader(v, reader)
             if why:
                 return held, why
@@ -97,7 +98,7 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     if why:
         return held, why
     held.append("gate, up and act(gate) are read only by the gated product")
-    dtypes = {meta(n).dtype for n in (gate_v, up_v, m.act, m.mul)}
+    dtypes = {meta(n).dtype for n in (gate_v, up_v, m.act, m.mul, *m.clamps)}
     if len(dtypes) != 1:
         return held, Why(f"gate, up, act(gate) and the product differ in dtype "
                          f"({sorted(map(str, dtypes))}): a cast between them", "gated.dtypes")
@@ -110,6 +111,12 @@ def side_conditions(m) -> tuple[list[str], str | None]:
     held.append("nothing the fused GEMM reads is updated in place between eager's reads and "
                 "the product")
     return held, None
+
+
+def _clamp_readers(m) -> tuple:
+    """(clamp, its only reader) of the clamped SwiGLU's two clamps: the gate's by the
+    activation, the up lane's by the product."""
+    return ((m.clamps[0], m.act), (m.clamps[1], m.mul)) if m.clamps else ()
 
 
 def moved_read_updated(m) -> Why | None:
@@ -147,7 +154,7 @@ def _replay(m, program) -> str | Rejection:
     env, lead, w_int, b_int = _random_inputs(m)
     g, u = m.gate, m.up
     eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
-                m.act, m.mul], env)
+                *m.clamps, m.act, m.mul], env)
     operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
     fused = layouts.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
                                        *operands)[0]

@@ -41,6 +41,7 @@ from ..algebra import sharding
 from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta, under_autocast
 from ..capture import describe, model_path
+from ..codegen import dgated_source
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
 from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, chunk_half, copy_meta, erase_if_dead,
@@ -95,8 +96,19 @@ class Match:
     packed: bool
     gate_value: fx.Node | None = None   # packed: chunk(...)[0] / [1]
     up_value: fx.Node | None = None
+    params: tuple[float, ...] = ()      # the pair op's literals (swiglu_clamp: the limit)
+    clamps: tuple[fx.Node, ...] = ()    # swiglu_clamp: gate.clamp(max=l), up.clamp(-l, l)
 
     pattern = NAME
+
+    @property
+    def gate_reader(self) -> fx.Node:
+        """What reads the gate value: its clamp, else the activation."""
+        return self.clamps[0] if self.clamps else self.act
+
+    @property
+    def up_reader(self) -> fx.Node:
+        return self.clamps[1] if self.clamps else self.mul
 
     @property
     def path(self) -> str:
@@ -106,8 +118,8 @@ class Match:
     def intermediates(self) -> list[fx.Node]:
         """Values eager writes that the fused GEMM never materialises."""
         if self.packed:
-            return [self.gate_value, self.up_value, self.gate.out, self.act]
-        return [self.gate.out, self.up.out, self.act]
+            return [*self.clamps, self.gate_value, self.up_value, self.gate.out, self.act]
+        return [*self.clamps, self.gate.out, self.up.out, self.act]
 
 
 class NoMatch(patterns.NoMatch):
@@ -266,13 +278,12 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
                 found = found or NoMatch(node, a)
                 continue
             gate, cast_before = through_casts(a[1])
-            clamped = _clamped_projection(gate)
-            if clamped is not None:  # DeepSeek-V4's dense MLP: said, not passed over
-                found = found or NoMatch(node, Why(
-                    f"the gate {describe(clamped)} is clamped before its activation (a "
-                    "clamped SwiGLU, silu(min(g, l))·clamp(u, −l, l)): the routed experts "
-                    "take it (the IR's swiglu_clamp), the dense gated GEMM does not yet",
-                    "gated.clamped"))
+            if _clamped_projection(gate) is not None:  # DeepSeek-V4's dense MLP
+                m = _clamped_match(node, act, a[0], gate, up)
+                if isinstance(m, Match) or found is None:
+                    found = m
+                if isinstance(m, Match):
+                    break
                 continue
             if cast_after or cast_before:
                 if projection_of(gate) is not None:
@@ -301,6 +312,25 @@ def _clamped_projection(gate) -> fx.Node | None:
         return None
     v = c.args[0]
     return v if projection_of(v) is not None or chunk_half(v) is not None else None
+
+
+def _clamped_match(mul, act, op, gate_clamp, up) -> Match | NoMatch | None:
+    """DeepSeek-V4's clamped SwiGLU, silu(gate.clamp(max=l))·up.clamp(-l, l): the IR's
+    swiglu_clamp over the two projections; a reason where the lanes are clamped otherwise."""
+    (_, glo, limit) = canon(gate_clamp).args
+    cu = canon(up) if isinstance(up, fx.Node) else None
+    if op != "swiglu" or glo is not None or limit is None or limit <= 0 or cu is None or \
+            cu.name != "clamp" or tuple(cu.args[1:]) != (-limit, limit) or \
+            not isinstance(cu.args[0], fx.Node):
+        return NoMatch(mul, Why(
+            f"the gate {describe(gate_clamp)} is clamped before its activation, but not as "
+            "the clamped SwiGLU silu(min(g, l))·clamp(u, −l, l) the epilogue has (the gate "
+            "clamped above only, the up lane on both sides at the same l, SiLU)",
+            "gated.clamped"))
+    m = _match(mul, act, "swiglu_clamp", gate_clamp.args[0], cu.args[0])
+    if not isinstance(m, Match):  # None: the halves of no GEMM's output (routed experts')
+        return m
+    return dataclasses.replace(m, params=(float(limit),), clamps=(gate_clamp, up))
 
 
 def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
@@ -334,11 +364,11 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
 
 
 def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
-                  keep_preact: bool) -> EpilogueProgram:
+                  keep_preact: bool, params: tuple[float, ...] = ()) -> EpilogueProgram:
     """y = acc (· r) (+ b_int); act = pairop(y) -> act (pair) [, y (tile) when training]."""
     p = ProgramBuilder(f"rowscale_{op}" if has_r else op, gemm=True, family="gated")
     v = p.scaled_acc(has_r, has_bias)
-    p.output(p.emit(op, v, name="act"), Kind.PAIR, dtype_name(dtype))
+    p.output(p.emit(op, v, *params, name="act"), Kind.PAIR, dtype_name(dtype))
     if keep_preact:
         p.output(v, Kind.TILE, dtype_name(dtype))
     return p.build()
@@ -353,7 +383,7 @@ def build_program(m: Match) -> EpilogueProgram:
     has_bias = m.gate.bias is not None or m.up.bias is not None
     mm = meta(m.mul)
     return gated_program(m.op, m.gate.r is not None, has_bias, mm.dtype,
-                         keep_preact=bool(mm.requires_grad))
+                         keep_preact=bool(mm.requires_grad), params=m.params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +429,10 @@ def _down_decision(m: Match, context: Context) -> tuple[Down | None, tuple | Non
         return None, None
     if not context.options.backward_epilogues:
         why = Why("options.backward_epilogues=False", "gated.backward_epilogues_off")
+        return None, ("down projection: backward as graph ops", Rejection(why, m.path))
+    if not dgated_source.supported(m.op):
+        why = Why(f"no backward epilogue for {m.op}: the product's backward stays the "
+                  "rules'", "gated.down_op")
         return None, ("down projection: backward as graph ops", Rejection(why, m.path))
     down = down_projection_of(m)
     if isinstance(down, Why):
