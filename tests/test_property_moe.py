@@ -1,7 +1,8 @@
 """An adversary for the routed-experts rewrite: hypothesis generates Hugging Face's
 grouped_mm experts spelling and its look-alikes (routings: experts, top-k, tokens, an
 expert left empty or every token to one; the sentinel fills present, absent, or on
-other rows; the gate activation; the product's operand order; a cast between; the
+other rows; the gate activation, DeepSeek-V4's clamps or only the gate's; the product's
+operand order; a cast between; the
 router weights applied per row, per entry or not at all; second readers of the gate/up
 output, a half, the activation or the product; updates in place; training and
 inference) and checks that the rewritten module computes what eager computes (bf16
@@ -72,6 +73,10 @@ class Experts(nn.Module):
         if c["reader"] == "gate_up_inplace":
             p.mul_(1.5)
         gate, up = p.chunk(2, dim=-1)
+        if c["clamp"] is not None:  # DeepSeek-V4's clamped SwiGLU (0.5: both clamps
+            gate = gate.clamp(max=0.5)  # bite), or only the gate clamped (a look-alike)
+            if c["clamp"] == 0.5:
+                up = up.clamp(min=-0.5, max=0.5)
         a = ACTIVATIONS[c["act"]][0](gate)
         y = a * up if c["order"] == "act*up" else up * a
         extra = {"gate": gate, "up": up, "act": a, "product": y}.get(c["reader"], extra)
@@ -107,6 +112,7 @@ cases = st.fixed_dictionaries({
     "cast": st.booleans(),
     "act": _mostly("silu", st.sampled_from(sorted(ACTIVATIONS))),
     "order": st.sampled_from(["act*up", "up*act"]),
+    "clamp": _mostly(None, st.sampled_from([0.5, "gate_only"])),
     "weights": st.sampled_from(["rows", "rows[:, None]", "entries", "none"]),
     "reader": _mostly("none", st.sampled_from(READERS)),
     "train": st.booleans(),
@@ -114,7 +120,8 @@ cases = st.fixed_dictionaries({
 
 
 def _canonical(case) -> bool:
-    return ACTIVATIONS[case["act"]][1] and case["reader"] == "none" and \
+    clamp_ok = case["clamp"] is None or (case["clamp"] == 0.5 and case["act"] == "silu")
+    return ACTIVATIONS[case["act"]][1] and case["reader"] == "none" and clamp_ok and \
         case["fills"] in ("all", "none", "no_input")
 
 
