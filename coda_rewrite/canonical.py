@@ -213,6 +213,20 @@ def constant(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def pair_clamp_limit(gate_clamp: Any, up_clamp: Any) -> float | None:
+    """l where ``gate_clamp`` is clamp(g, max=l) (above only) and ``up_clamp`` is
+    clamp(u, -l, l), l > 0: the clamps of gpt-oss's and DeepSeek-V4's SwiGLUs; None
+    otherwise."""
+    cg = canon(gate_clamp) if isinstance(gate_clamp, fx.Node) else None
+    cu = canon(up_clamp) if isinstance(up_clamp, fx.Node) else None
+    if cg is None or cu is None or cg.name != "clamp" or cu.name != "clamp":
+        return None
+    (_, glo, limit), (_, ulo, uhi) = cg.args, cu.args
+    if glo is not None or limit is None or limit <= 0 or (ulo, uhi) != (-limit, limit):
+        return None
+    return float(limit)
+
+
 def runtime_scalar(node: Any) -> fx.Node | None:
     """The 0-d tensor behind a scalar that is only known at run time: a 0-d tensor node
     itself, or the tensor whose ``.item()`` it is (dynamo turns a module's float

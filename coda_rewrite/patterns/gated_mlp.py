@@ -39,7 +39,7 @@ from .. import patterns, training_policy
 from ..algebra import gated as gated_algebra
 from ..algebra import sharding
 from ..algebra.decision import Rejection, Why
-from ..canonical import canon, meta, under_autocast
+from ..canonical import canon, meta, pair_clamp_limit, under_autocast
 from ..capture import describe, model_path
 from ..codegen import dgated_source
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder, parse
@@ -317,20 +317,17 @@ def _clamped_projection(gate) -> fx.Node | None:
 def _clamped_match(mul, act, op, gate_clamp, up) -> Match | NoMatch | None:
     """DeepSeek-V4's clamped SwiGLU, silu(gate.clamp(max=l))·up.clamp(-l, l): the IR's
     swiglu_clamp over the two projections; a reason where the lanes are clamped otherwise."""
-    (_, glo, limit) = canon(gate_clamp).args
-    cu = canon(up) if isinstance(up, fx.Node) else None
-    if op != "swiglu" or glo is not None or limit is None or limit <= 0 or cu is None or \
-            cu.name != "clamp" or tuple(cu.args[1:]) != (-limit, limit) or \
-            not isinstance(cu.args[0], fx.Node):
+    limit = pair_clamp_limit(gate_clamp, up)
+    if op != "swiglu" or limit is None or not isinstance(canon(up).args[0], fx.Node):
         return NoMatch(mul, Why(
             f"the gate {describe(gate_clamp)} is clamped before its activation, but not as "
             "the clamped SwiGLU silu(min(g, l))·clamp(u, −l, l) the epilogue has (the gate "
             "clamped above only, the up lane on both sides at the same l, SiLU)",
             "gated.clamped"))
-    m = _match(mul, act, "swiglu_clamp", gate_clamp.args[0], cu.args[0])
+    m = _match(mul, act, "swiglu_clamp", canon(gate_clamp).args[0], canon(up).args[0])
     if not isinstance(m, Match):  # None: the halves of no GEMM's output (routed experts')
         return m
-    return dataclasses.replace(m, params=(float(limit),), clamps=(gate_clamp, up))
+    return dataclasses.replace(m, params=(limit,), clamps=(gate_clamp, up))
 
 
 def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:

@@ -57,7 +57,7 @@ from .. import patterns
 from ..algebra import routed_experts as legality
 from ..algebra import row_scale
 from ..algebra.decision import Why
-from ..canonical import canon, constant, meta
+from ..canonical import canon, constant, meta, pair_clamp_limit
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
@@ -264,12 +264,8 @@ def swiglu_oai_of(gate: fx.Node, up: fx.Node):
     gpt-oss's clamped SwiGLU: g = gate.clamp(max=l); u = up.clamp(-l, l);
     (u + 1)·(g·sigmoid(g·α)) (operands in any order); None otherwise."""
     g, u = _sole_user(gate), _sole_user(up)
-    if g is None or u is None or not (_is(g, "clamp") and _is(u, "clamp")):
-        return None
-    (_, glo, limit), (_, ulo, uhi) = canon(g).args, canon(u).args
-    if glo is not None or limit is None or limit <= 0 or (ulo, uhi) != (-limit, limit):
-        return None
-    if len(g.users) != 2:
+    limit = pair_clamp_limit(g, u)
+    if limit is None or len(g.users) != 2:
         return None
     scaled = next((n for n in g.users if _is(n, "mul") and constant(_other(n, g))), None)
     glu = next((n for n in g.users if n is not scaled), None)
@@ -293,10 +289,8 @@ def swiglu_clamp_of(gate: fx.Node, up: fx.Node):
     DeepSeek-V4's clamped SwiGLU: g = gate.clamp(max=l); u = up.clamp(-l, l);
     silu(g)·u (operands in any order); None otherwise."""
     g, u = _sole_user(gate), _sole_user(up)
-    if g is None or u is None or not (_is(g, "clamp") and _is(u, "clamp")):
-        return None
-    (_, glo, limit), (_, ulo, uhi) = canon(g).args, canon(u).args
-    if glo is not None or limit is None or limit <= 0 or (ulo, uhi) != (-limit, limit):
+    limit = pair_clamp_limit(g, u)
+    if limit is None:
         return None
     act = _sole_user(g)
     a = activation_of(act) if act is not None else None
@@ -306,7 +300,7 @@ def swiglu_clamp_of(gate: fx.Node, up: fx.Node):
     if out is None or _sole_user(u) is not out or not _is(out, "mul") or \
             set(canon(out).args) != {act, u}:
         return None
-    return out, (g, u, act), (float(limit),)
+    return out, (g, u, act), (limit,)
 
 
 def pair_of(gate: fx.Node, up: fx.Node):
