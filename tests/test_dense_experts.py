@@ -184,6 +184,8 @@ class DenseMoE(torch.nn.Module):
             rows = h.repeat_interleave(self.e, dim=0) * s.reshape(-1, 1)
         elif v == "scores_t":
             rows = h.repeat(self.e, 1) * s.t().reshape(-1, 1)
+        elif v == "repeat_tuple":  # repeat((E, 1)), the column first
+            rows = s.permute(1, 0).reshape(-1, 1) * h.repeat((self.e, 1))
         else:
             rows = h.repeat(self.e, 1) * s.transpose(0, 1).reshape(-1, 1)
         if v == "tokens_in_place":
@@ -205,7 +207,7 @@ class DenseMoE(torch.nn.Module):
         return total
 
 
-@pytest.mark.parametrize("variant", ["canonical", "scores_t", "gelu"])
+@pytest.mark.parametrize("variant", ["canonical", "scores_t", "gelu", "repeat_tuple"])
 @pytest.mark.parametrize("training", [False, True])
 def test_hand_written_dense_experts(variant, training):
     mod = DenseMoE(variant=variant).double()

@@ -40,7 +40,7 @@ from ..algebra import dense_experts as algebra
 from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
-from ..graph_utils import CHUNK, chunk_half, copy_meta, erase_if_dead
+from ..graph_utils import CHUNK, NotPlaceable, chunk_half, copy_meta, erase_if_dead
 from .. import routing
 from ..kernels.expert_gemm import expert_gemm
 from .family import Context, Decided
@@ -224,7 +224,8 @@ def _scaled_copies(scaled: fx.Node):
         if not (isinstance(rep, fx.Node) and rep.op == "call_method" and
                 rep.target == "repeat"):
             continue
-        times = rep.args[1:] if len(rep.args) > 2 else tuple(rep.args[1])
+        times = rep.args[1] if len(rep.args) == 2 and \
+            isinstance(rep.args[1], (tuple, list)) else rep.args[1:]
         tokens = rep.args[0]
         if len(times) != 2 or times[1] != 1 or not isinstance(times[0], int) or \
                 meta(tokens) is None or meta(tokens).dim() != 2:
@@ -247,16 +248,19 @@ def _column(col) -> tuple[fx.Node, list[fx.Node]] | None:
     t = col.args[0]
     if not isinstance(t, fx.Node) or meta(t) is None or meta(t).dim() != 2:
         return None
+    def dims(values) -> list[int] | None:
+        values = list(values)
+        return [d % 2 for d in values] if all(isinstance(d, int) for d in values) else None
     src = None
     if t.op == "call_function" and t.target is getattr and t.args[1] in ("T", "mT"):
         src = t.args[0]
     elif _is(t, {"t", torch.t}):
         src = t.args[0]
-    elif _is(t, {"transpose", torch.transpose}) and \
-            sorted(d % 2 for d in t.args[1:3]) == [0, 1]:
+    elif _is(t, {"transpose", torch.transpose}) and dims(t.args[1:3]) in ([0, 1], [1, 0]):
         src = t.args[0]
-    elif _is(t, {"permute"}) and [d % 2 for d in (t.args[1:] if len(t.args) > 2
-                                                  else t.args[1])] == [1, 0]:
+    elif _is(t, {"permute"}) and len(t.args) >= 2 and dims(
+            t.args[1] if len(t.args) == 2 and isinstance(t.args[1], (tuple, list))
+            else t.args[1:]) == [1, 0]:
         src = t.args[0]
     return (src, [t, col]) if isinstance(src, fx.Node) else None
 
@@ -386,6 +390,8 @@ def decide(m: Match, context: Context) -> Decided:
 def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
     """The routed form (coda_rewrite/routing.py) in place of the dense layer."""
     experts = int(meta(m.w_gate_up).shape[0])
+    if getattr(meta(m.out), "fake_mode", None) is None:
+        raise NotPlaceable("the graph's values carry no fake tensors to shape new nodes by")
     with graph.inserting_before(m.out):
         emit = _Emitter(graph, m.out)
         routing_ = emit.call(routing.sort_by_expert, m.index, experts)
