@@ -14,8 +14,9 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     """Rows [offsets[e-1], offsets[e]) of ``a`` [S, K] times ``weight[e]`` [K, N] (the
     stacked experts' own [E, K, N] layout). torch._grouped_mm where it takes the operands
     in a traced graph (bfloat16, 16-byte rows: Inductor lowers it as it would the
-XX
-    same product through coda::grouped_mm, whose backward is ExpertGemm's."""
+    model's own); elsewhere (float16, float32, float64, odd widths: its meta function
+    takes bfloat16 only) the same product through coda::grouped_mm, whose backward is
+    ExpertGemm's."""
     if a.dtype == torch.bfloat16 and weight.dtype == a.dtype and \
             all(n * 2 % 16 == 0 for n in (a.shape[1], weight.shape[-1])):
         return torch._grouped_mm(a, weight, offs=offsets)
