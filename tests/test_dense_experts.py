@@ -348,3 +348,23 @@ def test_size_rule_on_the_gpu(tokens, left):
     assert bool(why) == left, why
     assert family.too_dense_to_pay(m, 0) == ""
     assert bool(family.too_dense_to_pay(m, 10_000)) == (tokens < 10_000)
+
+
+def test_gate_up_output_read_twice_is_left_with_its_reason():
+    """The first bmm's output read by its chunk and by something else (no sole reader):
+    left with `moe.dense_halves`, outputs as eager's."""
+    class Twice(DenseMoE):
+        def forward(self, x):
+            h = x.reshape(-1, x.shape[-1])
+            s = self.scores(h)
+            rows = h.repeat(self.e, 1) * s.transpose(0, 1).reshape(-1, 1)
+            gu = torch.bmm(rows.view(self.e, -1, h.shape[-1]), self.gate_up)
+            gate, up = gu.chunk(2, dim=-1)
+            out = torch.bmm(F.silu(gate) * up, self.down).sum(dim=0)
+            return out, gu.mean()
+    mod = Twice().double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    fast = coda_rewrite.optimize(copy.deepcopy(mod), **DENSE_ONLY)
+    for a, b in zip(fast(x), mod(x)):
+        assert torch.equal(a, b)
+    assert codes(fast.report, "dense_experts") == {"moe.dense_halves"}, str(fast.report)

@@ -164,8 +164,8 @@ def _match(gu: fx.Node) -> Match | NoMatch:
     lanes = sorted(ch.users, key=lambda u: (chunk_half(u) or (None, -1))[1]) \
         if ch is not None and ch.target in CHUNK else []
     if [(chunk_half(u) or (None, -1))[1] for u in lanes] != [0, 1]:
-        return _refuse(gu, f"{describe(ch)} is not read as [gate; up] halves of the last "
-                       "dim only", "moe.dense_halves")
+        return _refuse(gu, f"its output {describe(gu)} is not read as [gate; up] halves of "
+                       "the last dim only", "moe.dense_halves")
     gate, up = lanes
     pair = pair_of(gate, up)
     if isinstance(pair, Why):
