@@ -10,7 +10,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import coda_rewrite
@@ -78,7 +78,9 @@ LAYERS = st.fixed_dictionaries({
     "tokens": st.integers(2, 9)})
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@seed(20261202)
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
 @given(LAYERS)
 def test_dense_experts_adversary(d):
     d = dict(d, top_k=min(d["top_k"], d["experts"]))
