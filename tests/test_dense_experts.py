@@ -368,3 +368,16 @@ def test_gate_up_output_read_twice_is_left_with_its_reason():
     for a, b in zip(fast(x), mod(x)):
         assert torch.equal(a, b)
     assert codes(fast.report, "dense_experts") == {"moe.dense_halves"}, str(fast.report)
+
+
+def test_autocast_leaves_the_dense_layer():
+    """Under autocast eager's bmm casts to bf16 and rounds its output there; the routed
+    GEMMs are not autocast-aware, so the layer's dtypes would change: left with
+    `moe.dense_autocast`, outputs as eager's."""
+    model = llama4().eval()
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = coda_rewrite.optimize(copy.deepcopy(model), **DENSE_ONLY)
+        got, want = fast(ids).logits, model(ids).logits
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert "moe.dense_autocast" in codes(fast.report, "dense_experts"), str(fast.report)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..canonical import meta
+from ..canonical import meta, under_autocast
 from ..capture import describe
 from ..graph_utils import memory_sharers, mutated_value
 from .. import routing
@@ -57,6 +57,11 @@ def side_conditions(m) -> tuple[list[str], str | None]:
                          f"and {_shape(m.w_down)}, {m.repeats} copies: not [T, K], [T, E], "
                          "[T, k], [E, K, 2I], [E, I, K'], E", "moe.dense_shapes")
     held.append(f"{e} experts, top-{top_k} routing over [T, {e}] scores")
+    if under_autocast(m.gate_up):
+        return held, Why(f"{describe(m.gate_up)} runs under autocast: eager's bmm casts "
+                         "its operands and rounds its output to the autocast dtype, the "
+                         "routed grouped GEMMs do not (torch._grouped_mm is not "
+                         "autocast-aware): the layer's dtypes would change", "moe.dense_autocast")
     inside = set(m.nodes)
     for node in m.dense:  # the scores' column may live on: it is [T·E, 1]
         reader = next((u for u in node.users if u not in inside), None)
