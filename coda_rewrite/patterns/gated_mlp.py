@@ -306,12 +306,15 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 
 def _clamped_projection(gate) -> fx.Node | None:
-    """The GEMM output under ``gate`` where gate is a clamp of one (None otherwise)."""
+    """The GEMM output under ``gate`` where gate is a clamp of one, or of a half of a packed
+    one (None otherwise: a routed expert's half is the routed experts' to take)."""
     c = canon(gate) if isinstance(gate, fx.Node) else None
     if c is None or c.name != "clamp" or not isinstance(c.args[0], fx.Node):
         return None
     v = c.args[0]
-    return v if projection_of(v) is not None or chunk_half(v) is not None else None
+    half = chunk_half(v)
+    packed = half is not None and projection_of(half[0].args[0]) is not None
+    return v if projection_of(v) is not None or packed else None
 
 
 def _clamped_match(mul, act, op, gate_clamp, up) -> Match | NoMatch | None:
