@@ -381,3 +381,18 @@ def test_autocast_leaves_the_dense_layer():
         got, want = fast(ids).logits, model(ids).logits
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert "moe.dense_autocast" in codes(fast.report, "dense_experts"), str(fast.report)
+
+
+def test_generate_through_the_routed_form():
+    """generate() through optimize(): prefill and every decode step (one token per
+    sequence: routed rows = batch × top-k) give eager's tokens."""
+    model = llama4(1).eval()
+    ids = torch.randint(3, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        fast = coda_rewrite.optimize(copy.deepcopy(model))
+        got = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    assert {r.status for r in fast.report.records if r.pattern == "dense_experts"} == \
+        {"rewritten"}
