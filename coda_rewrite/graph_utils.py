@@ -195,6 +195,23 @@ def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
     return ch, idx
 
 
+def calls(node, targets) -> bool:
+    """Whether ``node`` calls one of ``targets`` (functions or method names)."""
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") \
+        and node.target in targets
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    """A call's argument by position ``i`` or keyword ``name``."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def sole_user(node: fx.Node) -> fx.Node | None:
+    """The one node that reads ``node``; None where none or several do."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
 # ---- building and placing nodes --------------------------------------------------------
 
 def copy_meta(new: fx.Node, old: fx.Node) -> None:

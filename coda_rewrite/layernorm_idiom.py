@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .algebra.decision import Why
 from .canonical import canon, canon_name, constant, meta
 from .capture import describe
+from .graph_utils import arg
 from .rmsnorm_idiom import _is_last_dim, _strip_casts
 
 _LAYER_NORMS = (F.layer_norm, torch.layer_norm)
@@ -46,20 +47,16 @@ class NearMiss:
     reason: Why
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _affine_param(t, d: int) -> bool:
     mt = meta(t)
     return t is None or (mt is not None and tuple(mt.shape) == (d,))
 
 
 def _call(node: fx.Node) -> LayerNorm | NearMiss:
-    z = _arg(node, 0, "input")
-    shape = _arg(node, 1, "normalized_shape")
-    weight, bias = _arg(node, 2, "weight"), _arg(node, 3, "bias")
-    eps = constant(_arg(node, 4, "eps", 1e-5))
+    z = arg(node, 0, "input")
+    shape = arg(node, 1, "normalized_shape")
+    weight, bias = arg(node, 2, "weight"), arg(node, 3, "bias")
+    eps = constant(arg(node, 4, "eps", 1e-5))
     mz = meta(z)
     if mz is None or meta(node) is None:
         return NearMiss(node, Why(f"{describe(node)}: its input is not a tensor the graph "
@@ -108,7 +105,7 @@ def _variance(node) -> tuple[fx.Node, list[fx.Node]] | Why | None:
         return None
     if node.op in ("call_function", "call_method") and node.target in _VARS:
         x = node.args[0]
-        dims = _arg(node, 1, "dim")
+        dims = arg(node, 1, "dim")
         mx = meta(x) if isinstance(x, fx.Node) else None
         dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
         if mx is None or not node.kwargs.get("keepdim", False) or \

@@ -1,5 +1,6 @@
 """The routed form of a dense experts layer: the ops patterns/dense_experts.py puts in the
-graph in place of every token run through every expert.
+graph in place of every token run through every expert (the inverse permutation and the
+per-token sum also serve the routed experts' backward, kernels/grouped.GroupedGated).
 
 Llama 4's experts (transformers' Llama4TextExperts) run densely: each token's input is
 scaled by its routing score for expert e (zero off the router's top-k) and every
@@ -33,9 +34,13 @@ def sort_by_expert(index: torch.Tensor, experts: int):
     ids, perm = torch.sort(flat, stable=True)
     counts = torch.histc(ids.float(), bins=experts, min=0, max=experts - 1)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    inverse = torch.empty_like(perm).scatter_(
+    return perm, offsets, inverse_permutation(perm)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[s]] = s: where each (token, slot) pair's row went."""
+    return torch.empty_like(perm).scatter_(
         0, perm, torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype))
-    return perm, offsets, inverse
 
 
 def gather_scaled(tokens: torch.Tensor, scores: torch.Tensor, index: torch.Tensor,

@@ -396,3 +396,21 @@ def test_generate_through_the_routed_form():
     assert torch.equal(got, want)
     assert {r.status for r in fast.report.records if r.pattern == "dense_experts"} == \
         {"rewritten"}
+
+
+def test_a_second_derivative_through_the_routed_gemm_raises():
+    """The routed form's grouped GEMM outside bfloat16 is an autograd Function over a
+    formula-less op: a backward that would build a graph for a second derivative raises
+    instead of dropping its terms; the first derivative is the dense product's."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(2, 4, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    out = expert_gemm(a, w, offsets)
+    want = torch.cat((a[:2] @ w[0], a[2:] @ w[1]))
+    assert rel_err(out, want) <= 1e-14
+    ga, gw = torch.autograd.grad(out.square().sum(), (a, w), retain_graph=True)
+    wa, ww = torch.autograd.grad(want.square().sum(), (a, w))
+    assert rel_err(ga, wa) <= 1e-14 and rel_err(gw, ww) <= 1e-14
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(out.square().sum(), (a, w), create_graph=True)

@@ -667,9 +667,11 @@ def test_hf_training_step_matches_eager(via, family):
         if q.grad is None:  # (torch.compile alone gives DeepSeek-V4's unused compressor
             assert p.grad is None or not p.grad.any(), name  # a zero gradient)
             continue
-        # DeepSeek-V4's router, 30x sharpened, gets gradients of ~1e-11: rounding noise
+        # DeepSeek-V4's router, 30x sharpened, gets gradients of ~1e-11 in eager itself:
+        # rounding noise, where a relative error says nothing (only there)
+        noise = float(q.grad.abs().max()) <= 1e-9
         assert rel_err(p.grad, q.grad) <= 1e-4 or \
-            float((p.grad - q.grad).abs().max()) <= 1e-8, name
+            (noise and float((p.grad - q.grad).abs().max()) <= 1e-8), name
     if via == "optimize":
         done = [r for r in fast.report.records if r.pattern == "routed_experts"]
         assert len(done) == 2 and all(r.status == "rewritten" for r in done)
@@ -990,14 +992,8 @@ def test_dense_experts_are_taken_by_their_own_family():
     weights): patterns/dense_experts.py rewrites them to their routed rows
     (tests/test_dense_experts.py); a bmm of two activations (an attention-like product)
     is no candidate of either family; outputs as eager's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model(
-        "llama4_text", vocab_size=128, hidden_size=64, intermediate_size=64,
-        intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
-        interleave_moe_layer_step=1, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    from test_dense_experts import llama4
+    model = llama4(top_k=1).eval()
     ids = torch.randint(0, 128, (1, 16))
     with torch.no_grad():
         fast = coda_rewrite.optimize(copy.deepcopy(model))

@@ -40,7 +40,7 @@ from ..capture import describe
 from ..codegen import dgated_source, reference
 from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
-from ..graph_utils import in_place_update_of, in_place_updates
+from ..graph_utils import arg, in_place_update_of, in_place_updates
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -170,10 +170,6 @@ def _nk(w: fx.Node, kn: bool) -> tuple[int, int, int]:
     return (e, b, a) if kn else (e, a, b)
 
 
-def _arg(node: fx.Node, pos: int, name: str, default=None):
-    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
-
-
 def sorted_ids_counted(ids: fx.Node, offsets: fx.Node, experts: int) -> str | None:
     """Why row s's id is not the expert whose rows s falls in (None: it is): ``ids`` must
     be the values of a sort of a 1-D tensor, ascending, and ``offsets`` the cumulative
@@ -182,23 +178,23 @@ def sorted_ids_counted(ids: fx.Node, offsets: fx.Node, experts: int) -> str | No
     offsets[-1], where nothing is written)."""
     sort = ids.args[0] if ids.target is operator.getitem and ids.args[1] == 0 else None
     if not isinstance(sort, fx.Node) or sort.target not in (torch.sort, "sort") or \
-            _arg(sort, 2, "descending", False) or meta(sort.args[0]) is None or \
+            arg(sort, 2, "descending", False) or meta(sort.args[0]) is None or \
             meta(sort.args[0]).dim() != 1:
         return f"{describe(ids)} are not the ascending sorted values of a 1-D tensor"
-    if offsets.target is not torch.cumsum or _arg(offsets, 1, "dim") not in (0, -1):
+    if offsets.target is not torch.cumsum or arg(offsets, 1, "dim") not in (0, -1):
         return f"{describe(offsets)} is not a cumulative sum of per-expert counts"
     hist = offsets.args[0]
     if not isinstance(hist, fx.Node) or hist.target is not torch.histc or \
             _under_number_casts(hist.args[0]) is not ids:
         return f"{describe(offsets)} does not count {describe(ids)} (histc)"
-    bins, lo, hi = (_arg(hist, 1, "bins", 100), _arg(hist, 2, "min", 0),
-                    _arg(hist, 3, "max", 0))
+    bins, lo, hi = (arg(hist, 1, "bins", 100), arg(hist, 2, "min", 0),
+                    arg(hist, 3, "max", 0))
     if (bins, lo, hi) != (experts, 0, experts - 1):
         return (f"{describe(hist)} counts {bins} bins over [{lo}, {hi}], not one per expert "
                 f"over [0, {experts - 1}]")
     for node, _ in in_place_updates({ids}, ids.graph):
         if not (node.op == "call_method" and node.target == "clamp_" and
-                _arg(node, 1, "min") in (None, 0) and _arg(node, 2, "max") == experts - 1):
+                arg(node, 1, "min") in (None, 0) and arg(node, 2, "max") == experts - 1):
             return f"{describe(node)} updates the expert ids in place"
     return None
 

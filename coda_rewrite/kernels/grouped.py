@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import routing
 from ..codegen import reference
 from ..codegen.program import PAIRWISE, REDUCTIONS, STATEFUL, Kind, parse
 from . import ops, quack_path
@@ -409,10 +410,8 @@ class GroupedGated(torch.autograd.Function):
             if index is None:
                 dx = dx_rows
             elif perm is not None:  # token t's rows are inv[t·k : (t+1)·k]: no atomic adds
-                inv = torch.empty_like(perm).scatter_(
-                    0, perm, torch.arange(perm.shape[0], device=perm.device,
-                                          dtype=perm.dtype))
-                dx = dx_rows.to(cd)[inv].view(x.shape[0], ctx.top_k, x.shape[1]).sum(1)
+                dx = routing.back_to_tokens(dx_rows.to(cd), routing.inverse_permutation(perm),
+                                            ctx.top_k)
             else:
                 dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
             dx = dx.to(x.dtype)

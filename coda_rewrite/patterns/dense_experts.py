@@ -40,7 +40,8 @@ from ..algebra import dense_experts as algebra
 from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
-from ..graph_utils import CHUNK, NotPlaceable, chunk_half, copy_meta, erase_if_dead
+from ..graph_utils import (CHUNK, NotPlaceable, arg, calls, chunk_half, copy_meta,
+                           erase_if_dead, sole_user)
 from .. import routing
 from ..kernels.expert_gemm import expert_gemm
 from .family import Context, Decided
@@ -98,26 +99,12 @@ class NoMatch(patterns.NoMatch):
     pattern = NAME
 
 
-def _is(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and \
-        node.target in targets
-
-
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _sole_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     """Every bmm of a stacked expert weight whose output is split into halves, or whose
     input is copies of the tokens (``repeat``): a candidate, rewritten or reported."""
     out = []
     for node in graph.nodes:
-        if _is(node, _BMM) and _stacked_weight(node.args[1]) and \
+        if calls(node, _BMM) and _stacked_weight(node.args[1]) and \
                 (any(u.target in CHUNK for u in node.users) or _copies_tokens(node.args[0])):
             out.append(_match(node))
     return out
@@ -125,7 +112,7 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 def _copies_tokens(a) -> bool:
     """Whether ``a`` is a view of a product with ``tokens.repeat(...)``."""
-    if not _is(a, _VIEWS) or not isinstance(a.args[0], fx.Node):
+    if not calls(a, _VIEWS) or not isinstance(a.args[0], fx.Node):
         return False
     c = canon(a.args[0])
     return c is not None and c.name == "mul" and any(
@@ -147,7 +134,7 @@ def _refuse(node: fx.Node, what: str, code: str) -> NoMatch:
 
 def _match(gu: fx.Node) -> Match | NoMatch:
     a = gu.args[0]
-    if not _is(a, _VIEWS) or meta(a.args[0]) is None or meta(a.args[0]).dim() != 2:
+    if not calls(a, _VIEWS) or meta(a.args[0]) is None or meta(a.args[0]).dim() != 2:
         return _refuse(gu, "its input is not a [E·T, K] matrix viewed as [E, T, K]",
                        "moe.dense_input")
     scaled = a.args[0]
@@ -160,7 +147,7 @@ def _match(gu: fx.Node) -> Match | NoMatch:
     if isinstance(router, str):
         return _refuse(gu, router, "moe.dense_scores")
     logits, index, top_k, scatter, fill, chain, router_nodes = router
-    ch = _sole_user(gu)
+    ch = sole_user(gu)
     lanes = sorted(ch.users, key=lambda u: (chunk_half(u) or (None, -1))[1]) \
         if ch is not None and ch.target in CHUNK else []
     if [(chunk_half(u) or (None, -1))[1] for u in lanes] != [0, 1]:
@@ -176,21 +163,21 @@ def _match(gu: fx.Node) -> Match | NoMatch:
     while len(users) == 1 and canon(users[0]) is not None and canon(users[0]).name == "cast":
         product = users[0]
         users = list(product.users)
-    downs = [u for u in users if _is(u, _BMM) and u.args[0] is product]
+    downs = [u for u in users if calls(u, _BMM) and u.args[0] is product]
     if len(downs) == 1 and len(users) > 1:
         other = next(u for u in users if u is not downs[0])
         return _refuse(gu, f"its gated product is also read by {describe(other)}: the "
                        "routed form never computes it", "moe.dense_intermediate_read")
     down = users[0] if len(users) == 1 else None
-    if not _is(down, _BMM) or down.args[0] is not product or \
+    if not calls(down, _BMM) or down.args[0] is not product or \
             not _stacked_weight(down.args[1]):
         return _refuse(gu, "its gated product is not read by one bmm with a stacked down "
                        "weight only", "moe.dense_down")
     views, n = [], down
-    while _sole_user(n) is not None and _is(_sole_user(n), _VIEWS):
-        n = _sole_user(n)
+    while sole_user(n) is not None and calls(sole_user(n), _VIEWS):
+        n = sole_user(n)
         views.append(n)
-    total = _sole_user(n)
+    total = sole_user(n)
     if not _sums_experts(total, down, n):
         return _refuse(gu, "the experts' outputs are not summed over the experts "
                        "(sum(dim=0) of the [E, T, K'] product)", "moe.dense_output")
@@ -207,9 +194,9 @@ def _match(gu: fx.Node) -> Match | NoMatch:
 
 def _casts_after(node: fx.Node) -> list[fx.Node]:
     out = []
-    while _sole_user(node) is not None and canon(_sole_user(node)) is not None and \
-            canon(_sole_user(node)).name == "cast":
-        node = _sole_user(node)
+    while sole_user(node) is not None and canon(sole_user(node)) is not None and \
+            canon(sole_user(node)).name == "cast":
+        node = sole_user(node)
         out.append(node)
     return out
 
@@ -242,7 +229,7 @@ def _column(col) -> tuple[fx.Node, list[fx.Node]] | None:
     """(scores, nodes) for ``scores.transpose(0, 1).reshape(-1, 1)`` of a 2-D scores
     (``.t()``, ``.T``, ``.mT``, ``permute(1, 0)`` alike): the [E·T, 1] column whose row
     e·T + t is scores[t, e]."""
-    if not _is(col, _VIEWS) or meta(col) is None or meta(col).dim() != 2 or \
+    if not calls(col, _VIEWS) or meta(col) is None or meta(col).dim() != 2 or \
             meta(col).shape[1] != 1:
         return None
     t = col.args[0]
@@ -254,11 +241,11 @@ def _column(col) -> tuple[fx.Node, list[fx.Node]] | None:
     src = None
     if t.op == "call_function" and t.target is getattr and t.args[1] in ("T", "mT"):
         src = t.args[0]
-    elif _is(t, {"t", torch.t}):
+    elif calls(t, {"t", torch.t}):
         src = t.args[0]
-    elif _is(t, {"transpose", torch.transpose}) and dims(t.args[1:3]) in ([0, 1], [1, 0]):
+    elif calls(t, {"transpose", torch.transpose}) and dims(t.args[1:3]) in ([0, 1], [1, 0]):
         src = t.args[0]
-    elif _is(t, {"permute"}) and len(t.args) >= 2 and dims(
+    elif calls(t, {"permute"}) and len(t.args) >= 2 and dims(
             t.args[1] if len(t.args) == 2 and isinstance(t.args[1], (tuple, list))
             else t.args[1:]) == [1, 0]:
         src = t.args[0]
@@ -270,18 +257,18 @@ def _router(scores: fx.Node):
     of ``fill.scatter(1, topk(logits, k)[1], values)`` over a constant fill; a reason
     where it is not."""
     chain, node = [], scores
-    while not _is(node, _SCATTER):
+    while not calls(node, _SCATTER):
         c = canon(node) if isinstance(node, fx.Node) else None
         if not (c is not None and c.name in ("cast", "sigmoid")) and \
-                not _is(node, _ELEMENTWISE):
+                not calls(node, _ELEMENTWISE):
             return (f"its scores {describe(scores)} are not elementwise ops (casts, "
                     "sigmoid, exp, relu) of top-k values scattered into a constant")
         chain.append(node)
         node = node.args[0]
     scatter = node
-    fill_node, dim, index = (_arg(scatter, i, n) for i, n in
+    fill_node, dim, index = (arg(scatter, i, n) for i, n in
                              ((0, "input"), (1, "dim"), (2, "index")))
-    values = _arg(scatter, 3, "src")
+    values = arg(scatter, 3, "src")
     if dim not in (1, -1) or "reduce" in scatter.kwargs or not isinstance(values, fx.Node):
         return f"{describe(scatter)} does not scatter values along the experts"
     fill = _constant_fill(fill_node)
@@ -290,10 +277,10 @@ def _router(scores: fx.Node):
                 "fill read by the scatter only")
     top = index.args[0] if isinstance(index, fx.Node) and \
         index.target is operator.getitem and index.args[1] == 1 else None
-    if not _is(top, _TOPK) or _arg(top, 2, "dim", -1) not in (1, -1):
+    if not calls(top, _TOPK) or arg(top, 2, "dim", -1) not in (1, -1):
         return (f"{describe(scatter)} scatters at {describe(index)}, not a topk's indices "
                 "over the experts")
-    logits, k = top.args[0], _arg(top, 1, "k")
+    logits, k = top.args[0], arg(top, 1, "k")
     if not isinstance(k, int) or meta(logits) is None or meta(logits).dim() != 2:
         return f"{describe(top)} is not a top-k of [T, E] logits with a literal k"
     nodes = {top, index, fill_node, scatter, *chain}
@@ -305,11 +292,11 @@ def _router(scores: fx.Node):
 def _constant_fill(node) -> float | None:
     """The constant of ``full_like(x, c)`` / ``full(size, c)`` / ``x.new_full(size, c)``
     / a zeros fill; None for anything else."""
-    if _is(node, _ZERO_FILLS):
+    if calls(node, _ZERO_FILLS):
         return 0.0
-    if not _is(node, _FILLS):
+    if not calls(node, _FILLS):
         return None
-    value = _arg(node, _FILLS[node.target], "fill_value")
+    value = arg(node, _FILLS[node.target], "fill_value")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
@@ -332,11 +319,11 @@ def _between(top: fx.Node, bottom: fx.Node, depth: int = 6) -> set[fx.Node]:
 def _sums_experts(total, down: fx.Node, last: fx.Node) -> bool:
     """Whether ``total`` is ``last.sum(dim=0)`` of the down bmm's [E, T, K'] output
     through views that end in its own shape (reshapes compose to the identity)."""
-    if not _is(total, {"sum", torch.sum}) or total.args[0] is not last:
+    if not calls(total, {"sum", torch.sum}) or total.args[0] is not last:
         return False
-    dim = _arg(total, 1, "dim")
+    dim = arg(total, 1, "dim")
     dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
-    if dim != 0 or _arg(total, 2, "keepdim", False) or "dtype" in total.kwargs:
+    if dim != 0 or arg(total, 2, "keepdim", False) or "dtype" in total.kwargs:
         return False
     return meta(last) is not None and tuple(meta(last).shape) == tuple(meta(down).shape)
 

@@ -33,7 +33,7 @@ from ..algebra import explicit_attention as algebra
 from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
-from ..graph_utils import MATMUL, copy_meta, erase_if_dead
+from ..graph_utils import MATMUL, arg, calls, copy_meta, erase_if_dead
 from .family import Context, Decided
 
 NAME = "explicit_attention"
@@ -68,15 +68,6 @@ class NoMatch(patterns.NoMatch):
     pattern = NAME
 
 
-def _is(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") \
-        and node.target in targets
-
-
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _kt(node) -> fx.Node | None:
     """k when ``node`` is kᵀ over the last two dims of a 4-d k: ``transpose`` /
     ``swapaxes`` / ``swapdims`` of dims 2 and 3, ``k.mT``, or ``permute(0, 1, 3, 2)`` (the
@@ -92,10 +83,10 @@ def _kt(node) -> fx.Node | None:
             all(isinstance(d, int) for d in order) and \
             [d % 4 for d in order] == [0, 1, 3, 2]
         return node.args[0] if ok else None
-    if not _is(node, _TRANSPOSE):
+    if not calls(node, _TRANSPOSE):
         return None
     first, second = _TRANSPOSE[node.target]
-    dims = [_arg(node, 1, first), _arg(node, 2, second)]
+    dims = [arg(node, 1, first), arg(node, 2, second)]
     if not all(isinstance(d, int) for d in dims):
         return None
     return node.args[0] if sorted(d % 4 for d in dims) == [2, 3] else None
@@ -108,7 +99,7 @@ def _number(x) -> float | None:
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     out = []
     for node in graph.nodes:
-        if _is(node, MATMUL) and len(node.args) == 2 and meta(node) is not None \
+        if calls(node, MATMUL) and len(node.args) == 2 and meta(node) is not None \
                 and meta(node).dim() == 4:
             found = _match(node)
             if found is not None:
@@ -120,21 +111,21 @@ def _match(out: fx.Node) -> Match | NoMatch | None:
     p, v = out.args
     nodes = [out]
     # back from the weights: a cast back to q's dtype, an identity dropout
-    while isinstance(p, fx.Node) and (_is(p, _DROPOUT) or (canon(p) is not None
+    while isinstance(p, fx.Node) and (calls(p, _DROPOUT) or (canon(p) is not None
                                                             and canon(p).name == "cast")):
-        if _is(p, _DROPOUT):
-            rate = _arg(p, 1, "p", 0.5)
-            active = _arg(p, 2, "training", True)
+        if calls(p, _DROPOUT):
+            rate = arg(p, 1, "p", 0.5)
+            active = arg(p, 2, "training", True)
             if rate != 0 and active is not False:
                 return NoMatch(out, Why(f"{describe(p)} is an active dropout on the "
                                         "attention weights", "explicit_attention.dropout"))
         nodes.append(p)
         p = p.args[0]
-    if not _is(p, _SOFTMAX):
+    if not calls(p, _SOFTMAX):
         return None
     softmax = p
     nodes.append(softmax)
-    dim = _arg(softmax, 1, "dim")
+    dim = arg(softmax, 1, "dim")
     if not isinstance(dim, int) or dim % 4 != 3:
         return NoMatch(out, Why(f"{describe(softmax)} is not over the keys (the last dim)",
                                 "explicit_attention.softmax_dim"))
@@ -186,7 +177,7 @@ def _scores(s):
     c = canon(s) if isinstance(s, fx.Node) else None
     if c is not None and c.name in ("mul", "div"):
         a, b = c.args
-        mm = a if _is(a, MATMUL) else b if c.name == "mul" and _is(b, MATMUL) else None
+        mm = a if calls(a, MATMUL) else b if c.name == "mul" and calls(b, MATMUL) else None
         if mm is None:
             return None
         factor = b if mm is a else a
@@ -197,7 +188,7 @@ def _scores(s):
         scale = f if c.name == "mul" else 1.0 / f
         nodes.append(s)
         s = mm
-    if not _is(s, MATMUL) or len(s.args) != 2:
+    if not calls(s, MATMUL) or len(s.args) != 2:
         return None
     q, kt = s.args
     k = _kt(kt)

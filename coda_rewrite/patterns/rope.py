@@ -94,7 +94,7 @@ from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
-from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, chunk_half, copy_meta,
+from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, calls, chunk_half, copy_meta,
                            erase_if_dead, fused_linear_call, hoist_before, results,
                            same_meta, same_value, shared_call, through_casts)
 from ..kernels import ops, versioned
@@ -212,7 +212,7 @@ class Rotated:
     @property
     def transposed(self) -> bool:
         """Heads before the sequence ([b, h, s, d]) in the split."""
-        return any(_is(n, _TRANSPOSE) for n in self.split)
+        return any(calls(n, _TRANSPOSE) for n in self.split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,15 +303,10 @@ def _args(node: fx.Node, *names, defaults=()):
     return out
 
 
-def _is(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") \
-        and node.target in targets
-
-
 def _last_dim_index(node) -> tuple[fx.Node, slice] | None:
     """(x, the slice) for ``x[..., a:b:c]`` or ``x[:, :, :, a:b:c]`` (every leading dim
     whole): an index of the last dim only, else None."""
-    if not (_is(node, {operator.getitem}) and isinstance(node.args[0], fx.Node)):
+    if not (calls(node, {operator.getitem}) and isinstance(node.args[0], fx.Node)):
         return None
     idx, mx = node.args[1], meta(node.args[0])
     if not (isinstance(idx, tuple) and idx and isinstance(idx[-1], slice)) or mx is None:
@@ -340,7 +335,7 @@ def _norm_slice(start, stop, n) -> tuple[int, int] | None:
 
 def _cat_last(node) -> list | None:
     """The inputs of a concatenation along the last dim."""
-    if not _is(node, _CAT):
+    if not calls(node, _CAT):
         return None
     tensors, dim = _args(node, "tensors", "dim", defaults=(None, 0))
     m = meta(node)
@@ -384,17 +379,17 @@ def _table(node) -> tuple[fx.Node, fx.Node, float] | str:
     if isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr"):
         return (f"cos/sin {describe(node)} come from outside this graph (a graph break, or "
                 "a precomputed table): the epilogue needs their positions and frequencies")
-    if not (_is(node, _COS) or _is(node, _SIN)):
+    if not (calls(node, _COS) or calls(node, _SIN)):
         return f"{describe(node)} is not cos/sin of an angle table"
     return node.args[0], node, scale
 
 
 def _outer(theta) -> tuple[fx.Node, fx.Node] | None:
     """(inv_freq [1, h, 1], pos [Bp, 1, S]) for θ = (inv_freq @ pos).transpose(1, 2)."""
-    if not _is(theta, _TRANSPOSE):
+    if not calls(theta, _TRANSPOSE):
         return None
     x, d0, d1 = _args(theta, "input", "dim0", "dim1")
-    if sorted((d0 % 3, d1 % 3)) != [1, 2] or not _is(x, MATMUL):
+    if sorted((d0 % 3, d1 % 3)) != [1, 2] or not calls(x, MATMUL):
         return None
     a, p = x.args[:2]
     ma, mp = meta(a), meta(p)
@@ -402,7 +397,7 @@ def _outer(theta) -> tuple[fx.Node, fx.Node] | None:
             or ma.shape[2] != 1 or mp.shape[1] != 1:
         return None
     # frequencies must not vary with the batch: a [1, h, 1] value, possibly expanded
-    while meta(a).shape[0] != 1 and (_is_cast(a) or (_is(a, {"expand"}))):
+    while meta(a).shape[0] != 1 and (_is_cast(a) or (calls(a, {"expand"}))):
         a = a.args[0]
     if meta(a) is None or meta(a).dim() != 3 or meta(a).shape[0] != 1:
         return None
@@ -439,7 +434,7 @@ def angle_of(cos_t, sin_t, half_width: bool = False) -> Angle | NoAngle:
         if isinstance(t, str):
             return NoAngle(t, True)
     (emb_c, cnode, sc_c), (emb_s, snode, sc_s) = c, s
-    if not (_is(cnode, _COS) and _is(snode, _SIN)):
+    if not (calls(cnode, _COS) and calls(snode, _SIN)):
         return NoAngle(Why("the cos and sin tables are swapped or not cos/sin",
                            "rope.cos_sin_swapped"), False)
     if emb_c is not emb_s:
@@ -535,12 +530,12 @@ def _rotate_pairs_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
     """(x, its nodes) for ``stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)``:
     each adjacent pair (x[2p], x[2p+1]) becomes (−x[2p+1], x[2p]) (GLM's, Cohere's and
     GPT-J's rotate_half / rotate_every_two)."""
-    if not _is(node, {"flatten", torch.flatten}):
+    if not calls(node, {"flatten", torch.flatten}):
         return None
     st, start, end = _args(node, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
     mst = meta(st) if isinstance(st, fx.Node) else None
     if mst is None or start % mst.dim() != mst.dim() - 2 or end % mst.dim() != mst.dim() - 1 \
-            or not _is(st, {torch.stack}):
+            or not calls(st, {torch.stack}):
         return None
     tensors, dim = _args(st, "tensors", "dim", defaults=(None, 0))
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or \
@@ -552,7 +547,7 @@ def _rotate_pairs_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
 
 def _unsqueezed(node) -> tuple[fx.Node, int] | None:
     """(x, dim) for ``x.unsqueeze(dim)`` or ``x[:, None]``-style indexing."""
-    if _is(node, {operator.getitem}):
+    if calls(node, {operator.getitem}):
         x, idx = node.args
         idx = idx if isinstance(idx, tuple) else (idx,)
         nones = [i for i, e in enumerate(idx) if e is None]
@@ -560,7 +555,7 @@ def _unsqueezed(node) -> tuple[fx.Node, int] | None:
                 all(e is None or e == slice(None) for e in idx):
             return x, nones[0]
         return None
-    if not _is(node, {"unsqueeze", torch.unsqueeze}):
+    if not calls(node, {"unsqueeze", torch.unsqueeze}):
         return None
     x, dim = _args(node, "input", "dim")
     return (x, dim) if isinstance(x, fx.Node) and isinstance(dim, int) else None
@@ -685,7 +680,7 @@ def _past_head_transpose(node: fx.Node, unsq_dim: int):
     """(the value under the heads' ``transpose(1, 2)``, [that transpose]) where the cos/sin
     unsqueeze dim puts the heads before the sequence (1); (node, []) where it puts them
     after it (2); None for a transpose of other dims or a mismatch."""
-    if _is(node, _TRANSPOSE):
+    if calls(node, _TRANSPOSE):
         _, d0, d1 = _args(node, "input", "dim0", "dim1")
         if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
             return None
@@ -708,7 +703,7 @@ def _head_split(heads: fx.Node, unsq_dim: int):
 def _view_split(node: fx.Node, split: list):
     """(column value [B, S, H·d], split nodes, H, d) for node = view(P, (B, S, H, d)),
     ``split`` the nodes after it (a transpose)."""
-    if not _is(node, _SPLIT) and not _is(node, {"unflatten"}):
+    if not calls(node, _SPLIT) and not calls(node, {"unflatten"}):
         return None
     split.append(node)
     src = node.args[0]
@@ -725,14 +720,14 @@ def _normed_head_split(heads: fx.Node, unsq_dim: int, norms: dict):
     (Qwen3), ``norm(P.view(B, S, H, d).transpose(1, 2))`` (Gemma 3), or untransposed;
     None for anything else. ``norms``: the graph's RMSNorms by their output."""
     after = None
-    if heads not in norms and _is(heads, _TRANSPOSE) and heads.args[0] in norms:
+    if heads not in norms and calls(heads, _TRANSPOSE) and heads.args[0] in norms:
         after, heads = heads, heads.args[0]
     norm = norms.get(heads)
     if norm is None:
         return None
     inner, split = norm.input, []
     if after is not None:
-        if _past_head_transpose(after, unsq_dim) is None or _is(inner, _TRANSPOSE):
+        if _past_head_transpose(after, unsq_dim) is None or calls(inner, _TRANSPOSE):
             return None
         split = [after]
     else:
@@ -750,10 +745,10 @@ def _member_split(heads: fx.Node, unsq_dim: int):
     """(projection value [B, S, N], split nodes from ``heads`` inward, H, d, member) for a
     per-head packed projection: ``P.view(B, S, H, g·d)[.transpose(1, 2)].chunk(g, -1)[i]``
     (GPT-NeoX, g = 3: each head's q, k and v features side by side)."""
-    if not (_is(heads, {operator.getitem}) and isinstance(heads.args[1], int)):
+    if not (calls(heads, {operator.getitem}) and isinstance(heads.args[1], int)):
         return None
     ch = heads.args[0]
-    if not _is(ch, CHUNK):
+    if not calls(ch, CHUNK):
         return None
     src, g, dim = _args(ch, "input", "chunks", "dim", defaults=(None, None, 0))
     if not isinstance(g, int) or g < 2 or meta(src) is None or \
@@ -763,7 +758,7 @@ def _member_split(heads: fx.Node, unsq_dim: int):
     if found is None:
         return None
     node, split = found[0], [heads, ch, *found[1]]
-    if not _is(node, _SPLIT):
+    if not calls(node, _SPLIT):
         return None
     split.append(node)
     proj_value, mv = node.args[0], meta(node)
@@ -808,7 +803,7 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
     mh = meta(heads)
     if mh is None or mh.dim() != 4:
         return None
-    if _is(node, _SPLIT) and meta(node.args[0]) is not None and \
+    if calls(node, _SPLIT) and meta(node.args[0]) is not None and \
             tuple(meta(node.args[0]).shape) == tuple(mh.shape):
         node = node.args[0]  # the reshape after the transpose: same shape, a no-op here
         split.append(node)
@@ -822,7 +817,7 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
     if flat is not None:  # Falcon's grouped layout: members kept as a dim, then flattened
         split += [n for n in flat if n not in split]  # heads may be the flatten itself
         node = flat[-1]
-    if not (_is(node, {operator.getitem}) and _is(node.args[0], _SPLIT)):
+    if not (calls(node, {operator.getitem}) and calls(node.args[0], _SPLIT)):
         return None
     view = node.args[0]
     p, mv = view.args[0], meta(view)
@@ -835,7 +830,7 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
         if found is None or not found[2]:
             return None
         member = (int(mv.shape[2]), int(mv.shape[3]), found[0], found[1], int(mv.shape[4]))
-        broadcast = next((n for n in flat if _is(n, _BROADCAST)), None)
+        broadcast = next((n for n in flat if calls(n, _BROADCAST)), None)
         if broadcast is not None and (found[1] - found[0] != 1 or tuple(meta(broadcast).shape)
                                       [:3] + tuple(meta(broadcast).shape)[4:] !=
                                       tuple(meta(node).shape)[:3] + tuple(meta(node).shape)[4:]):
@@ -871,17 +866,17 @@ def _flattened_members(node) -> list[fx.Node] | None:
     matcher takes only tables broadcast over the heads), so it commutes with that
     broadcast: the fused GEMM rotates the one key head per group and the broadcast is
     replayed on its output (tests/test_rope.py: a per-head table look-alike is left)."""
-    if not _is(node, _FLATTEN):
+    if not calls(node, _FLATTEN):
         return None
     src, start, end = _args(node, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
     ms = meta(src) if isinstance(src, fx.Node) else None
     if ms is None or ms.dim() != 5 or (start % 5, end % 5) != (2, 3):
         return None
     out = [node]
-    if _is(src, _BROADCAST):
+    if calls(src, _BROADCAST):
         out.append(src)
         src = src.args[0]
-    if not _is(src, {operator.getitem}):
+    if not calls(src, {operator.getitem}):
         return None
     return out + [src]
 
@@ -897,18 +892,18 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     first). The member is (mp, g, i, i + 1, L); its rows are the heads in the model's
     order."""
     found = _past_head_transpose(heads, unsq_dim)
-    if found is None or not _is(found[0], _SPLIT):
+    if found is None or not calls(found[0], _SPLIT):
         return None
     top, transposed = found[0], found[1]
     per_block = top.args[0]
-    item = per_block.args[0] if _is(per_block, _SPLIT) else None
-    if item is None or not (_is(item, {operator.getitem}) and isinstance(item.args[1], int)):
+    item = per_block.args[0] if calls(per_block, _SPLIT) else None
+    if item is None or not (calls(item, {operator.getitem}) and isinstance(item.args[1], int)):
         return None
     fan = item.args[0]
-    if not _is(fan, _TORCH_SPLIT):
+    if not calls(fan, _TORCH_SPLIT):
         return None
     blocks, size, dim = _args(fan, "input", "split_size", "dim", defaults=(None, None, 0))
-    if not _is(blocks, _SPLIT) or not isinstance(size, int):
+    if not calls(blocks, _SPLIT) or not isinstance(size, int):
         return None
     proj_value = blocks.args[0]
     mh, mper, mb = meta(top), meta(per_block), meta(blocks)
@@ -1103,7 +1098,7 @@ def _split_suffix(x: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int] | None:
     """(heads, the unrotated item, the split, its width) for x = ``torch.split(heads,
     [p, r], dim=-1)[1]`` where the split's two items are read only here and by the
     concatenation that puts the head back together (multi-head latent attention)."""
-    if not (_is(x, {operator.getitem}) and x.args[1] == 1 and _is(x.args[0], _TORCH_SPLIT)):
+    if not (calls(x, {operator.getitem}) and x.args[1] == 1 and calls(x.args[0], _TORCH_SPLIT)):
         return None
     fan = x.args[0]
     src, sizes, dim = _args(fan, "tensor", "split_size_or_sections", "dim",
@@ -1114,7 +1109,7 @@ def _split_suffix(x: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int] | None:
             dim not in (-1, ms.dim() - 1) or sum(sizes) != ms.shape[-1]:
         return None
     rest = [u for u in fan.users if u is not x]
-    if len(rest) != 1 or not (_is(rest[0], {operator.getitem}) and rest[0].args[1] == 0):
+    if len(rest) != 1 or not (calls(rest[0], {operator.getitem}) and rest[0].args[1] == 0):
         return None
     return src, rest[0], fan, sizes[0]
 
@@ -1123,12 +1118,12 @@ def _shared_latent_key(x: fx.Node) -> Why | None:
     """Why a rotation of multi-head latent attention's shared key is left: x =
     ``split(P, [c, r], -1)[1].view(B, 1, S, r)``, one r-wide head sliced off the
     compressed kv projection and shared by every query head."""
-    if not (_is(x, _SPLIT) and meta(x) is not None and meta(x).dim() == 4 and
+    if not (calls(x, _SPLIT) and meta(x) is not None and meta(x).dim() == 4 and
             meta(x).shape[1] == 1):
         return None
     item = x.args[0]
-    if not (_is(item, {operator.getitem}) and item.args[1] == 1 and
-            _is(item.args[0], _TORCH_SPLIT)):
+    if not (calls(item, {operator.getitem}) and item.args[1] == 1 and
+            calls(item.args[0], _TORCH_SPLIT)):
         return None
     sizes = _args(item.args[0], "tensor", "split_size_or_sections")[1]
     if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2):
@@ -1145,7 +1140,7 @@ def _shared_latent_key(x: fx.Node) -> Why | None:
 def _unit_dims_of(node) -> fx.Node | None:
     """The value under views that only add or drop unit dims (a table broadcast for a
     product: ``t[None, :, None, :]``, ``t.view(1, S, 1, d)``, ``t.unsqueeze(k)``)."""
-    while isinstance(node, fx.Node) and (_is(node, _SPLIT | {operator.getitem, "unsqueeze",
+    while isinstance(node, fx.Node) and (calls(node, _SPLIT | {operator.getitem, "unsqueeze",
                                                              torch.unsqueeze, "contiguous"})):
         src = node.args[0]
         ms, mn = meta(src), meta(node)
@@ -1165,7 +1160,7 @@ def _under_moves(node, casts: bool = False):
     only add or drop unit dims (_unit_dims_of) and, with ``casts``, dtype casts."""
     while True:
         node = _unit_dims_of(through_casts(node)[0] if casts else node)
-        if _is(node, {"to"}) and len(node.args) == 2 and \
+        if calls(node, {"to"}) and len(node.args) == 2 and \
                 isinstance(node.args[1], torch.device) and not node.kwargs:
             node = node.args[0]
             continue
@@ -1173,16 +1168,16 @@ def _under_moves(node, casts: bool = False):
 
 
 def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
-    if not _is(vr, {torch.view_as_real}):
+    if not calls(vr, {torch.view_as_real}):
         return None
     c = canon(vr.args[0]) if isinstance(vr.args[0], fx.Node) else None
     if c is None or c.name != "mul":
         return None
     for xc, rot in (c.args, c.args[::-1]):
-        if not (_is(xc, {torch.view_as_complex}) and isinstance(rot, fx.Node)):
+        if not (calls(xc, {torch.view_as_complex}) and isinstance(rot, fx.Node)):
             continue
         pairs = xc.args[0]
-        if not _is(pairs, _SPLIT):
+        if not calls(pairs, _SPLIT):
             continue
         heads, casts = pairs.args[0], []  # q.float(): the casts are the rotation's own
         while _is_cast(heads):
@@ -1200,7 +1195,7 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
                     "the heads", "rope.table_broadcast"))
         users = list(vr.users)
         flat = users[0] if len(users) == 1 else None
-        if flat is None or not _is(flat, {"flatten", torch.flatten}) or \
+        if flat is None or not calls(flat, {"flatten", torch.flatten}) or \
                 tuple(meta(flat).shape) != tuple(mh.shape):
             return NoMatch(vr, Why("the rotated pairs are not flattened back to the head dim",
                                    "rope.pairs_not_flattened"))
@@ -1271,10 +1266,10 @@ def _polar_angle(table: fx.Node) -> Angle | None:
     if found is not None:
         node, scale = found
     node = _under_moves(node, casts=True)
-    if not _is(node, {torch.polar}) or len(node.args) != 2:
+    if not calls(node, {torch.polar}) or len(node.args) != 2:
         return None
     ones, theta = node.args
-    if not (_is(ones, {torch.ones_like}) and ones.args[0] is theta):
+    if not (calls(ones, {torch.ones_like}) and ones.args[0] is theta):
         return None
     outer = _outer(theta)
     if outer is None:
@@ -1302,10 +1297,10 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph,
         if not r.member:
             continue
         rotated = {n for x in group for n in x.split}
-        fan = next((n for n in r.split if _is(n, CHUNK | _TORCH_SPLIT)), r.split[-1])
+        fan = next((n for n in r.split if calls(n, CHUNK | _TORCH_SPLIT)), r.split[-1])
         siblings = fan.users  # the chunk's or split's items, or the view's indexes
         for item in siblings:  # the chunk's items, or the view's other indexes
-            if item in rotated or not _is(item, {operator.getitem}):
+            if item in rotated or not calls(item, {operator.getitem}):
                 continue
             end, found = item, None
             while True:  # through the transpose and the no-op reshape after it
@@ -1731,7 +1726,7 @@ def permute_key_part(graph: fx.Graph, reader: fx.Node, value: fx.Node) -> None:
     ``rope_permute(value)`` instead; through the broadcast of the shared rotary head to
     every head (``expand``), permuted before it: one small head, not all of them."""
     user = reader
-    if _is(value, _BROADCAST) and len(value.users) == 1 and isinstance(value.args[0], fx.Node):
+    if calls(value, _BROADCAST) and len(value.users) == 1 and isinstance(value.args[0], fx.Node):
         user, value = value, value.args[0]
     with graph.inserting_before(user):
         permuted = graph.call_function(layouts.rope_permute, (value,))
@@ -1750,13 +1745,13 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
     groups, _, i0, i1, d = s.member
     value = s.heads if isinstance(s, Rotated) else s.column_node
     replayed = None
-    if any(_is(n, _FLATTEN) for n in s.split):  # Falcon's grouped heads: the member dim
+    if any(calls(n, _FLATTEN) for n in s.split):  # Falcon's grouped heads: the member dim
         replayed = (groups, i1 - i0, d)          # kept, then broadcast and flattened
-    elif any(_is(n, _TORCH_SPLIT) for n in s.split):  # CodeGen's blocks: [mp, L] each
+    elif any(calls(n, _TORCH_SPLIT) for n in s.split):  # CodeGen's blocks: [mp, L] each
         replayed = (groups, d)
     if replayed is not None:  # the member as the model's index gives it, then the
         # model's own nodes after that index replayed onto the piece
-        at = next(i for i, n in enumerate(s.split) if _is(n, {operator.getitem}))
+        at = next(i for i, n in enumerate(s.split) if calls(n, {operator.getitem}))
         v = graph.call_method("view", (piece, *sizes[:2], *replayed))
         same_meta(v, s.split[at])
         for node in reversed(s.split[:at]):
@@ -1765,7 +1760,7 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
         return v
     v = graph.call_method("view", (piece, *sizes[:2], groups * (i1 - i0), d))
     for node in s.split:
-        if _is(node, _TRANSPOSE):
+        if calls(node, _TRANSPOSE):
             v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
     same_meta(v, value)
     return v

@@ -62,7 +62,7 @@ from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, graph_replay, mutated_value,
-                           results, through_casts)
+                           results, sole_user, through_casts)
 from ..kernels.grouped import grouped_linear
 from ..kernels.grouped_dgated import grouped_down_linear
 from .family import Context, Decided, DeferredNorm
@@ -167,11 +167,6 @@ def _fill(node) -> Fill | None:
     return Fill(node, mask, float(value))
 
 
-def _sole_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _readers(node: fx.Node, bias: "ExpertBias | None") -> list[fx.Node]:
     """``node``'s readers but the bias added to it in place."""
     return [u for u in node.users if bias is None or not bias.in_place or u is not bias.add]
@@ -263,22 +258,22 @@ def swiglu_oai_of(gate: fx.Node, up: fx.Node):
     """(product, nodes between, (alpha, limit)) where ``gate`` and ``up`` are read only by
     gpt-oss's clamped SwiGLU: g = gate.clamp(max=l); u = up.clamp(-l, l);
     (u + 1)·(g·sigmoid(g·α)) (operands in any order); None otherwise."""
-    g, u = _sole_user(gate), _sole_user(up)
+    g, u = sole_user(gate), sole_user(up)
     limit = pair_clamp_limit(g, u)
     if limit is None or len(g.users) != 2:
         return None
     scaled = next((n for n in g.users if _is(n, "mul") and constant(_other(n, g))), None)
     glu = next((n for n in g.users if n is not scaled), None)
-    sig = _sole_user(scaled) if scaled is not None else None
+    sig = sole_user(scaled) if scaled is not None else None
     if sig is None or not _is(sig, "sigmoid") or canon(sig).args[0] is not scaled or \
             not _is(glu, "mul") or set(canon(glu).args) != {g, sig}:
         return None
     alpha = constant(_other(scaled, g))
-    shifted = _sole_user(u)
+    shifted = sole_user(u)
     if shifted is None or not _is(shifted, "add") or constant(_other(shifted, u)) != 1.0:
         return None
-    out = _sole_user(glu)
-    if out is None or _sole_user(shifted) is not out or not _is(out, "mul") or \
+    out = sole_user(glu)
+    if out is None or sole_user(shifted) is not out or not _is(out, "mul") or \
             set(canon(out).args) != {glu, shifted}:
         return None
     return out, (g, u, scaled, sig, glu, shifted), (alpha, limit)
@@ -288,16 +283,16 @@ def swiglu_clamp_of(gate: fx.Node, up: fx.Node):
     """(product, nodes between, (limit,)) where ``gate`` and ``up`` are read only by
     DeepSeek-V4's clamped SwiGLU: g = gate.clamp(max=l); u = up.clamp(-l, l);
     silu(g)·u (operands in any order); None otherwise."""
-    g, u = _sole_user(gate), _sole_user(up)
+    g, u = sole_user(gate), sole_user(up)
     limit = pair_clamp_limit(g, u)
     if limit is None:
         return None
-    act = _sole_user(g)
+    act = sole_user(g)
     a = activation_of(act) if act is not None else None
     if a is None or isinstance(a, str) or a != ("swiglu", g):
         return None
-    out = _sole_user(act)
-    if out is None or _sole_user(u) is not out or not _is(out, "mul") or \
+    out = sole_user(act)
+    if out is None or sole_user(u) is not out or not _is(out, "mul") or \
             set(canon(out).args) != {act, u}:
         return None
     return out, (g, u, act), (limit,)
@@ -316,12 +311,12 @@ def pair_of(gate: fx.Node, up: fx.Node):
         if len(half.users) > 1:
             return Why(f"{describe(half)} has {len(half.users)} readers: the fused GEMM "
                        "never writes it", "moe.intermediate_read")
-    act = _sole_user(gate)
+    act = sole_user(gate)
     a = activation_of(act) if act is not None else None
     if a is None or isinstance(a, str) or a[1] is not gate:
         return Why(f"the gate lane {describe(gate)} is not read by one gating activation "
                    "(silu, gelu) or gpt-oss's clamped SwiGLU only", "moe.activation")
-    mul = _sole_user(act)
+    mul = sole_user(act)
     cm = canon(mul) if mul is not None else None
     if cm is None or cm.name != "mul" or set(cm.args) != {act, up}:
         return Why("act(gate) is not multiplied by the up lane alone", "moe.not_gated")
@@ -408,8 +403,8 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
                                "kernel's columns are the halves interleaved (QuACK's concat "
                                "layout interleaves the weight rows, not a bias), so it "
                                "would run as the reference", "moe.weight_layout"))
-    y = _sole_user(mul)
-    y = _sole_user(y) if y is not None and canon(y) is not None and \
+    y = sole_user(mul)
+    y = sole_user(y) if y is not None and canon(y) is not None and \
         canon(y).name == "cast" else y
     cd = canon(y) if y is not None else None
     if cd is None or cd.name != "grouped_mm" or through_casts(cd.args[0])[0] is not mul:
