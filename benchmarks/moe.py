@@ -11,8 +11,9 @@ reference (the same weights, the per-expert loop).
     source .gpu/setup.sh && python benchmarks/moe.py [MODE] [qwen3|mixtral|gpt_oss ...]
 
 MODE: none (the MoE block's forward), layer (a one-layer model's forward: the norm's
-row scale deferred into the experts, with and without), train, small, sweep, dgated (the
-down projection's fused backward per tile config, against the rules).
+row scale deferred into the experts, with and without), train, host (the training step's
+host time, its device time from a CUDA graph, and the host's busiest ops), small, sweep,
+dgated (the down projection's fused backward per tile config, against the rules).
 """
 
 from __future__ import annotations
@@ -165,6 +166,73 @@ def train(names):
             print(f"{name}: kernels of {k} fwd+bwd:\n" +
                   kernel_top(lambda f=variants[k]: step(f), 24), flush=True)
     write_csv("moe layer forward + backward (8192 tokens)", rows)
+
+
+def host_time(fn, steps: int = 3, repeats: int = 5) -> float:
+    """Host µs to issue one call of ``fn`` while the GPU is kept busy ahead of it (a long
+    torch.cuda._sleep first, so that the launch queue never blocks the host): what a
+    step costs the CPU, whatever the kernels cost. Median over ``repeats``."""
+    import statistics
+    import time
+    seen = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000 // 10)  # ~100 ms of GPU time at ~2 GHz
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        seen.append((time.perf_counter() - t0) / steps * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(seen)
+
+
+def host_ops(fn, n: int = 20) -> str:
+    """The ``n`` ops with the most self CPU time in one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    return p.key_averages().table(sort_by="self_cpu_time_total", row_limit=n,
+                                  max_name_column_width=60)
+
+
+def host(names):
+    """The training step of ``train``'s variants: wall ms (alternating rounds), host µs
+    per step (the GPU kept busy), device ms per step (replayed from a CUDA graph), and
+    the coda step's busiest host ops: whether a step is host-bound, and where."""
+    from common import bench_graphed
+    print(env_line(), flush=True)
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        x = torch.randn(1, TOKENS, hidden_of(name), device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(1, TOKENS, hidden_of(name), device="cuda")
+        torch._dynamo.reset()
+        variants = {"torch.compile grouped_mm": torch.compile(moe),
+                    "backend=coda fused": torch.compile(
+                        moe, backend="coda", options={"fuse_in_training": True, **FUSED})}
+
+        def step(f, x=x):
+            moe.zero_grad(set_to_none=True)
+            o = f(x.detach().requires_grad_())
+            o = o[0] if isinstance(o, tuple) else o
+            (o.float() * r).sum().backward()
+
+        for f in variants.values():
+            step(f)
+        timed = bench_rounds({k: (lambda f=f: step(f)) for k, f in variants.items()},
+                             rounds=5)
+        show(f"{name}: train ", timed, "torch.compile grouped_mm")
+        for k, f in variants.items():
+            cpu = host_time(lambda f=f: step(f))
+            try:
+                dev = f"{bench_graphed(lambda f=f: step(f)):.3f} ms"
+            except Exception as e:  # a step that cannot be captured says why
+                dev = f"not capturable ({type(e).__name__}: {str(e)[:120]})"
+            print(f"{name}: {k}: host {cpu:.0f} us per step; device {dev}", flush=True)
+        print(f"{name}: host ops of backend=coda fused:\n" +
+              host_ops(lambda: step(variants["backend=coda fused"])), flush=True)
 
 
 def dgated(names, configs=((128, 128, 2), (128, 192, 2), (128, 96, 2), (64, 192, 2),
@@ -322,6 +390,8 @@ if __name__ == "__main__":
         layer(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["dgated"]:
         dgated(sys.argv[2:] or list(SHAPES))
+    elif sys.argv[1:2] == ["host"]:
+        host(sys.argv[2:] or ["qwen3"])
     elif sys.argv[1:2] == ["train"]:
         train(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["sweep"]:

@@ -47,6 +47,8 @@ class MatchRecord:
     weights: str = ""                    # how the fused GEMM's weights are re-laid out
     biases: str = ""                     # where the fused GEMM adds a bias it reads
     backward: str = ""                   # where the match's backward runs, if fused
+    routing: str = ""                    # routed experts: how the routing's values are
+                                         # trusted (proved in bounds, or checked per launch)
     kind: RejectionKind | None = None    # why it was left as is, as a type (None: rewritten
                                          # or not matched)
     code: str = ""                       # the failed condition's stable code (algebra/
@@ -78,6 +80,8 @@ class MatchRecord:
             lines.append(f"    biases: {self.biases}")
         if self.backward:
             lines.append(f"    backward: {self.backward}")
+        if self.routing:
+            lines.append(f"    routing: {self.routing}")
         if self.materialised:
             lines.append("    materialised (still read outside the rewrite): "
                          + ", ".join(self.materialised))

@@ -225,9 +225,16 @@ class Experts(torch.nn.Module):
             index = perm // self.top_k
             x = h[index]
             perm.add_(0)
+        if case == "index_clamped":  # the same rows, through an index no sort made
+            x = h[(perm // self.top_k).clamp(max=h.shape[0] - 1)]
         w_g = w[perm]
         offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.e, min=0, max=self.e - 1),
                             dim=0, dtype=torch.int32)
+        if case == "offsets_by_comparison":  # the same counts, not by histc
+            counts = (ids_g[None, :] == torch.arange(self.e)[:, None]).sum(-1)
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        if case == "offsets_updated":  # the same values, updated in place
+            offs.add_(0)
         mask = (ids_g >= self.e).unsqueeze(-1)
         if case == "source_updated":  # after the gather: eager's rows are the old ones
             h = h * 1.0
@@ -300,6 +307,7 @@ LOOK_ALIKES = {
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
     "source_updated": "moe.in_place",         # the gathered source updated after the gather
     "source_base_updated": "moe.in_place",    # ... through the tensor it is a view of
+    "offsets_updated": "moe.in_place",        # offsets updated in place (not placed)
     "fill_one": "moe.fill_value",             # a fill the router weight would scale
     "clamped": None,                          # silu(min(g, l))·clamp(u, -l, l)
     "clamped_up_first": None,                 # the product's operands swapped
@@ -336,6 +344,28 @@ def test_look_alikes(case):
     """Each look-alike's outputs equal eager's; the spellings the rewrite takes are
     rewritten, the others left with their code."""
     check_look_alike(Experts(case), LOOK_ALIKES[case])
+
+
+# whether the grouped kernels may trust the routing's values without a device-side check
+# per launch (algebra/routed_experts.routing_in_bounds): offsets = cumsum(histc) and
+# index = a sort's permutation // top-k hold their bounds whatever the router computed
+ROUTING_PROVED = {"canonical": True, "offsets_by_comparison": False, "index_clamped": False}
+
+
+@pytest.mark.parametrize("case", list(ROUTING_PROVED))
+def test_routing_bounds_proved_or_checked_per_launch(case):
+    """Every spelling is rewritten with eager's outputs; the report says whether the
+    routing's bounds were proved from the graph or are checked on the device."""
+    model = Experts(case)
+    check_look_alike(model, None)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        fast(torch.randn(8, 32).bfloat16())
+    (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    proved = "hold by construction" in rec.routing
+    assert proved == ROUTING_PROVED[case], rec.routing
+    assert proved or "checked on the device at each launch" in rec.routing
+    assert f"routing: {rec.routing}" in str(fast.report)
 
 
 def test_feature_weights_are_not_a_combine():
@@ -735,6 +765,10 @@ def test_grouped_launch_host_side(monkeypatch):
         with pytest.raises(RuntimeError):
             train(h, w, bad_offsets, bad_index, [])
         assert not seen  # nothing launched
+    # where the graph proved the routing in bounds (routing_in_bounds) nothing is checked
+    seen.clear()
+    train(h, w, offsets, index, [], True)
+    assert seen["cu"].tolist() == [0, *offsets.tolist()]
 
 
 def test_speed_policies_on_cuda_graphs(monkeypatch):
@@ -1103,3 +1137,6 @@ def test_grouped_dgated_launch_host_side(monkeypatch):
         with pytest.raises(RuntimeError):
             launch(do, w_d, bad, p, score)
         assert not seen  # nothing launched
+    seen.clear()
+    launch(do, w_d, offsets, p, score, True)  # proved in bounds by the graph: no check
+    assert seen["cu"].tolist() == [0, 0, 3, 3, 8]

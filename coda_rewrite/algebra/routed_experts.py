@@ -282,6 +282,46 @@ def token_order(m) -> tuple[fx.Node, int] | None:
     return perm, k
 
 
+def routing_in_bounds(m) -> str | None:
+    """Why the grouped kernels of this match need no device-side check of the routing's
+    values (kernels/grouped.check_routing), or None (each call checks them). A planned
+    launch trusts its tensors' values: offsets that decrease or pass the S routed rows,
+    or a gather index past the source's rows, would read or write out of bounds. Both
+    hold by construction, whatever the router computed, where
+
+        offsets = cumsum(histc(v))      over at most S values (each value counted by one
+                                        bin or none: counts >= 0, so offsets increase
+                                        and end at most at S)
+        index   = perm // k             perm a sort's permutation of T·k values, T the
+                                        source's rows (token_order): index in [0, T)
+
+    and nothing updates offsets, their counts or the index in place. Hugging Face's
+    grouped_mm experts compute both so (transformers/integrations/moe.py)."""
+    off, rows = m.offsets, meta(m.index if m.index is not None else m.x)
+    if off.target is not torch.cumsum or arg(off, 1, "dim") not in (0, -1):
+        return None
+    hist = off.args[0]
+    if not isinstance(hist, fx.Node) or hist.target is not torch.histc:
+        return None
+    counted, counts = meta(hist.args[0]), meta(hist)
+    if counted is None or counts is None or rows is None or \
+            not statically_known_true(counted.numel() <= rows.shape[0]):
+        return None
+    # float counts are exact integers up to 2**24 (histc counts in its input's dtype)
+    if counts.dtype.is_floating_point and \
+            not statically_known_true(counted.numel() <= 2 ** 24):
+        return None
+    if m.index is not None and token_order(m) is None:
+        return None
+    if in_place_update_of({off, hist} | ({m.index} if m.index is not None else set()),
+                          off.graph) is not None:
+        return None
+    return (f"the routing's bounds hold by construction ({describe(off)} = cumsum(histc) "
+            "over at most the routed rows" +
+            (f"; {describe(m.index)} = a sort's permutation // top-k" if m.index is not None
+             else "") + "): no device-side check per launch")
+
+
 def down_backward_fused(m) -> bool:
     """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated)
     when the match trains: its input is the gated GEMM's output itself (a live fill of the

@@ -1,7 +1,7 @@
 """The grouped GEMM with an epilogue program: routed experts (patterns/routed_experts.py).
 
-    coda::grouped_gemm_epilogue(program, a, b, offsets, index, operands, interleaved)
-        -> outputs
+    coda::grouped_gemm_epilogue(program, a, b, offsets, index, operands, interleaved,
+                                bounds_proved) -> outputs
 
 is torch._grouped_mm's problem with the program of kernels/ops.py in its epilogue:
 row s of the problem is ``a[index[s]]`` (``a[s]`` without an index: the gather of the
@@ -17,7 +17,10 @@ kernel by QuACK's ``concat_layout`` (the weights used as stored: no re-layout, n
 or, with ``interleaved``, as adjacent (gate, up) rows already ([g0, u0, g1, u1, ...],
 gpt-oss's). Operands: per-row vectors [S] (the router's combine weight, a deferred row
 scale) and per-expert vectors [E, N] (each expert's bias: row e applies to expert e's
-rows; in the weight's row order).
+rows; in the weight's row order). A planned launch trusts the routing's values, so each
+call checks them on the device (check_routing: a few tiny kernels per launch) unless the
+caller proved them in bounds from the graph (``bounds_proved``: algebra/routed_experts.
+routing_in_bounds, e.g. offsets = cumsum(histc(ids))).
 
 On Hopper with tensors that meet the contract this is QuACK's variable-length GEMM
 (``cu_seqlens_m``, ``A_idx`` for the gather), planned once per tensor-metadata class
@@ -132,8 +135,10 @@ class GroupedLaunch:
         return {name: torch.empty(shape, device=self.device, dtype=dtype)
                 for name, shape, dtype in self.outs}
 
-    def __call__(self, a, b, offsets, index, operands) -> list[torch.Tensor]:
-        check_routing("grouped_gemm_epilogue", offsets, self.m, index, a.shape[0])
+    def __call__(self, a, b, offsets, index, operands, bounds_proved: bool = False
+                 ) -> list[torch.Tensor]:
+        if not bounds_proved:
+            check_routing("grouped_gemm_epilogue", offsets, self.m, index, a.shape[0])
         out = self._alloc()
         values = self._operands(operands)
         values.update(out)
@@ -177,8 +182,8 @@ def _select(prog, text, a, b, offsets, index, operands, interleaved):
     return GroupedLaunch(ks, module, a, b, offsets, index, operands, interleaved)
 
 
-def execute(program: str, a, b, offsets, index, operands,
-            interleaved: bool = False) -> list[torch.Tensor]:
+def execute(program: str, a, b, offsets, index, operands, interleaved: bool = False,
+            bounds_proved: bool = False) -> list[torch.Tensor]:
     ops.refuse_gradients("grouped_gemm_epilogue", a, b, *operands)
     prog = parse(program)
     key = ("grouped", program, interleaved,
@@ -191,16 +196,17 @@ def execute(program: str, a, b, offsets, index, operands,
             outs = reference.run_grouped(prog, a, b, offsets, index, operands, interleaved)
         return ops._fresh(outs, [a, b, offsets, index, *operands])
     ops.count(prog.key, "kernel", "generated QuACK epilogue, grouped (variable-length) GEMM")
-    return route(a, b, offsets, index, operands)
+    return route(a, b, offsets, index, operands, bounds_proved)
 
 
 ops._lib.define("grouped_gemm_epilogue(str program, Tensor a, Tensor b, Tensor offsets, "
-                "Tensor? index, Tensor[] operands, bool interleaved=False) -> Tensor[]")
+                "Tensor? index, Tensor[] operands, bool interleaved=False, "
+                "bool bounds_proved=False) -> Tensor[]")
 ops._lib.impl("grouped_gemm_epilogue", execute, "CompositeExplicitAutograd")
 grouped_gemm_epilogue = torch.ops.coda.grouped_gemm_epilogue.default
 
 
-def _fake(program, a, b, offsets, index, operands, interleaved=False):
+def _fake(program, a, b, offsets, index, operands, interleaved=False, bounds_proved=False):
     ops.refuse_gradients("grouped_gemm_epilogue", a, b, *operands)
     prog = parse(program)
     rows, n = (a.shape[0] if index is None else index.shape[0]), b.shape[1]
@@ -215,14 +221,15 @@ torch.library.register_fake("coda::grouped_gemm_epilogue", _fake)
 def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                    offsets: torch.Tensor, index: torch.Tensor | None,
                    *operands: torch.Tensor, interleaved: bool = False,
-                   perm: torch.Tensor | None = None, top_k: int = 0
-                   ) -> tuple[torch.Tensor, ...]:
+                   perm: torch.Tensor | None = None, top_k: int = 0,
+                   bounds_proved: bool = False) -> tuple[torch.Tensor, ...]:
     """What the rewritten graph calls: ``program`` over the grouped GEMM of ``x`` [T, K]
     (rows ``x[index]``) with the experts' ``weight`` [E, N, K]. Outside tracing the op
     boundary is skipped (its dispatch costs host time a decode step pays per layer);
     where a gradient can be asked for, the autograd Functions below. ``perm``, ``top_k``:
     index is perm // top_k for a permutation perm of T·top_k rows (algebra/
-    routed_experts.token_order), which the gather's gradient uses."""
+    routed_experts.token_order), which the gather's gradient uses. ``bounds_proved``: the
+    caller proved offsets and index in bounds (no device-side check per launch)."""
     if ops._needs_grad(x, weight, operands):
         prog = parse(program)
         if any(o.kind == Kind.PAIR for o in prog.outputs):
@@ -231,12 +238,13 @@ def grouped_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                                    "called where a gradient can be asked for (a graph "
                                    "rewritten for inference, run with gradients)")
             return GroupedGated.apply(program, x, weight, offsets, index, interleaved,
-                                      perm, top_k, *operands)
-        return (GroupedDown.apply(program, x, weight, offsets, *operands),)
+                                      perm, top_k, bounds_proved, *operands)
+        return (GroupedDown.apply(program, x, weight, offsets, bounds_proved, *operands),)
     if ops._direct(x, weight, operands):
-        return tuple(execute(program, x, weight, offsets, index, list(operands), interleaved))
+        return tuple(execute(program, x, weight, offsets, index, list(operands), interleaved,
+                             bounds_proved))
     return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index, list(operands),
-                                       interleaved))
+                                       interleaved, bounds_proved))
 
 
 # ---- training: the backward rules ----------------------------------------------------------
@@ -356,13 +364,15 @@ class GroupedGated(torch.autograd.Function):
     where the program has no row scale)."""
 
     @staticmethod
-    def forward(program, x, weight, offsets, index, interleaved, perm, top_k, *operands):
+    def forward(program, x, weight, offsets, index, interleaved, perm, top_k, bounds_proved,
+                *operands):
         return tuple(grouped_gemm_epilogue(program, x, weight, offsets, index,
-                                           list(operands), interleaved))
+                                           list(operands), interleaved, bounds_proved))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        program, x, weight, offsets, index, interleaved, perm, top_k, *operands = inputs
+        (program, x, weight, offsets, index, interleaved, perm, top_k, _,
+         *operands) = inputs
         ctx.pair, ctx.interleaved, ctx.top_k = _pair(program), interleaved, top_k
         named = _named(program, operands)
         ctx.has_bias, ctx.names = "bias" in named, list(named)
@@ -384,13 +394,13 @@ class GroupedGated(torch.autograd.Function):
             dp_y, _ = reference.dgated(op, dy.to(cd), p, *params)
             dp = dp_y if dp is None else (dp.to(cd) + dp_y.to(cd)).to(p.dtype)
         if dp is None:
-            return (None,) * (8 + len(ctx.names))
+            return (None,) * (9 + len(ctx.names))
         if not ctx.interleaved:  # [gate; up] like W_gu's rows
             dp = torch.cat((dp[:, 0::2], dp[:, 1::2]), dim=-1)
         # only what is asked for: frozen expert weights (adapter fine-tuning) skip the
         # wgrad GEMM, a frozen input the dgrad
         want_x, want_w = ctx.needs_input_grad[1:3]
-        want = dict(zip(ctx.names, ctx.needs_input_grad[8:]))
+        want = dict(zip(ctx.names, ctx.needs_input_grad[9:]))
         want_r = r is not None and want.get("r", False)
         rows = (x if index is None else x[index]) if want_w or want_r else None
         g = live_rows(torch.ops.coda.grouped_mm(dp, weight, offsets, False), offsets) \
@@ -417,7 +427,7 @@ class GroupedGated(torch.autograd.Function):
             dx = dx.to(x.dtype)
         if ctx.has_bias and want.get("bias", False):
             grads["bias"] = per_expert_sum(dp, offsets, weight.shape[0]).to(weight.dtype)
-        return (None, dx, dw, None, None, None, None, None,
+        return (None, dx, dw, None, None, None, None, None, None,
                 *(grads.get(n) for n in ctx.names))
 
 
@@ -442,12 +452,13 @@ class GroupedDown(torch.autograd.Function):
     (dw from g and y: no stored unscaled output, no GEMM recomputed)."""
 
     @staticmethod
-    def forward(program, y, weight, offsets, *operands):
-        return grouped_gemm_epilogue(program, y, weight, offsets, None, list(operands))[0]
+    def forward(program, y, weight, offsets, bounds_proved, *operands):
+        return grouped_gemm_epilogue(program, y, weight, offsets, None, list(operands),
+                                     False, bounds_proved)[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        program, y, weight, offsets, *operands = inputs
+        program, y, weight, offsets, _, *operands = inputs
         ctx.names = down_operand_names(program)
         ctx.save_for_backward(y, weight, offsets, *operands)
 
@@ -459,7 +470,7 @@ class GroupedDown(torch.autograd.Function):
         cd = reference.accumulate_dtype(y.dtype)
         w, bias = by_name.get("r"), by_name.get("bias")
         want_y, want_w = ctx.needs_input_grad[1:3]
-        want = dict(zip(ctx.names, ctx.needs_input_grad[4:]))
+        want = dict(zip(ctx.names, ctx.needs_input_grad[5:]))
         want_r = w is not None and want.get("r", False)
         d_acc = do.to(y.dtype) if w is None else (do.to(cd) * w.to(cd)[:, None]).to(y.dtype)
         g = live_rows(torch.ops.coda.grouped_mm(do.to(y.dtype), weight, offsets, False),
@@ -479,4 +490,4 @@ class GroupedDown(torch.autograd.Function):
             grads["r"] = torch.where(live, dot, 0).to(w.dtype)
         if bias is not None and want.get("bias", False):
             grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
-        return (None, dy, dw, None, *(grads.get(n) for n in ctx.names))
+        return (None, dy, dw, None, None, *(grads.get(n) for n in ctx.names))

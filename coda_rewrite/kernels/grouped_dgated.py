@@ -2,7 +2,8 @@
 the combine weight's gradient in the epilogue of the down projection's grouped dgrad GEMM.
 
     coda::grouped_dgated(op, params, dout [S, H], w_down [E, H, I], offsets, p [S, 2I],
-                         score [S]?) -> (dp [S, 2I], h·w [S, I], dscore [S] float32)
+                         score [S]?, bounds_proved) -> (dp [S, 2I], h·w [S, I],
+                                                        dscore [S] float32)
 
 The forward of a routed expert block is o[s] = w[s]·(h[s]·W_d[e]ᵀ) with h = pair(p) the
 gated grouped GEMM's output, p its stored pre-activation (interleaved [g0, u0, ...]) and
@@ -118,8 +119,10 @@ class Launch:
                                         dtype=torch.float32)
         return out
 
-    def __call__(self, dout, weight, offsets, p, score) -> list[torch.Tensor]:
-        check_routing("grouped_dgated", offsets, self.m)
+    def __call__(self, dout, weight, offsets, p, score, bounds_proved: bool = False
+                 ) -> list[torch.Tensor]:
+        if not bounds_proved:  # grouped.check_routing: unless the graph proved them
+            check_routing("grouped_dgated", offsets, self.m)
         out = self._alloc()
         values = {k: v for k, v in out.items() if k != "D"}
         if score is not None:
@@ -160,8 +163,8 @@ def _select(op, params, dout, weight, offsets, p, score):
                   op=op)
 
 
-def execute(op: str, params: list[float], dout, weight, offsets, p, score=None
-            ) -> list[torch.Tensor]:
+def execute(op: str, params: list[float], dout, weight, offsets, p, score=None,
+            bounds_proved: bool = False) -> list[torch.Tensor]:
     key = ("grouped_dgated", op, tuple(params),
            quack_path.metadata_key(dout, weight, offsets, p, score))
     route = ops.route_of(key, lambda: _select(op, params, dout, weight, offsets, p, score))
@@ -170,10 +173,10 @@ def execute(op: str, params: list[float], dout, weight, offsets, p, score=None
         ops.count_reference(name, route, dout.device)
         return run_reference(op, params, dout, weight, offsets, p, score)
     ops.count(name, "kernel", "generated QuACK epilogue, grouped dgrad (packed C/D)")
-    return route(dout, weight, offsets, p, score)
+    return route(dout, weight, offsets, p, score, bounds_proved)
 
 
-def _fake(op, params, dout, weight, offsets, p, score=None):
+def _fake(op, params, dout, weight, offsets, p, score=None, bounds_proved=False):
     rows, inter = dout.shape[0], weight.shape[2]
     outs = [p.new_empty(rows, 2 * inter), p.new_empty(rows, inter)]
     if score is not None:
@@ -182,7 +185,8 @@ def _fake(op, params, dout, weight, offsets, p, score=None):
 
 
 ops._lib.define("grouped_dgated(str op, float[] params, Tensor dout, Tensor weight, "
-                "Tensor offsets, Tensor p, Tensor? score) -> Tensor[]")
+                "Tensor offsets, Tensor p, Tensor? score, bool bounds_proved=False) "
+                "-> Tensor[]")
 ops._lib.impl("grouped_dgated", execute, "CompositeExplicitAutograd")
 torch.library.register_fake("coda::grouped_dgated", _fake)
 
@@ -200,14 +204,15 @@ class GroupedGatedDown(torch.autograd.Function):
     backward (grouped.GroupedGated) adds a gradient y gets from any other reader."""
 
     @staticmethod
-    def forward(program, op, params, y, p, weight, offsets, *operands):
-        return grouped_gemm_epilogue(program, y, weight, offsets, None, list(operands))[0]
+    def forward(program, op, params, y, p, weight, offsets, bounds_proved, *operands):
+        return grouped_gemm_epilogue(program, y, weight, offsets, None, list(operands),
+                                     False, bounds_proved)[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        program, op, params, y, p, weight, offsets, *operands = inputs
+        program, op, params, y, p, weight, offsets, bounds_proved, *operands = inputs
         ctx.names = down_operand_names(program)
-        ctx.op, ctx.params = op, list(params)
+        ctx.op, ctx.params, ctx.bounds_proved = op, list(params), bounds_proved
         ctx.save_for_backward(p, weight, offsets, *operands)
 
     @staticmethod
@@ -218,13 +223,14 @@ class GroupedGatedDown(torch.autograd.Function):
         w, bias = by_name.get("r"), by_name.get("bias")
         cd = reference.accumulate_dtype(p.dtype)
         want_p, want_w = ctx.needs_input_grad[4:6]
-        want = dict(zip(ctx.names, ctx.needs_input_grad[7:]))
+        want = dict(zip(ctx.names, ctx.needs_input_grad[8:]))
         if not (want_p or want_w or any(want.values())):
-            return (None,) * (7 + len(ctx.names))
+            return (None,) * (8 + len(ctx.names))
         # the GEMM's operand in the weight's dtype: a combine weight in float32 (Mixtral's
         # router) makes the output, and so dout, float32
         do16 = do.to(p.dtype).contiguous()
-        outs = torch.ops.coda.grouped_dgated(ctx.op, ctx.params, do16, weight, offsets, p, w)
+        outs = torch.ops.coda.grouped_dgated(ctx.op, ctx.params, do16, weight, offsets, p, w,
+                                             ctx.bounds_proved)
         # dp and h·w past the last offset (rows of no expert) are left unwritten by the
         # kernel and read by nothing: the grouped GEMMs and per-expert sums after it read
         # the experts' rows only (masking them would be a pass over each)
@@ -244,16 +250,18 @@ class GroupedGatedDown(torch.autograd.Function):
         if bias is not None and want.get("bias", False):
             d_acc = do16 if w is None else (do.to(cd) * w.to(cd)[:, None]).to(p.dtype)
             grads["bias"] = per_expert_sum(d_acc, offsets, weight.shape[0]).to(bias.dtype)
-        return (None, None, None, None, dp if want_p else None, dw_down, None,
+        return (None, None, None, None, dp if want_p else None, dw_down, None, None,
                 *(grads.get(n) for n in ctx.names))
 
 
 def grouped_down_linear(program: str, op: str, params, y: torch.Tensor, p: torch.Tensor,
                         weight: torch.Tensor, offsets: torch.Tensor,
-                        *operands: torch.Tensor) -> torch.Tensor:
+                        *operands: torch.Tensor, bounds_proved: bool = False
+                        ) -> torch.Tensor:
     """The down grouped GEMM for the rewritten graph: GroupedGatedDown where a gradient
     can be asked for, else the forward program alone (p unused)."""
     if ops._needs_grad(y, weight, operands) or (p.requires_grad and torch.is_grad_enabled()):
         return GroupedGatedDown.apply(program, op, tuple(params), y, p, weight, offsets,
-                                      *operands)
-    return grouped_linear(program, y, weight, offsets, None, *operands)[0]
+                                      bounds_proved, *operands)
+    return grouped_linear(program, y, weight, offsets, None, *operands,
+                          bounds_proved=bounds_proved)[0]

@@ -560,6 +560,9 @@ class Plan:
     # per token after the inverse permutation (legality.token_order)
     fused_backward: bool = False
     token_order: tuple[fx.Node, int] | None = None
+    # why the routing's values need no check per launch (legality.routing_in_bounds;
+    # None: the kernels check offsets and index on the device each call)
+    bounds: str | None = None
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -589,7 +592,8 @@ def decide(m: Match, context: Context) -> Decided:
     return Decided(decision, Plan(
         m, *programs, fill, deferral,
         fused_backward=training and legality.down_backward_fused(m),
-        token_order=legality.token_order(m) if training else None))
+        token_order=legality.token_order(m) if training else None,
+        bounds=legality.routing_in_bounds(m)))
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
@@ -610,7 +614,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             r = graph.call_method("reshape", (r, -1))
             gu_ops = (graph.call_function(operator.getitem, (r, m.index)), *gu_ops)
         order = plan.token_order
-        kwargs = {"interleaved": m.interleaved}
+        proved = {"bounds_proved": plan.bounds is not None}
+        kwargs = {"interleaved": m.interleaved, **proved}
         if order is not None:  # the gather's gradient: a sum per token, no atomic adds
             kwargs.update(perm=order[0], top_k=order[1])
         call = graph.call_function(grouped_linear, (
@@ -628,11 +633,12 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             p = graph.call_function(operator.getitem, (call, 1))
             copy_meta(p, m.gate_up)
             o = graph.call_function(grouped_down_linear, (
-                plan.down.to_text(), m.op, m.params, y, p, w_down, m.offsets, *operands))
+                plan.down.to_text(), m.op, m.params, y, p, w_down, m.offsets, *operands),
+                proved)
             copy_meta(o, m.out)
         else:
             call = graph.call_function(grouped_linear, (
-                plan.down.to_text(), y, w_down, m.offsets, None, *operands))
+                plan.down.to_text(), y, w_down, m.offsets, None, *operands), proved)
             copy_meta(call, m.out)
             (o,) = results(graph, call, 1, m.out)
         if m.down_fill is not None:
@@ -670,6 +676,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                         f"after the inverse of {describe(order[0])} (no atomic scatter)")
     if backward:
         shown["backward"] = "; ".join(backward)
+    shown["routing"] = plan.bounds or ("offsets and index checked on the device at each "
+                                       "launch (their bounds are not provable from the "
+                                       "graph)")
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")
