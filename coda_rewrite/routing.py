@@ -16,6 +16,13 @@ top-k (token, expert) pairs contribute, so the same sum is
 E/k times fewer GEMM FLOPs (16 for Llama-4-Scout's 16 experts and top-1), and the
 [E, T, 2I] intermediate is [T·k, 2I]. The sums run in each token's own order (the
 inverse permutation: no atomic adds, deterministic).
+
+The gather of each routed row's token and the sum back over each token's rows are
+adjoint, and both are permutations of the same (token, slot) pairs, so each one's
+gradient is the other (gather_tokens, sum_to_tokens; statements.prove_token_routing):
+autograd alone would differentiate ``rows[inverse]`` and ``tokens[perm // k]`` as
+index_put scatters with atomic adds, a zero-filled buffer and a pass each, where a
+gather is one pass Inductor fuses into its neighbours.
 """
 
 from __future__ import annotations
@@ -44,16 +51,77 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 
 def gather_scaled(tokens: torch.Tensor, scores: torch.Tensor, index: torch.Tensor,
-                  perm: torch.Tensor) -> torch.Tensor:
+                  perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """Each routed row's token scaled by its score for its expert: tokens [T, K], scores
-    [T, E], index [T, k] -> [T·k, K] in expert order. The product in the dtypes eager
-    multiplies in (tokens · the scores' column, promoted alike)."""
+    [T, E], index [T, k] -> [T·k, K] in expert order (``inverse``: perm's inverse, for
+    the gather's gradient). The product in the dtypes eager multiplies in (tokens · the
+    scores' column, promoted alike)."""
     k = index.shape[1]
     weight = scores.gather(1, index).reshape(-1)[perm]
-    return tokens[perm // k] * weight.unsqueeze(-1)
+    return gather_tokens(tokens, perm, inverse, k) * weight.unsqueeze(-1)
 
 
 def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     """Σ over each token's k routed rows [T·k, N] -> [T, N], in the rows' dtype (torch's
     sum accumulates in float32 for 16-bit inputs, as eager's sum over the experts)."""
     return rows[inverse].reshape(-1, top_k, rows.shape[-1]).sum(1)
+
+
+class _SumToTokens(torch.autograd.Function):
+    """back_to_tokens whose gradient is a gather: token t's rows are the pairs
+    t·k .. t·k + k - 1, row s is pair perm[s], so ∂out[t]/∂rows[s] is 1 exactly where
+    t = perm[s] // k (inverse is perm's inverse: inv[p] = s ⟺ p = perm[s])."""
+
+    @staticmethod
+    def forward(rows, inverse, perm, top_k):
+        return back_to_tokens(rows, inverse, top_k)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, inverse, perm, top_k = inputs
+        ctx.top_k = top_k
+        ctx.save_for_backward(inverse, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, perm = ctx.saved_tensors
+        return gather_tokens(grad, perm, inverse, ctx.top_k), None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """tokens[perm // k] whose gradient is each token's k rows summed in its own order
+    (back_to_tokens, float32 sums: no atomic adds, deterministic)."""
+
+    @staticmethod
+    def forward(tokens, perm, inverse, top_k):
+        return tokens[perm // top_k]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, perm, inverse, top_k = inputs
+        ctx.top_k = top_k
+        ctx.save_for_backward(perm, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        perm, inverse = ctx.saved_tensors
+        return sum_to_tokens(grad, inverse, perm, ctx.top_k), None, None, None
+
+
+def sum_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, perm: torch.Tensor,
+                  top_k: int) -> torch.Tensor:
+    """back_to_tokens(rows, inverse, top_k), differentiated as a gather (rows [T·k, N]
+    in the order of ``perm``, a permutation of the T·k (token, slot) pairs, ``inverse``
+    its inverse)."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        return _SumToTokens.apply(rows, inverse, perm, top_k)
+    return back_to_tokens(rows, inverse, top_k)
+
+
+def gather_tokens(tokens: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor,
+                  top_k: int) -> torch.Tensor:
+    """tokens[perm // top_k] (each routed row's token), differentiated as a sum per
+    token in its own order (``inverse``: perm's inverse)."""
+    if torch.is_grad_enabled() and tokens.requires_grad:
+        return _GatherTokens.apply(tokens, perm, inverse, top_k)
+    return tokens[perm // top_k]

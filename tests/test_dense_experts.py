@@ -295,10 +295,10 @@ def test_routed_form_against_the_dense_sum():
         perm, offsets, inverse = routing.sort_by_expert(idx, e)
         assert offsets.dtype == torch.int32 and int(offsets[-1]) == t * top_k
         assert int(offsets[4] - offsets[3]) == 0
-        gate, up = expert_gemm(routing.gather_scaled(x, s, idx, perm), w_gu,
-                                       offsets).chunk(2, -1)
-        got = routing.back_to_tokens(expert_gemm(F.silu(gate) * up, w_d, offsets),
-                                     inverse, top_k)
+        gate, up = expert_gemm(routing.gather_scaled(x, s, idx, perm, inverse), w_gu,
+                               offsets).chunk(2, -1)
+        got = routing.sum_to_tokens(expert_gemm(F.silu(gate) * up, w_d, offsets),
+                                    inverse, perm, top_k)
         assert rel_err(got, want) <= 1e-13
 
 

@@ -184,11 +184,17 @@ def _gmm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def to_tokens(o, perm, tokens: int, top_k: int):
+def to_tokens(o, perm, tokens: int, top_k: int, case: str = "canonical"):
     """The routed rows back in token order, summed over each token's top-k (Hugging
-    Face's scatter back)."""
+    Face's scatter back), or a look-alike of it (``case``)."""
+    if case == "inverse_by_argsort":  # the same inverse, not built by a write of perm
+        return o[torch.argsort(perm)].view(tokens, top_k, -1).sum(dim=1)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.shape[0])
+    if case == "inverse_updated":  # written again after the inverse was made
+        inv[:1] = inv[:1].clone()
+    if case == "tokens_strided":  # token t's rows t, T + t, ...: not its own k rows
+        return o[inv].view(top_k, tokens, -1).sum(dim=0)
     return o[inv].view(tokens, top_k, -1).sum(dim=1)
 
 
@@ -287,7 +293,7 @@ class Experts(torch.nn.Module):
             o = o * w_g.unsqueeze(-1).expand(-1, o.shape[-1]).contiguous()
         else:
             o = o * w_g.unsqueeze(-1)
-        out = to_tokens(o, perm, h.shape[0], self.top_k)
+        out = to_tokens(o, perm, h.shape[0], self.top_k, case)
         return (out, *extra) if extra else out
 
 
@@ -531,7 +537,8 @@ def test_norm_rstd_deferred_through_the_routing(case, deferred):
 
 
 @pytest.mark.parametrize("case", ["canonical", "feature_weights", "oai", "extra_token",
-                                  "other_divisor", "perm_updated"])
+                                  "other_divisor", "perm_updated", "inverse_by_argsort",
+                                  "inverse_updated", "tokens_strided"])
 def test_training_gradients_no_worse_than_eager(case):
     """A training graph: the experts fused, their backward in the down projection's
     dgrad epilogue and the gate/up GEMM's rules; the output
@@ -559,8 +566,13 @@ def test_training_gradients_no_worse_than_eager(case):
     assert "backward: " in str(fast.report)
     # the tokens' gradient summed per token after the inverse permutation only where the
     # index is perm // top_k over exactly the gathered source's rows, perm not updated
-    summed = case in ("canonical", "feature_weights", "oai")
+    summed = case not in ("extra_token", "other_divisor", "perm_updated")
     assert ("after the inverse of" in done[0].backward) == summed, done[0].backward
+    # the scatter back's gradient a gather only where inv is built as perm's inverse and
+    # each token's k consecutive rows are summed (algebra/routed_experts.scatter_back),
+    # right after the experts (feature_weights multiplies in between)
+    gathered = case in ("canonical", "oai")
+    assert ("scatter back's gradient" in done[0].backward) == gathered, done[0].backward
     assert "gradients" in done[0].decision.witness
     pairs = [(outs[0], outs[1], outs[2]), (xs[0].grad, xs[1].grad, xs[2].grad)]
     pairs += [(p.grad, q.grad, t.grad) for p, q, t in zip(

@@ -193,9 +193,9 @@ def _routed(m, env: dict) -> torch.Tensor:
     routed rows' halves."""
     index, scores = env[m.index], env[m.scores]
     perm, offsets, inverse = routing.sort_by_expert(index, _size(meta(m.w_gate_up).shape[0]))
-    x = routing.gather_scaled(env[m.tokens], scores, index, perm)
+    x = routing.gather_scaled(env[m.tokens], scores, index, perm, inverse)
     p = reference.grouped_mm(x, env[m.w_gate_up], offsets)
     lanes = {m.gate_up: p, "__gen__": env["__gen__"]}
     eval_nodes(m.pair_nodes, lanes)
     o = reference.grouped_mm(lanes[m.product], env[m.w_down], offsets)
-    return routing.back_to_tokens(o, inverse, m.top_k)
+    return routing.sum_to_tokens(o, inverse, perm, m.top_k)

@@ -968,7 +968,8 @@ def prove_dense_experts() -> Proof:
         gate, up = torch.bmm(rows.view(e, t, kk), w_gu).chunk(2, dim=-1)
         want = torch.bmm(torch.nn.functional.silu(gate) * up, w_d).sum(0)
         perm, offsets, inverse = routing.sort_by_expert(idx, e)
-        p = reference.grouped_mm(routing.gather_scaled(x_, scores, idx, perm), w_gu, offsets)
+        p = reference.grouped_mm(routing.gather_scaled(x_, scores, idx, perm, inverse), w_gu,
+                                 offsets)
         gate, up = p.chunk(2, dim=-1)
         o = reference.grouped_mm(torch.nn.functional.silu(gate) * up, w_d, offsets)
         return rel_err(routing.back_to_tokens(o, inverse, top), want)
@@ -982,6 +983,75 @@ def prove_dense_experts() -> Proof:
         ("F_e(0·x) = act(0)·0·D_e = 0 term by term (sympy, act undefined)",
          "refuted with an expert bias, and with a nonzero score off the top-k"),
         _witness("dense experts on their routed rows", num))
+
+
+@functools.cache
+def prove_token_routing() -> Proof:
+    """The routing's gather and its sum back are each other's gradient (coda_rewrite/
+    routing.py: gather_tokens, sum_to_tokens). With perm a permutation of the N = T·k
+    (token, slot) pairs p = t·k + j, row s of the routed problem pair perm[s], and
+    inv its inverse,
+
+        gather   X[s] = H[perm[s] // k]             ∂L/∂H[t] = Σ_j G[inv[t·k + j]]
+        sum back O[t] = Σ_j R[inv[t·k + j]]         ∂L/∂R[s] = G'[perm[s] // k]
+
+    since inv[p] = s exactly where p = perm[s]: autograd's index_put scatters are sums
+    with one term each (the sum back) or a token's k terms (the gather). Checked by
+    sympy's derivatives for every permutation of 4 pairs (k = 1, 2, 4) and 6 pairs
+    (k = 2, 3; every 31st permutation); the witness differentiates the indexing spelling
+    with autograd on random permutations."""
+    import itertools
+
+    def check(n, k, perms):
+        t_count = n // k
+        h = [sp.Symbol(f"h{t}") for t in range(t_count)]
+        r = [sp.Symbol(f"r{s}") for s in range(n)]
+        g = [sp.Symbol(f"g{s}") for s in range(n)]
+        gt = [sp.Symbol(f"G{t}") for t in range(t_count)]
+        for perm in perms:
+            inv = [0] * n
+            for s, p in enumerate(perm):
+                inv[p] = s
+            gather_loss = sum(g[s] * h[perm[s] // k] for s in range(n))
+            sum_loss = sum(gt[t] * sum(r[inv[t * k + j]] for j in range(k))
+                           for t in range(t_count))
+            for t in range(t_count):
+                _require(sp.diff(gather_loss, h[t]) - sum(g[inv[t * k + j]] for j in range(k)),
+                         "the gather's gradient: each token's rows summed through inv")
+            for s in range(n):
+                _require(sp.diff(sum_loss, r[s]) - gt[perm[s] // k],
+                         "the sum back's gradient: a gather by perm // k")
+    for k in (1, 2, 4):
+        check(4, k, itertools.permutations(range(4)))
+    for k in (2, 3):
+        check(6, k, itertools.islice(itertools.permutations(range(6)), 0, None, 31))
+
+    def num(seed):
+        from .. import routing
+        t, k, n = _shape(seed, (1, 9), (1, 4), (1, 5))
+        g = _gen(seed)
+        perm = torch.randperm(t * k, generator=g)
+        inv = routing.inverse_permutation(perm)
+        h = torch.randn(t, n, generator=g, dtype=torch.float64, requires_grad=True)
+        r = torch.randn(t * k, n, generator=g, dtype=torch.float64, requires_grad=True)
+        dx, dy = torch.randn(t * k, n, generator=g, dtype=torch.float64), \
+            torch.randn(t, n, generator=g, dtype=torch.float64)
+        want = torch.autograd.grad(((h[perm // k] * dx).sum() +
+                                    (r[inv].view(t, k, n).sum(1) * dy).sum()), (h, r))
+        got = torch.autograd.grad(((routing.gather_tokens(h, perm, inv, k) * dx).sum() +
+                                   (routing.sum_to_tokens(r, inv, perm, k) * dy).sum()),
+                                  (h, r))
+        return max(rel_err(a, b) for a, b in zip(got, want))
+
+    return Proof(
+        "∂/∂H of H[perm // k] is Σ over each token's rows through inv; ∂/∂R of "
+        "Σ_j R[inv[t·k + j]] is a gather by perm // k",
+        ("perm is a permutation of the T·k (token, slot) pairs and inv its inverse",
+         "pair p = t·k + j belongs to token t (the top-k ids flattened row by row)"),
+        ("sympy's derivatives on every permutation of 4 pairs (k = 1, 2, 4) and every "
+         "31st of 6 pairs (k = 2, 3)",),
+        _witness("the routing's gather and sum back as each other's gradient", num))
+
 
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
@@ -1006,6 +1076,8 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("routed experts' grouped GEMMs", prove_routed_experts()),
             ("routed experts' backward in the down projection's dgrad",
              prove_routed_backward()),
-            ("dense experts on their routed rows", prove_dense_experts())]
+            ("dense experts on their routed rows", prove_dense_experts()),
+            ("the routing's gather and sum back as each other's gradient",
+             prove_token_routing())]
     return out
 

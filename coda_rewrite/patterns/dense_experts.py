@@ -383,13 +383,13 @@ def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
         emit = _Emitter(graph, m.out)
         routing_ = emit.call(routing.sort_by_expert, m.index, experts)
         perm, offsets, inverse = (emit.call(operator.getitem, routing_, i) for i in range(3))
-        x = emit.call(routing.gather_scaled, m.tokens, m.scores, m.index, perm)
+        x = emit.call(routing.gather_scaled, m.tokens, m.scores, m.index, perm, inverse)
         p = emit.call(expert_gemm, x, m.w_gate_up, offsets)
         copies = {m.gate_up: p}
         for node in m.pair_nodes:  # the matched activation, on the routed rows' halves
             copies[node] = emit.copy(node, copies)
         o = emit.call(expert_gemm, copies[m.product], m.w_down, offsets)
-        y = emit.call(routing.back_to_tokens, o, inverse, m.top_k)
+        y = emit.call(routing.sum_to_tokens, o, inverse, perm, m.top_k)
     y.meta.update({k: v for k, v in m.out.meta.items() if k not in y.meta})
     m.out.replace_all_uses_with(y)
     erase_if_dead(graph, list(reversed(m.dense)))

@@ -53,7 +53,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import patterns
+from .. import patterns, routing
 from ..algebra import routed_experts as legality
 from ..algebra import row_scale
 from ..algebra.decision import Why
@@ -563,6 +563,9 @@ class Plan:
     # why the routing's values need no check per launch (legality.routing_in_bounds;
     # None: the kernels check offsets and index on the device each call)
     bounds: str | None = None
+    # training only: the scatter back after the experts, whose gradient is then a gather
+    # (routing.sum_to_tokens) instead of autograd's atomic index_put (legality.scatter_back)
+    scatter_back: legality.ScatterBack | None = None
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -589,11 +592,12 @@ def decide(m: Match, context: Context) -> Decided:
     if m.gate_up_fill is not None and not legality.product_fill_dead(m):
         fill = legality.product_fill(m.op, m.gate_up_fill.constant, m.params)
     training = trains(m)
+    order = legality.token_order(m) if training else None
     return Decided(decision, Plan(
         m, *programs, fill, deferral,
         fused_backward=training and legality.down_backward_fused(m),
-        token_order=legality.token_order(m) if training else None,
-        bounds=legality.routing_in_bounds(m)))
+        token_order=order, bounds=legality.routing_in_bounds(m),
+        scatter_back=legality.scatter_back(m, order)))
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
@@ -645,6 +649,14 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             o = graph.call_method("masked_fill", (o, m.down_fill.mask, m.down_fill.constant))
     o.meta.update({k: v for k, v in m.out.meta.items() if k not in o.meta})
     m.out.replace_all_uses_with(o)
+    back = plan.scatter_back
+    if back is not None:  # its gradient a gather by perm // k, no atomic scatter
+        with graph.inserting_before(back.total):
+            summed = graph.call_function(routing.sum_to_tokens, (
+                o, back.inverse, plan.token_order[0], plan.token_order[1]))
+        summed.meta.update(back.total.meta)
+        back.total.replace_all_uses_with(summed)
+        erase_if_dead(graph, [back.total, back.view, back.index])
     for b in m.biases:  # an update in place is never dead by itself: its value is
         if b.in_place:
             graph.erase_node(b.add)
@@ -674,6 +686,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if order is not None:
         backward.append(f"the tokens' gradient: each token's {order[1]} routed rows summed "
                         f"after the inverse of {describe(order[0])} (no atomic scatter)")
+    if back is not None:
+        backward.append(f"the scatter back's gradient ({describe(back.total)}): a gather by "
+                        f"{describe(order[0])} // {order[1]} (no atomic scatter)")
     if backward:
         shown["backward"] = "; ".join(backward)
     shown["routing"] = plan.bounds or ("offsets and index checked on the device at each "
