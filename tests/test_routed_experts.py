@@ -785,8 +785,9 @@ def test_grouped_launch_host_side(monkeypatch):
 
 def test_speed_policies_on_cuda_graphs(monkeypatch):
     """The speed policies see the grouped GEMMs (size_policy.gemms_of): on a GPU the
-    routed experts are left to eager's ops below FUSED_FROM_ROWS routed rows and in a
-    training graph (they do not pay there, measured), unless the options say otherwise;
+    routed experts are left to eager's ops below FUSED_FROM_ROWS routed rows (below
+    FUSED_FROM_ROWS_IN_TRAINING in a training graph; they pay in training, measured),
+    unless the options say otherwise;
     CPU graphs are not affected (a real match whose GEMM metas are put on a GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -811,20 +812,30 @@ def test_speed_policies_on_cuda_graphs(monkeypatch):
 
     from coda_rewrite.canonical import canon
 
-    def on_gpu(rows, grad):  # the GEMMs' outputs and inputs
+    def on_gpu(rows, grad):  # the GEMMs' outputs and inputs, and the experts' output
         with FakeTensorMode():
-            for n in (m.gate_up, m.down):
+            for n in (m.gate_up, m.down, m.out):
                 n.meta["example_value"] = torch.empty(rows, 32, device="cuda",
                                                       requires_grad=grad)
+            for n in (m.gate_up, m.down):
                 canon(n).args[0].meta["example_value"] = torch.empty(rows, 32, device="cuda")
 
     on_gpu(16, False)
     assert "fewer than the routed_experts fusion's measured threshold" in \
         too_few_rows(routed_experts, m, None)
     assert not too_few_rows(routed_experts, m, 0)
-    on_gpu(routed_experts.FUSED_FROM_ROWS, True)
+    on_gpu(routed_experts.FUSED_FROM_ROWS, False)
     assert not too_few_rows(routed_experts, m, None)
-    for option, left in ((None, True), (False, True), (True, False)):
+    # a training graph fuses from fewer rows (measured: the forward alone does not pay there)
+    training_rows = routed_experts.FUSED_FROM_ROWS_IN_TRAINING
+    assert training_rows < routed_experts.FUSED_FROM_ROWS
+    on_gpu(training_rows, False)
+    assert too_few_rows(routed_experts, m, None)
+    on_gpu(training_rows, True)
+    assert not too_few_rows(routed_experts, m, None)
+    on_gpu(training_rows // 2, True)
+    assert too_few_rows(routed_experts, m, None)
+    for option, left in ((None, False), (False, True), (True, False)):
         opts = Options.make(fuse_in_training=option)
         assert bool(not_paying_in_training(routed_experts, m, opts)) == left, option
 

@@ -40,9 +40,15 @@ token order (inverse permutation, sum over top-k) stays a graph op for Inductor.
 
 Legality: algebra/routed_experts.py (statements.prove_routed_experts, a float64 replay
 of the matched nodes, and of their gradients in a training graph). In training the gated
-GEMM also stores its pre-activation, and the backward runs as rules
-(kernels/grouped.GroupedGated, GroupedDown: grouped dgrad and wgrad GEMMs with the
-activation's derivative and the combine weight's gradient between them).
+GEMM also stores its pre-activation, the down projection's backward runs in its grouped
+dgrad epilogue (kernels/grouped_dgated.py) and the gate/up GEMM's as rules
+(kernels/grouped.GroupedGated); the scatter back after the experts, where ``inv`` is
+built as perm's inverse, is differentiated as a gather (routing.sum_to_tokens) instead of
+autograd's atomic index_put. Where the graph computes the routing as transformers does
+(offsets = cumsum(histc(...)), index = a sort's permutation // top_k) its bounds hold by
+construction and the grouped launches check nothing on the device
+(legality.routing_in_bounds; each such check was a handful of tiny kernels per launch,
+enough to make a training step host-bound).
 """
 
 from __future__ import annotations
@@ -79,13 +85,18 @@ FUSES_GEMMS = True
 # tokens; 1.02x not replayed from a graph): below 65536 rows it loses or runs even
 # (BENCHMARKS.md, tenth and thirteenth sessions)
 FUSED_FROM_ROWS = 65536
-# ... and not in a training step (training_policy.py): forward + backward of the block at
-# 8192 tokens with the down projection's backward in its dgrad epilogue, against
-# torch.compile's: Qwen3-30B-A3B-shaped 1.00x, Mixtral-8x7B-shaped 1.01x, gpt-oss-20b-
-# shaped 1.07x, where leaving the experts to eager's ops gave 1.01x / 1.04x / 0.99x in the
-# same run (rounds' spreads 2-15%: not shown to pay; BENCHMARKS.md, twelfth session; the
-# backward as rules alone was 0.89x / 0.96x / 0.95x); fuse_in_training=True fuses it
-PAYS_IN_TRAINING = False
+# ... and in a training step (training_policy.py): forward + backward of the block at
+# 8192 tokens, the routing's bounds proved (no device-side check per launch) and the
+# scatter back's gradient a gather, against torch.compile's in alternating rounds:
+# Qwen3-30B-A3B-shaped (65536 routed rows) 1.064x, gpt-oss-20b-shaped (32768) 1.095x,
+# Mixtral-8x7B-shaped (16384) 1.009x, where leaving the experts to eager's ops gave
+# 1.017x / 1.004x / 1.015x (BENCHMARKS.md, fourteenth session; before these two changes
+# the fused step was host-bound: 0.98-1.01x, twelfth and thirteenth sessions). So
+# training graphs fuse them, from half the forward's rows (gpt-oss's 32768 pay there;
+# Mixtral's 16384 run even)
+PAYS_IN_TRAINING = True
+FUSED_FROM_ROWS_IN_TRAINING = 32768
+FUSED_FROM_ROWS_FOR = {"in a training graph": FUSED_FROM_ROWS_IN_TRAINING}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,6 +580,11 @@ class Plan:
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
+
+def fused_from_rows_of(m: Match) -> int:
+    """size_policy.fused_from_rows for one match: a training graph's from fewer rows."""
+    return FUSED_FROM_ROWS_IN_TRAINING if trains(m) else FUSED_FROM_ROWS
+
 
 def describe_match(m: Match) -> dict:
     return {"consumers": [describe(m.gate_up), describe(m.down)]}
