@@ -374,6 +374,49 @@ def test_routing_bounds_proved_or_checked_per_launch(case):
     assert f"routing: {rec.routing}" in str(fast.report)
 
 
+SCATTER_BACK_TAKEN = {"canonical": True, "inverse_by_argsort": False,
+                      "inverse_updated": False, "tokens_strided": False,
+                      "index_clamped": False, "feature_weights": False}
+
+
+@pytest.mark.parametrize("case", list(SCATTER_BACK_TAKEN))
+def test_scatter_back_as_gathers_in_token_order(case):
+    """Inference: the scatter back after the experts runs as k row gathers added per token
+    (routing.sum_to_tokens) only where inv is built as the sort permutation's inverse, the
+    gather index is that permutation // k and each token's k rows are consecutive; the
+    outputs are eager's either way."""
+    model = Experts(case)
+    check_look_alike(model, None)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        fast(torch.randn(8, 32).bfloat16())
+    (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    assert ("the scatter back" in rec.routing) == SCATTER_BACK_TAKEN[case], rec.routing
+    graph = str(fast.report)[str(fast.report).index("rewritten graph:"):]
+    assert ("sum_to_tokens" in graph) == SCATTER_BACK_TAKEN[case]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8, 17])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_back_to_tokens_sums_each_tokens_rows(top_k, dtype):
+    """routing.back_to_tokens (k gathers added, or the indexed reduction past 16 rows per
+    token): each token's k rows summed, in float32 for 16-bit rows with one rounding."""
+    from coda_rewrite import routing
+    g = torch.Generator().manual_seed(top_k)
+    tokens, n = 5, 24
+    perm = torch.randperm(tokens * top_k, generator=g)
+    rows = torch.randn(tokens * top_k, n, generator=g).to(dtype)
+    got = routing.back_to_tokens(rows, routing.inverse_permutation(perm), top_k)
+    want = torch.zeros(tokens, n, dtype=torch.float64)
+    want.index_add_(0, perm // top_k, rows.double())
+    assert got.dtype == dtype and got.shape == (tokens, n)
+    if dtype == torch.float64:
+        assert rel_err(got, want) <= 1e-15
+    else:  # the float32 sum rounded once: within half a bf16 ulp of the exact sum
+        assert torch.equal(got, want.float().to(dtype)) or \
+            (got.double() - want).abs().max() <= 2 ** -8 * want.abs().max()
+
+
 def test_feature_weights_are_not_a_combine():
     model = Experts("feature_weights")
     with torch.no_grad():

@@ -332,6 +332,8 @@ class ScatterBack:
     view: fx.Node                  # .view(T, k, N) / .reshape
     total: fx.Node                 # .sum(1)
     inverse: fx.Node               # inv
+    perm: fx.Node                  # the sort's permutation inv inverts
+    top_k: int
 
 
 def scatter_back(m, order: tuple[fx.Node, int] | None) -> ScatterBack | None:
@@ -372,7 +374,7 @@ def scatter_back(m, order: tuple[fx.Node, int] | None) -> ScatterBack | None:
     if total.op != "call_method" or total.target != "sum" or total.args[1:] not in ((), (1,)) \
             or set(total.kwargs) - {"dim"} or arg(total, 1, "dim") not in (1, -2):
         return None
-    return ScatterBack(index, view, total, inv)
+    return ScatterBack(index, view, total, inv, perm, k)
 
 
 def down_backward_fused(m) -> bool:

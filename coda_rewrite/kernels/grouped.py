@@ -420,8 +420,8 @@ class GroupedGated(torch.autograd.Function):
             if index is None:
                 dx = dx_rows
             elif perm is not None:  # token t's rows are inv[t·k : (t+1)·k]: no atomic adds
-                dx = routing.back_to_tokens(dx_rows.to(cd), routing.inverse_permutation(perm),
-                                            ctx.top_k)
+                dx = routing.back_to_tokens(dx_rows, routing.inverse_permutation(perm),
+                                            ctx.top_k)  # summed in float32
             else:
                 dx = x.new_zeros(x.shape, dtype=cd).index_add_(0, index, dx_rows.to(cd))
             dx = dx.to(x.dtype)

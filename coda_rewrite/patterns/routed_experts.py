@@ -574,8 +574,9 @@ class Plan:
     # why the routing's values need no check per launch (legality.routing_in_bounds;
     # None: the kernels check offsets and index on the device each call)
     bounds: str | None = None
-    # training only: the scatter back after the experts, whose gradient is then a gather
-    # (routing.sum_to_tokens) instead of autograd's atomic index_put (legality.scatter_back)
+    # the scatter back after the experts (legality.scatter_back), run as routing.
+    # sum_to_tokens: k coalesced row gathers added (4x Inductor's reduction of the
+    # indexed rows at top-8), its gradient a gather instead of autograd's atomic index_put
     scatter_back: legality.ScatterBack | None = None
 
 
@@ -613,7 +614,7 @@ def decide(m: Match, context: Context) -> Decided:
         m, *programs, fill, deferral,
         fused_backward=training and legality.down_backward_fused(m),
         token_order=order, bounds=legality.routing_in_bounds(m),
-        scatter_back=legality.scatter_back(m, order)))
+        scatter_back=legality.scatter_back(m, legality.token_order(m))))
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
@@ -666,10 +667,10 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     o.meta.update({k: v for k, v in m.out.meta.items() if k not in o.meta})
     m.out.replace_all_uses_with(o)
     back = plan.scatter_back
-    if back is not None:  # its gradient a gather by perm // k, no atomic scatter
+    if back is not None:  # coalesced gathers; its gradient a gather by perm // k
         with graph.inserting_before(back.total):
             summed = graph.call_function(routing.sum_to_tokens, (
-                o, back.inverse, plan.token_order[0], plan.token_order[1]))
+                o, back.inverse, back.perm, back.top_k))
         summed.meta.update(back.total.meta)
         back.total.replace_all_uses_with(summed)
         erase_if_dead(graph, [back.total, back.view, back.index])
@@ -702,7 +703,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if order is not None:
         backward.append(f"the tokens' gradient: each token's {order[1]} routed rows summed "
                         f"after the inverse of {describe(order[0])} (no atomic scatter)")
-    if back is not None:
+    if back is not None and order is not None:
         backward.append(f"the scatter back's gradient ({describe(back.total)}): a gather by "
                         f"{describe(order[0])} // {order[1]} (no atomic scatter)")
     if backward:
@@ -710,6 +711,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     shown["routing"] = plan.bounds or ("offsets and index checked on the device at each "
                                        "launch (their bounds are not provable from the "
                                        "graph)")
+    if back is not None:
+        shown["routing"] += (f"; the scatter back {describe(back.total)}: each token's "
+                             f"{back.top_k} rows gathered and added in token order")
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")
