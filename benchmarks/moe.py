@@ -168,24 +168,6 @@ def train(names):
     write_csv("moe layer forward + backward (8192 tokens)", rows)
 
 
-def host_time(fn, steps: int = 3, repeats: int = 5) -> float:
-    """Host µs to issue one call of ``fn`` while the GPU is kept busy ahead of it (a long
-    torch.cuda._sleep first, so that the launch queue never blocks the host): what a
-    step costs the CPU, whatever the kernels cost. Median over ``repeats``."""
-    import statistics
-    import time
-    seen = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000 // 10)  # ~100 ms of GPU time at ~2 GHz
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        seen.append((time.perf_counter() - t0) / steps * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(seen)
-
-
 def host_ops(fn, n: int = 20) -> str:
     """The ``n`` ops with the most self CPU time in one call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
@@ -202,6 +184,7 @@ def host(names):
     per step (the GPU kept busy), device ms per step (replayed from a CUDA graph), and
     the coda step's busiest host ops: whether a step is host-bound, and where."""
     from common import bench_graphed
+    from host_overhead import host_us
     print(env_line(), flush=True)
     for name in names:
         torch.manual_seed(0)
@@ -225,7 +208,7 @@ def host(names):
                              rounds=5)
         show(f"{name}: train ", timed, "torch.compile grouped_mm")
         for k, f in variants.items():
-            cpu = host_time(lambda f=f: step(f))
+            cpu = host_us(lambda f=f: step(f), calls=3)
             try:
                 dev = f"{bench_graphed(lambda f=f: step(f)):.3f} ms"
             except Exception as e:  # a step that cannot be captured says why

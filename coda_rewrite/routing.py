@@ -85,54 +85,37 @@ def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> tor
     return acc.to(rows.dtype)
 
 
-class _SumToTokens(torch.autograd.Function):
-    """back_to_tokens whose gradient is a gather: token t's rows are the pairs
-    t·k .. t·k + k - 1, row s is pair perm[s], so ∂out[t]/∂rows[s] is 1 exactly where
-    t = perm[s] // k (inverse is perm's inverse: inv[p] = s ⟺ p = perm[s])."""
+class _Adjoint(torch.autograd.Function):
+    """The routing's gather (``gather``: tokens[perm // k]) or its sum back
+    (back_to_tokens), differentiated as the other: token t's rows are the pairs
+    t·k .. t·k + k - 1 and row s is pair perm[s], so ∂out[t]/∂rows[s] of the sum back
+    is 1 exactly where t = perm[s] // k (inverse is perm's inverse: inv[p] = s ⟺
+    p = perm[s]), and the gather's gradient is each token's k rows summed in its own
+    order (float32 sums: no atomic adds, deterministic)."""
 
     @staticmethod
-    def forward(rows, inverse, perm, top_k):
-        return back_to_tokens(rows, inverse, top_k)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, inverse, perm, top_k = inputs
-        ctx.top_k = top_k
-        ctx.save_for_backward(inverse, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, perm = ctx.saved_tensors
-        return gather_tokens(grad, perm, inverse, ctx.top_k), None, None, None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """tokens[perm // k] whose gradient is each token's k rows summed in its own order
-    (back_to_tokens, float32 sums: no atomic adds, deterministic)."""
-
-    @staticmethod
-    def forward(tokens, perm, inverse, top_k):
-        return tokens[perm // top_k]
+    def forward(x, perm, inverse, top_k, gather):
+        return x[perm // top_k] if gather else back_to_tokens(x, inverse, top_k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, perm, inverse, top_k = inputs
-        ctx.top_k = top_k
+        _, perm, inverse, ctx.top_k, ctx.gather = inputs
         ctx.save_for_backward(perm, inverse)
 
     @staticmethod
     def backward(ctx, grad):
         perm, inverse = ctx.saved_tensors
-        return sum_to_tokens(grad, inverse, perm, ctx.top_k), None, None, None
+        other = sum_to_tokens if ctx.gather else gather_tokens
+        return other(grad, perm, inverse, ctx.top_k), None, None, None, None
 
 
-def sum_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, perm: torch.Tensor,
+def sum_to_tokens(rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor,
                   top_k: int) -> torch.Tensor:
     """back_to_tokens(rows, inverse, top_k), differentiated as a gather (rows [T·k, N]
     in the order of ``perm``, a permutation of the T·k (token, slot) pairs, ``inverse``
     its inverse)."""
     if torch.is_grad_enabled() and rows.requires_grad:
-        return _SumToTokens.apply(rows, inverse, perm, top_k)
+        return _Adjoint.apply(rows, perm, inverse, top_k, False)
     return back_to_tokens(rows, inverse, top_k)
 
 
@@ -141,5 +124,5 @@ def gather_tokens(tokens: torch.Tensor, perm: torch.Tensor, inverse: torch.Tenso
     """tokens[perm // top_k] (each routed row's token), differentiated as a sum per
     token in its own order (``inverse``: perm's inverse)."""
     if torch.is_grad_enabled() and tokens.requires_grad:
-        return _GatherTokens.apply(tokens, perm, inverse, top_k)
+        return _Adjoint.apply(tokens, perm, inverse, top_k, True)
     return tokens[perm // top_k]

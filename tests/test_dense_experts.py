@@ -298,7 +298,7 @@ def test_routed_form_against_the_dense_sum():
         gate, up = expert_gemm(routing.gather_scaled(x, s, idx, perm, inverse), w_gu,
                                offsets).chunk(2, -1)
         got = routing.sum_to_tokens(expert_gemm(F.silu(gate) * up, w_d, offsets),
-                                    inverse, perm, top_k)
+                                    perm, inverse, top_k)
         assert rel_err(got, want) <= 1e-13
 
 

@@ -358,16 +358,23 @@ def test_look_alikes(case):
 ROUTING_PROVED = {"canonical": True, "offsets_by_comparison": False, "index_clamped": False}
 
 
-@pytest.mark.parametrize("case", list(ROUTING_PROVED))
-def test_routing_bounds_proved_or_checked_per_launch(case):
-    """Every spelling is rewritten with eager's outputs; the report says whether the
-    routing's bounds were proved from the graph or are checked on the device."""
+def _rewritten_for_inference(case: str):
+    """(the optimize()d Experts(case), its routed-experts record): outputs checked
+    against eager's first (check_look_alike), the record taken from a no_grad call."""
     model = Experts(case)
     check_look_alike(model, None)
     with torch.no_grad():
         fast = coda_rewrite.optimize(model)
         fast(torch.randn(8, 32).bfloat16())
     (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    return fast, rec
+
+
+@pytest.mark.parametrize("case", list(ROUTING_PROVED))
+def test_routing_bounds_proved_or_checked_per_launch(case):
+    """Every spelling is rewritten with eager's outputs; the report says whether the
+    routing's bounds were proved from the graph or are checked on the device."""
+    fast, rec = _rewritten_for_inference(case)
     proved = "hold by construction" in rec.routing
     assert proved == ROUTING_PROVED[case], rec.routing
     assert proved or "checked on the device at each launch" in rec.routing
@@ -385,12 +392,7 @@ def test_scatter_back_as_gathers_in_token_order(case):
     (routing.sum_to_tokens) only where inv is built as the sort permutation's inverse, the
     gather index is that permutation // k and each token's k rows are consecutive; the
     outputs are eager's either way."""
-    model = Experts(case)
-    check_look_alike(model, None)
-    with torch.no_grad():
-        fast = coda_rewrite.optimize(model)
-        fast(torch.randn(8, 32).bfloat16())
-    (rec,) = [r for r in fast.report.records if r.pattern == "routed_experts"]
+    fast, rec = _rewritten_for_inference(case)
     assert ("the scatter back" in rec.routing) == SCATTER_BACK_TAKEN[case], rec.routing
     graph = str(fast.report)[str(fast.report).index("rewritten graph:"):]
     assert ("sum_to_tokens" in graph) == SCATTER_BACK_TAKEN[case]

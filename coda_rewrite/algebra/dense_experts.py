@@ -198,4 +198,4 @@ def _routed(m, env: dict) -> torch.Tensor:
     lanes = {m.gate_up: p, "__gen__": env["__gen__"]}
     eval_nodes(m.pair_nodes, lanes)
     o = reference.grouped_mm(lanes[m.product], env[m.w_down], offsets)
-    return routing.sum_to_tokens(o, inverse, perm, m.top_k)
+    return routing.sum_to_tokens(o, perm, inverse, m.top_k)

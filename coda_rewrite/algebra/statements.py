@@ -1039,7 +1039,7 @@ def prove_token_routing() -> Proof:
         want = torch.autograd.grad(((h[perm // k] * dx).sum() +
                                     (r[inv].view(t, k, n).sum(1) * dy).sum()), (h, r))
         got = torch.autograd.grad(((routing.gather_tokens(h, perm, inv, k) * dx).sum() +
-                                   (routing.sum_to_tokens(r, inv, perm, k) * dy).sum()),
+                                   (routing.sum_to_tokens(r, perm, inv, k) * dy).sum()),
                                   (h, r))
         return max(rel_err(a, b) for a, b in zip(got, want))
 

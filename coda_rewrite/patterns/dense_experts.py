@@ -389,7 +389,7 @@ def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
         for node in m.pair_nodes:  # the matched activation, on the routed rows' halves
             copies[node] = emit.copy(node, copies)
         o = emit.call(expert_gemm, copies[m.product], m.w_down, offsets)
-        y = emit.call(routing.sum_to_tokens, o, inverse, perm, m.top_k)
+        y = emit.call(routing.sum_to_tokens, o, perm, inverse, m.top_k)
     y.meta.update({k: v for k, v in m.out.meta.items() if k not in y.meta})
     m.out.replace_all_uses_with(y)
     erase_if_dead(graph, list(reversed(m.dense)))

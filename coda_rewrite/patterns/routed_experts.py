@@ -670,7 +670,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if back is not None:  # coalesced gathers; its gradient a gather by perm // k
         with graph.inserting_before(back.total):
             summed = graph.call_function(routing.sum_to_tokens, (
-                o, back.inverse, back.perm, back.top_k))
+                o, back.perm, back.inverse, back.top_k))
         summed.meta.update(back.total.meta)
         back.total.replace_all_uses_with(summed)
         erase_if_dead(graph, [back.total, back.view, back.index])
