@@ -91,10 +91,23 @@ class Experts(nn.Module):
             o = o * w_g[:, None]
         elif c["weights"] == "entries":
             o = o * w_g.unsqueeze(-1).expand(-1, H).contiguous()
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.shape[0])
-        out = o[inv].view(h.shape[0], k, -1).sum(dim=1)
+        out = _scatter_back(o, perm, h.shape[0], k, c["scatter"])
         return out if extra is None else (out, extra)
+
+
+def _scatter_back(o, perm, tokens: int, k: int, spelling: str):
+    """The rows back in token order, summed per token: transformers' spelling
+    (rewritten as gathers added in token order) or a variant (reshape, sum(-2): taken
+    too; an argsort inverse, a strided grouping of other rows: left as graph ops)."""
+    if spelling == "argsort":
+        return o[torch.argsort(perm)].view(tokens, k, -1).sum(dim=1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.shape[0])
+    if spelling == "strided":
+        return o[inv].view(k, tokens, -1).sum(dim=0)
+    if spelling == "reshape":
+        return o[inv].reshape(tokens, k, -1).sum(-2)
+    return o[inv].view(tokens, k, -1).sum(dim=1)
 
 
 def _mostly(value, others):
@@ -116,6 +129,7 @@ cases = st.fixed_dictionaries({
     "weights": st.sampled_from(["rows", "rows[:, None]", "entries", "none"]),
     "reader": _mostly("none", st.sampled_from(READERS)),
     "train": st.booleans(),
+    "scatter": _mostly("inverse", st.sampled_from(["argsort", "strided", "reshape"])),
 })
 
 
@@ -151,6 +165,15 @@ def _check(model_class, case, canonical: bool, note, min_tokens: int, grad_tol: 
         truth = exact(xs[2])
     got, want, truth = ((t if isinstance(t, tuple) else (t,)) for t in (got, want, truth))
     adversary_records(fast.report, "routed_experts", canonical, note)
+    # the scatter back run as gathers in token order where spelled as transformers does
+    # (or reshaped, sum(-2)) right after the experts: the combine the down GEMM took (its
+    # operand r), or no combine at all; never for the look-alikes
+    for r in fast.report.records:
+        if r.pattern == "routed_experts" and r.status == "rewritten":
+            combined = "r" in [o.name for o in r.programs[1].operands]
+            taken = case["scatter"] in ("inverse", "reshape") and \
+                (combined or case.get("weights") == "none")
+            assert ("the scatter back" in r.routing) == taken, (case, r.routing)
     for o, w in zip(got, want):
         assert o.shape == w.shape and o.dtype == w.dtype
     draws = [(got, want, truth)]
@@ -245,9 +268,7 @@ class OaiExperts(nn.Module):
         o = _gmm(y, self.down if kn else self.down.transpose(-2, -1), offs)
         o = self._bias(o, self.b_d, ids_g)
         o = o.masked_fill(mask, 0.0) * w_g.unsqueeze(-1)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.shape[0])
-        out = o[inv].view(h.shape[0], k, -1).sum(dim=1)
+        out = _scatter_back(o, perm, h.shape[0], k, c["scatter"])
         return out if extra is None else (out, extra)
 
 
@@ -269,6 +290,7 @@ oai_cases = st.fixed_dictionaries({
     "order": st.sampled_from(["g*sig", "sig*g"]),
     "reader": _mostly("none", st.sampled_from(["glu", "gate_up"])),
     "train": st.booleans(),
+    "scatter": _mostly("inverse", st.sampled_from(["argsort", "strided", "reshape"])),
 })
 
 
