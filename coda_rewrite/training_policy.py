@@ -15,7 +15,7 @@ and the other families' backward rules, correct (tested against eager) but not f
 CODA way (issue #16), leave them out. The routed experts' grouped GEMMs, with the down
 projection's backward in its grouped dgrad epilogue, the routing's gradients as gathers
 and no device-side check of the routing per launch, run a mixture-of-experts block's
-forward + backward at 1.064x (Qwen3-30B-A3B shape), 1.095x (gpt-oss-20b) and 1.009x
+forward + backward at 1.147x (Qwen3-30B-A3B shape), 1.099x (gpt-oss-20b) and 1.035x
 (Mixtral-8x7B) of torch.compile's (with their backward as rules: 0.89x and 0.96x): they
 are fused, from their own training threshold of routed rows (patterns/routed_experts).
 

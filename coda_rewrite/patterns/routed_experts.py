@@ -86,14 +86,14 @@ FUSES_GEMMS = True
 # (BENCHMARKS.md, tenth and thirteenth sessions)
 FUSED_FROM_ROWS = 65536
 # ... and in a training step (training_policy.py): forward + backward of the block at
-# 8192 tokens, the routing's bounds proved (no device-side check per launch) and the
-# scatter back's gradient a gather, against torch.compile's in alternating rounds:
-# Qwen3-30B-A3B-shaped (65536 routed rows) 1.064x, gpt-oss-20b-shaped (32768) 1.095x,
-# Mixtral-8x7B-shaped (16384) 1.009x, where leaving the experts to eager's ops gave
-# 1.017x / 1.004x / 1.015x (BENCHMARKS.md, fourteenth session; before these two changes
-# the fused step was host-bound: 0.98-1.01x, twelfth and thirteenth sessions). So
-# training graphs fuse them, from half the forward's rows (gpt-oss's 32768 pay there;
-# Mixtral's 16384 run even)
+# 8192 tokens, the routing's bounds proved (no device-side check per launch), the scatter
+# back as gathers added in token order and its gradient a gather, against torch.compile's
+# in alternating rounds: Qwen3-30B-A3B-shaped (65536 routed rows) 1.147x, gpt-oss-20b-
+# shaped (32768) 1.099x, Mixtral-8x7B-shaped (16384) 1.035x (BENCHMARKS.md, fourteenth
+# session; before these changes the fused step was host-bound: 0.98-1.01x, twelfth and
+# thirteenth sessions). So training graphs fuse them, from half the forward's rows
+# (gpt-oss's 32768 pay there; Mixtral's 16384 were measured at 1.01-1.04x, inside the
+# rounds' spreads)
 PAYS_IN_TRAINING = True
 FUSED_FROM_ROWS_IN_TRAINING = 32768
 FUSED_FROM_ROWS_FOR = {"in a training graph": FUSED_FROM_ROWS_IN_TRAINING}
