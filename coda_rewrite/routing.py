@@ -78,7 +78,7 @@ def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> tor
     if top_k > _UNROLLED_TOP_K:
         return rows[inverse].reshape(-1, top_k, rows.shape[-1]).sum(1)
     acc_dtype = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
-    slots = inverse.view(-1, top_k)
+    slots = inverse.reshape(-1, top_k)
     acc = rows[slots[:, 0]].to(acc_dtype)
     for j in range(1, top_k):
         acc = acc + rows[slots[:, j]].to(acc_dtype)
