@@ -398,6 +398,40 @@ def test_scatter_back_as_gathers_in_token_order(case):
     assert ("sum_to_tokens" in graph) == SCATTER_BACK_TAKEN[case]
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_dynamic_shapes_keep_the_scatter_back_and_eager_numbers(train):
+    """torch.compile(dynamic=True), as a server sees varying token counts: the experts
+    rewritten once for every size, the scatter back still taken (its arange's length and
+    the view's sizes symbolic), outputs and the input's gradient no worse than eager's
+    against float64 at two sizes."""
+    torch.manual_seed(0)
+    model = Experts("canonical", hidden=64, inter=64)
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    torch._dynamo.reset()
+    seen = len(coda_rewrite.last_report().records)  # the session's earlier graphs
+    fast = torch.compile(model, backend="coda", dynamic=True)
+    for tokens in (64, 96):
+        h = torch.randn(tokens, 64)
+        xs = [h.bfloat16().requires_grad_(train), h.bfloat16().requires_grad_(train),
+              h.double().requires_grad_(train)]
+        with torch.set_grad_enabled(train):
+            outs = [f(x) for f, x in zip((fast, ref, exact), xs)]
+        assert rel_err(outs[0].double(), outs[2]) <= 1.5 * rel_err(outs[1].double(), outs[2])
+        if train:
+            r = torch.randn(outs[0].shape, dtype=torch.float64)
+            for o in outs:
+                (o.double() * r).sum().backward()
+            assert rel_err(xs[0].grad.double(), xs[2].grad) <= \
+                1.5 * rel_err(xs[1].grad.double(), xs[2].grad) + 1e-6
+    records = [r for r in coda_rewrite.last_report().records[seen:]
+               if r.pattern == "routed_experts"]
+    assert records and all(r.status == "rewritten" for r in records)
+    assert all("the scatter back" in r.routing for r in records)
+    if train:
+        assert all("scatter back's gradient" in r.backward for r in records), \
+            [r.backward for r in records]
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 8, 17])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_back_to_tokens_sums_each_tokens_rows(top_k, dtype):

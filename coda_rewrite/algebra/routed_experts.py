@@ -357,9 +357,11 @@ def scatter_back(m, order: tuple[fx.Node, int] | None) -> ScatterBack | None:
     if len(writes) != 1 or writes[0][0].target is not operator.setitem:
         return None
     _, key, value = writes[0][0].args
+    # arange(N): 0 .. N - 1 (one argument; its length read from its value, symbolic or not)
     if key is not perm or not isinstance(value, fx.Node) or value.target is not torch.arange \
             or len(value.args) != 1 or set(value.kwargs) - {"device"} or \
-            not statically_known_true(value.args[0] == meta(perm).shape[0]):
+            meta(value) is None or \
+            not statically_known_true(meta(value).shape[0] == meta(perm).shape[0]):
         return None
     view = next(iter(index.users)) if len(index.users) == 1 else None
     total = next(iter(view.users)) if view is not None and len(view.users) == 1 else None
