@@ -309,7 +309,8 @@ def layer(names):
     into the experts' grouped GEMM), alternating rounds."""
     print(env_line(), flush=True)
     every = ("explicit_attention", "attention_inputs", "residual_rmsnorm_gemm", "gated_mlp",
-             "routed_experts", "rope", "lm_head_cross_entropy", "layernorm_gemm")
+             "routed_experts", "scatter_back", "rope", "lm_head_cross_entropy",
+             "layernorm_gemm")
     for name in names:
         torch.manual_seed(0)
         model = whole_model(name)

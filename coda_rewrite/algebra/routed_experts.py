@@ -28,7 +28,6 @@ Side conditions, each checked here:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 
@@ -323,62 +322,6 @@ def routing_in_bounds(m) -> str | None:
              else "") + "): no device-side check per launch")
 
 
-@dataclasses.dataclass(frozen=True)
-class ScatterBack:
-    """``out[inv].view(T, k, N).sum(1)``: the experts' rows back in token order and
-    summed over each token's k (Hugging Face's deterministic scatter back), with
-    ``inv`` built as perm's inverse (``inv = empty_like(perm); inv[perm] = arange(N)``)."""
-    index: fx.Node                 # out[inv]
-    view: fx.Node                  # .view(T, k, N) / .reshape
-    total: fx.Node                 # .sum(1)
-    inverse: fx.Node               # inv
-    perm: fx.Node                  # the sort's permutation inv inverts
-    top_k: int
-
-
-def scatter_back(m, order: tuple[fx.Node, int] | None) -> ScatterBack | None:
-    """The scatter back after the match's output, where its gradient may be a gather
-    (routing.sum_to_tokens; statements.prove_token_routing): ``inv`` is perm's inverse —
-    an empty_like(perm) written once, in place, by ``inv[perm] = arange(N)`` with N =
-    perm's length, and updated by nothing else — perm the sort's permutation the
-    gather divides by k (token_order), and the view groups k consecutive pairs per
-    token. None elsewhere (autograd's own scatter then)."""
-    if order is None:
-        return None
-    perm, k = order
-    index = next(iter(m.out.users)) if len(m.out.users) == 1 else None
-    if index is None or index.target is not operator.getitem or index.args[0] is not m.out:
-        return None
-    inv = index.args[1]
-    if not isinstance(inv, fx.Node) or inv.target is not torch.empty_like or \
-            inv.args[:1] != (perm,) or len(inv.args) != 1 or inv.kwargs:
-        return None
-    writes = list(in_place_updates({inv}, inv.graph))
-    if len(writes) != 1 or writes[0][0].target is not operator.setitem:
-        return None
-    _, key, value = writes[0][0].args
-    # arange(N): 0 .. N - 1 (one argument; its length read from its value, symbolic or not)
-    if key is not perm or not isinstance(value, fx.Node) or value.target is not torch.arange \
-            or len(value.args) != 1 or set(value.kwargs) - {"device"} or \
-            meta(value) is None or \
-            not statically_known_true(meta(value).shape[0] == meta(perm).shape[0]):
-        return None
-    view = next(iter(index.users)) if len(index.users) == 1 else None
-    total = next(iter(view.users)) if view is not None and len(view.users) == 1 else None
-    if view is None or total is None or view.op != "call_method" or \
-            view.target not in ("view", "reshape"):
-        return None
-    mv, mi = meta(view), meta(index)
-    if mv is None or mi is None or mv.dim() != 3 or mv.shape[1] != k or \
-            not statically_known_true(mv.shape[0] * k == mi.shape[0]) or \
-            mv.shape[2] != mi.shape[1]:
-        return None
-    if total.op != "call_method" or total.target != "sum" or total.args[1:] not in ((), (1,)) \
-            or set(total.kwargs) - {"dim"} or arg(total, 1, "dim") not in (1, -2):
-        return None
-    return ScatterBack(index, view, total, inv, perm, k)
-
-
 def down_backward_fused(m) -> bool:
     """Whether the down GEMM's backward runs in its dgrad epilogue (kernels/grouped_dgated)
     when the match trains: its input is the gated GEMM's output itself (a live fill of the
@@ -413,7 +356,7 @@ def decide(m, gated, down, deferred: bool = False) -> Decision:
             back = statements.prove_routed_backward()
             statement = f"{statement}; backward: {back.statement}"
             assumptions, steps = (*assumptions, *back.assumptions), (*steps, *back.steps)
-        if token_order(m) is not None:  # the gather's and the scatter back's gradients
+        if token_order(m) is not None:  # the gather's gradient: a sum per token
             moved = statements.prove_token_routing()
             statement = f"{statement}; {moved.statement}"
             assumptions, steps = (*assumptions, *moved.assumptions), (*steps, *moved.steps)

@@ -14,6 +14,9 @@
     routed_experts     a mixture-of-experts layer's grouped expert GEMMs: the gather as
                        the GEMM's row read, act(gate)·up and the combine weight in their
                        epilogues
+    scatter_back       the experts' rows back in token order as gathers added per token,
+                       differentiated as a gather: after routed_experts, whatever
+                       produced the rows
     rope               after the norms too (q/k/v as rowscale consumers merge into one
                        rotating GEMM)
     cross_entropy      the logits GEMM may be the final norm's rowscale consumer
@@ -28,7 +31,7 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 from __future__ import annotations
 
 from . import (attention, cross_entropy, dense_experts, explicit_attention, gated_mlp,
-               layernorm, residual_rmsnorm, rope, routed_experts)
+               layernorm, residual_rmsnorm, rope, routed_experts, scatter_back)
 
 FAMILIES = (explicit_attention, attention, dense_experts, residual_rmsnorm, gated_mlp,
-            routed_experts, rope, cross_entropy, layernorm)
+            routed_experts, scatter_back, rope, cross_entropy, layernorm)

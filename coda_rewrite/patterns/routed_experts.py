@@ -42,9 +42,8 @@ Legality: algebra/routed_experts.py (statements.prove_routed_experts, a float64 
 of the matched nodes, and of their gradients in a training graph). In training the gated
 GEMM also stores its pre-activation, the down projection's backward runs in its grouped
 dgrad epilogue (kernels/grouped_dgated.py) and the gate/up GEMM's as rules
-(kernels/grouped.GroupedGated); the scatter back after the experts, where ``inv`` is
-built as perm's inverse, is differentiated as a gather (routing.sum_to_tokens) instead of
-autograd's atomic index_put. Where the graph computes the routing as transformers does
+(kernels/grouped.GroupedGated); the scatter back after the experts is the next family's
+(patterns/scatter_back.py). Where the graph computes the routing as transformers does
 (offsets = cumsum(histc(...)), index = a sort's permutation // top_k) its bounds hold by
 construction and the grouped launches check nothing on the device
 (legality.routing_in_bounds; each such check was a handful of tiny kernels per launch,
@@ -59,7 +58,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import patterns, routing
+from .. import patterns
 from ..algebra import routed_experts as legality
 from ..algebra import row_scale
 from ..algebra.decision import Why
@@ -574,10 +573,6 @@ class Plan:
     # why the routing's values need no check per launch (legality.routing_in_bounds;
     # None: the kernels check offsets and index on the device each call)
     bounds: str | None = None
-    # the scatter back after the experts (legality.scatter_back), run as routing.
-    # sum_to_tokens: k coalesced row gathers added (4x Inductor's reduction of the
-    # indexed rows at top-8), its gradient a gather instead of autograd's atomic index_put
-    scatter_back: legality.ScatterBack | None = None
 
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
@@ -613,8 +608,7 @@ def decide(m: Match, context: Context) -> Decided:
     return Decided(decision, Plan(
         m, *programs, fill, deferral,
         fused_backward=training and legality.down_backward_fused(m),
-        token_order=order, bounds=legality.routing_in_bounds(m),
-        scatter_back=legality.scatter_back(m, legality.token_order(m))))
+        token_order=order, bounds=legality.routing_in_bounds(m)))
 
 
 def _as_nk(graph: fx.Graph, w: fx.Node, kn: bool) -> fx.Node:
@@ -666,14 +660,6 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
             o = graph.call_method("masked_fill", (o, m.down_fill.mask, m.down_fill.constant))
     o.meta.update({k: v for k, v in m.out.meta.items() if k not in o.meta})
     m.out.replace_all_uses_with(o)
-    back = plan.scatter_back
-    if back is not None:  # coalesced gathers; its gradient a gather by perm // k
-        with graph.inserting_before(back.total):
-            summed = graph.call_function(routing.sum_to_tokens, (
-                o, back.perm, back.inverse, back.top_k))
-        summed.meta.update(back.total.meta)
-        back.total.replace_all_uses_with(summed)
-        erase_if_dead(graph, [back.total, back.view, back.index])
     for b in m.biases:  # an update in place is never dead by itself: its value is
         if b.in_place:
             graph.erase_node(b.add)
@@ -703,17 +689,11 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     if order is not None:
         backward.append(f"the tokens' gradient: each token's {order[1]} routed rows summed "
                         f"after the inverse of {describe(order[0])} (no atomic scatter)")
-    if back is not None and order is not None:
-        backward.append(f"the scatter back's gradient ({describe(back.total)}): a gather by "
-                        f"{describe(order[0])} // {order[1]} (no atomic scatter)")
     if backward:
         shown["backward"] = "; ".join(backward)
     shown["routing"] = plan.bounds or ("offsets and index checked on the device at each "
                                        "launch (their bounds are not provable from the "
                                        "graph)")
-    if back is not None:
-        shown["routing"] += (f"; the scatter back {describe(back.total)}: each token's "
-                             f"{back.top_k} rows gathered and added in token order")
     if m.index is not None:
         shown["producer"] = (f"routed rows gathered by the GEMM's row read "
                              f"({describe(m.source)}[{describe(m.index)}] never written)")
