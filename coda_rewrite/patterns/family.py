@@ -91,6 +91,11 @@ class Decided:
     def refuse(cls, rejection: Rejection, **report) -> "Decided":
         return cls(rejection, None, rejection, report)
 
+    @classmethod
+    def by(cls, decision: Decision, plan) -> "Decided":
+        """``plan`` where the algebra accepted the match, its rejection otherwise."""
+        return cls(decision, plan) if decision.accepted else cls.refuse(decision)
+
 
 class Family(Protocol):
     """A patterns/ module (modules satisfy it: each defines these names)."""

@@ -102,10 +102,7 @@ def describe_match(m: Match) -> dict:
 
 
 def decide(m: Match, context: Context) -> Decided:
-    decision = legality.decide(m)
-    if not decision.accepted:
-        return Decided.refuse(decision)
-    return Decided(decision, m)
+    return Decided.by(legality.decide(m), m)
 
 
 def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
