@@ -62,7 +62,7 @@ def gather_scaled(tokens: torch.Tensor, scores: torch.Tensor, index: torch.Tenso
 
 
 # up to this many rows per token the sum is spelled as k gathers added (below)
-_UNROLLED_TOP_K = 16
+UNROLLED_TOP_K = 16
 
 
 def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ def back_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> tor
     columns in bf16 on the H200, a quarter of the bandwidth), the former one pointwise
     pass with k coalesced row loads (0.081 ms; 0.278 → 0.140 at top-2 × 4096, 0.281 →
     0.167 at top-4 × 2880; benchmarks in BENCHMARKS.md, fourteenth session)."""
-    if top_k > _UNROLLED_TOP_K:
+    if top_k > UNROLLED_TOP_K:
         return rows[inverse].reshape(-1, top_k, rows.shape[-1]).sum(1)
     acc_dtype = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
     slots = inverse.reshape(-1, top_k)

@@ -39,7 +39,7 @@ from ..graph_utils import erase_if_dead
 from .family import Context, Decided
 
 NAME = "scatter_back"
-_MAX_TOP_K = routing._UNROLLED_TOP_K
+_MAX_TOP_K = routing.UNROLLED_TOP_K
 
 
 @dataclasses.dataclass(frozen=True)
