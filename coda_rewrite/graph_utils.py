@@ -206,6 +206,22 @@ def arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
+def sort_permutation(node) -> bool:
+    """Whether ``node`` is the indices of a sort of a 1-D tensor (``sort(v)[1]``, torch's
+    or the method, or ``argsort(v)``): a permutation of v's positions, whatever v holds."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.target is operator.getitem and node.args[1] == 1:
+        src = node.args[0]
+        ok = isinstance(src, fx.Node) and src.target in (torch.sort, "sort")
+    else:
+        src, ok = node, node.target in (torch.argsort, "argsort")
+    if not ok or arg(src, 1, "dim", -1) not in (0, -1):
+        return False
+    v = src.args[0]
+    return isinstance(v, fx.Node) and meta(v) is not None and meta(v).dim() == 1
+
+
 def sole_user(node: fx.Node) -> fx.Node | None:
     """The one node that reads ``node``; None where none or several do."""
     users = list(node.users)

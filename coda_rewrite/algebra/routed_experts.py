@@ -40,7 +40,7 @@ from ..capture import describe
 from ..codegen import dgated_source, reference
 from ..codegen.op_table import OPS, pair_value
 from ..codegen.program import parse
-from ..graph_utils import arg, in_place_update_of, in_place_updates
+from ..graph_utils import arg, in_place_update_of, in_place_updates, sort_permutation
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -170,6 +170,14 @@ def _nk(w: fx.Node, kn: bool) -> tuple[int, int, int]:
     return (e, b, a) if kn else (e, a, b)
 
 
+def histogram_summed(offsets: fx.Node) -> fx.Node | None:
+    """The ``histc`` node where ``offsets = cumsum(histc(...), dim=0)``, else None."""
+    if offsets.target is not torch.cumsum or arg(offsets, 1, "dim") not in (0, -1):
+        return None
+    hist = offsets.args[0]
+    return hist if isinstance(hist, fx.Node) and hist.target is torch.histc else None
+
+
 def sorted_ids_counted(ids: fx.Node, offsets: fx.Node, experts: int) -> str | None:
     """Why row s's id is not the expert whose rows s falls in (None: it is): ``ids`` must
     be the values of a sort of a 1-D tensor, ascending, and ``offsets`` the cumulative
@@ -181,11 +189,10 @@ def sorted_ids_counted(ids: fx.Node, offsets: fx.Node, experts: int) -> str | No
             arg(sort, 2, "descending", False) or meta(sort.args[0]) is None or \
             meta(sort.args[0]).dim() != 1:
         return f"{describe(ids)} are not the ascending sorted values of a 1-D tensor"
-    if offsets.target is not torch.cumsum or arg(offsets, 1, "dim") not in (0, -1):
+    hist = histogram_summed(offsets)
+    if hist is None:
         return f"{describe(offsets)} is not a cumulative sum of per-expert counts"
-    hist = offsets.args[0]
-    if not isinstance(hist, fx.Node) or hist.target is not torch.histc or \
-            _under_number_casts(hist.args[0]) is not ids:
+    if _under_number_casts(hist.args[0]) is not ids:
         return f"{describe(offsets)} does not count {describe(ids)} (histc)"
     bins, lo, hi = (arg(hist, 1, "bins", 100), arg(hist, 2, "min", 0),
                     arg(hist, 3, "max", 0))
@@ -267,11 +274,7 @@ def token_order(m) -> tuple[fx.Node, int] | None:
             idx.target not in (operator.floordiv, torch.floor_divide) or len(idx.args) != 2:
         return None
     perm, k = idx.args
-    if not isinstance(k, int) or k < 1 or not isinstance(perm, fx.Node) or \
-            perm.target is not operator.getitem or perm.args[1] != 1:
-        return None
-    sort = perm.args[0]
-    if not isinstance(sort, fx.Node) or sort.target not in (torch.sort, "sort"):
+    if not isinstance(k, int) or k < 1 or not sort_permutation(perm):
         return None
     mp, ms = meta(perm), meta(src)
     if mp is None or ms is None or mp.dim() != 1 or \
@@ -298,10 +301,8 @@ def routing_in_bounds(m) -> str | None:
     and nothing updates offsets, their counts or the index in place. Hugging Face's
     grouped_mm experts compute both so (transformers/integrations/moe.py)."""
     off, rows = m.offsets, meta(m.index if m.index is not None else m.x)
-    if off.target is not torch.cumsum or arg(off, 1, "dim") not in (0, -1):
-        return None
-    hist = off.args[0]
-    if not isinstance(hist, fx.Node) or hist.target is not torch.histc:
+    hist = histogram_summed(off)
+    if hist is None:
         return None
     counted, counts = meta(hist.args[0]), meta(hist)
     if counted is None or counts is None or rows is None or \

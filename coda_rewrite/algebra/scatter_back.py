@@ -25,7 +25,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..canonical import meta
 from ..capture import describe
-from ..graph_utils import arg, in_place_update_of, in_place_updates, sole_user
+from ..graph_utils import (arg, in_place_update_of, in_place_updates, sole_user,
+                           sort_permutation)
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -53,27 +54,12 @@ def inverse_of(inv: fx.Node) -> tuple[fx.Node | None, Why | None]:
             not statically_known_true(meta(value).shape[0] == mp.shape[0]):
         return None, Why(f"{describe(inv)} is not written by inv[perm] = arange(len(perm))",
                          "scatter.inverse")
-    if not _sort_indices(perm):
+    if not sort_permutation(perm):
         return None, Why(f"{describe(perm)} is not the indices of a sort of a 1-D tensor",
                          "scatter.permutation")
     if in_place_update_of({perm}, perm.graph) is not None:
         return None, Why(f"{describe(perm)} is updated in place", "scatter.in_place")
     return perm, None
-
-
-def _sort_indices(perm: fx.Node) -> bool:
-    """``sort(v)[1]`` (torch.sort or Tensor.sort) or ``argsort(v)``, v 1-D: a permutation
-    of v's positions."""
-    if perm.target is operator.getitem and perm.args[1] == 1:
-        src = perm.args[0]
-        ok = isinstance(src, fx.Node) and src.target in (torch.sort, "sort")
-    else:
-        src = perm
-        ok = perm.target in (torch.argsort, "argsort")
-    if not ok or arg(src, 1, "dim", -1) not in (0, -1):
-        return False
-    v = src.args[0]
-    return isinstance(v, fx.Node) and meta(v) is not None and meta(v).dim() == 1
 
 
 def grouping(m) -> Why | None:
