@@ -11,7 +11,9 @@ reference (the same weights, the per-expert loop).
     source .gpu/setup.sh && python benchmarks/moe.py [MODE] [qwen3|mixtral|gpt_oss ...]
 
 MODE: none (the MoE block's forward), layer (a one-layer model's forward: the norm's
-row scale deferred into the experts, with and without), train, host (the training step's
+row scale deferred into the experts, with and without), batched (transformers' batched_mm
+experts at decode sizes, as torch.compile runs them and through backend="coda", which puts
+them in the grouped spelling; beside torch.compile's grouped_mm), train, host (the training step's
 host time, its device time from a CUDA graph, and the host's busiest ops), small, sweep,
 dgated (the down projection's fused backward per tile config, against the rules).
 """
@@ -25,6 +27,7 @@ import torch
 
 from common import bench_rounds, env_line, kernel_top, write_csv
 
+import coda_rewrite
 from coda_rewrite.kernels import ops
 from coda_rewrite.numerics import rel_err
 
@@ -302,6 +305,56 @@ def small(names, token_counts=(8, 64, 512, 2048)):
                   flush=True)
 
 
+def with_implementation(moe, impl: str):
+    """A copy of the block whose experts run transformers' ``impl``."""
+    out = copy.deepcopy(moe)
+    out.experts.config._experts_implementation = impl
+    return out
+
+
+def batched(names, token_counts=(1, 8, 64)):
+    """transformers' batched_mm experts (one GEMV per (token, expert) pair on a copy of
+    the expert's weights) at decode sizes: torch.compile of it, backend="coda" of it (the
+    grouped spelling; the fused routed GEMMs where the size policy takes them), and
+    torch.compile of grouped_mm; each replayed from a CUDA graph, alternating rounds;
+    outputs against a float32 per-expert loop."""
+    from common import bench_graphed
+    print(env_line(), flush=True)
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name)
+        ref = reference(moe)
+        per_pair = with_implementation(moe, "batched_mm")
+        for tokens in token_counts:
+            x = torch.randn(1, tokens, hidden_of(name), device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.reset()
+            fns = {"batched_mm: torch.compile": torch.compile(per_pair),
+                   "batched_mm: coda": torch.compile(per_pair, backend="coda"),
+                   "grouped_mm: torch.compile": torch.compile(moe)}
+            with torch.no_grad():
+                want = ref(x.float())
+                want = want[0] if isinstance(want, tuple) else want
+                for k, f in fns.items():
+                    before = len(coda_rewrite.last_report().records)
+                    o = f(x)
+                    o = o[0] if isinstance(o, tuple) else o
+                    done = [f"{r.pattern} {r.status} {r.code or ''}".strip() for r in
+                            coda_rewrite.last_report().records[before:]
+                            if r.pattern.endswith("experts")]
+                    print(f"{name}: {tokens} tokens: {k}: rel. error vs float32 loop "
+                          f"{rel_err(o.float(), want):.2e} {done}", flush=True)
+                times = {k: [] for k in fns}
+                for i in range(3):
+                    for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+                        times[k].append(bench_graphed(lambda f=fns[k]: f(x)))
+            med = {k: sorted(v)[1] for k, v in times.items()}
+            base = med["batched_mm: torch.compile"]
+            print(f"{name}: {tokens} tokens: " + ", ".join(
+                f"{k} {v:.3f} ms ({base / v:.2f}x)" for k, v in med.items()), flush=True)
+        del per_pair, moe, ref
+        torch.cuda.empty_cache()
+
+
 def layer(names):
     """The one-layer model's forward (attention, the post-attention norm, the MoE block),
     8192 tokens, under no_grad: torch.compile against backend="coda" with every family
@@ -368,7 +421,9 @@ def main(names):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["small"]:
+    if sys.argv[1:2] == ["batched"]:
+        batched(sys.argv[2:] or ["qwen3", "gpt_oss", "mixtral"])
+    elif sys.argv[1:2] == ["small"]:
         small(sys.argv[2:] or ["qwen3"])
     elif sys.argv[1:2] == ["layer"]:
         layer(sys.argv[2:] or list(SHAPES))

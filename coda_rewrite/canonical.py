@@ -70,6 +70,10 @@ _GROUPED_MM = {torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", tor
 # transformers' custom op for what torch._grouped_mm does not take under torch.compile
 # (a float32 model): the same product, its rows past offs[-1] zero
 _GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+# kernels/expert_gemm.expert_gemm(a, weight, offsets) carries this attribute: the grouped
+# GEMM the project's own rewrites emit (the routed form of dense or batched experts), a
+# grouped_mm to the families after them, recognised without importing the runtime
+GROUPED_MM_MARK = "_coda_grouped_mm"
 
 
 def _grouped_mm(node: fx.Node) -> COp | None:
@@ -77,14 +81,17 @@ def _grouped_mm(node: fx.Node) -> COp | None:
     key, args, kw = node.target, node.args, node.kwargs
     name = getattr(key, "_qualified_op_name", None) or getattr(
         getattr(key, "_schema", None), "name", None)
-    if key not in _GROUPED_MM and name not in _GROUPED_MM_OPS:
+    marked = getattr(key, GROUPED_MM_MARK, False)
+    if key not in _GROUPED_MM and name not in _GROUPED_MM_OPS and not marked:
         return None
     names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
     if name in _GROUPED_MM_OPS:
         names = ("input", "weight", "offs")
+    elif marked:
+        names = ("a", "weight", "offsets")
     bound = dict(zip(names, args)) | dict(kw)
     if bound.get("bias") is not None or bound.get("out_dtype") is not None or \
-            bound.get("offs") is None or len(bound) > len(names):
+            bound.get(names[2]) is None or len(bound) > len(names):
         return None
     return COp("grouped_mm", tuple(bound[n] for n in names[:3]))
 

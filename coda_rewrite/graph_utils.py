@@ -393,3 +393,41 @@ def graph_nodes_of(obj, seen=None) -> list[fx.Node]:
     else:
         return []
     return [n for item in items for n in graph_nodes_of(item, seen)]
+
+
+class TracedEmitter:
+    """Graph nodes whose fake values are computed as they are made (later families read
+    shapes and dtypes from them), under the grad mode of what they replace; inserted
+    where the graph's insertion point is."""
+
+    def __init__(self, graph: fx.Graph, like: fx.Node):
+        self.graph, self.like = graph, like
+        # the mode dynamo traced the graph's values in (not the tracing context's: the
+        # backend runs inside another)
+        self.mode = meta(like).fake_mode
+        self.grad = bool(meta(like).requires_grad)
+
+    def _traced(self, node: fx.Node) -> fx.Node:
+        copy_meta(node, self.like)
+
+        def value(n):
+            return n.meta.get("example_value", n.meta.get("val"))
+        args = fx.node.map_arg(node.args, value)
+        kwargs = fx.node.map_arg(node.kwargs, value)
+        with self.mode, torch.set_grad_enabled(self.grad):
+            if node.op == "call_method":
+                out = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                out = node.target(*args, **kwargs)
+        node.meta["example_value"] = out
+        return node
+
+    def call(self, fn, *args, **kwargs) -> fx.Node:
+        return self._traced(self.graph.call_function(fn, args, kwargs))
+
+    def method(self, name: str, *args, **kwargs) -> fx.Node:
+        return self._traced(self.graph.call_method(name, args, kwargs))
+
+    def copy(self, node: fx.Node, copies: dict) -> fx.Node:
+        return self._traced(self.graph.node_copy(node, lambda n: copies.get(n, n)))
+

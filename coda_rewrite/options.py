@@ -18,9 +18,9 @@ class Options:
     dump_dir: str | None = None
     # Patterns to apply; the others are still matched and reported as disabled.
     patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs", "dense_experts",
-                                 "residual_rmsnorm_gemm", "gated_mlp", "routed_experts",
-                                 "scatter_back", "rope", "lm_head_cross_entropy",
-                                 "layernorm_gemm")
+                                 "batched_experts", "residual_rmsnorm_gemm", "gated_mlp",
+                                 "routed_experts", "scatter_back", "rope",
+                                 "lm_head_cross_entropy", "layernorm_gemm")
     # Logits are written where something besides the loss reads them (a model output),
     # with eager's values, and in training for the backward (as eager keeps them): the
     # softmax gradient is then one pass over them. False: never written; readers get an

@@ -986,6 +986,83 @@ def prove_dense_experts() -> Proof:
 
 
 @functools.cache
+def prove_batched_experts() -> Proof:
+    """Per-pair expert GEMMs in the grouped spelling (patterns/batched_experts.py). With
+    pairs s = t·k + j, ids[s] the expert of pair s and F(e, t) expert e's MLP on token t,
+    the batched spelling computes
+
+        out[t] = Σ_j w[t·k + j] · F(ids[t·k + j], t)
+
+    and the grouped one sorts the pairs by id (perm; stable), counts each expert's rows
+    (offsets = cumsum of a histogram over [0, E)), runs row r with the expert whose rows
+    hold r (offsets[e − 1] ≤ r < offsets[e]) on token perm[r] // k, scales it by
+    w[perm[r]] and sums each token's rows through perm's inverse. Checked by sympy, F
+    undefined, for every assignment of ids in [0, E) at (T, k, E) = (2, 2, 3), (3, 1, 2)
+    and (1, 3, 4); refuted with an id of E (eager's W[ids] raises there, the histogram
+    drops it) and with an id of −1 (eager wraps it to E − 1)."""
+    import itertools
+
+    def batched(ids, t_count, k, e):
+        f = sp.Function("F")
+        return [sum(sp.Symbol(f"w{t * k + j}") * f(ids[t * k + j] % e, t) for j in range(k))
+                for t in range(t_count)]
+
+    def grouped(ids, t_count, k, e):
+        f = sp.Function("F")
+        n = t_count * k
+        perm = sorted(range(n), key=lambda s: ids[s])
+        counts = [sum(1 for i in ids if i == x) for x in range(e)]
+        offsets = list(itertools.accumulate(counts))
+        rows = [sp.Symbol(f"w{perm[r]}") * f(next(x for x in range(e) if r < offsets[x]),
+                                              perm[r] // k) if r < offsets[-1] else 0
+                for r in range(n)]
+        inv = [0] * n
+        for r, p in enumerate(perm):
+            inv[p] = r
+        return [sum(rows[inv[t * k + j]] for j in range(k)) for t in range(t_count)]
+
+    for t_count, k, e in ((2, 2, 3), (3, 1, 2), (1, 3, 4)):
+        for ids in itertools.product(range(e), repeat=t_count * k):
+            for a, b in zip(batched(ids, t_count, k, e), grouped(ids, t_count, k, e)):
+                _require(a - b, "the grouped rows compute every pair's expert")
+    for bad in ((0, 3, 1, 2), (0, -1, 1, 2)):
+        diff = [a - b for a, b in zip(batched(bad, 2, 2, 3), grouped(bad, 2, 2, 3))]
+        _refute(sum(d ** 2 for d in diff), "ids outside [0, E) computed alike")
+
+    def num(seed):
+        from .. import routing
+        e, t, kk, ii, top = _shape(seed, (1, 5), (1, 6), (1, 5), (1, 3), (1, 3))
+        g = _gen(seed)
+        f64 = torch.float64
+        x_ = torch.randn(t, kk, generator=g, dtype=f64)
+        ids = torch.randint(0, e, (t * top,), generator=g)
+        w = torch.rand(t * top, generator=g, dtype=f64)
+        w_gu = torch.randn(e, 2 * ii, kk, generator=g, dtype=f64)
+        w_d = torch.randn(e, kk, ii, generator=g, dtype=f64)
+        p = torch.bmm(w_gu[ids], x_.repeat_interleave(top, 0).unsqueeze(-1)).squeeze(-1)
+        gate, up = p.chunk(2, dim=-1)
+        o = torch.bmm(w_d[ids], (torch.nn.functional.silu(gate) * up).unsqueeze(-1))
+        want = (o.squeeze(-1) * w[:, None]).view(t, top, kk).sum(1)
+        ids_g, perm = torch.sort(ids, stable=True)
+        offsets = torch.cumsum(torch.histc(ids_g.double(), e, 0, e - 1), 0).int()
+        p = reference.grouped_mm(x_[perm // top], w_gu.mT, offsets)
+        gate, up = p.chunk(2, dim=-1)
+        o = reference.grouped_mm(torch.nn.functional.silu(gate) * up, w_d.mT, offsets)
+        got = routing.back_to_tokens(o * w[perm][:, None], routing.inverse_permutation(perm),
+                                     top)
+        return rel_err(got, want)
+
+    return Proof(
+        "Σ_j w[t·k+j]·F(ids[t·k+j], t) = Σ over token t's rows of the pairs sorted by "
+        "expert, each row's expert the one whose offsets hold it",
+        ("every id lies in [0, E)",
+         "pair s = t·k + j belongs to token t (k copies of each token in a row)"),
+        ("sympy, F undefined: every assignment of ids at (T, k, E) = (2, 2, 3), (3, 1, 2), "
+         "(1, 3, 4)", "refuted with an id of E and with an id of -1"),
+        _witness("per-pair expert GEMMs in the grouped spelling", num))
+
+
+@functools.cache
 def prove_token_routing() -> Proof:
     """The routing's gather and its sum back are each other's gradient (coda_rewrite/
     routing.py: gather_tokens, sum_to_tokens). With perm a permutation of the N = T·k
@@ -1077,6 +1154,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("routed experts' backward in the down projection's dgrad",
              prove_routed_backward()),
             ("dense experts on their routed rows", prove_dense_experts()),
+            ("per-pair expert GEMMs in the grouped spelling", prove_batched_experts()),
             ("the routing's gather and sum back as each other's gradient",
              prove_token_routing())]
     return out

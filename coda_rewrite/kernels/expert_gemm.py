@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..canonical import GROUPED_MM_MARK
 from . import grouped, ops
 
 
@@ -21,6 +22,9 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
             all(n * 2 % 16 == 0 for n in (a.shape[1], weight.shape[-1])):
         return torch._grouped_mm(a, weight, offs=offsets)
     return ExpertGemm.apply(a, weight, offsets)
+
+
+setattr(expert_gemm, GROUPED_MM_MARK, True)  # a grouped_mm to the families after its emitter
 
 
 class ExpertGemm(torch.autograd.Function):

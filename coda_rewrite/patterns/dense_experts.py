@@ -40,7 +40,7 @@ from ..algebra import dense_experts as algebra
 from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
-from ..graph_utils import (CHUNK, NotPlaceable, arg, calls, chunk_half, copy_meta,
+from ..graph_utils import (CHUNK, NotPlaceable, TracedEmitter, arg, calls, chunk_half,
                            erase_if_dead, sole_user)
 from .. import routing
 from ..kernels.expert_gemm import expert_gemm
@@ -380,7 +380,7 @@ def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
     if getattr(meta(m.out), "fake_mode", None) is None:
         raise NotPlaceable("the graph's values carry no fake tensors to shape new nodes by")
     with graph.inserting_before(m.out):
-        emit = _Emitter(graph, m.out)
+        emit = TracedEmitter(graph, m.out)
         routing_ = emit.call(routing.sort_by_expert, m.index, experts)
         perm, offsets, inverse = (emit.call(operator.getitem, routing_, i) for i in range(3))
         x = emit.call(routing.gather_scaled, m.tokens, m.scores, m.index, perm, inverse)
@@ -400,36 +400,3 @@ def apply(graph: fx.Graph, m: Match, context: Context) -> dict:
                        f"GEMMs over the routed rows ({experts // m.top_k}x fewer GEMM "
                        "rows than the dense bmm); the activation as matched; each "
                        "token's rows summed back in token order"}
-
-
-class _Emitter:
-    """Graph nodes whose fake values are computed as they are made (later families read
-    shapes and dtypes from them), under the grad mode of what they replace."""
-
-    def __init__(self, graph: fx.Graph, like: fx.Node):
-        self.graph, self.like = graph, like
-        # the mode dynamo traced the graph's values in (not the tracing context's: the
-        # backend runs inside another)
-        self.mode = meta(like).fake_mode
-        self.grad = bool(meta(like).requires_grad)
-
-    def _traced(self, node: fx.Node) -> fx.Node:
-        copy_meta(node, self.like)
-
-        def value(n):
-            return n.meta.get("example_value", n.meta.get("val"))
-        args = fx.node.map_arg(node.args, value)
-        kwargs = fx.node.map_arg(node.kwargs, value)
-        with self.mode, torch.set_grad_enabled(self.grad):
-            if node.op == "call_method":
-                out = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                out = node.target(*args, **kwargs)
-        node.meta["example_value"] = out
-        return node
-
-    def call(self, fn, *args) -> fx.Node:
-        return self._traced(self.graph.call_function(fn, args))
-
-    def copy(self, node: fx.Node, copies: dict) -> fx.Node:
-        return self._traced(self.graph.node_copy(node, lambda n: copies.get(n, n)))

@@ -7,6 +7,9 @@
     dense_experts      a mixture-of-experts layer that runs every expert on every token
                        (Llama 4's bmm experts) → its routed rows only: before the
                        norms, so that they see the gather that replaces the copies
+    batched_experts    per-(token, expert) GEMVs on copied expert weights (transformers'
+                       batched_mm) → its grouped spelling: before the norms and the
+                       routed experts, which then see Hugging Face's grouped experts
     residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
@@ -30,8 +33,8 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 
 from __future__ import annotations
 
-from . import (attention, cross_entropy, dense_experts, explicit_attention, gated_mlp,
-               layernorm, residual_rmsnorm, rope, routed_experts, scatter_back)
+from . import (attention, batched_experts, cross_entropy, dense_experts, explicit_attention,
+               gated_mlp, layernorm, residual_rmsnorm, rope, routed_experts, scatter_back)
 
-FAMILIES = (explicit_attention, attention, dense_experts, residual_rmsnorm, gated_mlp,
-            routed_experts, scatter_back, rope, cross_entropy, layernorm)
+FAMILIES = (explicit_attention, attention, dense_experts, batched_experts, residual_rmsnorm,
+            gated_mlp, routed_experts, scatter_back, rope, cross_entropy, layernorm)

@@ -240,7 +240,7 @@ def _expert_weight(b) -> tuple[fx.Node, bool] | None:
     return (b, True) if mb is not None and mb.dim() == 3 else None
 
 
-def _lane(node: fx.Node) -> tuple[fx.Node, int] | None:
+def lane_of(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(p, 0 or 1) for ``p[..., k::2]`` / ``p[:, k::2]`` of a 2-D p (every other column)."""
     c = canon(node)
     if c is None or c.name != "getitem" or meta(c.args[0]) is None or \
@@ -367,7 +367,7 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
     p, gu_fill = _after(p, gu_bias)
     readers = _readers(p, gu_bias)
     chunks = [u for u in readers if u.target in ("chunk", torch.chunk)]
-    lanes = sorted(((lane[1], u) for u in readers if (lane := _lane(u)) and lane[0] is p),
+    lanes = sorted(((lane[1], u) for u in readers if (lane := lane_of(u)) and lane[0] is p),
                    key=lambda t: t[0])
     if not chunks and [k for k, _ in lanes] != [0, 1]:
         if _after_grouped_gemm(x_cast):
@@ -442,20 +442,25 @@ def _match(gu: fx.Node, args) -> Match | NoMatch | None:
                  combine if combine is not None else o)
 
 
+# the experts implementations the pass takes: grouped_mm here, batched_mm through its
+# grouped spelling (patterns/batched_experts.py)
+TAKEN_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+
 def implementation_notes(model: torch.nn.Module) -> list[str]:
     """The report's model-level notes: experts modules (transformers'
-    ``use_experts_implementation``) whose selected implementation is not grouped_mm. Their
-    per-expert loop ("eager": dynamo also breaks the graph at its data-dependent list of
-    experts) or batched matmul is not a spelling this family rewrites, and nothing in the
-    captured graphs would say so."""
+    ``use_experts_implementation``) whose selected implementation the pass does not take.
+    Their per-expert loop ("eager": dynamo also breaks the graph at its data-dependent
+    list of experts) or a kernel library's own op (deepgemm, sonicmoe) is not a spelling
+    any family rewrites, and nothing in the captured graphs would say so."""
     found: dict[str, list[str]] = {}
     for name, mod in model.named_modules():
         impl = getattr(getattr(mod, "config", None), "_experts_implementation", None)
-        if impl is not None and impl != "grouped_mm" and hasattr(mod, "has_gate"):
+        if impl is not None and impl not in TAKEN_IMPLEMENTATIONS and hasattr(mod, "has_gate"):
             found.setdefault(impl, []).append(name)
     return [f"{len(names)} experts module(s) ({names[0]}, ...) run "
             f"experts_implementation={impl!r}, which the routed experts rewrite does not "
-            "take (it rewrites transformers' grouped_mm path): set it with "
+            "take (it rewrites transformers' grouped_mm and batched_mm paths): set it with "
             "model.set_experts_implementation('grouped_mm') for the fused grouped GEMMs "
             "[moe.implementation]" for impl, names in found.items()]
 

@@ -942,11 +942,12 @@ _MOE_CONFIGS = {
 
 
 @pytest.mark.parametrize("family", list(_MOE_CONFIGS))
-@pytest.mark.parametrize("via", ["optimize", "backend"])
-def test_moe_models_on_gpu(family, via):
-    """A Hugging Face MoE model (bf16, grouped_mm experts) rewritten: the routed experts
-    run as grouped kernels, logits against float64 (the per-expert loop) no worse than
-    eager's."""
+@pytest.mark.parametrize("via,impl", [("optimize", "grouped_mm"), ("backend", "grouped_mm"),
+                                      ("backend", "batched_mm")])
+def test_moe_models_on_gpu(family, via, impl):
+    """A Hugging Face MoE model (bf16, grouped_mm experts, or batched_mm put in the grouped
+    spelling) rewritten: the routed experts run as grouped kernels, logits against float64
+    (the per-expert loop) no worse than eager's."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(family, vocab_size=512, hidden_size=256, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -958,6 +959,7 @@ def test_moe_models_on_gpu(family, via):
     exact = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(DEV, torch.float64).eval()
     exact.load_state_dict(model.state_dict())
     exact.set_experts_implementation("eager")
+    model.set_experts_implementation(impl)
     ids = torch.randint(0, 512, (2, 200), device=DEV)
     kernel = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
     before = _kernel_calls(kernel)
@@ -971,8 +973,9 @@ def test_moe_models_on_gpu(family, via):
     assert err <= 1.25 * base, (err, base)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_moe_training_on_gpu(family):
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("gpt_oss", "grouped_mm"),
+                                         ("gpt_oss", "batched_mm")])
+def test_moe_training_on_gpu(family, impl):
     """A bf16 MoE training step with the experts fused (grouped kernels forward; the
     down projection's backward in its grouped dgrad epilogue, the rules' grouped
     dgrad/wgrad for the rest; gpt-oss's biases and clamped SwiGLU): loss and
@@ -988,11 +991,14 @@ def test_moe_training_on_gpu(family):
     exact = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(DEV, torch.float64)
     exact.load_state_dict(model.state_dict())
     exact.set_experts_implementation("eager")
+    model.set_experts_implementation(impl)
+    ref.set_experts_implementation(impl)
     ids = torch.randint(0, 512, (2, 200), device=DEV)
     kernel = "experts_swiglu_oai" if family == "gpt_oss" else "experts_swiglu"
     before = _kernel_calls(kernel)
     fast = torch.compile(model, backend="coda", options=dict(
-        patterns=("attention_inputs", "routed_experts"), fuse_in_training=True))
+        patterns=("attention_inputs", "batched_experts", "routed_experts"),
+        fuse_in_training=True))
     losses = [f(ids, labels=ids).loss for f in (fast, ref, exact)]
     for loss in losses:
         loss.backward()

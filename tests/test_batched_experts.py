@@ -1,0 +1,263 @@
+"""Batched experts (patterns/batched_experts.py): transformers' ``batched_mm`` experts
+implementation put in its grouped spelling, against eager and a float64 copy (the
+per-expert loop), then fused by the routed experts' family like the grouped path;
+the look-alikes that must be left as they are, each with its code; gradients; dynamic
+shapes; a hypothesis search over the spelling's variants."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import coda_rewrite
+from coda_rewrite.numerics import rel_err
+
+from conftest import codes
+from test_routed_experts import FAMILIES, moe_model
+
+
+def _statuses(report, pattern: str) -> list[str]:
+    return [r.status for r in report.records if r.pattern == pattern]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_mm_models_rewritten_no_worse_than_eager(family):
+    """Every MoE family of the routed tests with experts_implementation='batched_mm':
+    its per-pair GEMVs put in the grouped spelling, then fused by the routed experts'
+    family (the norm's row scale deferred through the gather where the grouped path
+    gets it); logits no worse than eager's against the float64 per-expert loop."""
+    model, exact = moe_model(family)
+    model.set_experts_implementation("batched_mm")
+    ids = torch.randint(3, 128, (2, 16))
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want, truth = fast(ids).logits, model(ids).logits, exact(ids).logits
+    layers = 1 if family in ("glm4_moe", "deepseek_v3", "hy_v4") else 2
+    assert _statuses(fast.report, "batched_experts") == ["rewritten"] * layers, \
+        str(fast.report)
+    assert _statuses(fast.report, "routed_experts") == ["rewritten"] * layers
+    assert not fast.report.notes  # the implementation is rewritten: nothing to say of it
+    assert rel_err(got.double(), truth) <= 1.25 * rel_err(want.double(), truth)
+    rec = next(r for r in fast.report.records if r.pattern == "batched_experts")
+    assert "sorted by expert" in rec.producer and "copies W[ids] gone" in rec.weights
+    routed = next(r for r in fast.report.records if r.pattern == "routed_experts")
+    assert "by construction" in routed.routing  # the spelling's routing proves its bounds
+
+
+def test_left_grouped_where_the_routed_experts_are_not_fused():
+    """Where the routed experts' family does not fuse them (disabled here; on the GPU
+    below its row threshold), the grouped spelling stays torch's grouped GEMMs, still
+    without per-pair weight copies; float32: eager's numbers."""
+    from coda_rewrite.options import Options
+    model, _ = moe_model("qwen3_moe", torch.float32)
+    model.set_experts_implementation("batched_mm")
+    ids = torch.randint(3, 128, (2, 16))
+    patterns = tuple(p for p in Options().patterns if p != "routed_experts")
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model, patterns=patterns)
+        got, want = fast(ids).logits, model(ids).logits
+    assert _statuses(fast.report, "batched_experts") == ["rewritten"] * 2
+    assert codes(fast.report, "routed_experts") == {"disabled"}
+    assert rel_err(got, want) <= 1e-5
+    code = fast.report.graphs[0].rewritten_code
+    assert code.count("expert_gemm(") == 4 and "bmm" not in code
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("via", ["optimize", pytest.param("inductor",
+                                                          marks=pytest.mark.inductor)])
+def test_training_step_matches_eager(family, via):
+    """A float32 training step on the batched spelling (gpt-oss: biases, interleaved
+    lanes, [E, K, N] weights): loss and every parameter's gradient equal eager's; the
+    witness replays the gradients too."""
+    model, _ = moe_model(family, torch.float32)
+    model.set_experts_implementation("batched_mm")
+    model.train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(3, 128, (2, 16))
+    fast = coda_rewrite.optimize(model) if via == "optimize" else \
+        torch.compile(model, backend="coda", options={"inductor": True})
+    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    assert rel_err(loss, want) <= 1e-5
+    loss.backward()
+    want.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= 1e-4, name
+    if via == "optimize":
+        rec = next(r for r in fast.report.records if r.pattern == "batched_experts")
+        assert rec.status == "rewritten" and "gradients" in rec.decision.witness
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_dynamic_shapes(train):
+    """torch.compile(dynamic=True): the token count symbolic; rewritten at two lengths
+    with one graph, eager's numbers (float32)."""
+    model, _ = moe_model("mixtral", torch.float32)
+    model.set_experts_implementation("batched_mm")
+    model.train(train)
+    ref = copy.deepcopy(model)
+    fast = torch.compile(model, backend="coda", dynamic=True, options={"inductor": False})
+    before = len(coda_rewrite.last_report().records)
+    with torch.set_grad_enabled(train):
+        for length in (9, 14):
+            ids = torch.randint(3, 128, (2, length))
+            got, want = fast(ids).logits, ref(ids).logits
+            assert rel_err(got, want) <= 1e-5
+            if train:
+                got.sum().backward()
+                want.sum().backward()
+    records = coda_rewrite.last_report().records[before:]
+    assert {r.status for r in records if r.pattern == "batched_experts"} == {"rewritten"}
+    if train:
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if q.grad is not None:
+                assert rel_err(p.grad, q.grad) <= 1e-4, name
+
+
+class Batched(torch.nn.Module):
+    """transformers' batched_mm experts spelled out, with the variants the look-alikes
+    and the property test change (``case``), behind a top-k router."""
+
+    def __init__(self, case="canonical", experts=4, top_k=2, k=32, inter=16,
+                 weight_first=True, bias=False, lanes=False, act="silu", seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.case, self.e, self.top_k, self.weight_first = case, experts, top_k, weight_first
+        self.lanes, self.act = lanes, act
+        gu = (experts, 2 * inter, k) if weight_first else (experts, k, 2 * inter)
+        dn = (experts, k, inter) if weight_first else (experts, inter, k)
+        self.router = torch.nn.Parameter(torch.randn(experts, k, generator=g) * 3)
+        self.gate_up = torch.nn.Parameter(torch.randn(gu, generator=g) / k ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(dn, generator=g) / inter ** 0.5)
+        self.gu_bias = torch.nn.Parameter(torch.randn(experts, 2 * inter, generator=g)) \
+            if bias else None
+        self.d_bias = torch.nn.Parameter(torch.randn(experts, k, generator=g)) \
+            if bias else None
+
+    def _gemv(self, x, w, ids, bias):
+        wi = w[ids]
+        out = torch.bmm(wi, x.unsqueeze(-1)).squeeze(-1) if self.weight_first else \
+            torch.bmm(x.unsqueeze(1), wi).squeeze(1)
+        if bias is not None:
+            out.add_(bias[ids])
+        return out
+
+    def forward(self, h):
+        case, k = self.case, self.top_k
+        t = h.shape[0]
+        values, index = torch.topk(F.linear(h, self.router.to(h.dtype)).float().softmax(-1),
+                                   k, dim=-1)
+        weights = values.to(h.dtype).reshape(-1)
+        ids = index.reshape(-1)
+        ids = {"unclamped": ids, "clamp_past_e": ids.clamp(0, self.e),
+               "clamp_negative": ids.clamp(-1, self.e - 1),
+               "ids_of_argmax": h.argmax(-1).repeat_interleave(k, 0) % self.e}.get(
+                   case, ids.clamp(0, self.e - 1))
+        rows = h.repeat(k, 1) if case == "copies_repeated" else h.repeat_interleave(k, dim=0)
+        p = self._gemv(rows, self.gate_up, ids, self.gu_bias)
+        if case == "read_before_bias":
+            early = p.sum()
+        gate, up = (p[..., ::2], p[..., 1::2]) if self.lanes else p.chunk(2, dim=-1)
+        act = {"silu": F.silu, "gelu": F.gelu}[self.act]
+        y = act(gate) + up if case == "not_gated" else act(gate) * up
+        down_ids = ids.flip(0) if case == "down_other_ids" else ids
+        o = self._gemv(y, self.down, down_ids, self.d_bias)
+        weighted = o * weights.unsqueeze(-1)
+        if case == "sum_over_pairs":
+            out = weighted.view(t, k, -1).sum(0)
+        else:
+            out = weighted.view(t, k, -1).sum(dim=1)
+        if case == "tokens_updated":
+            h.mul_(2)
+        if case == "gate_up_returned":
+            return out, p
+        if case == "read_before_bias":
+            return out, early
+        return out
+
+
+# look-alike → the code it is left with (None: rewritten)
+LOOK_ALIKES = {
+    "canonical": None,
+    "unclamped": None,                     # top-k indices over E: in range all the same
+    "clamp_past_e": "moe.batched_ids",     # an id of E reaches W[ids]: eager raises there
+    "clamp_negative": "moe.batched_ids",   # −1 wraps to E − 1 in eager
+    "ids_of_argmax": "moe.batched_ids",    # ids from elsewhere, bounded by nothing proved
+    "copies_repeated": "moe.batched_rows",  # h.repeat(k, 1): pair s is token s % T
+    "down_other_ids": "moe.batched_ids",   # the down GEMM gathers other experts
+    "not_gated": "moe.not_gated",
+    "sum_over_pairs": "moe.batched_output",
+    "gate_up_returned": "moe.intermediate_read",
+    "tokens_updated": "moe.in_place",
+    "read_before_bias": "moe.intermediate_read",  # p read before its bias lands
+}
+
+
+@pytest.mark.parametrize("case", list(LOOK_ALIKES))
+def test_look_alikes(case):
+    """Each look-alike's outputs equal eager's (no worse against float64); the spellings
+    the rewrite takes are rewritten, the others left with their code."""
+    model = Batched(case).bfloat16()
+    torch.manual_seed(0)
+    h = torch.randn(64, 32).bfloat16()
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want, truth = fast(h.clone()), ref(h.clone()), exact(h.double())
+    got, want, truth = (x if isinstance(x, tuple) else (x,) for x in (got, want, truth))
+    for a, b, c in zip(got, want, truth):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert rel_err(a.double(), c) <= 1.5 * rel_err(b.double(), c) + 1e-6, case
+    if LOOK_ALIKES[case] is None:
+        assert _statuses(fast.report, "batched_experts") == ["rewritten"], str(fast.report)
+    else:
+        assert LOOK_ALIKES[case] in codes(fast.report, "batched_experts"), str(fast.report)
+        assert "rewritten" not in _statuses(fast.report, "batched_experts")
+
+
+@pytest.mark.provokes_pass_bug
+def test_witness_refuses_a_recipe_that_loses_the_pairing(monkeypatch):
+    """The float64 replay runs the pattern's own recipe: one that sums each token's rows
+    in the sorted order (no inverse permutation) disagrees and the rewrite is refused."""
+    from coda_rewrite import routing
+    monkeypatch.setattr(routing, "inverse_permutation",
+                        lambda perm: torch.arange(perm.shape[0]))
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(Batched())
+        fast(torch.randn(16, 32))
+    assert codes(fast.report, "batched_experts") == {"witness.disagrees"}, str(fast.report)
+
+
+@settings(max_examples=25, deadline=None)
+@given(experts=st.integers(1, 6), top_k=st.integers(1, 3), tokens=st.integers(1, 40),
+       weight_first=st.booleans(), bias=st.booleans(), lanes=st.booleans(),
+       act=st.sampled_from(["silu", "gelu"]), dtype=st.sampled_from(["bf16", "f32"]),
+       seed=st.integers(0, 2 ** 16))
+def test_property_batched_spellings(experts, top_k, tokens, weight_first, bias, lanes, act,
+                                    dtype, seed):
+    """Drawn routings and spellings (weight orientation, biases, halves or lanes, the
+    activation, the dtype): rewritten, and eager's numbers (float32: to rounding; bf16:
+    no worse than eager against float64 at 64 or more tokens)."""
+    top_k = min(top_k, experts)
+    model = Batched(experts=experts, top_k=top_k, weight_first=weight_first, bias=bias,
+                    lanes=lanes, act=act, seed=seed)
+    bf16 = dtype == "bf16"
+    tokens = max(tokens, 64) if bf16 else tokens
+    h = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(seed))
+    h, model = (h.bfloat16(), model.bfloat16()) if bf16 else (h, model)
+    ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model)
+        got, want = fast(h), ref(h)
+        truth = exact(h.double())
+    assert _statuses(fast.report, "batched_experts") == ["rewritten"], str(fast.report)
+    if bf16:
+        assert rel_err(got.double(), truth) <= 1.5 * rel_err(want.double(), truth) + 1e-6
+    else:
+        assert rel_err(got, want) <= 1e-5
