@@ -221,9 +221,9 @@ def _halves(p: fx.Node, gemv: Gemv):
 def _match(gu: Gemv) -> Match | NoMatch:
     copies = gu.rows
     tokens, k = copies.args[0], arg(copies, 1, "repeats")
-    if copies.target == "repeat" or not isinstance(k, int) or arg(copies, 2, "dim") not in (0, -2) or \
-            arg(copies, 3, "output_size") is not None or not isinstance(tokens, fx.Node) \
-            or meta(tokens) is None or meta(tokens).dim() != 2:
+    if copies.target == "repeat" or not isinstance(k, int) or \
+            arg(copies, 2, "dim") not in (0, -2) or arg(copies, 3, "output_size") is not None \
+            or not isinstance(tokens, fx.Node) or meta(tokens) is None or meta(tokens).dim() != 2:
         return _refuse(gu.bmm, f"its rows {describe(copies)} are not each token's row "
                        "repeated k times (repeat_interleave(k, dim=0) of a [T, K] matrix)",
                        "moe.batched_rows")
