@@ -13,7 +13,8 @@ reference (the same weights, the per-expert loop).
 MODE: none (the MoE block's forward), layer (a one-layer model's forward: the norm's
 row scale deferred into the experts, with and without), batched (transformers' batched_mm
 experts at decode sizes, as torch.compile runs them and through backend="coda", which puts
-them in the grouped spelling; beside torch.compile's grouped_mm), train, host (the training step's
+them in the grouped spelling; beside torch.compile's grouped_mm), batched_train (its
+forward + backward), train, host (the training step's
 host time, its device time from a CUDA graph, and the host's busiest ops), small, sweep,
 dgated (the down projection's fused backward per tile config, against the rules).
 """
@@ -355,6 +356,34 @@ def batched(names, token_counts=(1, 8, 64)):
         torch.cuda.empty_cache()
 
 
+def batched_train(names, tokens: int = 64):
+    """Forward + backward of the block with batched_mm experts (torch.compile of it,
+    backend="coda" of it: the grouped spelling) beside torch.compile's grouped_mm, at a
+    short batch (the per-pair weight copies and their gradient scatters grow with the
+    tokens: 64 tokens of Mixtral's shape already copy 45 GB), alternating rounds."""
+    print(env_line(), flush=True)
+    for name in names:
+        torch.manual_seed(0)
+        moe = block(name).train()
+        per_pair = with_implementation(moe, "batched_mm")
+        x = torch.randn(1, tokens, hidden_of(name), device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        torch._dynamo.reset()
+        fns = {"batched_mm: torch.compile": torch.compile(per_pair),
+               "batched_mm: coda": torch.compile(per_pair, backend="coda"),
+               "grouped_mm: torch.compile": torch.compile(moe)}
+
+        def step(f):
+            o = f(x)
+            (o[0] if isinstance(o, tuple) else o).float().square().mean().backward()
+        for f in fns.values():
+            step(f)
+        timed = bench_rounds({k: (lambda f=f: step(f)) for k, f in fns.items()}, rounds=3)
+        show(f"{name} train {tokens} tokens: ", timed, "batched_mm: torch.compile")
+        del per_pair, moe, fns
+        torch.cuda.empty_cache()
+
+
 def layer(names):
     """The one-layer model's forward (attention, the post-attention norm, the MoE block),
     8192 tokens, under no_grad: torch.compile against backend="coda" with every family
@@ -421,7 +450,9 @@ def main(names):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["batched"]:
+    if sys.argv[1:2] == ["batched_train"]:
+        batched_train(sys.argv[2:] or ["qwen3", "gpt_oss"])
+    elif sys.argv[1:2] == ["batched"]:
         batched(sys.argv[2:] or ["qwen3", "gpt_oss", "mixtral"])
     elif sys.argv[1:2] == ["small"]:
         small(sys.argv[2:] or ["qwen3"])
