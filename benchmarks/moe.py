@@ -454,8 +454,10 @@ if __name__ == "__main__":
         batched_train(sys.argv[2:] or ["qwen3", "gpt_oss"])
     elif sys.argv[1:2] == ["batched"]:
         batched(sys.argv[2:] or ["qwen3", "gpt_oss", "mixtral"])
-    elif sys.argv[1:2] == ["small"]:
-        small(sys.argv[2:] or ["qwen3"])
+    elif sys.argv[1:2] == ["small"]:  # small [shape ...] [token count ...]
+        args = sys.argv[2:]
+        counts = tuple(int(a) for a in args if a.isdigit()) or (8, 64, 512, 2048)
+        small([a for a in args if not a.isdigit()] or ["qwen3"], counts)
     elif sys.argv[1:2] == ["layer"]:
         layer(sys.argv[2:] or list(SHAPES))
     elif sys.argv[1:2] == ["dgated"]:

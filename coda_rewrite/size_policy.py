@@ -18,8 +18,8 @@ rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the larger of the two
 measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
 epilogue as graph ops, with the reason (code ``shape.small_m``).
 The routed experts' grouped GEMMs count routed rows (tokens × top-k): they lose to
-torch's grouped_mm up to 4096, run about even up to 32768 and win at 65536
-(patterns/routed_experts.py).
+torch's grouped_mm at decode and short-prompt sizes and win or run even from 16384
+(patterns/routed_experts.py; a training graph's threshold is its own).
 ``options.min_fused_rows`` overrides every family's threshold (0: always fuse).
 """
 

@@ -892,7 +892,7 @@ def test_grouped_launch_host_side(monkeypatch):
 def test_speed_policies_on_cuda_graphs(monkeypatch):
     """The speed policies see the grouped GEMMs (size_policy.gemms_of): on a GPU the
     routed experts are left to eager's ops below FUSED_FROM_ROWS routed rows (below
-    FUSED_FROM_ROWS_IN_TRAINING in a training graph; they pay in training, measured),
+    FUSED_FROM_ROWS_IN_TRAINING in a training graph, measured apart),
     unless the options say otherwise;
     CPU graphs are not affected (a real match whose GEMM metas are put on a GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -930,13 +930,16 @@ def test_speed_policies_on_cuda_graphs(monkeypatch):
     assert "fewer than the routed_experts fusion's measured threshold" in \
         too_few_rows(routed_experts, m, None)
     assert not too_few_rows(routed_experts, m, 0)
-    on_gpu(routed_experts.FUSED_FROM_ROWS, False)
+    inference_rows = routed_experts.FUSED_FROM_ROWS
+    on_gpu(inference_rows, False)
     assert not too_few_rows(routed_experts, m, None)
-    # a training graph fuses from fewer rows (measured: the forward alone does not pay there)
-    training_rows = routed_experts.FUSED_FROM_ROWS_IN_TRAINING
-    assert training_rows < routed_experts.FUSED_FROM_ROWS
-    on_gpu(training_rows, False)
+    on_gpu(inference_rows // 2, False)
     assert too_few_rows(routed_experts, m, None)
+    on_gpu(max(training_rows := routed_experts.FUSED_FROM_ROWS_IN_TRAINING,
+               inference_rows), False)
+    assert not too_few_rows(routed_experts, m, None)
+    # a training graph has its own threshold (measured on forward + backward)
+    assert training_rows != inference_rows
     on_gpu(training_rows, True)
     assert not too_few_rows(routed_experts, m, None)
     on_gpu(training_rows // 2, True)

@@ -77,22 +77,25 @@ NAME = "routed_experts"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py) ...
 FUSES_GEMMS = True
 # ... from this many routed rows (tokens × top-k; benchmarks/moe.py small, H200, the
-# forward replayed from CUDA graphs against torch.compile's grouped_mm, every size fused):
-# Qwen3-30B-A3B-shaped layer 0.64x / 0.61x / 0.66x at 8 / 64 / 512 tokens, 0.94-0.96x at
-# 2048 tokens (16384 rows), 0.99x at 4096 (32768), 1.10x at 8192 (65536: not replayed
-# from a graph); Mixtral-8x7B-shaped 0.68-0.90x at 16 to 1024 rows, 0.99x at 16384 (8192
-# tokens; 1.02x not replayed from a graph): below 65536 rows it loses or runs even
-# (BENCHMARKS.md, tenth and thirteenth sessions)
-FUSED_FROM_ROWS = 65536
+# forward replayed from CUDA graphs against torch.compile's grouped_mm, every size fused,
+# three alternating rounds). Since the routing's bounds are proved and the scatter back
+# runs as gathers (fifteenth session): Qwen3-30B-A3B-shaped 1.071x / 1.172x / 1.276x at
+# 16384 / 32768 / 65536 rows, gpt-oss-20b-shaped 1.070x / 1.020x / 1.126x at 8192 /
+# 16384 / 32768, Mixtral-8x7B-shaped 0.980x / 0.987x / 1.011x at 4096 / 8192 / 16384.
+# Before those changes the Qwen3 layer ran 0.94-0.96x at 16384 rows and 0.99x at 32768,
+# and 0.61-0.66x at 64 to 4096 rows (tenth and thirteenth sessions; nothing since makes
+# the small sizes' kernels faster). From 16384 rows none of the three loses (Mixtral's
+# 1.011x is even, within the rounds' noise)
+FUSED_FROM_ROWS = 16384
 # ... and in a training step (training_policy.py): forward + backward of the block at
 # 8192 tokens, the routing's bounds proved (no device-side check per launch), the scatter
 # back as gathers added in token order and its gradient a gather, against torch.compile's
 # in alternating rounds: Qwen3-30B-A3B-shaped (65536 routed rows) 1.147x, gpt-oss-20b-
 # shaped (32768) 1.099x, Mixtral-8x7B-shaped (16384) 1.035x (BENCHMARKS.md, fourteenth
 # session; before these changes the fused step was host-bound: 0.98-1.01x, twelfth and
-# thirteenth sessions). So training graphs fuse them, from half the forward's rows
-# (gpt-oss's 32768 pay there; Mixtral's 16384 were measured at 1.01-1.04x, inside the
-# rounds' spreads)
+# thirteenth sessions). So training graphs fuse them from 32768 rows (Mixtral's 16384
+# were measured at 1.01-1.04x, inside the rounds' spreads; smaller training batches not
+# measured)
 PAYS_IN_TRAINING = True
 FUSED_FROM_ROWS_IN_TRAINING = 32768
 FUSED_FROM_ROWS_FOR = {"in a training graph": FUSED_FROM_ROWS_IN_TRAINING}
@@ -583,7 +586,7 @@ class Plan:
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
 
 def fused_from_rows_of(m: Match) -> int:
-    """size_policy.fused_from_rows for one match: a training graph's from fewer rows."""
+    """size_policy.fused_from_rows for one match: a training graph's is measured apart."""
     return FUSED_FROM_ROWS_IN_TRAINING if trains(m) else FUSED_FROM_ROWS
 
 
