@@ -2,6 +2,7 @@
 coverage table in README.md, generated against the installed transformers.
 
     python tools/coverage.py [model_type ...] > coverage.md
+    python tools/coverage.py --experts batched_mm [model_type ...]
 
 Each decoder-only causal LM of transformers' auto mapping is built from a tiny config
 (2 layers, hidden 64, 4 heads / 2 key-value heads, vocabulary 256, random weights,
@@ -10,6 +11,10 @@ loss is in the graph). A cell says how many candidates of the family were rewrit
 for those left the most common reason code (algebra/decision.Why). Architectures that
 cannot be built from such a config, or whose forward raises on CPU, are listed with the
 error; encoder-decoder, encoder-only and recurrent/state-space models are skipped.
+
+``--experts IMPL``: every architecture whose experts take transformers' experts
+interface, with that experts implementation selected: the experts' records and the
+logits of optimize() against eager's (float32, under no_grad).
 """
 
 from __future__ import annotations
@@ -121,10 +126,53 @@ def survey(model_type: str) -> str:
     return f"| {model_type} | " + " | ".join(cell(by[f]) for f in FAMILIES) + " |"
 
 
+def experts_row(model_type: str, impl: str) -> str | None:
+    """One row of the ``--experts`` table; None where the model has no experts module."""
+    import copy
+
+    import coda_rewrite
+    from coda_rewrite.numerics import rel_err
+    torch._dynamo.reset()
+    try:
+        model = build(model_type).eval()
+    except Exception:
+        return None
+    if not any(hasattr(m, "has_gate") for m in model.modules()):
+        return None
+    model.set_experts_implementation(impl)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            want = model(ids, use_cache=False).logits
+    except Exception as e:
+        return f"| {model_type} | tiny config fails in eager: {str(e)[:60]} | | |"
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(copy.deepcopy(model))
+        got = fast(ids, use_cache=False).logits
+    by = collections.defaultdict(list)
+    for r in fast.report.records:
+        by[r.pattern].append(r)
+    return (f"| {model_type} | {cell(by['batched_experts'])} | {cell(by['routed_experts'])} "
+            f"| {rel_err(got, want):.1e} |")
+
+
 def main(argv: list[str]) -> None:
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    impl = None
+    if argv[:1] == ["--experts"]:
+        impl, argv = argv[1], argv[2:]
     types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t not in SKIP)
+    if impl is not None:
+        print(f"transformers {tf.__version__}, torch {torch.__version__}; experts "
+              f"implementation {impl!r}\n")
+        print("| architecture | batched_experts | routed_experts | logits vs eager |")
+        print("|---|---|---|---|")
+        for t in types:
+            row = experts_row(t, impl)
+            if row is not None:
+                print(row, flush=True)
+        return
     print(f"transformers {tf.__version__}, torch {torch.__version__}; cells: rewritten / "
           "candidates (the most common reason code of those left); · no candidate\n")
     print("| architecture | " + " | ".join(SHORT[f] for f in FAMILIES) + " |")
