@@ -48,6 +48,27 @@ def test_batched_mm_models_rewritten_no_worse_than_eager(family):
     assert "by construction" in routed.routing  # the spelling's routing proves its bounds
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v4"])
+@pytest.mark.parametrize("routed", [True, False])
+def test_batched_spelling_becomes_the_grouped_path(family, routed):
+    """bf16: the pass on the batched_mm model gives the very logits it gives on the same
+    model with grouped_mm (bit for bit), with the routed experts fused or left: the
+    rewrite produces transformers' grouped spelling, nothing else."""
+    from coda_rewrite.options import Options
+    model, _ = moe_model(family)
+    ids = torch.randint(3, 128, (2, 32))
+    patterns = Options().patterns if routed else \
+        tuple(p for p in Options().patterns if p != "routed_experts")
+    got = {}
+    for impl in ("grouped_mm", "batched_mm"):
+        m = copy.deepcopy(model)
+        m.set_experts_implementation(impl)
+        with torch.no_grad():
+            fast = coda_rewrite.optimize(m, patterns=patterns)
+            got[impl] = fast(ids).logits
+    assert torch.equal(got["grouped_mm"], got["batched_mm"])
+
+
 def test_left_grouped_where_the_routed_experts_are_not_fused():
     """Where the routed experts' family does not fuse them (disabled here; on the GPU
     below its row threshold), the grouped spelling stays torch's grouped GEMMs, still
