@@ -36,8 +36,7 @@ from ..graph_utils import arg, calls, memory_sharers, mutated_value
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .isolated import off_thread
-from .witness import _size, eval_nodes, guarded, verdict
+from .witness import _size, eval_nodes, guarded_with_gradients, verdict
 
 _CLAMPS = {"clamp", "clip", torch.clamp, torch.clip}
 _FLATTENS = {"reshape", "view", "flatten", torch.reshape, torch.flatten}
@@ -151,14 +150,10 @@ def decide(m, recipe) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_batched_experts()
-    seen = guarded(lambda m: _replay(m, recipe), m)
+    seen = guarded_with_gradients(lambda m, grads=False: _replay(m, recipe, grads), m,
+                                  bool(meta(m.total).requires_grad))
     if isinstance(seen, Rejection):
         return seen
-    if meta(m.total).requires_grad:
-        grads = guarded(lambda m: off_thread(_replay, m, recipe, True), m)
-        if isinstance(grads, Rejection):
-            return grads
-        seen = f"{seen}; {grads}"
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 

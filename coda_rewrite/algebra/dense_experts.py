@@ -37,8 +37,7 @@ from ..codegen import reference
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .isolated import off_thread
-from .witness import _size, eval_nodes, guarded, verdict
+from .witness import _size, eval_nodes, guarded_with_gradients, verdict
 
 
 def side_conditions(m) -> tuple[list[str], str | None]:
@@ -127,14 +126,9 @@ def decide(m) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_dense_experts()
-    seen = guarded(_replay, m)
+    seen = guarded_with_gradients(_replay, m, bool(meta(m.out).requires_grad))
     if isinstance(seen, Rejection):
         return seen
-    if meta(m.out).requires_grad:
-        grads = guarded(lambda m: off_thread(_replay, m, True), m)
-        if isinstance(grads, Rejection):
-            return grads
-        seen = f"{seen}; {grads}"
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 

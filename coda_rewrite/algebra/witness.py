@@ -26,6 +26,7 @@ from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
 from . import sharding
 from .decision import Rejection, RejectionKind
+from .isolated import off_thread
 
 _MAX_ELEMS = 1 << 16
 
@@ -145,6 +146,18 @@ def guarded(replay, match) -> str | Rejection:
         return unavailable(f"the matched nodes raise on the replay's inputs: "
                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                            match.path)
+
+
+def guarded_with_gradients(replay, match, gradients: bool) -> str | Rejection:
+    """``guarded(replay, match)``, and where the match trains (``gradients``) the same
+    replay of the gradients (``replay(match, True)``, on a fresh thread: the pass may run
+    under the caller's no_grad or inference mode); the witness lines joined, or the
+    first rejection."""
+    seen = guarded(replay, match)
+    if isinstance(seen, Rejection) or not gradients:
+        return seen
+    grads = guarded(lambda m: off_thread(replay, m, True), match)
+    return grads if isinstance(grads, Rejection) else f"{seen}; {grads}"
 
 
 def verdict(err: float, what: str, path: str, tol: float = 1e-6) -> str | Rejection:
