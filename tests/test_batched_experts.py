@@ -174,7 +174,7 @@ class Batched(torch.nn.Module):
         t = h.shape[0]
         values, index = torch.topk(F.linear(h, self.router.to(h.dtype)).float().softmax(-1),
                                    k, dim=-1)
-        weights = values.to(h.dtype).reshape(-1)
+        weights = (values if case == "weights_float32" else values.to(h.dtype)).reshape(-1)
         ids = index.reshape(-1)
         ids = {"unclamped": ids, "clamp_past_e": ids.clamp(0, self.e),
                "clamp_negative": ids.clamp(-1, self.e - 1),
@@ -207,6 +207,7 @@ class Batched(torch.nn.Module):
 LOOK_ALIKES = {
     "canonical": None,
     "unclamped": None,                     # top-k indices over E: in range all the same
+    "weights_float32": None,               # the combine promotes the rows to float32
     "clamp_past_e": "moe.batched_ids",     # an id of E reaches W[ids]: eager raises there
     "clamp_negative": "moe.batched_ids",   # −1 wraps to E − 1 in eager
     "ids_of_argmax": "moe.batched_ids",    # ids from elsewhere, bounded by nothing proved
