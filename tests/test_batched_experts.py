@@ -7,6 +7,8 @@ shapes; a hypothesis search over the spelling's variants."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,17 +148,18 @@ class Batched(torch.nn.Module):
     and the property test change (``case``), behind a top-k router."""
 
     def __init__(self, case="canonical", experts=4, top_k=2, k=32, inter=16,
-                 weight_first=True, bias=False, lanes=False, act="silu", seed=0):
+                 weight_first=True, bias=False, lanes=False, act="silu", seed=0, gated=True):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.case, self.e, self.top_k, self.weight_first = case, experts, top_k, weight_first
-        self.lanes, self.act = lanes, act
-        gu = (experts, 2 * inter, k) if weight_first else (experts, k, 2 * inter)
+        self.lanes, self.act, self.gated = lanes, act, gated
+        width = 2 * inter if gated else inter
+        gu = (experts, width, k) if weight_first else (experts, k, width)
         dn = (experts, k, inter) if weight_first else (experts, inter, k)
         self.router = torch.nn.Parameter(torch.randn(experts, k, generator=g) * 3)
         self.gate_up = torch.nn.Parameter(torch.randn(gu, generator=g) / k ** 0.5)
         self.down = torch.nn.Parameter(torch.randn(dn, generator=g) / inter ** 0.5)
-        self.gu_bias = torch.nn.Parameter(torch.randn(experts, 2 * inter, generator=g)) \
+        self.gu_bias = torch.nn.Parameter(torch.randn(experts, width, generator=g)) \
             if bias else None
         self.d_bias = torch.nn.Parameter(torch.randn(experts, k, generator=g)) \
             if bias else None
@@ -184,9 +187,15 @@ class Batched(torch.nn.Module):
         p = self._gemv(rows, self.gate_up, ids, self.gu_bias)
         if case == "read_before_bias":
             early = p.sum()
-        gate, up = (p[..., ::2], p[..., 1::2]) if self.lanes else p.chunk(2, dim=-1)
-        act = {"silu": F.silu, "gelu": F.gelu}[self.act]
-        y = act(gate) + up if case == "not_gated" else act(gate) * up
+        act = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda v: torch.square(F.relu(v))}[
+            self.act]
+        if case == "mixes_rows":  # relu, then a softmax over the pairs: not row-local
+            y = F.relu(p).softmax(dim=0)
+        elif not self.gated:  # an expert without a gate: act(x·W_up) (Nemotron-H)
+            y = act(p)
+        else:
+            gate, up = (p[..., ::2], p[..., 1::2]) if self.lanes else p.chunk(2, dim=-1)
+            y = act(gate) + up if case == "not_gated" else act(gate) * up
         down_ids = ids.flip(0) if case == "down_other_ids" else ids
         o = self._gemv(y, self.down, down_ids, self.d_bias)
         weighted = o * weights.unsqueeze(-1)
@@ -214,6 +223,7 @@ LOOK_ALIKES = {
     "copies_repeated": "moe.batched_rows",  # h.repeat(k, 1): pair s is token s % T
     "down_other_ids": "moe.batched_ids",   # the down GEMM gathers other experts
     "not_gated": "moe.not_gated",
+    "mixes_rows": "moe.not_halves",        # a softmax over the pairs between the GEMMs
     "sum_over_pairs": "moe.batched_output",
     "gate_up_returned": "moe.intermediate_read",
     "tokens_updated": "moe.in_place",
@@ -225,7 +235,7 @@ LOOK_ALIKES = {
 def test_look_alikes(case):
     """Each look-alike's outputs equal eager's (no worse against float64); the spellings
     the rewrite takes are rewritten, the others left with their code."""
-    model = Batched(case).bfloat16()
+    model = Batched(case, gated=case != "mixes_rows").bfloat16()
     torch.manual_seed(0)
     h = torch.randn(64, 32).bfloat16()
     ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -259,16 +269,17 @@ def test_witness_refuses_a_recipe_that_loses_the_pairing(monkeypatch):
 @settings(max_examples=25, deadline=None)
 @given(experts=st.integers(1, 6), top_k=st.integers(1, 3), tokens=st.integers(1, 40),
        weight_first=st.booleans(), bias=st.booleans(), lanes=st.booleans(),
-       act=st.sampled_from(["silu", "gelu"]), dtype=st.sampled_from(["bf16", "f32"]),
-       seed=st.integers(0, 2 ** 16))
+       act=st.sampled_from(["silu", "gelu", "relu2"]), gated=st.booleans(),
+       dtype=st.sampled_from(["bf16", "f32"]), seed=st.integers(0, 2 ** 16))
 def test_property_batched_spellings(experts, top_k, tokens, weight_first, bias, lanes, act,
-                                    dtype, seed):
-    """Drawn routings and spellings (weight orientation, biases, halves or lanes, the
-    activation, the dtype): rewritten, and eager's numbers (float32: to rounding; bf16:
+                                    gated, dtype, seed):
+    """Drawn routings and spellings (weight orientation, biases, halves or lanes or no
+    gate, the activation, the dtype): rewritten, and eager's numbers (float32: to rounding; bf16:
     no worse than eager against float64 at 64 or more tokens)."""
     top_k = min(top_k, experts)
+    act = "silu" if gated and act == "relu2" else act  # (relu² gating: no op of the IR)
     model = Batched(experts=experts, top_k=top_k, weight_first=weight_first, bias=bias,
-                    lanes=lanes, act=act, seed=seed)
+                    lanes=lanes, act=act, seed=seed, gated=gated)
     bf16 = dtype == "bf16"
     tokens = max(tokens, 64) if bf16 else tokens
     h = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(seed))
@@ -283,3 +294,17 @@ def test_property_batched_spellings(experts, top_k, tokens, weight_first, bias, 
         assert rel_err(got.double(), truth) <= 1.5 * rel_err(want.double(), truth) + 1e-6
     else:
         assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type,cells", [
+    ("nemotron_h", ("1/1", "0/1 (moe.not_halves)")),  # experts without a gate: relu²
+    ("qwen3_moe", ("2/2", "2/2"))])
+def test_coverage_rows(model_type, cells):
+    """tools/coverage.py --experts batched_mm on two architectures: the batched experts
+    rewritten (Nemotron-H's non-gated ones too, which the routed experts then leave), the
+    logits eager's (float32)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from coverage import experts_row
+    row = [c.strip() for c in experts_row(model_type, "batched_mm").strip("|").split("|")]
+    assert row[0] == model_type and tuple(row[1:3]) == cells, row
+    assert float(row[3]) <= 1e-5, row

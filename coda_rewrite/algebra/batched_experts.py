@@ -14,6 +14,9 @@ Side conditions, each checked here:
 * the rows are each token's row repeated k times in a row (``repeat_interleave(k,
   dim=0)``) and the sum adds each token's k consecutive pairs ([T, k, K'] view, sum over
   dim 1): pair s belongs to token s // k in both;
+* what runs between the two GEMMs maps each row alone (the gated pair on the row's
+  halves or lanes, or a chain of elementwise ops: the grouped spelling runs it on the
+  rows in sorted order);
 * both GEMMs gather their weights by the same ids, the biases (where there are any) too;
   a bias added in place (``p.add_(b[ids])``) is added before anything else reads p;
 * what the grouped spelling never computes (the copies of the tokens and of the weights,
@@ -76,7 +79,7 @@ def _shapes(m) -> Why | None:
     view = meta(m.view)
     ok = (s == t * k and tuple(meta(m.scores).shape) == (meta(m.ids).shape[0],) and
           statically_known_true(meta(m.ids).shape[0] == meta(m.tokens).shape[0] * k) and
-          gu[0] == e and dn[0] == e and gu_k == k_in and 2 * dn_k == gu_n and
+          gu[0] == e and dn[0] == e and gu_k == k_in and _halved(m) * dn_k == gu_n and
           view is not None and view.dim() == 3 and
           statically_known_true(view.shape[0] == meta(m.tokens).shape[0]) and
           view.shape[1] == k and view.shape[2] == dn_n)
@@ -87,7 +90,8 @@ def _shapes(m) -> Why | None:
         return Why(f"tokens {_shape(m.tokens)}, {k} copies each, ids {_shape(m.ids)}, "
                    f"weights {_shape(m.scores)}, expert weights {_shape(m.gate_up.weight)} "
                    f"and {_shape(m.down.weight)}, view {_shape(m.view)}: not [T, K], T·k, "
-                   "[T·k], [T·k], [E, 2I, K] and [E, K', I] (or both [E, K, N]), [T, k, K']",
+                   "[T·k], [T·k], [E, 2I, K] (without a gate [E, I, K]) and [E, K', I] (or "
+                   "both [E, K, N]), [T, k, K']",
                    "moe.batched_shapes")
     dim = arg(m.total, 1, "dim")
     dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
@@ -95,6 +99,12 @@ def _shapes(m) -> Why | None:
         return Why(f"{describe(m.total)} does not sum over each token's k rows",
                    "moe.batched_output")
     return None
+
+
+def _halved(m) -> int:
+    """How many times wider the first GEMM's output is than the second's input: 2 for a
+    gated pair, 1 for an elementwise activation."""
+    return 1 if m.activation == "elementwise" else 2
 
 
 def _shape(node) -> tuple:
@@ -184,7 +194,7 @@ def _values(m, gen) -> dict:
     out = {m.tokens: torch.randn(t, _size(meta(m.tokens).shape[1]), generator=gen, dtype=f64),
            m.ids: torch.randint(0, e, (t * k,), generator=gen, dtype=meta(m.ids).dtype),
            m.scores: torch.rand(t * k, generator=gen, dtype=f64)}
-    for g, n, k_in in ((m.gate_up, 2 * inter, None), (m.down, None, inter)):
+    for g, n, k_in in ((m.gate_up, _halved(m) * inter, None), (m.down, None, inter)):
         shape = list(_size(s) for s in meta(g.weight).shape)
         if n is not None:  # the gate/up GEMM's output width
             shape[1 if g.weight_first else 2] = n

@@ -10,7 +10,7 @@ own copy of the expert's weights:
     ids = top_k_index.reshape(-1).clamp(0, E - 1)            [S]
     p   = bmm(W_gu[ids], x.unsqueeze(-1)).squeeze(-1)        W_gu[ids]: [S, 2I, K] copied
     p.add_(b_gu[ids])                                        (where the experts have biases)
-    y   = act(gate)·up of p's halves
+    y   = act(gate)·up of p's halves (or act(p): experts without a gate)
     o   = bmm(W_d[ids], y.unsqueeze(-1)).squeeze(-1) (+ b_d[ids])
     out = (o · w[:, None]).view(T, k, K').sum(1)             w = top_k_weights.reshape(-1)
 
@@ -47,6 +47,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .. import patterns, routing
 from ..algebra import batched_experts as legality
@@ -105,10 +106,8 @@ class Match:
     scores: fx.Node                # [S]: each pair's combine weight
     gate_up: Gemv
     down: Gemv
-    gate: fx.Node
-    up: fx.Node
-    op: str
-    pair_nodes: tuple[fx.Node, ...]  # the halves → the product, in graph order
+    activation: str                # the gated pair's op, or "elementwise"
+    pair_nodes: tuple[fx.Node, ...]  # the GEMM's output → the down GEMM's rows, in order
     product: fx.Node               # what the down GEMM's rows are (the product, cast)
     combine: fx.Node               # o · w[:, None]
     column: fx.Node                # w[:, None]
@@ -229,13 +228,17 @@ def _match(gu: Gemv) -> Match | NoMatch:
                        "moe.batched_rows")
     ids = _weight_gather(gu.gathered)[1]
     found = _halves(gu.result, gu)
-    if isinstance(found, Why):
+    chain = _elementwise_chain(gu.result, gu) if isinstance(found, Why) else None
+    if chain:  # experts without a gate: act(x·W_up) (Nemotron-H's relu²)
+        op, mul, split, act_nodes = "elementwise", chain[-1], (), chain[:-1]
+    elif isinstance(found, Why):
         return _refuse(gu.bmm, found, found.code)
-    gate, up, split = found
-    pair = pair_of(gate, up)
-    if isinstance(pair, Why):
-        return _refuse(gu.bmm, pair, pair.code)
-    op, mul, act_nodes, _ = pair
+    else:
+        gate, up, split = found
+        pair = pair_of(gate, up)
+        if isinstance(pair, Why):
+            return _refuse(gu.bmm, pair, pair.code)
+        op, mul, act_nodes, _ = pair
     product, casts = mul, []
     while sole_user(product) is not None and canon(sole_user(product)) is not None and \
             canon(sole_user(product)).name == "cast":
@@ -265,8 +268,47 @@ def _match(gu: Gemv) -> Match | NoMatch:
     nodes = sorted({copies, *gu.nodes, *pair_nodes, lifted, *down.nodes, combine, column,
                     view, total}, key=order.get)
     return Match(total, tokens, copies, k, ids, int(meta(gu.weight).shape[0]), scores, gu,
-                 down, gate, up, op, tuple(pair_nodes), product, combine, column, view,
-                 tuple(nodes))
+                 down, op, tuple(pair_nodes), product, combine, column, view, tuple(nodes))
+
+
+# ops that map each element on its own (with number constants): a chain of them between
+# the two GEMMs is row-local, so it commutes with sorting the rows
+_UNARY = {torch.relu, "relu", F.relu, torch.square, "square", F.silu, F.gelu, torch.sigmoid,
+          "sigmoid", torch.tanh, "tanh", F.sigmoid, torch.exp, "exp", torch.neg, "neg"}
+_WITH_NUMBER = {operator.mul, operator.add, operator.sub, operator.truediv, operator.pow,
+                torch.mul, torch.add, "mul", "add", "sub", "pow", "div"}
+
+
+def _elementwise(node: fx.Node, x: fx.Node) -> bool:
+    """``node`` maps each element of ``x`` alone: a unary pointwise op, a cast, or x with
+    a number."""
+    c = canon(node)
+    if c is not None and c.name == "cast":
+        return c.args[0] is x
+    if calls(node, _UNARY):
+        return node.args[:1] == (x,) and all(
+            not isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values()))
+    if calls(node, _WITH_NUMBER) and len(node.args) == 2 and not node.kwargs:
+        return x in node.args and all(isinstance(a, (int, float)) or a is x
+                                      for a in node.args)
+    return False
+
+
+def _elementwise_chain(p: fx.Node, gemv: Gemv) -> list[fx.Node]:
+    """The elementwise ops from ``p`` (each read only by the next; p also by its bias
+    added in place) up to the rows of a per-pair GEMM; [] where the chain ends
+    otherwise."""
+    readers = [u for u in p.users if u is not gemv.bias_add]
+    chain, x = [], p
+    while (nxt := readers[0] if x is p and len(readers) == 1 else sole_user(x)) \
+            is not None and _elementwise(nxt, x):
+        chain.append(nxt)
+        x = nxt
+    lifted = sole_user(x)
+    if not chain or not calls(lifted, {"unsqueeze", torch.unsqueeze}) or \
+            not calls(sole_user(lifted), _BMM):
+        return []
+    return chain
 
 
 def _column(combine, o: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
