@@ -169,7 +169,7 @@ class Batched(torch.nn.Module):
         out = torch.bmm(wi, x.unsqueeze(-1)).squeeze(-1) if self.weight_first else \
             torch.bmm(x.unsqueeze(1), wi).squeeze(1)
         if bias is not None:
-            out.add_(bias[ids])
+            out.add_(bias[ids.flip(0) if self.case == "bias_other_ids" else ids])
         return out
 
     def forward(self, h):
@@ -222,6 +222,7 @@ LOOK_ALIKES = {
     "ids_of_argmax": "moe.batched_ids",    # ids from elsewhere, bounded by nothing proved
     "copies_repeated": "moe.batched_rows",  # h.repeat(k, 1): pair s is token s % T
     "down_other_ids": "moe.batched_ids",   # the down GEMM gathers other experts
+    "bias_other_ids": "moe.batched_ids",   # each pair's bias of another expert
     "not_gated": "moe.not_gated",
     "mixes_rows": "moe.not_halves",        # a softmax over the pairs between the GEMMs
     "sum_over_pairs": "moe.batched_output",
@@ -235,7 +236,7 @@ LOOK_ALIKES = {
 def test_look_alikes(case):
     """Each look-alike's outputs equal eager's (no worse against float64); the spellings
     the rewrite takes are rewritten, the others left with their code."""
-    model = Batched(case, gated=case != "mixes_rows").bfloat16()
+    model = Batched(case, gated=case != "mixes_rows", bias=case == "bias_other_ids").bfloat16()
     torch.manual_seed(0)
     h = torch.randn(64, 32).bfloat16()
     ref, exact = copy.deepcopy(model), copy.deepcopy(model).double()

@@ -90,10 +90,6 @@ class Gemv:
         return tuple(n for n in (self.gathered, self.unsqueeze, self.bmm, self.out,
                                  self.bias_gathered, self.bias_add) if n is not None)
 
-    @property
-    def spec(self) -> tuple[fx.Node, bool, fx.Node | None]:
-        return self.weight, self.weight_first, self.bias
-
 
 @dataclasses.dataclass(frozen=True)
 class Match:
@@ -250,9 +246,11 @@ def _match(gu: Gemv) -> Match | NoMatch:
     if down is None or down.rows is not product:
         return _refuse(gu.bmm, "its gated product is not read by one per-pair GEMM of "
                        "gathered down weights only", "moe.no_down_projection")
-    if _weight_gather(down.gathered)[1] is not ids or down.weight_first != gu.weight_first:
-        return _refuse(gu.bmm, "its two GEMMs gather their weights by different ids or "
-                       "store them in different layouts", "moe.batched_ids")
+    if _weight_gather(down.gathered)[1] is not ids or down.weight_first != gu.weight_first \
+            or any(g.bias_gathered is not None and canon(g.bias_gathered).args[1] is not ids
+                   for g in (gu, down)):
+        return _refuse(gu.bmm, "its two GEMMs gather their weights (or biases) by different "
+                       "ids, or store them in different layouts", "moe.batched_ids")
     combine = sole_user(down.result) if down.bias_add is None or \
         down.result is not down.out else next(
             (u for u in down.out.users if u is not down.bias_add), None)
