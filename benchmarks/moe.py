@@ -1,7 +1,8 @@
 """Mixture-of-experts layers (issue #21): Hugging Face's sparse MoE blocks at the
 Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8), the Mixtral-8x7B shape
 (hidden 4096, 8 experts of 14336, top-2) and the gpt-oss-20b shape (hidden 2880, 32
-experts of 2880, top-4; [E, K, N] weights, biases, the clamped SwiGLU), 8192 tokens,
+experts of 2880, top-4; [E, K, N] weights, biases, the clamped SwiGLU) and the
+OLMoE-1B-7B shape (hidden 2048, 64 experts of 1024, top-8), 8192 tokens,
 bf16, forward under no_grad:
 eager and torch.compile with the grouped_mm experts implementation (transformers' default
 and fastest), backend="coda" (the routed experts as QuACK's grouped GEMMs with their
@@ -41,6 +42,8 @@ SHAPES = {
                                 num_experts_per_tok=8, norm_topk_prob=True)),
     "mixtral": ("mixtral", dict(hidden_size=4096, intermediate_size=14336,
                                 num_local_experts=8, num_experts_per_tok=2)),
+    "olmoe": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_experts=64,
+                            num_experts_per_tok=8)),
     "gpt_oss": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880,
                                 num_local_experts=32, num_experts_per_tok=4,
                                 layer_types=["full_attention"])),
