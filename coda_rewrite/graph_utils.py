@@ -430,4 +430,3 @@ class TracedEmitter:
 
     def copy(self, node: fx.Node, copies: dict) -> fx.Node:
         return self._traced(self.graph.node_copy(node, lambda n: copies.get(n, n)))
-
