@@ -120,8 +120,7 @@ def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
     """Where a norm producer's launch spends its host time: the allocations (outputs,
     partials, rstd), QuACK's planned GEMM launch on buffers made once, the rstd kernel."""
     out = route._alloc()
-    scratch = {name: torch.empty(shape, device=a.device, dtype=dtype)
-               for name, shape, dtype in route.scratch}
+    scratch = route.planned.new_scratch()
     values = {**route._operands(operands), **scratch, **out}
     sink, shape, scale, eps = route.norm
     rstd = torch.empty(route.m, device=a.device, dtype=torch.float32)
@@ -131,7 +130,7 @@ def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
             "torch.empty (one buffer)": host_us(
                 lambda: torch.empty(route.m, device=a.device, dtype=torch.float32)),
             "QuACK planned launch": host_us(lambda: quack_path.run_gemm_epi_plan(
-                route.gemm_plan, a, b.t(), out.get("D"), route._c(operands), values)),
+                route.planned.gemm, a, b.t(), out.get("D"), route._c(operands), values)),
             "rstd kernel (compiled, direct)": host_us(
                 lambda: route.row_rstd(partials, rstd, scale, eps)),
         }

@@ -104,6 +104,14 @@ def small_m() -> list:
                 Options(min_fused_rows=0, cudagraphs=True))),
             "coda, default": torch.compile(model, backend="coda", mode="reduce-overhead",
                                            dynamic=False)}
+        if os.environ.get("CODA_SMALL_M_ABLATION"):  # what each family costs or saves
+            every = Options().patterns
+            for left in (("gated_mlp",), ("gated_mlp", "rope"),
+                         ("gated_mlp", "rope", "residual_rmsnorm_gemm")):
+                variants["coda, all fused but " + " + ".join(left)] = torch.compile(
+                    model, dynamic=False, backend=CodaBackend(Options(
+                        min_fused_rows=0, cudagraphs=True,
+                        patterns=tuple(p for p in every if p not in left))))
         with torch.no_grad():
             for m in variants.values():
                 for _ in range(3):
@@ -111,7 +119,7 @@ def small_m() -> list:
             timed = bench_rounds({k: (lambda m=m: m(x)) for k, m in variants.items()})
         base = timed["torch.compile"][0]
         for name, (ms, spread) in timed.items():
-            print(f"small M: {2 * seq:5d} rows {name:<16} {ms:7.3f} ms (spread {spread:.1%})"
+            print(f"small M: {2 * seq:5d} rows {name:<40} {ms:7.3f} ms (spread {spread:.1%})"
                   f"  {base / ms:5.2f}x torch.compile (graphed)", flush=True)
             rows.append((f"{2 * seq} rows {name}", "ms", ms))
     return rows

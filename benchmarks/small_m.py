@@ -58,16 +58,31 @@ FAMILIES = set(filter(None, os.environ.get("CODA_SMALL_M_FAMILIES", "").split(",
 
 
 def candidates() -> dict:
+    """Tile configs to sweep; $CODA_SMALL_M_CONFIGS (comma-separated names) picks some."""
     from quack.gemm_config import GemmConfig
 
-    def cfg(m, n, cm=1, cn=1, pingpong=True):
+    def cfg(m, n, cm=1, cn=1, pingpong=True, split_k=1, tile_k=None):
         return GemmConfig(tile_m=m, tile_n=n, cluster_m=cm, cluster_n=cn, pingpong=pingpong,
-                          is_dynamic_persistent=False)
-    return {"default": None, "128x128 c2": cfg(128, 128, 2), "128x64 c1": cfg(128, 64),
-            "64x128 c1": cfg(64, 128), "64x256 c1": cfg(64, 256),
-            # a wave of the H200's 132 SMs at 256 rows of the 8B q/k/v (N = 6144):
-            # 4 x 32 tiles of 64 x 192
-            "64x192 c1": cfg(64, 192), "128x192 c1": cfg(128, 192)}
+                          is_dynamic_persistent=False, split_k=split_k, tile_k=tile_k)
+    every = {"default": None, "128x128 c2": cfg(128, 128, 2), "128x64 c1": cfg(128, 64),
+             "64x128 c1": cfg(64, 128), "64x256 c1": cfg(64, 256),
+             # a wave of the H200's 132 SMs at 256 rows of the 8B q/k/v (N = 6144):
+             # 4 x 32 tiles of 64 x 192
+             "64x192 c1": cfg(64, 192), "128x192 c1": cfg(128, 192)}
+    # split-K (SERIAL: the last split runs the epilogue on the whole sum) where the grid
+    # starves: 256 rows of an N = 2048 norm producer are 2 x 32 tiles of 128 x 64
+    for tiles, cm in (((128, 64), 1), ((128, 128), 1), ((64, 128), 1), ((128, 128), 2)):
+        for split in (2, 3, 4):
+            every[f"{tiles[0]}x{tiles[1]} c{cm} s{split}"] = cfg(*tiles, cm, split_k=split)
+    # the mainloop's other knobs at small M: 128-deep K steps (half the pipeline's
+    # iterations), cooperative warp groups instead of ping-pong, 64 x 64 tiles
+    for tiles, cm in (((128, 64), 1), ((128, 128), 1), ((128, 128), 2), ((64, 128), 1)):
+        every[f"{tiles[0]}x{tiles[1]} c{cm} k128"] = cfg(*tiles, cm, tile_k=128)
+        every[f"{tiles[0]}x{tiles[1]} c{cm} coop"] = cfg(*tiles, cm, pingpong=False)
+    every["64x64 c1"] = cfg(64, 64)
+    every["128x64 c2"] = cfg(128, 64, 2)
+    chosen = list(filter(None, os.environ.get("CODA_SMALL_M_CONFIGS", "").split(",")))
+    return {k: every[k] for k in chosen} if chosen else every
 
 
 class WithLoss(nn.Module):
@@ -176,7 +191,9 @@ def _name(cfg) -> str:
     if cfg is None:
         return "default"
     return f"{cfg.tile_m}x{cfg.tile_n} c{cfg.cluster_m}" + (
-        f"n{cfg.cluster_n}" if cfg.cluster_n > 1 else "")
+        f"n{cfg.cluster_n}" if cfg.cluster_n > 1 else "") + (
+        f" s{cfg.split_k}" if cfg.split_k > 1 else "") + (
+        f" k{cfg.tile_k}" if cfg.tile_k else "") + ("" if cfg.pingpong else " coop")
 
 
 def main():

@@ -613,15 +613,17 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
                              else torch.bfloat16 for o in program.outputs}
         launch.outs = [(name, (m, n), launch.out_dtypes[value])
                        for value, name in launch.ks.contract.tile_outputs]
-        launch.scratch, launch.norm, launch.row_rstd = scratch, norm, fake_rstd
+        planned = object.__new__(quack_path.Planned)
+        planned.gemm, planned.epi_plan, planned.split_buffers = object(), None, None
+        planned.scratch, planned.device = scratch, torch.device("cpu")
+        launch.planned, launch.norm, launch.row_rstd = planned, norm, fake_rstd
         launch.kwargs, launch.c_index, launch.sinks = [], None, []
-        launch.gemm_plan, launch.plan = object(), None
         launch.results = launch._result_sources()
         return launch
 
     m, n, tiles = 5, 48, 3
-    norm = launch_of(residual_rmsnorm(), m, n, [("red0_ss", torch.Size([m, tiles]),
-                                                torch.float32)],
+    norm = launch_of(residual_rmsnorm(), m, n, {"red0_ss": (torch.Size([m, tiles]),
+                                                            torch.float32)},
                      ("red0_ss", (m, tiles), 0.5, 0.25))
     a, b = torch.zeros(m, 8), torch.zeros(n, 8)
     z, h2, r = norm(a, b, [])
@@ -630,7 +632,7 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
     assert r.shape == (m,) and r.dtype == torch.float32
     assert torch.equal(r, torch.full((m,), 3.0 * tiles * 0.5 + 0.25))
     assert all(t._base is None for t in (z, h2, r))
-    plain = launch_of(rowscale_bias(), m, n, [], None)
+    plain = launch_of(rowscale_bias(), m, n, {}, None)
     (y,) = plain(a, b, [torch.ones(m), torch.ones(n)])
     assert y.shape == (m, n) and y.dtype == torch.bfloat16 and (y == 1).all()
     assert calls[-1] == ["D"]

@@ -4,7 +4,9 @@ indices, ``k <= q`` and its off-by-one look-alikes, strict and anti-causal order
 sliding windows shorter, equal to and longer than the sequence, terms that always hold,
 a padding term read from an input, conjunctions, disjunctions and negations, ``tril``
 with a diagonal, boolean or additive (−inf / finfo.min) masks, a cache offset so that
-the query rows sit at the end of the keys) and checks that the rewritten model's
+the query rows sit at the end of the keys, the indices read through a positions tensor as
+transformers 5.25 does: arange positions, scaled or reversed, an index one early that
+wraps around, positions given as an input) and checks that the rewritten model's
 attention is eager's (NaN where eager's is: a fully masked row), that the plain causal
 spellings become ``is_causal=True``, and that every mask left carries a reason.
 
@@ -55,10 +57,12 @@ class Attention(nn.Module):
         self.case = case
         self.qkv = nn.Linear(D, 3 * D, bias=False)
 
-    def mask(self, s, p, pad):
+    def mask(self, s, p, pad, given_positions):
         c = self.case
         q = (torch.arange(s) + p)[:, None]
         k = torch.arange(s + p)[None, :]
+        if c["positions"] is not None:  # transformers 5.25: positions gathered by index
+            q, k = self.positions(s + p, given_positions, q, k)
         if c["tril"] == "float":  # a look-alike: tril of float ones is an additive 0/1
             grid = torch.tril(torch.ones(s + p, s + p))  # bias, not a mask
             return grid[p:] if p else grid
@@ -78,13 +82,29 @@ class Attention(nn.Module):
         fill = float("-inf") if c["additive"] == "-inf" else torch.finfo(torch.float32).min
         return torch.zeros(allowed.shape).masked_fill(~allowed, fill)
 
-    def forward(self, x, past, pad):
+    def positions(self, n, given, q, k):
+        """(positions[b, q], positions[b, k]) as [2, 1, s, 1] and [2, 1, 1, n]: the
+        positions arange(n) (the plain spelling, its scaled and reversed look-alikes),
+        read one index early (``shift``: index −1 wraps around to the last position), or
+        given as an input (values unknown when compiling)."""
+        how = self.case["positions"]
+        pos = given if how == "input" else torch.arange(n)[None].expand(2, -1)
+        if how == "scaled":
+            pos = pos * 2
+        elif how == "reversed":
+            pos = (n - 1) - pos
+        if how == "shift":
+            q, k = q - 1, k - 1
+        b = torch.arange(2)[:, None, None, None]
+        return pos[b, q[None, None]], pos[b, k[None, None]]
+
+    def forward(self, x, past, pad, given_positions):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
         p = past.shape[2] if self.case["cache"] else 0
         if p:
             k, v = torch.cat((past, k), dim=2), torch.cat((past, v), dim=2)
-        m = self.mask(s, p, pad)
+        m = self.mask(s, p, pad, given_positions)
         m = m if m.dim() == 4 else m[None, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
@@ -98,6 +118,8 @@ cases = st.fixed_dictionaries({
     "additive": st.sampled_from([None, None, "-inf", "finfo.min"]),
     "cache": st.sampled_from([False, False, True]),
     "seq": st.sampled_from([1, 3, 6]),
+    "positions": st.sampled_from([None, None, "arange", "scaled", "reversed", "shift",
+                                  "input"]),
 })
 
 
@@ -105,7 +127,8 @@ def _is_plain_causal(case) -> bool:
     """Spellings the prover must turn into is_causal: k ≤ q alone (in any of its four
     spellings) or a tril of ones with diagonal 0, no cache, boolean or additive."""
     plain = case["tril"] == 0 or (case["tril"] is None and len(case["terms"]) == 1 and
-                                  case["terms"][0] in CAUSAL and not case["negate"])
+                                  case["terms"][0] in CAUSAL and not case["negate"] and
+                                  case["positions"] in (None, "arange", "scaled"))
     return plain and not case["cache"]
 
 
@@ -118,10 +141,11 @@ def _run(case, note=event):
     past = torch.randn(2, HEADS, 2, D // HEADS)
     pad = torch.ones(2, s + (2 if case["cache"] else 0), dtype=torch.bool)
     pad[1, 0] = False
+    given = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4][:s + 2]] * 2)  # two packed sequences
     fast = coda_rewrite.optimize(copy.deepcopy(model))
     with torch.no_grad():
-        want = model(x, past, pad)
-        got = fast(x, past, pad)
+        want = model(x, past, pad, given)
+        got = fast(x, past, pad, given)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True,
                                msg=lambda m: f"{case}: {m}\n{fast.report}")
     records = [r for r in fast.report.records if r.pattern == "attention_inputs"]
@@ -141,12 +165,14 @@ def test_generated_masks_keep_eagers_attention(case):
 
 
 BASE = {"terms": ["k<=q"], "negate": set(), "join": "and", "tril": None, "additive": None,
-        "cache": False, "seq": 6}
+        "cache": False, "seq": 6, "positions": None}
 
 
 @pytest.mark.parametrize("change", [{"terms": ["k<q+1"]}, {"tril": 0},
                                     {"tril": 0, "additive": "finfo.min"},
-                                    {"terms": ["k<q+1"], "additive": "-inf"}])
+                                    {"terms": ["k<q+1"], "additive": "-inf"},
+                                    {"positions": "arange"}, {"positions": "scaled"},
+                                    {"positions": "arange", "terms": ["k<q+1"]}])
 def test_found_causal_spellings(change):
     seen = []
     _run({**BASE, **change}, note=seen.append)
@@ -155,7 +181,10 @@ def test_found_causal_spellings(change):
 
 @pytest.mark.parametrize("change", [{"terms": ["k<q"]}, {"tril": 1}, {"tril": -1},
                                     {"tril": "float"},
-                                    {"tril": 0, "cache": True}, {"terms": ["k<=q+1"]}])
+                                    {"tril": 0, "cache": True}, {"terms": ["k<=q+1"]},
+                                    {"positions": "reversed"}, {"positions": "shift"},
+                                    {"positions": "input"},
+                                    {"positions": "arange", "cache": True}])
 def test_their_look_alikes_keep_the_mask(change):
     seen = []
     _run({**BASE, **change}, note=seen.append)

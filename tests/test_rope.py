@@ -289,6 +289,57 @@ def test_chunk_spelling_heads_after_sequence():
         assert rel_err(p.grad, q.grad) <= 1e-4, name
 
 
+class BroadcastAngles(ChunkSpelling):
+    """transformers 5.25's angles: ``position_ids[..., None].float() * inv_freq`` (a
+    broadcast product, no matmul); ``freqs``: "batch" gives each sequence its own
+    frequencies (no outer product: read as a table)."""
+
+    def __init__(self, freqs: str = "shared"):
+        super().__init__()
+        self.freqs = freqs
+
+    def forward(self, x, pos):
+        b, s, _ = x.shape
+        inv = self.inv_freq.to(device=x.device, dtype=torch.float)
+        if self.freqs == "batch":
+            inv = inv * torch.arange(1, b + 1, dtype=torch.float)[:, None, None]
+        th = pos[..., None].float() * inv
+        emb = torch.cat((th, th), dim=-1)
+        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+        def rotate_half(t):
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k = self.k(x).view(b, s, 2, 8).transpose(1, 2)
+        v = self.v(x).view(b, s, 2, 8).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, s, 32)
+
+
+@pytest.mark.parametrize("freqs,program", [("shared", "rope"), ("batch", "rope_table")])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_angles_as_a_broadcast_product(freqs, program, per_sequence):
+    """θ = pos[..., None] · inv_freq is the outer product the epilogue recomputes
+    (per-sequence positions included); frequencies that vary with the sequence are not
+    one, and the rotation reads cos/sin as a table. Training step against eager."""
+    m = BroadcastAngles(freqs).train()
+    x = torch.randn(2, 6, 32)
+    pos = torch.stack((torch.arange(6), torch.arange(6) * 3 + 5)) if per_sequence \
+        else torch.arange(6)[None]
+    ref = copy.deepcopy(m)
+    fast = coda_rewrite.optimize(m)
+    got, want = fast(x, pos), ref(x, pos)
+    (r,) = rope_records(fast.report)
+    assert r.programs[0].name == program, str(fast.report)
+    assert rel_err(got, want) <= 1e-5
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
+
+
 def test_a_rotated_value_updated_in_place_is_left_alone():
     class Scaled(ChunkSpelling):
         def forward(self, x):

@@ -157,10 +157,15 @@ class MaskInterpreter:
                        "−inf (or the dtype's finfo.min)", "mask.fill_value")
 
     def _constant(self, x):
-        """A number: a Python one, or ``torch.tensor(number)`` built in the graph."""
+        """A number: a Python one, or a 0-d tensor of one built in the graph
+        (``torch.tensor(number)``; ``torch.zeros(())``, as transformers 5.25 writes it)."""
         if isinstance(x, fx.Node) and x.op == "call_function" and x.target is torch.tensor \
                 and x.args and isinstance(x.args[0], (int, float)):
             return x.args[0]
+        if isinstance(x, fx.Node) and x.op == "call_function" and \
+                x.target in (torch.zeros, torch.ones) and len(x.args) == 1 and \
+                x.args[0] in ((), []) and meta(x) is not None and meta(x).dim() == 0:
+            return 0 if x.target is torch.zeros else 1
         if isinstance(x, (int, float)) and not isinstance(x, bool):
             return x
         raise NotAMask(f"{describe(x) if isinstance(x, fx.Node) else x!r} is not a constant")
@@ -270,6 +275,12 @@ class MaskInterpreter:
             # −inf or to the new dtype's finfo.min)
             nd = out.dim() if out is not None else len(a.dims)
             return Sym(a.expr, (None,) * (nd - len(a.dims)) + a.dims, a.additive)
+        if key in ("unsqueeze", torch.unsqueeze) and len(args) == 2 and not kw:
+            a, out = self.value(args[0]), meta(n)
+            if out is None or len(a.dims) != out.dim() - 1:
+                raise NotAMask(f"{describe(n)} unsqueezes a value of another rank")
+            d = args[1] % out.dim()
+            return Sym(a.expr, a.dims[:d] + (None,) + a.dims[d:], a.additive)
         if key is operator.getitem:
             return self._getitem(n)
         raise NotAMask(f"{describe(n)} is not a position comparison")
@@ -294,6 +305,12 @@ class MaskInterpreter:
             dims: tuple = ()
             for v in vals:
                 dims = _merge(dims, v.dims)
+            gathered = self._gathered(src, vals)
+            if gathered is not None:
+                # a gather from a value this interpretation models (transformers 5.25's
+                # positions, arange(S)[None].expand(B, S), read at [b, kv] and [b, q]),
+                # every index in bounds: the value's formula at the index expressions
+                return Sym(gathered, dims)
             same = _uniform_constant(src)
             if same is not None:
                 # a gather from a tensor computed from constants alone, every element
@@ -303,6 +320,49 @@ class MaskInterpreter:
             f = sp.Function(f"input_{src.name}")
             return Sym(sp.Eq(f(*(v.expr for v in vals)), 1), dims)
         raise NotAMask(f"{describe(n)} indexes in a way the mask prover does not model")
+
+    def _gathered(self, src: fx.Node, vals: list[Sym]):
+        """``src[vals]`` as a formula, where ``src`` is itself a formula in index symbols
+        (one index per dim, none additive) and every index provably stays in [0, size)
+        along the dim it reads (a negative index would wrap around in eager, and an index
+        past the end raises there): the formula with each dim's symbol replaced by its
+        index expression. None where that does not hold (the gather stays opaque)."""
+        try:
+            a = self.value(src)
+        except NotAMask:
+            return None
+        if a.additive or any(v.additive for v in vals) or len(vals) != len(a.dims):
+            return None
+        subs = {}
+        for dim, v in zip(a.dims, vals):
+            if dim is None:  # constant along this dim: any in-bounds index reads the same
+                continue
+            if not self._within(v.expr, self.ranges[dim]):
+                return None
+            subs[dim] = v.expr
+        return a.expr.subs(subs, simultaneous=True)
+
+    def _within(self, expr, size) -> bool:
+        """Whether a linear integer expression in index symbols lies in [0, size) for every
+        value of its symbols (each in [0, its range)); False where that is not provable."""
+        expr = sp.expand(sp.sympify(expr))
+        symbols = expr.free_symbols
+        if not symbols <= set(self.ranges) or \
+                (symbols and sp.Poly(expr, *symbols).total_degree() > 1):
+            return False
+        low = high = expr.subs({x: 0 for x in symbols})
+        for x in symbols:
+            c = expr.coeff(x)
+            if not c.is_number:
+                return False
+            span = c * (self.ranges[x] - 1)
+            low, high = (low + span, high) if c < 0 else (low, high + span)
+        return _provably_nonnegative(low) and _provably_nonnegative(size - 1 - high)
+
+
+def _provably_nonnegative(e) -> bool:
+    """sympy decides e ≥ 0 from its symbols' assumptions (sizes: positive integers)."""
+    return (sp.simplify(e) >= 0) is sp.true
 
 
 _CONSTANT_NODES = 32

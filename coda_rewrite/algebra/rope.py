@@ -420,7 +420,7 @@ def _side_conditions(m, held) -> str | None:
                         "table that breaks it fails loudly)")
     else:
         angle = m.angle
-        n_freq = meta(angle.inv_freq).shape[1]
+        n_freq = angle.frequency_count
         if 2 * n_freq != rotary_dim:
             return Why(f"{n_freq} frequencies for a rotary_dim of {rotary_dim}",
                        "rope.frequency_count")
@@ -435,9 +435,9 @@ def _side_conditions(m, held) -> str | None:
                     + ("" if not m.scaled else ", scaled by " + (
                         f"{angle.scale:g}" if isinstance(angle.scale, float)
                         else f"the run-time scalar {describe(angle.scale)}")))
-        mp = meta(angle.pos)
-        if x is None or x.dim() != 3 or mp.shape[-1] != x.shape[1] or \
-                mp.shape[0] not in (1, x.shape[0]):
+        pos_batch, pos_len = angle.positions_shape
+        if x is None or x.dim() != 3 or pos_len != x.shape[1] or \
+                pos_batch not in (1, x.shape[0]):
             return Why("the GEMM input is not [batch, seq, hidden] matching the positions",
                        "rope.input_shape")
     normed = [r for r in m.rotated if r.norm is not None]
@@ -595,7 +595,7 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     k = min(_size(meta(m.proj.x).shape[-1]), 16)
     x = torch.randn(1, seq, k, generator=gen, dtype=torch.float64)
     r = torch.rand(1, seq, 1, generator=gen, dtype=torch.float64) + 0.5
-    n_freq = _size(meta(m.angle.inv_freq).shape[1]) if m.angle_source == "angles" else \
+    n_freq = _size(m.angle.frequency_count) if m.angle_source == "angles" else \
         m.rotated[0].rotary_dim // 2
     # float32-representable frequencies: the kernel's float-float split of a float32
     # inv_freq is exact, so eager and fused see the same angles

@@ -423,11 +423,10 @@ def rope_rotated_columns(spans: tuple, like: torch.Tensor) -> torch.Tensor:
 
 
 def rope_positions(pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Each GEMM row's position (float32 [B·S]) from the graph's positions [Bp, 1, S]
-    (Bp = 1 or B) and the GEMM input x [B, S, K]."""
+    """Each GEMM row's position (float32 [B·S]) from the graph's positions [Bp, 1, S] or
+    [Bp, S, 1] (Bp = 1 or B) and the GEMM input x [B, S, K]."""
     b, s = x.shape[0], x.shape[1]
-    return pos.reshape(pos.shape[0], pos.shape[-1]).float().expand(b, s).reshape(-1) \
-        .contiguous()
+    return pos.reshape(pos.shape[0], s).float().expand(b, s).reshape(-1).contiguous()
 
 
 def rope_table_rows(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     import torch
 
     from ..codegen.program import Kind, parse
-    from .quack_path import configs_of, load
+    from .quack_path import Planned, configs_of, load
     from ..codegen.reference import dtype_from_name
 
     ks, module = load(text)
@@ -90,10 +90,9 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     # problem size is not: the small tensors above plan each of them)
     configs = configs_of(prog)
     for cfg in configs:
-        module.epilogue.plan(a, b.t(), c, out=out, config=cfg, **kwargs)
+        Planned(module.epilogue, a, b.t(), c, out, kwargs, cfg)
     return {"program": prog.key, "module": ks.module_name,
-            "configs": [None if c is None else [c.tile_m, c.tile_n, c.cluster_m]
-                        for c in configs],
+            "configs": [_config_row(c) for c in configs],
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -103,7 +102,7 @@ def compile_dgated(op: str, m: int = 256, hidden: int = 256, inter: int = 256) -
     import torch
 
     from .dgated import LARGE_M_TILES, load
-    from .quack_path import ROW_CLASSES, tile_config
+    from .quack_path import ROW_CLASSES, Planned, tile_config
 
     module = load(op)
     dout = torch.randn(m, hidden, dtype=torch.bfloat16)
@@ -115,10 +114,9 @@ def compile_dgated(op: str, m: int = 256, hidden: int = 256, inter: int = 256) -
                                  [t for _, _, t in ROW_CLASSES] + [LARGE_M_TILES]))
     t0 = time.perf_counter()
     for cfg in configs:
-        module.epilogue.plan(dout, w, p, out=out, config=cfg)
+        Planned(module.epilogue, dout, w, p, out, {}, cfg)
     return {"program": f"dgated_{op}", "module": module.__name__,
-            "configs": [None if c is None else [c.tile_m, c.tile_n, c.cluster_m]
-                        for c in configs],
+            "configs": [_config_row(c) for c in configs],
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -177,6 +175,14 @@ def compile_grouped(text: str, tokens: int = 64, k: int = 256, n: int = 256,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def _config_row(cfg) -> list[int] | None:
+    """A config as the AOT report lists it: [tile_m, tile_n, cluster_m(, split_k)]."""
+    if cfg is None:
+        return None
+    return [cfg.tile_m, cfg.tile_n, cfg.cluster_m] + ([cfg.split_k] if cfg.split_k > 1
+                                                      else [])
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -207,3 +213,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

@@ -75,7 +75,7 @@ class Launch:
     ``EpiMod.plan``; the tile config by row class, as the forward's: quack_path); a call
     allocates dp and h and launches."""
 
-    __slots__ = ("plan", "gemm_plan", "m", "n", "inter", "device", "dtype", "config", "key")
+    __slots__ = ("planned", "m", "n", "inter", "device", "dtype", "config", "key")
 
     def __init__(self, module, dout, w, p, config=None, op: str = ""):
         """``config`` overrides the row class's (benchmarks); ``op`` names it in the
@@ -86,9 +86,8 @@ class Launch:
         self.device, self.dtype = dout.device, dout.dtype
         self.config = config or quack_path.config_for_size(self.m, self.inter) or \
             quack_path.tile_config(*LARGE_M_TILES)
-        self.plan = module.epilogue.plan(dout, w, p, out=self._alloc(), config=self.config)
-        direct = self.plan.b_kn and not self.plan.swapped
-        self.gemm_plan = self.plan.gemm_plan if direct else None
+        self.planned = quack_path.Planned(module.epilogue, dout, w, p, self._alloc(), {},
+                                          self.config)
 
     def _alloc(self) -> dict:
         return {"D": torch.empty(self.m, 2 * self.inter, device=self.device, dtype=self.dtype),
@@ -97,11 +96,10 @@ class Launch:
 
     def __call__(self, dout, w, p):
         out = self._alloc()
-        if self.gemm_plan is not None:
-            quack_path.run_gemm_epi_plan(self.gemm_plan, dout, w, out["D"], p,
-                                         {"postact": out["postact"]})
+        if self.planned.gemm is not None:
+            self.planned.launch(dout, w, out["D"], p, {"postact": out["postact"]})
         else:
-            self.plan.run(dout, w, p, out=out)
+            self.planned.epi_plan.run(dout, w, p, out=out)
         return out["D"], out["postact"]
 
 

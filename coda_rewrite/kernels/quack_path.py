@@ -245,10 +245,15 @@ def _row_rstd_kernel(partials_shape, dtype=torch.float32):
     return final._compile_rms_final_reduce(torch2cute_dtype_map[dtype], partials_shape[-1])
 
 
-def tile_config(tile_m: int, tile_n: int, cluster_m: int):
+def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1):
+    """QuACK's GemmConfig of a planned launch. ``split_k`` > 1 splits the contraction over
+    that many CTAs per output tile, SERIAL: the splits add their float32 partials in split
+    order and only the last runs the epilogue, on the whole sum (QuACK's stream-K fixup:
+    any epilogue, reductions included, sees exactly the unsplit accumulator, and the order
+    is fixed, so the result is deterministic)."""
     from quack.gemm_config import GemmConfig
     return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=True, cluster_m=cluster_m,
-                      cluster_n=1, is_dynamic_persistent=False)
+                      cluster_n=1, is_dynamic_persistent=False, split_k=split_k)
 
 
 # Tile configs by problem size, decided once per (rows, columns) class from the sweep of
@@ -277,9 +282,9 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
     groups = _group_widths(prog)
     row_class = _row_class(m, n)
     if row_class is not None:
-        tile_m, tile_n, cluster_m = row_class
+        tile_m, tile_n, cluster_m, *split_k = row_class
         tile_n = min(tile_n, TABLE_TILE_N) if table else tile_n
-        return tile_config(tile_m, _holding(groups, tile_n), cluster_m)
+        return tile_config(tile_m, _holding(groups, tile_n), cluster_m, *split_k)
     if table:
         return tile_config(128, _holding(groups, TABLE_TILE_N), 2)
     return tile_config(128, _holding(groups, 192), 2) if groups - {64} else None
@@ -292,8 +297,9 @@ def config_for_size(m: int, n: int):
     return None if row_class is None else tile_config(*row_class)
 
 
-def _row_class(m: int, n: int) -> tuple[int, int, int] | None:
-    """(tile_m, tile_n, cluster_m) of the first row class holding an (m, n) output."""
+def _row_class(m: int, n: int) -> tuple[int, ...] | None:
+    """(tile_m, tile_n, cluster_m[, split_k]) of the first row class holding an (m, n)
+    output."""
     for rows, widest, tiles in ROW_CLASSES:
         if m <= rows and (widest is None or n <= widest):
             return tiles
@@ -323,15 +329,85 @@ def configs_of(prog: EpilogueProgram) -> list:
 def config_name(cfg) -> str:
     if cfg is None:
         return "QuACK's default config (128 x 192 tiles, cluster 2)"
-    return f"{cfg.tile_m} x {cfg.tile_n} tiles, cluster {cfg.cluster_m}"
+    return f"{cfg.tile_m} x {cfg.tile_n} tiles, cluster {cfg.cluster_m}" + (
+        f", split-K {cfg.split_k}" if cfg.split_k > 1 else "")
 
 
 def row_class_lines() -> list[str]:
     """The size policy as the report shows it."""
     lines = [f"M <= {rows}" + (f", N <= {widest}" if widest else "")
-             + f": tiles {t[0]} x {t[1]}, cluster {t[2]}" for rows, widest, t in ROW_CLASSES]
+             + f": tiles {t[0]} x {t[1]}, cluster {t[2]}"
+             + (f", split-K {t[3]}" if len(t) > 3 and t[3] > 1 else "")
+             for rows, widest, t in ROW_CLASSES]
     return lines + ["otherwise: QuACK's default (128 x 192, cluster 2; "
                     f"128 x {TABLE_TILE_N} for cos/sin tables)"]
+
+
+class Planned:
+    """QuACK's plan of one epilogue module on one tensor-metadata class: its resolved GEMM
+    (``gemm``: launched by run_gemm_epi_plan, no host decision) or, where Hopper's direct
+    launch does not apply, the EpiPlan to run; the reductions' scratch shapes; and, for a
+    split-K config, the shapes of the split's semaphore and float32 workspace.
+
+    ``EpiMod.plan`` does not thread split_k through (QuACK 0.6.5: "pass it explicitly via
+    mod.gemm for the starved-grid decode-shape win"), so a split config is planned with
+    ``mod.gemm(..., split_k=, _launch=False)`` on the sinks' scratch as plan() would make
+    it. The split's buffers are made per call, like every other buffer of a launch (see
+    Launch): the semaphore zeroed (the serial protocol counts the committed splits in it),
+    the workspace uninitialised (split 0 writes it before any other split reads it)."""
+
+    __slots__ = ("epi_plan", "gemm", "scratch", "split_buffers", "device")
+
+    def __init__(self, mod, a, b_kn, c, out: dict, operands: dict, config):
+        self.device = a.device
+        self.split_buffers = None
+        if config is None or config.split_k == 1:
+            self.epi_plan = mod.plan(a, b_kn, c, out=out, config=config, **operands)
+            # Hopper takes B as the (k, n) view plan() saw and nothing is swapped; any
+            # other plan goes through EpiPlan.run, which knows how to relabel it
+            direct = self.epi_plan.b_kn and not self.epi_plan.swapped
+            self.gemm = self.epi_plan.gemm_plan if direct else None
+            self.scratch = {n: (t.shape, t.dtype) for n, t in self.epi_plan.scratch.items()}
+            self.epi_plan.scratch = {}
+            return
+        from quack.gemm import _split_k_buffers
+        from quack.gemm_config import SplitKMode
+        if get_capability(a.device)[0] != 9 or config.swap_ab or out.get("D") is None:
+            raise ValueError(f"split-K {config.split_k}: planned only for Hopper's direct "
+                             "launch of a GEMM that stores D")
+        epi_args = {**operands, **out}
+        lead, n = tuple(a.shape[:-1]), b_kn.shape[-1]
+        scratch = mod._alloc_sinks(epi_args, lead, n, config, a.device)
+        self.epi_plan = None
+        self.gemm = mod.gemm(
+            a, b_kn, out["D"], c, epi_args=epi_args, tile_M=config.tile_m,
+            tile_N=config.tile_n, tile_K=config.tile_k, cluster_M=config.cluster_m,
+            cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True,
+            is_dynamic_persistent=False, max_swizzle_size=config.max_swizzle_size,
+            b_kn=True, split_k=config.split_k, split_k_mode=SplitKMode.SERIAL,
+            _launch=False)
+        self.scratch = {n: (t.shape, t.dtype) for n, t in scratch.items()}
+        sem, ws = _split_k_buffers(out["D"][None], SplitKMode.SERIAL, config.tile_m,
+                                   config.tile_n, config.cluster_m, config.cluster_n, False)
+        self.split_buffers = (sem.shape, ws.shape)
+
+    def new_scratch(self) -> dict:
+        return {name: torch.empty(shape, device=self.device, dtype=dtype)
+                for name, (shape, dtype) in self.scratch.items()}
+
+    def launch(self, a, b_kn, d, c, values: dict) -> None:
+        """The resolved GEMM on these tensors (``values``: operands, outputs, scratch)."""
+        if self.split_buffers is None:
+            run_gemm_epi_plan(self.gemm, a, b_kn, d, c, values)
+            return
+        sem, ws = self.split_buffers
+        run_gemm_epi_plan(self.gemm, a, b_kn, d, c, values, split_k_buffers=(
+            torch.zeros(sem, device=self.device, dtype=torch.int32),
+            torch.empty(ws, device=self.device, dtype=torch.float32)))
+
+
+def get_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
 def prepare(ks: KernelSource, module, a, b, operands, config=None) -> "Launch":
@@ -373,8 +449,8 @@ class Launch:
     ``EpiPlan.run`` without its per-call dict building and B relabel, which Hopper never
     needs) and the finaliser (benchmarks/host_overhead.py measures it against F.linear)."""
 
-    __slots__ = ("ks", "plan", "gemm_plan", "c_index", "kwargs", "outs", "sinks", "m", "n",
-                 "device", "out_dtypes", "scratch", "row_rstd", "norm", "config", "results")
+    __slots__ = ("ks", "planned", "c_index", "kwargs", "outs", "sinks", "m", "n",
+                 "device", "out_dtypes", "row_rstd", "norm", "config", "results")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
@@ -395,19 +471,14 @@ class Launch:
         self.config = config or config_for(prog, self.m, self.n)
         t0 = time.perf_counter()
         mod = module.epilogue
-        self.plan = mod.plan(a, b.t(), self._c(operands), out=self._alloc(),
-                             config=self.config, **self._operands(operands))
-        # Hopper takes B as the (k, n) view plan() saw and nothing is swapped; any other
-        # plan goes through EpiPlan.run, which knows how to relabel it
-        direct = self.plan.b_kn and not self.plan.swapped
-        self.gemm_plan = self.plan.gemm_plan if direct else None
+        self.planned = Planned(mod, a, b.t(), self._c(operands), self._alloc(),
+                               self._operands(operands), self.config)
         self.sinks = [(r, mod.sinks[r.sink]) for r in ks.contract.reductions]
-        self.scratch = [(name, buf.shape, buf.dtype) for name, buf in self.plan.scratch.items()]
-        self.plan.scratch = {}
         self.row_rstd = self.norm = None
         if ks.norm_stage is not None:  # (partials name, 2-D shape, 1/d, eps)
             sink, _value, scale, eps = ks.norm_stage
-            (name, shape, dtype), = self.scratch  # the norm's sum of squares, nothing else
+            # the norm's sum of squares, nothing else
+            (name, (shape, dtype)), = self.planned.scratch.items()
             if name != sink or dtype != torch.float32 or shape.numel() != self.m * shape[-1]:
                 raise RuntimeError(f"norm producer {prog.key}: QuACK planned partials "
                                    f"{name} {tuple(shape)} {dtype}, expected {sink}, float32 "
@@ -458,17 +529,16 @@ class Launch:
 
     def __call__(self, a, b, operands) -> list[torch.Tensor]:
         out = self._alloc()
-        scratch = {name: torch.empty(shape, device=self.device, dtype=dtype)
-                   for name, shape, dtype in self.scratch}
-        if self.gemm_plan is not None:
+        planned = self.planned
+        scratch = planned.new_scratch()
+        if planned.gemm is not None:
             values = self._operands(operands)
             values.update(scratch)
             values.update(out)
-            run_gemm_epi_plan(self.gemm_plan, a, b.t(), out.get("D"), self._c(operands),
-                              values)
+            planned.launch(a, b.t(), out.get("D"), self._c(operands), values)
         else:
-            self.plan.run(a, b.t(), self._c(operands), out=out, scratch=scratch,
-                          **self._operands(operands))
+            planned.epi_plan.run(a, b.t(), self._c(operands), out=out, scratch=scratch,
+                                 **self._operands(operands))
         if self.norm is not None:  # the norm's rstd: one QuACK kernel, no torch ops
             sink, shape, scale, eps = self.norm
             rstd = torch.empty(self.m, device=self.device, dtype=torch.float32)

@@ -144,8 +144,9 @@ class Angle:
     values themselves (graph inputs after a graph break, a layer compiled alone, angles
     that are no outer product): the epilogue reads them as a table."""
     emb: fx.Node | None
-    inv_freq: fx.Node | None  # [1, h, 1] (a batch-independent frequency column)
-    pos: fx.Node | None       # [Bp, 1, S] float positions
+    inv_freq: fx.Node | None  # the h frequencies, batch-independent: [1, h, 1] (the matmul
+                              # spelling) or [h] / [1, 1, h] (the broadcast one)
+    pos: fx.Node | None       # float positions [Bp, 1, S] (matmul) or [Bp, S, 1] (broadcast)
     scale: float | fx.Node    # the rope type's attention scaling (cos·s, sin·s); a 0-d
                               # tensor node when only known at run time (dynamic=True)
     cos: fx.Node              # the [Bp, S, r] tables the rotation reads
@@ -157,6 +158,17 @@ class Angle:
     @property
     def source(self) -> str:
         return "angles" if self.inv_freq is not None else "table"
+
+    @property
+    def frequency_count(self):
+        """h: the number of frequencies (inv_freq's one dim longer than 1)."""
+        return max(meta(self.inv_freq).shape)
+
+    @property
+    def positions_shape(self) -> tuple:
+        """(Bp, S) of the positions, whichever spelling laid them out."""
+        mp = meta(self.pos)
+        return mp.shape[0], mp.shape[2] if mp.shape[1] == 1 else mp.shape[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +397,35 @@ def _table(node) -> tuple[fx.Node, fx.Node, float] | str:
 
 
 def _outer(theta) -> tuple[fx.Node, fx.Node] | None:
+    """(inv_freq, pos) for θ [Bp, S, h] = pos ⊗ inv_freq computed in this graph, in either
+    of transformers' spellings: ``(inv_freq [1, h, 1] @ pos [Bp, 1, S]).transpose(1, 2)``
+    (up to 5.2x) or ``pos[..., None] * inv_freq`` (a broadcast product: 5.25)."""
+    found = _matmul_outer(theta)
+    return found if found is not None else _broadcast_outer(theta)
+
+
+def _broadcast_outer(theta) -> tuple[fx.Node, fx.Node] | None:
+    """(inv_freq [h] or [1, 1, h], pos [Bp, S, 1]) for θ = pos · inv_freq broadcast to
+    [Bp, S, h], both floating (either factor first). Frequencies with a batch or position
+    dim other than 1 vary along it: no outer product."""
+    c = canon(theta) if isinstance(theta, fx.Node) else None
+    mt = meta(theta)
+    if c is None or c.name != "mul" or len(c.args) != 2 or mt is None or mt.dim() != 3 \
+            or not all(isinstance(a, fx.Node) for a in c.args):
+        return None
+    for p, f in (c.args, c.args[::-1]):
+        mp, mf = meta(p), meta(f)
+        if mp is None or mf is None or not (mp.is_floating_point() and
+                                            mf.is_floating_point()):
+            continue
+        if mp.dim() == 3 and mp.shape[2] == 1 and tuple(mp.shape[:2]) == tuple(mt.shape[:2]) \
+                and 1 <= mf.dim() <= 3 and mf.shape[-1] == mt.shape[-1] \
+                and all(d == 1 for d in mf.shape[:-1]):
+            return f, p
+    return None
+
+
+def _matmul_outer(theta) -> tuple[fx.Node, fx.Node] | None:
     """(inv_freq [1, h, 1], pos [Bp, 1, S]) for θ = (inv_freq @ pos).transpose(1, 2)."""
     if not calls(theta, _TRANSPOSE):
         return None
