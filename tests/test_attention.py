@@ -35,16 +35,29 @@ def _sdpa_calls(model, *args, **kwargs):
 
 @pytest.mark.parametrize("family,kw", CASES, ids=lambda c: str(c))
 def test_capture_really_materialises_the_mask(family, kw):
+    """What transformers hands SDPA under capture: a materialised mask and repeat_kv
+    (5.17), or, where it already can (5.25 with a cache), no mask with is_causal and
+    enable_gqa — what the rewrite would make of the first. Nothing in between."""
     calls = _sdpa_calls(hf_model(family, **kw).eval(), tokens())
     assert len(calls) == 2
     for n in calls:
         args = attention._sdpa_args(n)
+        if args.get("attn_mask") is None:
+            assert args.get("is_causal") and args.get("enable_gqa"), args
+            continue
         assert isinstance(args.get("attn_mask"), torch.fx.Node) and not args.get("is_causal")
         assert attention.repeat_kv_base(args["key"]) is not None
 
 
 def _attention_records(report):
     return [r for r in report.records if r.pattern == attention.NAME]
+
+
+def _nothing_left(r) -> bool:
+    """transformers already called SDPA with no mask and enable_gqa (5.25, where it can):
+    the record says so, and that is all it says."""
+    return r.status == "rejected" and \
+        {d.code for _, d in r.notes if not d.accepted} == {"attention.gqa_already"}
 
 
 @pytest.mark.parametrize("family,kw", CASES, ids=lambda c: str(c))
@@ -71,6 +84,9 @@ def test_outputs_and_gradients_match_eager(family, kw, padding):
     proved_causal = not padding and kw.get("sliding_window", 10 ** 9) >= ids.shape[1]
     # a mask that stays a tensor keeps the key/value repeat too (enable_gqa with a mask
     # would send SDPA to its math kernel): nothing changes there
+    if proved_causal and all(_nothing_left(r) for r in recs):
+        assert len(recs) == 2
+        return
     assert len(recs) == 2 and all(r.status == ("rewritten" if proved_causal else "rejected")
                                   for r in recs), kept
     if proved_causal:
@@ -85,9 +101,9 @@ def test_decode_steps_with_a_cache(family):
     model = hf_model(family).eval()
     fast = coda_rewrite.optimize(model)
     decode_matches_eager(model, fast, tokens())
-    kept = {d.code for r in _attention_records(fast.report) for _, d in r.notes
-            if not d.accepted}
-    assert "mask.cache_offset" in kept, kept
+    recs = _attention_records(fast.report)
+    kept = {d.code for r in recs for _, d in r.notes if not d.accepted}
+    assert "mask.cache_offset" in kept or all(_nothing_left(r) for r in recs), kept
 
 
 def test_backend_and_dynamic_shapes():
@@ -100,7 +116,8 @@ def test_backend_and_dynamic_shapes():
             assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
     recs = _attention_records(backend.report)
     assert len(backend.report.graphs) == 1
-    assert len(recs) == 2 and all(r.status == "rewritten" and not r.reason for r in recs)
+    assert len(recs) == 2 and (all(r.status == "rewritten" and not r.reason for r in recs) or
+                               all(_nothing_left(r) for r in recs)), str(backend.report)
 
 
 def test_disabled_pattern_leaves_attention_alone():

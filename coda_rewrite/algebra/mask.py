@@ -316,9 +316,13 @@ class MaskInterpreter:
                 # a gather from a tensor computed from constants alone, every element
                 # equal (transformers' packed-sequence ids from arange positions)
                 return Sym(sp.Integer(same), (None,) * len(dims))
-            # a gather from a tensor whose values are not known at compile time
-            f = sp.Function(f"input_{src.name}")
-            return Sym(sp.Eq(f(*(v.expr for v in vals)), 1), dims)
+            # a gather from a tensor whose values are not known at compile time: a
+            # boolean one (a padding mask) as a truth value, any other (positions given
+            # as an input: real packing) as an integer
+            f = sp.Function(f"input_{src.name}", integer=True)
+            read = f(*(v.expr for v in vals))
+            boolean = meta(src) is not None and meta(src).dtype == torch.bool
+            return Sym(sp.Eq(read, 1) if boolean else read, dims)
         raise NotAMask(f"{describe(n)} indexes in a way the mask prover does not model")
 
     def _gathered(self, src: fx.Node, vals: list[Sym]):
