@@ -272,6 +272,17 @@ class ChunkSpelling(torch.nn.Module):
             enable_gqa=True)
         return o.transpose(1, 2).reshape(b, s, 32)
 
+    def rotated_heads(self, x, cos, sin):
+        """q, k rotated by cos/sin [.., 1, s, 8] (halves sliced), and v: heads first."""
+        b, s, _ = x.shape
+
+        def rotate_half(t):
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k = self.k(x).view(b, s, 2, 8).transpose(1, 2)
+        v = self.v(x).view(b, s, 2, 8).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
 
 def test_chunk_spelling_heads_after_sequence():
     m = ChunkSpelling().train()
@@ -305,14 +316,7 @@ class BroadcastAngles(ChunkSpelling):
             inv = inv * torch.arange(1, b + 1, dtype=torch.float)[:, None, None]
         th = pos[..., None].float() * inv
         emb = torch.cat((th, th), dim=-1)
-        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
-
-        def rotate_half(t):
-            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
-        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
-        k = self.k(x).view(b, s, 2, 8).transpose(1, 2)
-        v = self.v(x).view(b, s, 2, 8).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k, v = self.rotated_heads(x, emb.cos().unsqueeze(1), emb.sin().unsqueeze(1))
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                              enable_gqa=True)
         return o.transpose(1, 2).reshape(b, s, 32)
@@ -347,14 +351,7 @@ def test_a_rotated_value_updated_in_place_is_left_alone():
             pos = torch.arange(s)[None]
             th = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
             emb = torch.cat((th, th), dim=-1)
-            cos, sin = emb.cos()[:, None], emb.sin()[:, None]
-
-            def rotate_half(t):
-                return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
-            q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
-            k = self.k(x).view(b, s, 2, 8).transpose(1, 2)
-            v = self.v(x).view(b, s, 2, 8).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q, k, v = self.rotated_heads(x, emb.cos()[:, None], emb.sin()[:, None])
             q.mul_(0.5)
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
