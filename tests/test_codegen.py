@@ -584,6 +584,63 @@ def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):
     assert lines[0] in ops.runtime_summary()
 
 
+_SPLIT_K_PLAN = """
+import torch
+from coda_rewrite.kernels import aot
+aot._prepare_env(None)
+aot._install_driver_stand_in()
+from coda_rewrite.kernels.quack_path import Planned, load, tile_config
+ks, module = load({program!r})
+m = n = k = 256
+a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+out = {{name: torch.empty(m, n, dtype=torch.bfloat16) for _, name in ks.contract.tile_outputs}}
+c = torch.randn(m, n, dtype=torch.bfloat16)
+gamma = {{b.param: torch.randn(n, dtype=torch.bfloat16) for b in ks.contract.operands
+         if b.param != "c"}}
+p = Planned(module.epilogue, a, b.t(), c, out, gamma, tile_config(128, 64, 1, 2))
+sem, ws = p.split_buffers
+print(p.gemm.split_k, tuple(sem), tuple(ws), sorted(p.scratch))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is None,
+                    reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
+def test_a_split_k_config_compiles_and_plans_its_buffers(tmp_path):
+    """A split-K config is planned through mod.gemm (EpiMod.plan drops split_k) and compiles
+    for sm_90a: the norm producer at 256 × 256 on 128 × 64 tiles, split 2 — one semaphore
+    per tile (2 × 4) and a float32 workspace of one tile each; the norm's partials are
+    still the plan's scratch."""
+    env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),
+           "CODA_KERNEL_DIR": str(tmp_path / "kernels"), "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", _SPLIT_K_PLAN.format(
+        program=residual_rmsnorm().to_text())], capture_output=True, text=True, env=env,
+        timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "2 (1, 2, 4) (1, 2, 4, 8192) ['red0_ss']", out.stdout
+
+
+def test_a_split_k_launch_gets_fresh_buffers_each_call(monkeypatch):
+    """Each launch of a split plan hands QuACK a zeroed semaphore and a workspace of the
+    planned shapes, made for that call (a buffer kept by the plan would be shared by calls
+    on different streams); an unsplit plan passes none."""
+    from coda_rewrite.kernels import quack_path
+    seen = []
+    monkeypatch.setattr(quack_path, "run_gemm_epi_plan",
+                        lambda *a, **kw: seen.append(kw.get("split_k_buffers")))
+    planned = object.__new__(quack_path.Planned)
+    planned.gemm, planned.epi_plan, planned.scratch = object(), None, {}
+    planned.device, planned.split_buffers = torch.device("cpu"), ((1, 2, 4), (1, 2, 4, 64))
+    for _ in range(2):
+        planned.launch(None, None, None, None, {})
+    (sem1, ws1), (sem2, ws2) = seen
+    assert sem1.dtype == torch.int32 and sem1.shape == (1, 2, 4) and not sem1.any()
+    assert ws1.dtype == torch.float32 and ws1.shape == (1, 2, 4, 64)
+    assert sem1 is not sem2 and ws1 is not ws2
+    planned.split_buffers = None
+    planned.launch(None, None, None, None, {})
+    assert seen[-1] is None
+
+
 def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatch):
     """A launch's host side without a GPU (the plan and both kernels stubbed): the norm
     producer's outputs come back in the program's order, none of them a view (an op's

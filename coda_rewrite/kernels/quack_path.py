@@ -354,7 +354,10 @@ class Planned:
     ``mod.gemm(..., split_k=, _launch=False)`` on the sinks' scratch as plan() would make
     it. The split's buffers are made per call, like every other buffer of a launch (see
     Launch): the semaphore zeroed (the serial protocol counts the committed splits in it),
-    the workspace uninitialised (split 0 writes it before any other split reads it)."""
+    the workspace uninitialised (split 0 writes it before any other split reads it). No
+    row class uses split-K: on the H200 it ran 1.2–2x slower than the same tile unsplit
+    at every small-M shape tried (BENCHMARKS.md, sixteenth session); benchmarks/small_m.py
+    sweeps it."""
 
     __slots__ = ("epi_plan", "gemm", "scratch", "split_buffers", "device")
 
@@ -372,7 +375,7 @@ class Planned:
             return
         from quack.gemm import _split_k_buffers
         from quack.gemm_config import SplitKMode
-        if get_capability(a.device)[0] != 9 or config.swap_ab or out.get("D") is None:
+        if _capability(a.device)[0] != 9 or config.swap_ab or out.get("D") is None:
             raise ValueError(f"split-K {config.split_k}: planned only for Hopper's direct "
                              "launch of a GEMM that stores D")
         epi_args = {**operands, **out}
@@ -406,7 +409,8 @@ class Planned:
             torch.empty(ws, device=self.device, dtype=torch.float32)))
 
 
-def get_capability(device: torch.device) -> tuple[int, int]:
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability; a CPU tensor is the AOT compile's (sm_90a)."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
