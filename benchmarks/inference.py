@@ -106,6 +106,9 @@ def small_m() -> list:
                                            dynamic=False)}
         if os.environ.get("CODA_SMALL_M_ABLATION"):  # what each family costs or saves
             every = Options().patterns
+            unknown = {"gated_mlp", "rope", "residual_rmsnorm_gemm"} - set(every)
+            if unknown:  # a misspelt family would silently stay in every variant
+                raise ValueError(f"no such pattern(s) to leave out: {sorted(unknown)}")
             for left in (("gated_mlp",), ("gated_mlp", "rope"),
                          ("gated_mlp", "rope", "residual_rmsnorm_gemm")):
                 variants["coda, all fused but " + " + ".join(left)] = torch.compile(

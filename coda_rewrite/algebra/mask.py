@@ -305,7 +305,7 @@ class MaskInterpreter:
             dims: tuple = ()
             for v in vals:
                 dims = _merge(dims, v.dims)
-            gathered = self._gathered(src, vals)
+            gathered = self._gathered(src, idx, vals)
             if gathered is not None:
                 # a gather from a value this interpretation models (transformers 5.25's
                 # positions, arange(S)[None].expand(B, S), read at [b, kv] and [b, q]),
@@ -325,12 +325,14 @@ class MaskInterpreter:
             return Sym(sp.Eq(read, 1) if boolean else read, dims)
         raise NotAMask(f"{describe(n)} indexes in a way the mask prover does not model")
 
-    def _gathered(self, src: fx.Node, vals: list[Sym]):
+    def _gathered(self, src: fx.Node, idx: tuple, vals: list[Sym]):
         """``src[vals]`` as a formula, where ``src`` is itself a formula in index symbols
         (one index per dim, none additive) and every index provably stays in [0, size)
         along the dim it reads (a negative index would wrap around in eager, and an index
         past the end raises there): the formula with each dim's symbol replaced by its
         index expression. None where that does not hold (the gather stays opaque)."""
+        if any(meta(i) is None or meta(i).dtype not in _INDEX_DTYPES for i in idx):
+            return None  # a boolean index selects elements: another operation entirely
         try:
             a = self.value(src)
         except NotAMask:
@@ -414,6 +416,7 @@ def _uniform_constant(node: fx.Node) -> int | None:
     return int(value.flatten()[0])
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)  # uint8 indexes as a mask
 _UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
 
