@@ -410,10 +410,13 @@ def _model_programs() -> list[str]:
     models = [hf_model(f).to(torch.bfloat16) for f in ("llama", "qwen2", "mistral", "gemma")]
     models.append(plain_llama().to(torch.bfloat16))
     for model in models:
-        torch._dynamo.reset()
-        report = coda_rewrite.explain(model.eval(), tokens())
-        assert report.count() == 5
-        texts |= {p.to_text() for r in report.records for p in r.programs if p.gemm}
+        # an inference graph, and a training one (its programs differ: the gated MLP keeps
+        # its pre-activation, RoPE reads its angles as a table)
+        for mode in (model.eval, model.train):
+            torch._dynamo.reset()
+            report = coda_rewrite.explain(mode(), tokens())
+            assert report.count() == 5
+            texts |= {p.to_text() for r in report.records for p in r.programs if p.gemm}
     return sorted(texts)
 
 

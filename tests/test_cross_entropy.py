@@ -426,6 +426,42 @@ def test_one_pass_finish_equals_the_chunked_rule(monkeypatch, with_d_logits, log
         assert rel_err(x, w) <= 1e-12
 
 
+@pytest.mark.parametrize("has_r", [True, False])
+def test_traced_backward_with_a_logits_gradient_is_one_expression(monkeypatch, has_r):
+    """Traced (AOTAutograd) with a gradient at the returned logits, the softmax gradient
+    is one expression Inductor fuses into one pass (traced_softmax_grad), not QuACK's
+    kernel followed by a second pass adding dlogits; equal to autograd through the
+    reference, ignored targets included. With a map before the loss the kernel path
+    stays (its g' at the target comes from lse − loss)."""
+    from coda_rewrite.kernels.backward import cross_entropy as rule
+    g = torch.Generator().manual_seed(2)
+    m, k, n = 8, 6, 11
+    a = torch.randn(m, k, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    ops_ = [(torch.rand(m, generator=g, dtype=torch.float64) + 0.5).requires_grad_()] \
+        if has_r else []
+    target = torch.randint(0, n, (m,), generator=g)
+    target[::3] = -100
+    kernel_calls = []
+    monkeypatch.setattr(rule.layouts, "real", lambda tensors: False)  # as if traced
+    monkeypatch.setattr(rule, "_one_pass_violation", lambda *args: None)
+    monkeypatch.setattr(rule, "quack_softmax_grad", lambda *args: kernel_calls.append(1))
+    for logits_map in ((), SOFTCAP):
+        prog = ce_program(has_r, False, torch.float64, "float64", logits_map)
+        outs = reference.run_program(prog, a, b, [*ops_, target])
+        dz = torch.randn(outs[0].shape, generator=g, dtype=torch.float64)
+        dloss = torch.randn(m, generator=g, dtype=torch.float64)
+        want = torch.autograd.grad(outs[:2], [a, b, *ops_], [dz, dloss])
+        got = backward.vjp(prog, a.detach(), b.detach(), [*(t.detach() for t in ops_), target],
+                           [o.detach() for o in outs], [dz, dloss, None])
+        if logits_map:  # the kernel path (stood in by a no-op here): taken, not checked
+            assert kernel_calls == [1]
+            continue
+        assert not kernel_calls
+        for x, w in zip([got[0], got[1], *got[2][:len(ops_)]], want):
+            assert rel_err(x, w) <= 1e-12
+
+
 def test_hidden_state_updated_between_the_gemm_and_the_loss_is_refused():
     """logits = head(h), then h updated in place, then the loss: the fused GEMM runs at
     the loss and would read the updated h."""

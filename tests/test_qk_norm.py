@@ -214,7 +214,8 @@ def test_each_order_of_norm_and_rotation_in_training(norm_at):
     torch.manual_seed(0)
     report = module_step_matches_eager(Output().train(), torch.randn(2, 6, HID))
     (done,) = rope_records(report)
-    want = "rope_qknorm" if norm_at == "after_rotation" else "qknorm_rope"
+    # a training graph: the angles read as one table (patterns/rope.angles_as_table)
+    want = "rope_table_qknorm" if norm_at == "after_rotation" else "qknorm_rope_table"
     assert done.programs[0].name == want, done.programs[0].name
     if norm_at == "after_rotation":
         assert "rms_head(R(θ)·x) = rms_head(x)" in done.decision.render()
@@ -225,7 +226,7 @@ def test_hunyuan_norms_after_the_rotation():
     program, and a training step through it, against eager."""
     report = step_matches_eager("hunyuan", model=hf_model("hunyuan", head_dim=16))
     done = rope_records(report)
-    assert len(done) == 2 and all(r.programs[0].name == "rowscale_rope_qknorm"
+    assert len(done) == 2 and all(r.programs[0].name == "rowscale_rope_table_qknorm"
                                   for r in done), str(report)
 
 
@@ -316,7 +317,8 @@ def test_partial_rotary_with_a_norm_over_the_whole_head(packed):
     report = module_step_matches_eager(PartialRotary(packed, 8).train(),
                                        torch.randn(2, 6, PartialRotary.HID))
     (done,) = rope_records(report)
-    assert done.programs[0].name == "qknorm_rope", done.programs[0].name
+    # a training graph: the angles read as one table (patterns/rope.angles_as_table)
+    assert done.programs[0].name == "qknorm_rope_table", done.programs[0].name
 
 
 def test_a_norm_after_the_rotation_with_a_run_time_eps_says_so():

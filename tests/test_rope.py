@@ -291,7 +291,8 @@ def test_chunk_spelling_heads_after_sequence():
     fast = coda_rewrite.optimize(m)
     got, want = fast(x), ref(x)
     (r,) = rope_records(fast.report)
-    assert r.programs[0].name == "rope" and len(r.consumers) == 3, str(fast.report)
+    # a training graph: the angles read as one table (angles_as_table)
+    assert r.programs[0].name == "rope_table" and len(r.consumers) == 3, str(fast.report)
     assert unpermuted(fast.report) == []  # through the transposes into SDPA: invariant
     assert rel_err(got, want) <= 1e-5
     got.square().sum().backward()
@@ -322,12 +323,13 @@ class BroadcastAngles(ChunkSpelling):
         return o.transpose(1, 2).reshape(b, s, 32)
 
 
-@pytest.mark.parametrize("freqs,program", [("shared", "rope"), ("batch", "rope_table")])
+@pytest.mark.parametrize("freqs", ["shared", "batch"])
 @pytest.mark.parametrize("per_sequence", [False, True])
-def test_angles_as_a_broadcast_product(freqs, program, per_sequence):
-    """θ = pos[..., None] · inv_freq is the outer product the epilogue recomputes
-    (per-sequence positions included); frequencies that vary with the sequence are not
-    one, and the rotation reads cos/sin as a table. Training step against eager."""
+def test_angles_as_a_broadcast_product(freqs, per_sequence):
+    """θ = pos[..., None] · inv_freq is the outer product whose angles the rewrite forms
+    itself (per-sequence positions included; in this training graph as one table made
+    from pos and inv_freq); frequencies that vary with the sequence are not one, and the
+    rotation reads the model's cos/sin as a table. Training step against eager."""
     m = BroadcastAngles(freqs).train()
     x = torch.randn(2, 6, 32)
     pos = torch.stack((torch.arange(6), torch.arange(6) * 3 + 5)) if per_sequence \
@@ -336,7 +338,8 @@ def test_angles_as_a_broadcast_product(freqs, program, per_sequence):
     fast = coda_rewrite.optimize(m)
     got, want = fast(x, pos), ref(x, pos)
     (r,) = rope_records(fast.report)
-    assert r.programs[0].name == program, str(fast.report)
+    assert r.programs[0].name == "rope_table", str(fast.report)
+    assert ("made once" in r.backward) == (freqs == "shared"), str(fast.report)
     assert rel_err(got, want) <= 1e-5
     got.square().sum().backward()
     want.square().sum().backward()
@@ -677,6 +680,60 @@ def test_reference_rotation_at_large_positions():
     assert (rotate(pos.float() * inv.reshape(1, -1)) - want).abs().max() > 1e-2
 
 
+def test_angle_table_rows_at_large_positions_and_partial_rotary():
+    """rope_angle_table_rows: row i holds (cos, sin) of pos[i]·inv_freq[p] at (2p, 2p+1),
+    the angle reduced in float64 (accurate where a float32 angle loses whole radians),
+    and (1, 0) on the features a partial rotary passes through."""
+    inv = torch.tensor([1.0, 0.5, 0.1, 0.01])
+    pos = torch.tensor([0.0, 1.0, 2.0 ** 20, 2.0 ** 24 - 1])
+    table = layouts.rope_angle_table_rows(pos, inv, 12, rotary_offset=2)
+    assert table.dtype == torch.float32 and table.shape == (4, 12)
+    theta = pos.double().reshape(-1, 1) * inv.double()
+    assert torch.allclose(table[:, 2:10:2].double(), theta.cos(), atol=1e-7, rtol=0)
+    assert torch.allclose(table[:, 3:10:2].double(), theta.sin(), atol=1e-7, rtol=0)
+    ident = torch.tensor([1.0, 0.0]).repeat(4, 1)
+    assert torch.equal(table[:, :2], ident) and torch.equal(table[:, 10:12], ident)
+    # the same rotation as the per-column angles the epilogue forms in inference graphs
+    x = torch.randn(4, 24, dtype=torch.float64)
+    freq = layouts.rope_frequencies(inv, ((0, 24, 2, 12, 8, 2, 0),)).reshape(1, -1)
+    assert rel_err(op_table.rotate_pairs_by_table(x, table.double()),
+                   op_table.rotate_pairs(x, pos.reshape(-1, 1), freq)) <= 1e-7
+
+
+def test_training_graphs_read_the_angles_as_one_table():
+    """A training graph reads the angles pos ⊗ inv_freq as one (cos, sin) table, made once
+    for all its layers, which the backward's inverse rotation reads too: no angle is
+    recomputed per column in either direction. An inference graph forms them in the
+    epilogue (rope); an attention scaling (YaRN) keeps them there in training too.
+    Training steps against eager."""
+    report = step_matches_eager("llama", layers=3)
+    done = rope_records(report)
+    assert len(done) == 3 and all(r.programs[0].name.endswith("rope_table") for r in done), \
+        str(report)
+    assert all("made once" in r.backward for r in done)
+    code = "".join(g.rewritten_code for g in report.graphs)
+    assert code.count("rope_angle_table_rows(") == 1, code  # one table, three layers
+    _, _, inference = eager_and_rewritten(hf_model("llama", layers=2).eval(), tokens())
+    assert [r.programs[0].name[-5:] for r in rope_records(inference)] == ["_rope"] * 2
+    yarn = hf_model("llama", layers=1, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    (scaled,) = rope_records(step_matches_eager("llama", model=yarn))
+    assert scaled.programs[0].name.endswith("_rope") and not scaled.backward
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_witness_checks_the_training_table(monkeypatch):
+    """A table off by one position is caught by the float64 witness: the rotation is
+    left to eager's ops (the step still matches eager), never fused wrong."""
+    made = layouts.rope_angle_table_rows
+    monkeypatch.setattr(layouts, "rope_angle_table_rows",
+                        lambda pos, *a, **k: made(pos + 1, *a, **k))
+    report = step_matches_eager("llama")
+    refused = [r for r in report.records if r.pattern == "rope" and r.status != "rewritten"]
+    assert not rope_records(report) and len(refused) == 2, str(report)
+    assert all("witness disagrees" in r.reason for r in refused), [r.reason for r in refused]
+
+
 @pytest.mark.parametrize("form,has_r,has_bias,scale", [
     (form, *case) for form in ("angles", "table")
     for case in [(False, False, 1.0), (True, False, 1.0), (True, True, 1.0)]
@@ -895,14 +952,14 @@ def test_written_rotation_from_tables_and_look_alikes():
 def test_gpt_neox_per_head_packed_qkv():
     """GPT-NeoX: query_key_value(x).view(b, s, h, 3d).transpose(1, 2).chunk(3, -1): each
     head's [q_h, k_h, v_h] side by side. q, k and v are gathered per head into one fused
-    GEMM (partial rotary, biases), v joins at frequency 0; the training step against
-    eager."""
+    GEMM (partial rotary, biases), v joins under a 0 rotate flag (the training graph reads
+    the angles as one table); the training step against eager."""
     report = step_matches_eager("gpt_neox")
     done = rope_records(report)
     assert len(done) == 2, str(report)
     for r in done:
-        assert r.programs[0].name == "rope"
-        assert len(r.consumers) == 3 and "frequency 0" in r.consumers[2], r.consumers
+        assert r.programs[0].name == "rope_table"
+        assert len(r.consumers) == 3 and "not rotated" in r.consumers[2], r.consumers
         assert "3 segments" in r.decision.render()
 
 
@@ -972,7 +1029,7 @@ def test_falcon_heads_indexed_out_of_the_packed_projection(layout):
     done = rope_records(report)
     assert len(done) == 2, str(report)
     for r in done:
-        assert any("frequency 0" in c for c in r.consumers), r.consumers  # v joins
+        assert any("not rotated" in c for c in r.consumers), r.consumers  # v joins
 
 
 def witness_refuses(model, skip: tuple = (), **call) -> None:
@@ -1181,7 +1238,9 @@ def test_latent_attention_query_rotation_fused_key_takes_its_order(family, overr
     if family != "deepseek_v2":
         assert all("key's rotated part" in r.decision.render() for r in done)
     else:
-        assert all(r.programs[0].name == "rowscale_rope" for r in done)  # angles, no table
+        # the graph's angles, read as one table made from them (a training graph)
+        assert all(r.programs[0].name == "rowscale_rope_table" and "made once" in r.backward
+                   for r in done)
     left = [r.code for r in report.records if r.pattern == "rope" and r.status != "rewritten"]
     assert left == ["rope.latent_shared_key"] * 2, left
 
@@ -1386,14 +1445,16 @@ class ComplexInGraph(torch.nn.Module):
 @pytest.mark.parametrize("variant", ["unit", "scaled", "not_unit"])
 def test_a_complex_table_made_in_the_graph_has_its_angles_recomputed(variant):
     """polar(1, θ) (· s) in the graph: the angles are recomputed in the epilogue (the
-    rope program, s a per-column scale); a table that is not polar(ones_like(θ), θ) is
-    read as it is (rope_table). Outputs and gradients against eager."""
+    rope program, s a per-column scale; in this training graph unscaled angles are read
+    as one table made from them, rope_table); a table that is not polar(ones_like(θ), θ)
+    is read as it is (rope_table). Outputs and gradients against eager."""
     from conftest import module_step_matches_eager
     torch.manual_seed(0)
     report = module_step_matches_eager(ComplexInGraph(variant), torch.randn(2, 6, 32))
     (done,) = rope_records(report)
-    want = "rope_table" if variant == "not_unit" else "rope"
-    assert done.programs[0].name == want, str(report)
+    assert done.programs[0].name == ("rope" if variant == "scaled" else "rope_table"), \
+        str(report)
+    assert ("made once" in done.backward) == (variant == "unit"), str(report)
 
 
 @pytest.mark.provokes_pass_bug

@@ -491,6 +491,22 @@ def rope_pair_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
     return pairs.expand(b, -1, -1).reshape(b * s, head_dim).contiguous()
 
 
+def rope_angle_table_rows(pos: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
+                          rotary_offset: int = 0) -> torch.Tensor:
+    """The (cos, sin) rows [M, head_dim] (float32, cos at 2p and sin at 2p+1) of the
+    angles θ[i, p] = pos[i]·inv_freq[p], from each GEMM row's position (rope_positions'
+    [M]) and the h frequencies: the table a training graph's rotation reads instead of
+    recomputing the angles (patterns/rope.py says why). The angle is formed and reduced
+    mod one turn in float64, as exact as the kernel's float-float angle; cos and sin of
+    it in float64, rounded once to float32. Pass-through features of a partial rotary
+    get (1, 0). One table serves every layer of a graph: [M, h] angles, not one per
+    rotated column."""
+    turns = inv_freq.reshape(-1).double() / (2 * math.pi)
+    theta = torch.remainder(pos.reshape(-1, 1).double() * turns, 1.0) * (2 * math.pi)
+    pairs = torch.stack((theta.cos().float(), theta.sin().float()), -1).flatten(-2)
+    return _head_rows(pairs, head_dim, rotary_offset).contiguous()
+
+
 # ---- cross-entropy from per-row losses -------------------------------------------------
 
 def _lead_slice(n, start, stop):

@@ -1517,13 +1517,37 @@ def trains(m: Match) -> bool:
     return any(bool(meta(r.out).requires_grad) for r in m.rotated)
 
 
-def build_program(m: Match) -> EpilogueProgram:
+def angles_as_table(m: Match) -> bool:
+    """Whether the epilogue reads angles computed in this graph (pos ⊗ inv_freq) as one
+    (cos, sin) table [rows, head_dim] made from them once per graph
+    (layouts.rope_angle_table_rows), instead of recomputing them per column: in training
+    graphs. The forward kernel is faster recomputing them (the inference path), but the
+    backward's inverse rotation, graph ops under Inductor, then recomputed them per
+    rotated element too (a float64 angle, cos and sin for every column of q and k: 2.8 ms
+    of the 1B step's 16 layers on the H200, BENCHMARKS.md, seventeenth session). A table
+    has one angle per (row, frequency), is shared by every layer of the graph, is what
+    eager keeps for its backward anyway (cos and sin), and both directions read it. Not
+    with an attention scaling (the table program has no column scale), and on the GPU
+    only where the kernel's table tiles fit the head. The table repeats every head_dim
+    columns, so every segment of the GEMM (v's too) must be whole heads wide."""
+    if not trains(m) or m.angle_source != "angles" or m.scaled:
+        return False
+    head_dim = m.rotated[0].head_dim
+    if any((s.columns[1] - s.columns[0]) % head_dim for s in m.segments):
+        return False
+    from ..kernels.quack_path import table_head_fits
+    x = meta(m.proj.x)
+    return x is None or x.device.type != "cuda" or table_head_fits(head_dim)
+
+
+def build_program(m: Match, table: bool = False) -> EpilogueProgram:
+    """The match's program; ``table``: angles read as a table (angles_as_table)."""
     norm = None
     if m.head_norm is not None:
         unnormed = any(getattr(s, "norm", None) is None for s in m.segments)
         head_dim, eps, after = m.head_norm
         norm = (head_dim, eps, unnormed, after)
-    if m.angle_source == "table":
+    if m.angle_source == "table" or table:
         return rope_table_program(m.proj.r is not None, m.has_bias,
                                   meta(m.rotated[0].out).dtype, bool(m.passthrough), norm)
     return rope_program(m.proj.r is not None, m.has_bias, m.scaled,
@@ -1537,12 +1561,13 @@ class Plan:
     match: Match                   # its segments final: v that can join, remainders
     program: EpilogueProgram
     cache_relayouts: bool          # keep the permuted weights inside the op (inference)
+    angles_as_table: bool = False  # the graph's angles read as one table (training)
 
 
-def describe_match(m: Match) -> dict:
+def describe_match(m: Match, table: bool = False) -> dict:
+    pass_through = "frequency 0" if m.angle_source == "angles" and not table else "not rotated"
     shown = {"consumers": [describe(r.out) for r in m.rotated] + [
-        f"{describe(s.column_node)} (" + ("frequency 0" if m.angle_source == "angles"
-                                          else "not rotated") + ")" for s in m.passthrough]}
+        f"{describe(s.column_node)} ({pass_through})" for s in m.passthrough]}
     if m.proj.r is not None:
         shown["producer"] = f"rows scaled by the deferred rstd {describe(m.proj.r)}"
     return shown
@@ -1623,12 +1648,13 @@ def decide(m: Match, context: Context) -> Decided:
     misfit = _table_misfit(m) or _norm_misfit(m)
     if misfit is not None:
         return Decided.refuse(Rejection(misfit, m.path))
-    program = build_program(m)
+    table = angles_as_table(m)
+    program = build_program(m, table)
     decision = rope_algebra.decide(m, program)
     if not decision.accepted:
-        return Decided.refuse(decision, **describe_match(m))
+        return Decided.refuse(decision, **describe_match(m, table))
     cache = context.options.cache_relayouts and not trains(m)
-    return Decided(decision, Plan(m, program, cache), None, describe_match(m))
+    return Decided(decision, Plan(m, program, cache, table), None, describe_match(m, table))
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
@@ -1665,13 +1691,24 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     anchor = anchor_in_mode_of(anchor, first, m.rotated[0].out)
     if first is not None:
         hoist_before(first, reads)
-    if m.angle_source == "angles":
+    if m.angle_source == "angles" and not plan.angles_as_table:
         freq = shared_call(graph, rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
         b = [relayout_node(graph, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
             if m.has_bias else []
         x = p.x  # read for its leading shape only
-        if m.angle_source == "angles":
+        if plan.angles_as_table:  # one table per graph, every layer's rotation reads it
+            rows = shared_call(graph, layouts.rope_positions, (m.angle.pos, x), anchor,
+                               same_rows(m.angle.pos, x))
+            rot = m.rotated[0]
+            angle = [shared_call(graph, layouts.rope_angle_table_rows,
+                                 (rows, m.angle.inv_freq, rot.head_dim, rot.rotary_offset),
+                                 anchor)]
+            if m.passthrough:
+                spans = rope_algebra.rotated_spans(m)
+                angle.append(shared_call(graph, layouts.rope_rotated_columns, (spans, x), anchor,
+                                          lambda n: n.args[0] == spans))
+        elif m.angle_source == "angles":
             angle = [shared_call(graph, layouts.rope_positions, (m.angle.pos, x), anchor,
                                   same_rows(m.angle.pos, x)), freq]
             if m.scaled:  # a per-column float32 scale before the rotation
@@ -1743,6 +1780,10 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                      for n in (s.column_node, *s.split, *s.proj.nodes)])
     shown = {"programs": [plan.program],
              "weights": weights_line(plan.cache_relayouts, context.options)}
+    if plan.angles_as_table:
+        shown["backward"] = ("the angles pos ⊗ inv_freq read as one (cos, sin) table, made "
+                             "once for the graph's layers: the inverse rotation reads it "
+                             "(no angle recomputed per column)")
     if region.unpermute:
         shown["materialised"] = [
             f"{v.name} in eager order for {'the graph output' if c.op == 'output' else c.name}"

@@ -307,7 +307,8 @@ def test_small_llama_bf16_training_on_gpu(materialize):
     before = _kernel_calls("rowscale_lse_target#")
     errs = _training_errors(lambda seed: _llama(seed), materialize)
     assert _kernel_calls("rowscale_swiglu#") > 0, ops.runtime_summary()
-    assert _kernel_calls("rowscale_rope#") > 0, ops.runtime_summary()
+    # training graphs read the angles as one table (patterns/rope.angles_as_table)
+    assert _kernel_calls("rowscale_rope_table#") > 0, ops.runtime_summary()
     assert _kernel_calls("rowscale_lse_target#") - before >= 3, ops.runtime_summary()
     ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
     print(f"loss + grads (logits written: {materialize}): {errs} ratio {ratio:.3f}")
@@ -516,6 +517,36 @@ def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_
         # the map's derivative after the kernel: d_acc rounded twice (eager: more often)
         assert rel_err(x.float(), y.float()) <= (8e-3 if logits_map else 4e-3), \
             rel_err(x.float(), y.float())
+
+
+def test_traced_softmax_grad_with_a_logits_gradient_on_gpu(monkeypatch):
+    """A traced backward with a gradient at the returned logits forms d_acc as one
+    expression (traced_softmax_grad), not QuACK's kernel plus a pass adding dlogits:
+    against the chunked float32 rule on the same stored logits."""
+    from coda_rewrite.kernels import backward
+    from coda_rewrite.patterns.cross_entropy import ce_program
+    prog = ce_program(True, False, torch.bfloat16, "float32")
+    g = torch.Generator(device=DEV).manual_seed(6)
+    m, k, n = 1000, 256, 32000
+    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    r = torch.rand(m, generator=g, device=DEV) + 0.5
+    target = torch.randint(0, n, (m,), generator=g, device=DEV)
+    target[::9] = -100
+    outs = ops.gemm_epilogue(prog.to_text(), a, b, [r, target])
+    d_logits = (torch.randn(m, n, generator=g, device=DEV) * 1e-4).to(torch.bfloat16)
+    grads = [d_logits, torch.randn(m, generator=g, device=DEV), None]
+    key = (prog.key, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
+    before = ops.RUNTIME[key]
+    monkeypatch.setattr(backward.cross_entropy.layouts, "real", lambda tensors: False)
+    traced = backward.vjp(prog, a, b, [r, target], outs, grads)
+    assert ops.RUNTIME[key] == before  # no kernel: the expression
+    monkeypatch.undo()
+    monkeypatch.setattr(backward.cross_entropy, "_one_pass_violation", lambda *a: "forced")
+    chunked = backward.vjp(prog, a, b, [r, target], outs, grads)
+    for x, y in zip([traced[0], traced[1], traced[2][0]],
+                    [chunked[0], chunked[1], chunked[2][0]]):
+        assert rel_err(x.float(), y.float()) <= 4e-3, rel_err(x.float(), y.float())
 
 
 # DeepSeek-V3's head: 128 features without rotation, then 64 rotated; v 128

@@ -17,7 +17,7 @@ import functools
 import torch
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
-from ...codegen import reference
+from ...codegen import layouts, reference
 from .common import Rule, expect, shaped, up, wgrad
 
 _CE_CHUNK_BYTES = 1 << 29
@@ -108,6 +108,12 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     r = up(by_name["r"]).reshape(m) if "r" in by_name else None
     bias = by_name.get("bias")
     # d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y) (·r), in the GEMM dtype
+    # traced: fake or functional tensors (torch.compiler.is_compiling() is False while
+    # AOTAutograd traces a backward under torch 2.11)
+    if with_logits and d_logits is not None and not logits_map and \
+            not layouts.real([d_logits]):
+        d_acc = traced_softmax_grad(outputs[0], lse, target, valid, d_loss, dsm, d_logits, r)
+        return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits and _one_pass_violation(outputs[0], d_lse) is None:
         # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
         # pass over the stored logits (QuACK's cross-entropy backward kernel); a gradient
@@ -149,6 +155,27 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     d_acc.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(d_acc.dtype),
                      accumulate=True)
     return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
+
+
+def traced_softmax_grad(z, lse, target, valid, d_loss, dsm, d_logits, r) -> torch.Tensor:
+    """d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)(·r) from the stored logits z,
+    as one expression for a traced backward (AOTAutograd): Inductor makes it one pass
+    that reads z and dlogits and writes d_acc, no float32 [rows, vocab] tensor in memory.
+
+    Why not QuACK's one-pass kernel here: a compiled forward that returns the logits (a
+    Hugging Face model does) gets a gradient for them in its backward, zeros when the
+    loop reads only the loss (an autograd.Function's missing gradients are materialised),
+    and adding it after the kernel is a second pass over d_acc: on the H200 at 8192 ×
+    128256 the kernel took 1.07 ms and the pass adding dlogits·r 1.8 ms (BENCHMARKS.md,
+    seventeenth session). One fused pass reads one tensor of that size fewer."""
+    d = torch.exp(up(z) - lse[:, None]) * dsm[:, None]
+    columns = torch.arange(z.shape[1], device=z.device)
+    hit = (columns[None, :] == target[:, None]) & valid[:, None]
+    d = d - torch.where(hit, d_loss[:, None], torch.zeros((), dtype=d.dtype, device=d.device))
+    d = d + up(d_logits)
+    if r is not None:
+        d = d * r[:, None]
+    return d.to(z.dtype)
 
 
 def quack_softmax_grad(z, target, scale, lse, out) -> None:
