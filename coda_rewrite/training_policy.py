@@ -4,9 +4,13 @@ A fused GEMM pays in training only if its backward does too: the forward saves a
 a write of an activation, and the backward must not give it back (re-layouts made again,
 row statistics recomputed, gradient scatters). Measured on the H200 (Llama-3.2-1B shape,
 2 × 4096 tokens, forward + loss + backward; BENCHMARKS.md, issue #16's ablation and the
-sixth and ninth sessions): against the attention-inputs rewrite alone (124.8–127.9
-ms/step) the residual + RMSNorm producer adds 4.3 ms and 1.8 GiB, RoPE 1.4 ms and 0.7 GiB,
-the LM head + loss (logits written) 0.5 ms and 1.8 GiB; the gated MLP with its backward in
+sixth, ninth and seventeenth sessions): against the attention-inputs rewrite alone
+(124.8–127.9 ms/step) the residual + RMSNorm producer adds 4.3 ms and 1.8 GiB; RoPE 1.4 ms
+and 0.7 GiB, and with its angles read from one table (seventeenth session) still 1.6 ms
+of kernel time over the gated MLP's step (Inductor's unfused rotation rides on the q/k
+copies attention needs anyway); the LM head + loss (logits written) 0.5 ms and 1.8 GiB,
+and since its softmax gradient is one traced pass 2.3 ms less kernel time for the same
+memory: left, for the memory (the bf16 logits kept); the gated MLP with its backward in
 the down projection's dgrad GEMM (kernels/gated_down.py) 1.2 ms (+0.9%, inside the
 2.0–3.2% spread between rounds) and −2.0 GiB, against +2.8 ms and no memory saved with
 its backward as graph ops. So the gated MLP is fused in training where its down

@@ -145,10 +145,12 @@ def test_other_readers_keep_the_backward_as_graph_ops(kind, code):
     assert dgated_calls("swiglu") == before
 
 
-def test_not_in_inference_nor_when_asked_nor_after_a_norm_producer():
+def test_not_in_inference_nor_when_asked_and_the_norm_leaves_the_down_projection():
     """Inference graphs have no backward (no note); backward_epilogues=False keeps the
-    graph-op backward; with every family on, the down projection is the next norm's
-    fused producer and keeps that family's backward."""
+    graph-op backward (the down projection is then the next norm's fused producer); with
+    every family on, the down projection keeps the fused backward and the norm after it
+    takes the row-wise program instead (row_scale.producer_left_to_gated: one GEMM cannot
+    carry both), the step eager's."""
     model = build("llama", layers=1)
     ids = tokens()
     with torch.no_grad():
@@ -157,14 +159,28 @@ def test_not_in_inference_nor_when_asked_nor_after_a_norm_producer():
     model.train()
     for options, code in ((dict(patterns=NO_NORM, backward_epilogues=False),
                            "gated.backward_epilogues_off"),
-                          (dict(), "gated.down_already_fused")):
+                          (dict(backward_epilogues=False), "gated.backward_epilogues_off"),
+                          (dict(), "")):
         torch._dynamo.reset()
+        ref = copy.deepcopy(model)
         fast = coda_rewrite.optimize(copy.deepcopy(model), fuse_in_training=True, **options)
         before = dgated_calls("swiglu")
-        fast(ids, labels=ids).loss.backward()
+        loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
+        loss.backward()
+        want.backward()
+        assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+        grads_close(fast, ref, 1e-4)
         notes = down_notes(fast.report)
-        assert notes and all(d.code == code for _, d in notes), str(fast.report)
-        assert dgated_calls("swiglu") == before
+        assert notes and all(d.accepted if not code else d.code == code
+                             for _, d in notes), str(fast.report)
+        assert dgated_calls("swiglu") - before == (0 if code else 1)
+        if "patterns" in options:
+            continue
+        # the final norm, after the down projection: its producer, or why it has none
+        final = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"][-1]
+        left = "is a gated MLP's down projection" in final.producer
+        assert left == (not code), final.producer
+        assert final.programs[0].name == ("rmsnorm_rowscale" if left else "residual_rmsnorm")
 
 
 def test_bf16_autocast_with_float32_weights():
@@ -373,6 +389,7 @@ def test_frozen_weights_skip_the_weight_gradient_gemm(frozen, monkeypatch):
     outputs): with every projection and the LM head frozen, no fused GEMM's backward
     runs a wgrad GEMM, and the embedding's gradient is eager's; trainable, they all do."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from coda_rewrite.kernels import gated_down
     from coda_rewrite.kernels.backward import centred, common, cross_entropy
     computed = []
     real = common.wgrad
@@ -381,7 +398,7 @@ def test_frozen_weights_skip_the_weight_gradient_gemm(frozen, monkeypatch):
         out = real(d, a)
         computed.append(out is not None)
         return out
-    for mod in (common, centred, cross_entropy):
+    for mod in (common, centred, cross_entropy, gated_down):
         monkeypatch.setattr(mod, "wgrad", spy)
     cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=96,
                                num_hidden_layers=2, num_attention_heads=4,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dgated, ops
-from .backward.common import up
+from .backward.common import up, weight_grad_wanted, wgrad
 
 # importing kernels/dgated defines coda::dgated, the op the backward below calls
 _BACKWARD_OP = dgated.__name__
@@ -57,7 +57,8 @@ class GatedDown(torch.autograd.Function):
         _, _, want_p, want_w, want_bias = ctx.needs_input_grad
         dout = dout.contiguous()
         dp, h = torch.ops.coda.dgated(ctx.op, dout, w, p)
-        grad_w = dout.t() @ h if want_w else None
+        with weight_grad_wanted(want_w):  # a frozen weight: no wgrad GEMM
+            grad_w = wgrad(dout, h)
         grad_bias = dout.sum(0, dtype=up(dout).dtype).to(dout.dtype) \
             if ctx.has_bias and want_bias else None
         return None, None, dp if want_p else None, grad_w, grad_bias

@@ -263,46 +263,52 @@ def _local_shard_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
     out = []
     for node in list(graph.nodes):
-        c = canon(node)
-        if c is None or c.name != "mul":
+        found = match_product(node)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def match_product(node: fx.Node) -> Match | NoMatch | None:
+    """act(gate)·up at ``node`` (a Match), a near miss there (NoMatch), or None."""
+    c = canon(node)
+    if c is None or c.name != "mul":
+        return None
+    found = None
+    for act, up in (c.args, c.args[::-1]):
+        if not isinstance(act, fx.Node) or not isinstance(up, fx.Node):
             continue
-        found = None
-        for act, up in (c.args, c.args[::-1]):
-            if not isinstance(act, fx.Node) or not isinstance(up, fx.Node):
-                continue
-            act, cast_after = through_casts(act)
-            a = activation_of(act)
-            if a is None:
-                continue
-            if isinstance(a, str):
-                found = found or NoMatch(node, a)
-                continue
-            gate, cast_before = through_casts(a[1])
-            if _clamped_projection(gate) is not None:  # DeepSeek-V4's dense MLP
-                m = _clamped_match(node, act, a[0], gate, up)
-                if isinstance(m, Match) or found is None:
-                    found = m
-                if isinstance(m, Match):
-                    break
-                continue
-            if cast_after or cast_before:
-                if projection_of(gate) is not None:
-                    found = found or NoMatch(node, Why(
-                            "a cast changes the dtype between the gate GEMM, its activation and "
-                            "the product: the fused epilogue would skip that rounding",
-                            "gated.cast_between"))
-                continue
-            up, cast_up = through_casts(up)
-            if cast_up:
-                continue
-            m = _match(node, act, a[0], gate, up)
+        act, cast_after = through_casts(act)
+        a = activation_of(act)
+        if a is None:
+            continue
+        if isinstance(a, str):
+            found = found or NoMatch(node, a)
+            continue
+        gate, cast_before = through_casts(a[1])
+        if _clamped_projection(gate) is not None:  # DeepSeek-V4's dense MLP
+            m = _clamped_match(node, act, a[0], gate, up)
             if isinstance(m, Match) or found is None:
                 found = m
             if isinstance(m, Match):
                 break
-        if found is not None:
-            out.append(found)
-    return out
+            continue
+        if cast_after or cast_before:
+            if projection_of(gate) is not None:
+                found = found or NoMatch(node, Why(
+                        "a cast changes the dtype between the gate GEMM, its activation and "
+                        "the product: the fused epilogue would skip that rounding",
+                        "gated.cast_between"))
+            continue
+        up, cast_up = through_casts(up)
+        if cast_up:
+            continue
+        m = _match(node, act, a[0], gate, up)
+        if isinstance(m, Match) or found is None:
+            found = m
+        if isinstance(m, Match):
+            break
+    return found
 
 
 def _clamped_projection(gate) -> fx.Node | None:
@@ -443,6 +449,26 @@ def _down_decision(m: Match, context: Context) -> tuple[Down | None, tuple | Non
     return down, (f"down projection {describe(down.linear)}: its backward's dgrad GEMM forms "
                   f"d{m.op} in its epilogue from the stored pre-activation (dh never written; "
                   "h recomputed there, not saved)", decision)
+
+
+def claims_down_projection(product: fx.Node, options) -> Match | None:
+    """The gated match whose product is ``product`` where this family will give its down
+    projection the fused backward (the structural conditions of _down_decision), None
+    otherwise. The residual + RMSNorm family, which runs first, asks before it takes that
+    GEMM as a norm producer: one GEMM cannot carry both, and its backward would then be
+    the norm's rule, not dSwiGLU in the dgrad epilogue (on the H200 the 1B step with both
+    families lost that backward: a 5.2 ms activation-backward pass and h saved, 2 GiB;
+    BENCHMARKS.md, seventeenth session)."""
+    if NAME not in options.patterns or options.fuse_in_training is False or \
+            not options.backward_epilogues:
+        return None
+    m = match_product(product)
+    if not isinstance(m, Match) or not trains(m) or not dgated_source.supported(m.op):
+        return None
+    down = down_projection_of(m)
+    if isinstance(down, Why) or gated_algebra.down_conditions(m, down)[1]:
+        return None
+    return m
 
 
 def _fuse_down_backward(graph: fx.Graph, plan: Plan, y: fx.Node, p: fx.Node) -> None:

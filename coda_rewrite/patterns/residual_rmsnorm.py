@@ -48,6 +48,7 @@ from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay
                            same_meta, updated_between)
 from ..kernels import ops
 from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
+from . import gated_mlp
 from .family import Context, Decided, DeferredNorm
 
 NAME = "residual_rmsnorm_gemm"
@@ -455,9 +456,23 @@ def _producer_refused(m: Match) -> Why | None:
     return None
 
 
+def _producer_left_to_gated(m: Match, context: Context) -> Why | None:
+    """Why the producing GEMM is left to the gated MLP: it is the down projection whose
+    backward that family fuses in this training graph (gated_mlp.claims_down_projection)."""
+    if gated_mlp.claims_down_projection(m.producer.x, context.options) is None:
+        return None
+    return Why(f"the producing GEMM {describe(m.producer.linear)} is a gated MLP's down "
+               "projection whose backward the gated family fuses in this training graph "
+               "(the activation's derivative in its dgrad GEMM's epilogue, h not saved): one "
+               "GEMM cannot carry both, and that backward saves more; its GEMM is left to "
+               "it", "row_scale.producer_left_to_gated")
+
+
 def decide(m: Match, context: Context) -> Decided:
     m = refresh(m, context)
     why = _producer_refused(m) if m.producer is not None else None
+    if why is None and m.producer is not None:
+        why = _producer_left_to_gated(m, context)
     if why is not None:  # the norm takes the row-wise program
         m = dataclasses.replace(m, producer=None, producer_note=why)
     programs = build_programs(m)

@@ -489,6 +489,21 @@ def test_soft_capped_lm_head_bf16_training_on_gpu(materialize):
     assert ratio <= 1.25
 
 
+def _stored_logits(seed: int, logits_map):
+    """(program, generator, a, b, r, target, outputs) of a training cross-entropy GEMM at
+    1000 × 256 × 32000 (every ninth target ignored): the logits stored for the backward."""
+    from coda_rewrite.patterns.cross_entropy import ce_program
+    prog = ce_program(True, False, torch.bfloat16, "float32", logits_map)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    m, k, n = 1000, 256, 32000
+    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    r = torch.rand(m, generator=g, device=DEV) + 0.5
+    target = torch.randint(0, n, (m,), generator=g, device=DEV)
+    target[::9] = -100
+    return prog, g, a, b, r, target, ops.gemm_epilogue(prog.to_text(), a, b, [r, target])
+
+
 @pytest.mark.parametrize("logits_map", [(), (("div", 30.0), ("tanh", None), ("mul", 30.0))],
                          ids=["plain", "soft-capped"])
 def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_map):
@@ -496,17 +511,8 @@ def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_
     QuACK's cross-entropy backward over them (dloss·r per row), against the chunked
     float32 rule on the same stored logits (both round d_acc to bf16 once)."""
     from coda_rewrite.kernels import backward
-    from coda_rewrite.patterns.cross_entropy import ce_program
-    prog = ce_program(True, False, torch.bfloat16, "float32", logits_map)
-    g = torch.Generator(device=DEV).manual_seed(5)
-    m, k, n = 1000, 256, 32000
-    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
-    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
-    r = torch.rand(m, generator=g, device=DEV) + 0.5
-    target = torch.randint(0, n, (m,), generator=g, device=DEV)
-    target[::9] = -100
-    outs = ops.gemm_epilogue(prog.to_text(), a, b, [r, target])
-    grads = [None, torch.randn(m, generator=g, device=DEV), None]
+    prog, g, a, b, r, target, outs = _stored_logits(5, logits_map)
+    grads = [None, torch.randn(a.shape[0], generator=g, device=DEV), None]
     key = (prog.key, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
     before = ops.RUNTIME[key]
     one = backward.vjp(prog, a, b, [r, target], outs, grads)
@@ -524,16 +530,8 @@ def test_traced_softmax_grad_with_a_logits_gradient_on_gpu(monkeypatch):
     expression (traced_softmax_grad), not QuACK's kernel plus a pass adding dlogits:
     against the chunked float32 rule on the same stored logits."""
     from coda_rewrite.kernels import backward
-    from coda_rewrite.patterns.cross_entropy import ce_program
-    prog = ce_program(True, False, torch.bfloat16, "float32")
-    g = torch.Generator(device=DEV).manual_seed(6)
-    m, k, n = 1000, 256, 32000
-    a = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
-    b = (torch.randn(n, k, generator=g, device=DEV) / k ** 0.5).to(torch.bfloat16)
-    r = torch.rand(m, generator=g, device=DEV) + 0.5
-    target = torch.randint(0, n, (m,), generator=g, device=DEV)
-    target[::9] = -100
-    outs = ops.gemm_epilogue(prog.to_text(), a, b, [r, target])
+    prog, g, a, b, r, target, outs = _stored_logits(6, ())
+    m, n = outs[0].shape
     d_logits = (torch.randn(m, n, generator=g, device=DEV) * 1e-4).to(torch.bfloat16)
     grads = [d_logits, torch.randn(m, generator=g, device=DEV), None]
     key = (prog.key, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
