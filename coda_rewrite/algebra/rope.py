@@ -806,6 +806,10 @@ def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
             v = v.reshape(*v.shape[:2], *sizes[2:])
         elif node.target in ("split", torch.split):
             v = torch.split(v, *node.args[1:], **node.kwargs)
+        elif node.target in ("unbind", torch.unbind):
+            v = torch.unbind(v, *node.args[1:], **node.kwargs)
+        elif node.target in ("unflatten", torch.unflatten):  # of trailing dims: no batch
+            v = v.unflatten(*node.args[1:], **node.kwargs)    # or sequence size in it
         elif node.target in ("transpose", torch.transpose):
             v = v.transpose(*node.args[1:3])
         elif node.target in ("flatten", torch.flatten):

@@ -859,16 +859,17 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
     if flat is not None:  # Falcon's grouped layout: members kept as a dim, then flattened
         split += [n for n in flat if n not in split]  # heads may be the flatten itself
         node = flat[-1]
-    if not (calls(node, {operator.getitem}) and calls(node.args[0], _SPLIT)):
+    selected = _selection(node)
+    if selected is None:
         return None
-    view = node.args[0]
-    p, mv = view.args[0], meta(view)
-    mp = meta(p) if isinstance(p, fx.Node) else None
-    if mp is None or mv is None or mp.dim() != 3 or tuple(mv.shape[:2]) != tuple(mp.shape[:2]) \
-            or mv.numel() != mp.numel():
+    view, index, fan = selected
+    chain = _views_of_projection(view)
+    if chain is None:
         return None
+    p, mv = chain[-1].args[0], meta(view)
+    mp = meta(p)
     if flat is not None:  # [B, S, G, g, d][..., a:b, :] (or [..., [j], :]), kept
-        found = _head_index(node.args[1], 5, 3, int(mv.shape[3])) if mv.dim() == 5 else None
+        found = _head_index(index, 5, 3, int(mv.shape[3])) if mv.dim() == 5 else None
         if found is None or not found[2]:
             return None
         member = (int(mv.shape[2]), int(mv.shape[3]), found[0], found[1], int(mv.shape[4]))
@@ -878,22 +879,74 @@ def _indexed_split(heads: fx.Node, unsq_dim: int):
                                       tuple(meta(node).shape)[:3] + tuple(meta(node).shape)[4:]):
             return None  # only a single member is broadcast, along the member dim alone
     elif mv.dim() == 4:   # [B, S, Ht, d]: a range of heads, one group
-        found = _head_index(node.args[1], 4, 2, int(mv.shape[2]))
+        found = _head_index(index, 4, 2, int(mv.shape[2]))
         if found is None or not found[2]:
             return None
         member = (1, int(mv.shape[2]), found[0], found[1], int(mv.shape[3]))
     elif mv.dim() == 5:  # [B, S, H, g, d]: member i of each head's group
-        found = _head_index(node.args[1], 5, 3, int(mv.shape[3]))
+        found = _head_index(index, 5, 3, int(mv.shape[3]))
         if found is None or found[2]:
             return None
         member = (int(mv.shape[2]), int(mv.shape[3]), found[0], found[1], int(mv.shape[4]))
     else:
         return None
-    if member[2] >= member[3]:
+    if member[2] >= member[3] or tuple(mv.shape[:2]) != tuple(mp.shape[:2]):
         return None
     groups, _, i0, i1, d = member
-    split.append(view)
+    split += [n for n in (fan, *chain) if n is not None]
     return p, tuple(split), groups * (i1 - i0), d, member
+
+
+def _selection(node: fx.Node):
+    """(the value indexed, the index, the fan-out node or None) for heads selected out of
+    a view of the projection: ``view[idx]``; ``view.split([a, b, ..], dim=-2)[j]``
+    (transformers 5.25's Falcon multi-query: a range of heads, as ``view[..., a':b', :]``);
+    ``view.unbind(-2)[i]`` (its per-head layout after ``unflatten(-2, (H, 3))``: member i
+    of each head, as ``view[..., i, :]``). None for anything else."""
+    if not calls(node, {operator.getitem}):
+        return None
+    src = node.args[0]
+    if calls(src, _SPLIT):
+        return src, node.args[1], None
+    if not isinstance(node.args[1], int) or not isinstance(src, fx.Node) or \
+            not isinstance(src.args[0], fx.Node) or meta(src.args[0]) is None:
+        return None
+    j, view = node.args[1], src.args[0]
+    dims = meta(view).dim()
+    if calls(src, _TORCH_SPLIT):
+        _, sizes, dim = _args(src, "input", "split_size", "dim", defaults=(None, None, 0))
+        if not isinstance(sizes, (list, tuple)) or not all(isinstance(v, int) for v in sizes) \
+                or dims != 4 or dim not in (-2, 2) or not 0 <= j < len(sizes):
+            return None
+        a = sum(sizes[:j])
+        return view, (Ellipsis, slice(a, a + sizes[j]), slice(None)), src
+    if calls(src, {"unbind", torch.unbind}):
+        _, dim = _args(src, "input", "dim", defaults=(None, 0))
+        if dims != 5 or dim not in (-2, 3):
+            return None
+        return view, (Ellipsis, j, slice(None)), src
+    return None
+
+
+def _views_of_projection(view: fx.Node) -> list[fx.Node] | None:
+    """``view`` and the views under it down to the first one of a [B, S, N] projection
+    value (the last node's input): views, reshapes and unflattens of the trailing dims
+    that keep the batch and sequence dims, so together one row-major split of the
+    projection's N (transformers 5.25's Falcon views its packed q/k/v twice). None where
+    the chain is anything else."""
+    chain, node = [], view
+    while True:
+        if not (calls(node, _SPLIT) or calls(node, {"unflatten"})):
+            return None
+        chain.append(node)
+        src, mo = node.args[0], meta(node)
+        ms = meta(src) if isinstance(src, fx.Node) else None
+        if ms is None or mo is None or ms.dim() < 3 or \
+                tuple(ms.shape[:2]) != tuple(mo.shape[:2]) or ms.numel() != mo.numel():
+            return None
+        if ms.dim() == 3:  # the projection's own view: a view or reshape (the replays
+            return chain if calls(node, _SPLIT) else None  # read its sizes)
+        node = src
 
 
 _FLATTEN = {"flatten", torch.flatten}
@@ -931,14 +984,17 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     ``P.reshape(B, S, mp, -1)``, ``torch.split(·, L, dim=-1)[i]`` (within each of the mp
     blocks, [q, v, k] of L features each), then ``reshape(B, S, mp, H / mp, d)`` and
     ``reshape(B, S, H, d)`` (then ``.transpose(1, 2)`` where the model puts the heads
-    first). The member is (mp, g, i, i + 1, L); its rows are the heads in the model's
-    order."""
+    first); transformers 5.25 reshapes the block's item to ``(B, S, H, d)`` at once. The
+    member is (mp, g, i, i + 1, L); its rows are the heads in the model's order."""
     found = _past_head_transpose(heads, unsq_dim)
     if found is None or not calls(found[0], _SPLIT):
         return None
     top, transposed = found[0], found[1]
     per_block = top.args[0]
-    item = per_block.args[0] if calls(per_block, _SPLIT) else None
+    if calls(per_block, {operator.getitem}):  # no per-block reshape in between
+        item, per_block = per_block, None
+    else:
+        item = per_block.args[0] if calls(per_block, _SPLIT) else None
     if item is None or not (calls(item, {operator.getitem}) and isinstance(item.args[1], int)):
         return None
     fan = item.args[0]
@@ -948,22 +1004,30 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     if not calls(blocks, _SPLIT) or not isinstance(size, int):
         return None
     proj_value = blocks.args[0]
-    mh, mper, mb = meta(top), meta(per_block), meta(blocks)
+    mh, mb = meta(top), meta(blocks)
+    # the block's heads: [B, S, mp, H / mp, d] as the per-block reshape has them, or as
+    # the one reshape to [B, S, H, d] splits each block's L features
+    mper = meta(per_block) if per_block is not None else None
     mp = meta(proj_value) if isinstance(proj_value, fx.Node) else None
-    if None in (mh, mper, mb, mp) or mh.dim() != 4 or mper.dim() != 5 or mb.dim() != 4 or \
-            mp.dim() != 3 or dim not in (-1, 3) or mb.shape[3] % size:
+    if None in (mh, mb, mp) or (per_block is not None and mper is None) or mh.dim() != 4 or \
+            mb.dim() != 4 or mp.dim() != 3 or dim not in (-1, 3) or mb.shape[3] % size or \
+            mh.shape[2] % mb.shape[2]:
         return None
+    per = tuple(mper.shape) if mper is not None else \
+        (*mh.shape[:2], mb.shape[2], mh.shape[2] // mb.shape[2], mh.shape[3])
     lead = tuple(mp.shape[:2])
-    if tuple(mb.shape[:2]) != lead or tuple(mper.shape[:2]) != lead or \
+    if len(per) != 5 or tuple(mb.shape[:2]) != lead or tuple(per[:2]) != lead or \
             tuple(mh.shape[:2]) != lead or mb.shape[2] * mb.shape[3] != mp.shape[2] or \
-            mper.shape[2] != mb.shape[2] or mper.shape[3] * mper.shape[4] != size or \
-            mh.shape[2] != mper.shape[2] * mper.shape[3] or mh.shape[3] != mper.shape[4]:
+            per[2] != mb.shape[2] or per[3] * per[4] != size or \
+            mh.shape[2] != per[2] * per[3] or mh.shape[3] != per[4]:
         return None
     n_blocks, g, i = int(mb.shape[2]), int(mb.shape[3]) // size, item.args[1]
     if not 0 <= i < g:
         return None
-    return (proj_value, (*transposed, top, per_block, item, fan, blocks), int(mh.shape[2]),
-            int(mh.shape[3]), (n_blocks, g, i, i + 1, size))
+    nodes = (*transposed, top, *((per_block,) if per_block is not None else ()), item, fan,
+             blocks)
+    return (proj_value, nodes, int(mh.shape[2]), int(mh.shape[3]),
+            (n_blocks, g, i, i + 1, size))
 
 
 def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
@@ -1339,7 +1403,9 @@ def _passthrough_candidates(group: list[Rotated], graph: fx.Graph,
         if not r.member:
             continue
         rotated = {n for x in group for n in x.split}
-        fan = next((n for n in r.split if calls(n, CHUNK | _TORCH_SPLIT)), r.split[-1])
+        # what the member's index reads: the chunk, split or unbind, or the view indexed
+        at = next((i for i, n in enumerate(r.split) if calls(n, {operator.getitem})), None)
+        fan = r.split[at + 1] if at is not None and at + 1 < len(r.split) else r.split[-1]
         siblings = fan.users  # the chunk's or split's items, or the view's indexes
         for item in siblings:  # the chunk's items, or the view's other indexes
             if item in rotated or not calls(item, {operator.getitem}):
@@ -1830,7 +1896,7 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
     replayed = None
     if any(calls(n, _FLATTEN) for n in s.split):  # Falcon's grouped heads: the member dim
         replayed = (groups, i1 - i0, d)          # kept, then broadcast and flattened
-    elif any(calls(n, _TORCH_SPLIT) for n in s.split):  # CodeGen's blocks: [mp, L] each
+    elif any(_splits_features(n) for n in s.split):  # CodeGen's blocks: [mp, L] each
         replayed = (groups, d)
     if replayed is not None:  # the member as the model's index gives it, then the
         # model's own nodes after that index replayed onto the piece
@@ -1847,6 +1913,14 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
             v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
     same_meta(v, value)
     return v
+
+
+def _splits_features(node: fx.Node) -> bool:
+    """A torch.split along the last dim (CodeGen's blocks), not along the heads (Falcon's
+    multi-query q, k, v under transformers 5.25)."""
+    if not calls(node, _TORCH_SPLIT):
+        return False
+    return _args(node, "input", "split_size", "dim", defaults=(None, None, 0))[2] in (-1, 3)
 
 
 def same_rows(pos: fx.Node, x: fx.Node):
