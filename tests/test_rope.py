@@ -1199,6 +1199,67 @@ def test_model_parallel_blocks_with_heads_transposed_first():
     assert len(done) == 1 and any("frequency 0" in c for c in done[0].consumers), done
 
 
+class NewPackedSpellings(PackedProjection):
+    """transformers 5.25's packed q/k/v spellings, written out (4 query heads of 8, heads
+    after the sequence until attention): Falcon's multi-query ``view(b, s, -1, d).split(
+    [4, 1, 1], dim=-2)``, per head ``.unflatten(-2, (4, 3)).unbind(-2)``, grouped (two kv
+    groups) as a view of that view indexed per group, CodeGen's block items reshaped to
+    heads at once; and look-alikes that are no head selection: a split along the
+    sequence, an unbind of the features."""
+
+    WIDTH = {"split": 48, "unbind": 96, "grouped": 64, "blocks": 96, "split_seq": 48,
+             "unbind_features": 48}
+
+    def __init__(self, layout):
+        super().__init__(self.WIDTH[layout])
+        self.layout = layout
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        y = self.qkv(x)
+        fused = y.view(b, s, -1, 8) if self.layout != "blocks" else None
+        if self.layout in ("split", "split_seq"):
+            if self.layout == "split":
+                q, k, v = fused.split([4, 1, 1], dim=-2)
+            else:  # the sequence split in two: each half's own heads, not a member
+                first, second = fused.split([s // 2, s - s // 2], dim=1)
+                q, k, v = (torch.cat((first[..., i:j, :], second[..., i:j, :]), 1)
+                           for i, j in ((0, 4), (4, 5), (5, 6)))
+        elif self.layout == "unbind":
+            q, k, v = fused.unflatten(-2, (4, 3)).unbind(-2)
+        elif self.layout == "grouped":  # 2 groups of [q, q, k, v]
+            grouped = fused.view(b, s, 2, -1, 8)
+            q = grouped[..., :-2, :].flatten(-3, -2)
+            k, v = grouped[..., -2, :], grouped[..., -1, :]
+        elif self.layout == "blocks":  # 2 blocks of [q, v, k], 16 features each
+            q, v, k = y.view(b, s, -1, 48).split(16, dim=-1)
+            q, k, v = (t.reshape(b, s, -1, 8) for t in (q, k, v))
+        else:  # the features unbound: 8 scalars a head, restacked
+            parts = fused.unbind(-1)
+            q, k, v = (torch.stack(parts, -1)[..., i:j, :] for i, j in ((0, 4), (4, 5), (5, 6)))
+        cos, sin = hf_tables(self.inv_freq, x, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=True)
+
+
+@pytest.mark.parametrize("layout", list(NewPackedSpellings.WIDTH))
+def test_transformers_5_25_packed_spellings_and_look_alikes(layout):
+    """Each head selection is one fused GEMM with v joining it, training step against
+    eager; the look-alikes are left, exact."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(NewPackedSpellings(layout).train(),
+                                       torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if layout in ("split_seq", "unbind_features"):
+        assert not done, str(report)
+        return
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    assert "not rotated" in done[0].consumers[2], done[0].consumers
+
+
 def test_member_split_replay_refuses_a_node_it_does_not_know():
     """The witness replays a packed member's split through the model's own nodes; a node
     it has no replay for (here a permute) makes the witness unable to run, which refuses
