@@ -123,7 +123,7 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         scale = d_loss * r if r is not None else d_loss
         quack_softmax_grad(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc)
         finish_one_pass(d_acc, outputs[0], d_logits, r, logits_map)
-        _counted(prog)
+        _counted(prog, d_acc)
         return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
         d_acc = torch.empty(m, n, dtype=a.dtype, device=a.device)
@@ -218,9 +218,10 @@ def _one_pass_violation(logits, d_lse) -> str | None:
     return quack_path.device_violation(logits) or quack_path.quack_available()
 
 
-def _counted(prog) -> None:
-    """Runtime accounting of the one-pass backward kernel (not while tracing)."""
-    if not torch.compiler.is_compiling():
+def _counted(prog, d_acc) -> None:
+    """Runtime accounting of the one-pass backward kernel (not while tracing: fake or
+    functional tensors)."""
+    if layouts.real([d_acc]):
         from .. import ops
         ops._count(prog, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
 
