@@ -9,7 +9,7 @@ memory, and the kernel-time split of the training step.
 (variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``,
 or ``ablation``: the families added one at a time; the step's variants run in
 alternating rounds; CODA_STEP_SHAPE=4x8192 for CODA's own benchmark shape;
-CODA_BENCH_TOP=1 also prints each variant's top kernels)
+CODA_BENCH_TOP=N also prints each variant's top N kernels, at least 15)
 """
 
 from __future__ import annotations
@@ -131,6 +131,16 @@ def step():
         "coda-attention-ce-gated-graph-bwd": lambda: torch.compile(model, backend=coda_backend(
             patterns=("attention_inputs", "lm_head_cross_entropy", "gated_mlp"),
             fuse_in_training=True, backward_epilogues=False)),
+        # what one more family adds to that step, or the LM head taken out (BENCHMARKS.md,
+        # seventeenth session: by kernel with CODA_BENCH_TOP=40)
+        "coda-attention-ce-gated-rope": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs", "lm_head_cross_entropy", "gated_mlp", "rope"),
+            fuse_in_training=True)),
+        "coda-attention-ce-gated-norm": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs", "lm_head_cross_entropy", "gated_mlp",
+                      "residual_rmsnorm_gemm"), fuse_in_training=True)),
+        "coda-attention-gated": lambda: torch.compile(model, backend=coda_backend(
+            patterns=("attention_inputs", "gated_mlp"), fuse_in_training=True)),
         **{name: (lambda pats=pats: torch.compile(model, backend=coda_backend(
             patterns=pats, fuse_in_training=True))) for name, pats in ABLATION},
         # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches
@@ -186,7 +196,8 @@ def step():
         mem = peak_mib(lambda: run(m))
         split = kernel_split(lambda: run(m))
         if os.environ.get("CODA_BENCH_TOP"):  # the kernels behind the split, per variant
-            print(f"step {name}: top kernels\n{kernel_top(lambda: run(m))}", flush=True)
+            top = max(15, int(os.environ["CODA_BENCH_TOP"]))
+            print(f"step {name}: top kernels\n{kernel_top(lambda: run(m), top)}", flush=True)
         model.zero_grad(set_to_none=True)
         ts = times[name]
         ms = statistics.median(ts)
