@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from packaging.version import Version
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -100,7 +101,14 @@ def test_layernorm_models_match_eager(cfg, cls, extra, n_eval, n_train):
             # under a softmax) is rounding noise on both sides: measured against the largest
             err = (p.grad - q.grad).norm() / max(q.grad.norm(), 1e-4 * largest)
             assert err <= 1e-4, (name, float(err))
-    assert _rewritten(fast.report) == n_train, str(fast.report)
+    assert _rewritten(fast.report) == n_train + _ONE_GRAPH_LATER.get(cls, 0), str(fast.report)
+
+
+# transformers after the pinned 5.17.0 (seen with 5.25.0) captures OPT's training forward as
+# one graph, where 5.17.0 breaks it per layer and leaves the final norm apart from the LM
+# head: that norm then has its GEMM in the graph and is rewritten too
+_ONE_GRAPH_LATER = {"OPTForCausalLM": 1} \
+    if Version(tf.__version__) > Version("5.17.0") else {}
 
 
 # ---- hand-written spellings ----------------------------------------------------------------
