@@ -151,7 +151,15 @@ def hf_model(family: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
         common["head_dim"] = hidden // 4
     cfg = cfg_cls(**{**common, **overrides})
     torch.manual_seed(seed)
-    model = model_cls(cfg)
+    try:
+        model = model_cls(cfg)
+    except ValueError as e:  # a release that dropped SDPA for it (Gemma 2 after 5.17.0)
+        if "does not support an attention implementation" not in str(e) or \
+                cfg._attn_implementation != "sdpa":
+            raise
+        cfg = cfg_cls(**{**common, **overrides, "attn_implementation": "eager"})
+        torch.manual_seed(seed)
+        model = model_cls(cfg)
     with torch.no_grad():  # non-trivial norm weights, so a dropped or misplaced γ shows
         for name, p in model.named_parameters():
             if "norm" in name:
