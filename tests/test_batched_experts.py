@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 import torch
 import torch.nn.functional as F
+import transformers
 from hypothesis import given, settings, strategies as st
 
 import coda_rewrite
@@ -20,6 +22,20 @@ from coda_rewrite.numerics import rel_err
 
 from conftest import codes
 from test_routed_experts import FAMILIES, moe_model
+
+# DeepSeek-V4's hash-routed layers (its first ones) read their ids from a frozen table,
+# ids = tid2eid[input_ids], in transformers after the pinned 5.17.0 (seen with 5.25.0):
+# ids read from a buffer are not provably in [0, E), so the batched spelling is refused
+# (moe.batched_ids), as it must be, and the model runs as eager's
+_HASH_ROUTED = set()
+if Version(transformers.__version__) > Version("5.17.0"):
+    _HASH_ROUTED.add("deepseek_v4")
+
+
+def _refused_as_hash_routed(report, layers: int) -> bool:
+    """Every batched record refused for ids not proved in range (a hash-routed layer)."""
+    left = [r.code for r in report.records if r.pattern == "batched_experts"]
+    return left == ["moe.batched_ids"] * layers
 
 
 def _statuses(report, pattern: str) -> list[str]:
@@ -39,6 +55,10 @@ def test_batched_mm_models_rewritten_no_worse_than_eager(family):
         fast = coda_rewrite.optimize(model)
         got, want, truth = fast(ids).logits, model(ids).logits, exact(ids).logits
     layers = 1 if family in ("glm4_moe", "deepseek_v3", "hy_v4") else 2
+    assert rel_err(got.double(), truth) <= 1.25 * rel_err(want.double(), truth)
+    if family in _HASH_ROUTED:
+        assert _refused_as_hash_routed(fast.report, layers), str(fast.report)
+        return
     assert _statuses(fast.report, "batched_experts") == ["rewritten"] * layers, \
         str(fast.report)
     assert _statuses(fast.report, "routed_experts") == ["rewritten"] * layers
@@ -68,6 +88,9 @@ def test_batched_spelling_becomes_the_grouped_path(family, routed):
         with torch.no_grad():
             fast = coda_rewrite.optimize(m, patterns=patterns)
             got[impl] = fast(ids).logits
+    if family in _HASH_ROUTED:  # nothing rewritten: eager's batched GEMVs against torch's
+        assert _refused_as_hash_routed(fast.report, 2), str(fast.report)  # grouped GEMM
+        return
     assert torch.equal(got["grouped_mm"], got["batched_mm"])
 
 
