@@ -503,7 +503,7 @@ def decide(m, program) -> Decision:
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
-    if m.angle_source == "angles" and not _recomputes_angles(m, program):
+    if m.angle_source == "angles" and not recomputes_angles(m, program):
         held.append("the kernel reads those angles as one (cos, sin) table made from them "
                     "(float64 angle reduced mod one turn, cos and sin rounded once to "
                     "float32): a training graph, whose backward reads the same table")
@@ -539,7 +539,7 @@ def decide(m, program) -> Decision:
     facts = statements.prove_rotation_facts()
     held.append(region.describe())
     if m.passthrough:
-        held.append("v joins the GEMM " + ("with frequency 0" if _recomputes_angles(m, program)
+        held.append("v joins the GEMM " + ("with frequency 0" if recomputes_angles(m, program)
                                           else "under a 0 rotate flag") + ": " + ", ".join(
             describe(s.column_node) for s in m.passthrough))
     if region.key_writes:
@@ -700,13 +700,13 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         operands.append(layouts.rope_half_table_rows(cos, sin, x, rot.head_dim,
                                                      rot.rotary_dim, m.angle.half_width,
                                                      rot.rotary_offset).double())
-    if m.angle_source == "angles" and not _recomputes_angles(m, program):
+    if m.angle_source == "angles" and not recomputes_angles(m, program):
         # a training graph's one table, made from the same positions and frequencies
         rot = m.rotated[0]
         operands.append(layouts.rope_angle_table_rows(
             layouts.rope_positions(pos[None, None, :], x), inv.float(), rot.head_dim,
             rot.rotary_offset).double())
-    if not _recomputes_angles(m, program):
+    if not recomputes_angles(m, program):
         if m.passthrough:
             operands.append(layouts.rope_rotated_columns(rotated_spans(m), x))
     else:
@@ -735,7 +735,7 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     return verdict(err, f"1 × {seq} tokens, {len(m.segments)} segments", m.path)
 
 
-def _recomputes_angles(m, program) -> bool:
+def recomputes_angles(m, program) -> bool:
     """Whether the program forms the angles itself (``rope``: positions and frequencies)
     rather than reading a (cos, sin) table (``rope_table``: the model's, or in a training
     graph one made from the graph's angles, patterns/rope.angles_as_table)."""

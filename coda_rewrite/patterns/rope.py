@@ -1628,7 +1628,6 @@ class Plan:
     match: Match                   # its segments final: v that can join, remainders
     program: EpilogueProgram
     cache_relayouts: bool          # keep the permuted weights inside the op (inference)
-    angles_as_table: bool = False  # the graph's angles read as one table (training)
 
 
 def describe_match(m: Match, table: bool = False) -> dict:
@@ -1721,7 +1720,7 @@ def decide(m: Match, context: Context) -> Decided:
     if not decision.accepted:
         return Decided.refuse(decision, **describe_match(m, table))
     cache = context.options.cache_relayouts and not trains(m)
-    return Decided(decision, Plan(m, program, cache, table), None, describe_match(m, table))
+    return Decided(decision, Plan(m, program, cache), None, describe_match(m, table))
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
@@ -1758,44 +1757,38 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     anchor = anchor_in_mode_of(anchor, first, m.rotated[0].out)
     if first is not None:
         hoist_before(first, reads)
-    if m.angle_source == "angles" and not plan.angles_as_table:
+    # the angles pos ⊗ inv_freq recomputed in the epilogue, or read from a table: the
+    # model's own, or in a training graph one made from those angles (angles_as_table)
+    recomputed = rope_algebra.recomputes_angles(m, plan.program)
+    if recomputed:
         freq = shared_call(graph, rope_frequencies, (m.angle.inv_freq, lay), anchor)
     with graph.inserting_before(anchor):
         b = [relayout_node(graph, "rope_segments", lay, *(s.proj.bias for s in m.segments))] \
             if m.has_bias else []
         x = p.x  # read for its leading shape only
-        if plan.angles_as_table:  # one table per graph, every layer's rotation reads it
+        rot = m.rotated[0]
+        if m.angle_source == "angles":
             rows = shared_call(graph, layouts.rope_positions, (m.angle.pos, x), anchor,
                                same_rows(m.angle.pos, x))
-            rot = m.rotated[0]
-            angle = [shared_call(graph, layouts.rope_angle_table_rows,
-                                 (rows, m.angle.inv_freq, rot.head_dim, rot.rotary_offset),
-                                 anchor)]
-            if m.passthrough:
-                spans = rope_algebra.rotated_spans(m)
-                angle.append(shared_call(graph, layouts.rope_rotated_columns, (spans, x), anchor,
-                                          lambda n: n.args[0] == spans))
-        elif m.angle_source == "angles":
-            angle = [shared_call(graph, layouts.rope_positions, (m.angle.pos, x), anchor,
-                                  same_rows(m.angle.pos, x)), freq]
-            if m.scaled:  # a per-column float32 scale before the rotation
+            angle = [rows, freq] if recomputed else [shared_call(  # one table, every layer
+                graph, layouts.rope_angle_table_rows,
+                (rows, m.angle.inv_freq, rot.head_dim, rot.rotary_offset), anchor)]
+            if recomputed and m.scaled:  # a per-column float32 scale before the rotation
                 angle.insert(0, graph.call_function(layouts.rope_column_scale,
                                                     (m.angle.scale, lay, x)))
+        elif m.form == "half":
+            angle = [graph.call_function(layouts.rope_half_table_rows, (
+                m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim,
+                m.angle.half_width, rot.rotary_offset))]
+        elif m.form == "interleaved":
+            angle = [graph.call_function(layouts.rope_pair_table_rows, (
+                m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
         else:
-            rot = m.rotated[0]
-            if m.form == "half":
-                angle = [graph.call_function(layouts.rope_half_table_rows, (
-                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim,
-                    m.angle.half_width, rot.rotary_offset))]
-            elif m.form == "interleaved":
-                angle = [graph.call_function(layouts.rope_pair_table_rows, (
-                    m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
-            else:
-                angle = [graph.call_function(layouts.rope_table_rows, (m.table, x))]
-            if m.passthrough:
-                spans = rope_algebra.rotated_spans(m)
-                angle.append(shared_call(graph, layouts.rope_rotated_columns, (spans, x), anchor,
-                                          lambda n: n.args[0] == spans))
+            angle = [graph.call_function(layouts.rope_table_rows, (m.table, x))]
+        if not recomputed and m.passthrough:  # a table cannot tell v's heads from q's
+            spans = rope_algebra.rotated_spans(m)
+            angle.append(shared_call(graph, layouts.rope_rotated_columns, (spans, x), anchor,
+                                      lambda n: n.args[0] == spans))
         if m.head_norm is not None:  # the QK-norm's weight (and unnormed columns' flag)
             angle = _norm_operands(graph, m, lay, x) + angle
         r = [p.r] if p.r is not None else []
@@ -1847,7 +1840,7 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                      for n in (s.column_node, *s.split, *s.proj.nodes)])
     shown = {"programs": [plan.program],
              "weights": weights_line(plan.cache_relayouts, context.options)}
-    if plan.angles_as_table:
+    if m.angle_source == "angles" and not recomputed:
         shown["backward"] = ("the angles pos ⊗ inv_freq read as one (cos, sin) table, made "
                              "once for the graph's layers: the inverse rotation reads it "
                              "(no angle recomputed per column)")

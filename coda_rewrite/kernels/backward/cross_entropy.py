@@ -112,7 +112,7 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     # AOTAutograd traces a backward under torch 2.11)
     if with_logits and d_logits is not None and not logits_map and \
             not layouts.real([d_logits]):
-        d_acc = traced_softmax_grad(outputs[0], lse, target, valid, d_loss, dsm, d_logits, r)
+        d_acc = traced_softmax_grad(outputs[0], lse, target, d_loss, dsm, d_logits, r)
         return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
     if with_logits and _one_pass_violation(outputs[0], d_lse) is None:
         # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
@@ -157,7 +157,7 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
 
 
-def traced_softmax_grad(z, lse, target, valid, d_loss, dsm, d_logits, r) -> torch.Tensor:
+def traced_softmax_grad(z, lse, target, d_loss, dsm, d_logits, r) -> torch.Tensor:
     """d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)(·r) from the stored logits z,
     as one expression for a traced backward (AOTAutograd): Inductor makes it one pass
     that reads z and dlogits and writes d_acc, no float32 [rows, vocab] tensor in memory.
@@ -170,7 +170,7 @@ def traced_softmax_grad(z, lse, target, valid, d_loss, dsm, d_logits, r) -> torc
     seventeenth session). One fused pass reads one tensor of that size fewer."""
     d = torch.exp(up(z) - lse[:, None]) * dsm[:, None]
     columns = torch.arange(z.shape[1], device=z.device)
-    hit = (columns[None, :] == target[:, None]) & valid[:, None]
+    hit = columns[None, :] == target[:, None]  # an ignored target matches no column
     d = d - torch.where(hit, d_loss[:, None], torch.zeros((), dtype=d.dtype, device=d.device))
     d = d + up(d_logits)
     if r is not None:
