@@ -146,6 +146,9 @@ def _internal_error(e: Exception) -> str:
 def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) -> None:
     """One family over the graph: every candidate gets a record, rewritten or not, with
     the reason and its kind."""
+    opt_in = getattr(family, "OPT_IN", None)
+    if opt_in is not None and not getattr(context.options, opt_in):
+        return  # a mode the user did not ask for (options.fp8): not even matched
     enabled = family.NAME in context.options.patterns
     try:
         found = list(family.find(graph))

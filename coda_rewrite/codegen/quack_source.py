@@ -79,7 +79,7 @@ class LayoutContract:
 
     def render(self) -> str:
         lines = [f"layout contract of {self.program_key}",
-                 "  a   [M, K]  bf16/fp16, K contiguous, 16-byte aligned rows",
+                 "  a   [M, K]  bf16/fp16 or e4m3, K contiguous, 16-byte aligned rows",
                  "  b   [N, K]  nn.Linear layout, same dtype as a; QuACK reads it as (K, N)",
                  f"  weight permutation: {self.weight_permutation}"]
         for b in self.operands:

@@ -21,6 +21,11 @@ from .program import ACC, EpilogueProgram, Kind
 _DTYPES = STORAGE_DTYPES
 
 
+# GEMM operand dtypes the kernels accumulate in float32 (e4m3: kernels/fp8.py; products of
+# two e4m3 values are exact in float32)
+LOW_PRECISION = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
@@ -34,7 +39,7 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     accumulator), float64 from float32 or float64 (no kernel takes float32 operands, and
     a value multiplied by a mean or cancelled against another, a LayerNorm's, needs more
     than float32's 2^-24 of it: compute_dtype says when)."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+    return torch.float32 if dtype in LOW_PRECISION else torch.float64
 
 
 def compute_dtype(program: EpilogueProgram, a, b, operands) -> torch.dtype:
@@ -47,7 +52,7 @@ def compute_dtype(program: EpilogueProgram, a, b, operands) -> torch.dtype:
     float64 tile). Vectors and scalars do not decide it: a float64 eps stays a scalar."""
     tiles = [t for s, t in zip(program.operands, operands) if s.kind == Kind.TILE]
     gemm = [t for t in (a, b) if t is not None]
-    if any(t.dtype not in (torch.bfloat16, torch.float16) for t in gemm) or \
+    if any(t.dtype not in LOW_PRECISION for t in gemm) or \
             any(t is not None and t.dtype == torch.float64 for t in tiles):
         return torch.float64
     return torch.float32

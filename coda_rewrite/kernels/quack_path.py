@@ -41,6 +41,9 @@ log = logging.getLogger("coda_rewrite.kernels")
 # GEMMs, which join this set once measured there.
 SUPPORTED_ARCH_MAJOR = (9,)
 _GEMM_DTYPES = (torch.bfloat16, torch.float16)
+# e4m3 x e4m3 (kernels/fp8.py): QuACK's SM90 GEMM takes 8-bit operands K-major only, which
+# nn.Linear's [N, K] weight and a row-major activation are
+_FP8_GEMM_DTYPES = (torch.float8_e4m3fn,)
 _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # A cos/sin table wraps every head_dim columns, so a tile must hold whole heads or a
@@ -167,14 +170,16 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
     """Why these tensors break the layout contract (None: they meet it)."""
     if not program.gemm:
         return "no GEMM in the program (row-wise torch ops)"
-    if a.dtype not in _GEMM_DTYPES or b.dtype != a.dtype:
-        return f"GEMM operands {a.dtype}/{b.dtype} (QuACK's GEMM takes bf16/fp16 pairs)"
+    if a.dtype not in _GEMM_DTYPES + _FP8_GEMM_DTYPES or b.dtype != a.dtype:
+        return (f"GEMM operands {a.dtype}/{b.dtype} (QuACK's GEMM takes bf16/fp16 or e4m3 "
+                "pairs)")
     m, k = a.shape
     n = b.shape[0]
     if m == 0 or n == 0 or k == 0:
         return "empty problem"
-    if k % 8 or n % 8:
-        return f"K={k} or N={n} not a multiple of 8 (16-byte TMA rows)"
+    per_row = 16 // a.element_size()  # elements per 16 bytes
+    if k % per_row or n % 8:
+        return f"K={k} not a multiple of {per_row} or N={n} of 8 (16-byte TMA rows)"
     if not (_aligned(a) and _aligned(b)):
         return "a or b not K-contiguous and 16-byte aligned"
     indices = program.index_operands

@@ -10,6 +10,9 @@
     batched_experts    per-(token, expert) GEMVs on copied expert weights (transformers'
                        batched_mm) → its grouped spelling: before the norms and the
                        routed experts, which then see Hugging Face's grouped experts
+    fp8_mlp            only with options.fp8: RMSNorm → gated MLP → down projection as
+                       two e4m3 GEMMs, before the bf16 families that would otherwise
+                       take the norm's consumers and the gated pair
     residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
@@ -34,7 +37,9 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 from __future__ import annotations
 
 from . import (attention, batched_experts, cross_entropy, dense_experts, explicit_attention,
-               gated_mlp, layernorm, residual_rmsnorm, rope, routed_experts, scatter_back)
+               fp8_mlp, gated_mlp, layernorm, residual_rmsnorm, rope, routed_experts,
+               scatter_back)
 
-FAMILIES = (explicit_attention, attention, dense_experts, batched_experts, residual_rmsnorm,
-            gated_mlp, routed_experts, scatter_back, rope, cross_entropy, layernorm)
+FAMILIES = (explicit_attention, attention, dense_experts, batched_experts, fp8_mlp,
+            residual_rmsnorm, gated_mlp, routed_experts, scatter_back, rope, cross_entropy,
+            layernorm)

@@ -1,0 +1,152 @@
+"""Legality of the FP8 gated MLP (patterns/fp8_mlp.py): the gated rewrite's own conditions,
+the bound's, and a replay that holds FP8 to torchao's row-wise recipe.
+
+What is proved (statements.prove_fp8_gated_mlp): the scales leave the GEMMs exactly, and
+no scaled value leaves e4m3's range, from the norm (|n_k| ≤ √N), Cauchy–Schwarz and
+|act(g)| ≤ |g|. What that needs of the matched graph, each checked here:
+
+* the gated rewrite's side conditions (gated.side_conditions: one input, gate/up/act read
+  only by the product, one dtype, no update in place in between) and the down
+  projection as the product's only reader (gated.down_conditions);
+* the projections read the RMSNorm's output itself (the pattern matched that), with the
+  activation one whose |act(g)| ≤ |g| (SiLU, both GELUs, the clamped SwiGLU: clamps only
+  shrink magnitudes);
+* no bias on any of the three projections (the bound would need each bias's size);
+* nothing updates γ or a weight in place between eager's reads and the fused ops' (the
+  quantised input is computed right after the norm's output, where eager reads z).
+
+FP8 is not exact, so the replay is not the bf16 families' 1e-6: on random float64
+inputs at small shapes (and one row that puts all its mass on one feature, aligned with
+one gate/up weight row: the bound's worst case), the FP8 path's error against float64
+must be within 1.5x of torchao's row-wise recipe (dynamic per-row activation scales,
+per-row weight scales) on the same values, plus 1% — the numerics policy of README's
+"FP8". A replay that cannot run refuses the rewrite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..capture import describe
+from ..codegen import reference
+from ..graph_utils import updated_between
+from ..kernels import fp8 as fp8_kernels
+from ..numerics import rel_err
+from . import gated, statements
+from .decision import Decision, Proof, Rejection, Why
+from .witness import eval_nodes, guarded, verdict
+
+BOUNDED = (*fp8_kernels.BOUNDED_ACTIVATIONS, "swiglu_clamp")
+# the replay's bar against torchao's row-wise recipe (README, "FP8")
+VS_ROWWISE, FLOOR = 1.5, 0.01
+
+
+def conditions(m) -> tuple[list[str], Why | None]:
+    g, down, norm = m.gated, m.down, m.norm
+    held, why = gated.side_conditions(g)
+    if why is not None:
+        return held, why
+    more, why = gated.down_conditions(g, down)
+    held += more
+    if why is not None:
+        return held, why
+    if g.op not in BOUNDED:
+        return held, Why(f"the gate activation of {g.op} has no |act(g)| ≤ |g| bound: its "
+                         "product's range is not known before the GEMM", "fp8.activation")
+    held.append(f"{g.op}: |act(g)| ≤ |g|")
+    if g.gate.bias is not None or g.up.bias is not None or down.bias is not None:
+        return held, Why("a projection has a bias: the product's bound would need its size; "
+                         "the MLP runs in bf16", "fp8.bias")
+    held.append("no bias on gate, up or down")
+    projections = (g.gate,) if g.packed else (g.gate, g.up)
+    order = {n: i for i, n in enumerate(down.linear.graph.nodes)}
+    first = min((n for p in projections for n in p.nodes if n in order), key=order.get)
+    read_later = [p.weight for p in projections] + ([norm.weight] if norm.weight is not None
+                                                   else [])
+    # (the quantised input is computed right after the norm's output: it reads z there)
+    moved = updated_between(read_later, first, down.linear)
+    if moved is not None:
+        return held, Why(f"{describe(moved[0])} updates {describe(moved[1])} in place where "
+                         "the FP8 MLP reads it later than eager did", "fp8.in_place")
+    held.append("nothing it reads is updated in place between eager's reads and its own")
+    return held, None
+
+
+def decide(m, gate_up, down) -> Decision:
+    held, failed = conditions(m)
+    if failed:
+        return Rejection(failed, m.path)
+    proof = statements.prove_fp8_gated_mlp()
+    seen = guarded(lambda m: _replay(m, gate_up, down), m)
+    if isinstance(seen, Rejection):
+        return seen
+    return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
+
+
+def rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torchao's float8 row-wise recipe for x·wᵀ, emulated: x's rows and w's rows each
+    scaled by their own amax to ±448, rounded to e4m3, multiplied, scaled back."""
+    qx, sx = fp8_kernels.quantize_rows(x)
+    qw, sw = fp8_kernels.quantize_rows(w)
+    return (qx.double() @ qw.double().T) * sx.double()[:, None] * sw.double()[None, :]
+
+
+def _replay(m, gate_up, down) -> str | Rejection:
+    g, norm = m.gated, m.norm
+    gen = torch.Generator().manual_seed(8191)
+    # the norm's own width: a fused norm (F.rms_norm) carries its normalized_shape
+    k, n, h, rows = norm.dim, 24, 16, 6
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    env: dict = {"__gen__": gen}
+    z = rand(rows, k)
+    z[0] = 0
+    z[0, 3 % k] = 5.0  # the bound's worst case (with the weights below)
+    env[norm.input] = z
+    eps = norm.eps if isinstance(norm.eps, float) else 1e-6
+    if not isinstance(norm.eps, float):
+        env[norm.eps] = torch.tensor(eps, dtype=torch.float64)
+    gamma = rand(k).abs() + 0.5
+    if norm.weight is not None:
+        env[norm.weight] = gamma - norm.weight_offset
+    wg, wu, wd = rand(n, k), rand(n, k), rand(h, n)
+    wg[0] = wu[0] = 0
+    wg[0, 3 % k] = wu[0, 3 % k] = 1.0
+    if g.packed:
+        env[g.gate.weight] = torch.cat([wg, wu])
+    else:
+        env[g.gate.weight], env[g.up.weight] = wg, wu
+    env[m.down.weight] = wd
+    nodes = [*norm.nodes, *g.gate.nodes, *g.up.nodes, *g.intermediates, g.act, g.mul,
+             *m.down.between, m.down.linear]
+    eval_nodes(dict.fromkeys(n for n in nodes if n not in env), env)
+    ref = env[m.down.linear].reshape(rows, h)
+
+    raw_gamma = env[norm.weight] if norm.weight is not None else None
+    w_int, ws_int, w_d, ws_d = fp8_kernels.mlp_weights(wg, wu, wd, raw_gamma,
+                                                       norm.weight_offset, k)
+    q = fp8_kernels.quantize_normalized(z, eps, k)
+    (act,) = reference.run_program(gate_up, q, w_int, [ws_int])
+    if act.float().abs().max() > fp8_kernels.E4M3_MAX:
+        return Rejection("checker bug: a scaled gated product left e4m3's range (the bound "
+                         "does not hold)", m.path)
+    (out,) = reference.run_program(down, fp8_kernels.saturate(act), w_d, [ws_d])
+    err = rel_err(out, ref)
+
+    nrm = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+    hh = nrm * gamma if norm.weight is not None else nrm
+    y = rowwise(hh, torch.stack([wg, wu], 1).reshape(2 * n, k))
+    prod = _pair(g, y)
+    base = rel_err(rowwise(prod, wd), ref)
+    return verdict(err, f"rows {rows}, N {k} (torchao row-wise: {base:.1e})", m.path,
+                   tol=VS_ROWWISE * base + FLOOR)
+
+
+def _pair(g, y: torch.Tensor) -> torch.Tensor:
+    """The pair op on interleaved columns in float64, from the op table's reference."""
+    from ..codegen.op_table import OPS
+    from ..codegen.program import Instr
+    ins = Instr("p", g.op, ("y", *g.params))
+    return OPS[g.op].reference([y, *g.params], ins, torch.float64)
