@@ -48,7 +48,8 @@ def hf_projections(m):
     return [(l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj) for l in m.model.layers]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+# Helium: its norm multiplies γ in float32 and ends in a cast to the model dtype
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "helium"])
 def test_hf_mlps_run_in_fp8_no_worse_than_torchaos_rowwise(family):
     model = hf_model(family, layers=2, hidden=128, dtype=bf).eval()
     ids = tokens(seq=32)

@@ -119,8 +119,12 @@ def _replay(m, gate_up, down) -> str | Rejection:
     else:
         env[g.gate.weight], env[g.up.weight] = wg, wu
     env[m.down.weight] = wd
-    nodes = [*norm.nodes, *g.gate.nodes, *g.up.nodes, *g.intermediates, g.act, g.mul,
-             *m.down.between, m.down.linear]
+    # the norm as the model spells it, its output back in float64 (a norm that ends in a
+    # cast to the model's dtype, Helium's, would otherwise feed bf16 into the GEMMs)
+    eval_nodes([n for n in norm.nodes if n not in env], env)
+    env[norm.output] = env[norm.output].double()
+    nodes = [*g.gate.nodes, *g.up.nodes, *g.intermediates, g.act, g.mul, *m.down.between,
+             m.down.linear]
     eval_nodes(dict.fromkeys(n for n in nodes if n not in env), env)
     ref = env[m.down.linear].reshape(rows, h)
 
