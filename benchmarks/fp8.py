@@ -8,11 +8,14 @@ the block in float64 (1 x 512 tokens) beside eager bf16's. Kernel lists show whe
 MLP's time goes (no amax pass in coda fp8).
 
     source .gpu/setup.sh && PYTHONPATH=/tmp/torchao python benchmarks/fp8.py
+
+($CODA_FP8_VARIANTS: a comma-separated subset of the variants.)
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import torch
@@ -59,6 +62,9 @@ def main():
         except Exception as e:  # not installed, or not for this torch
             print(f"{name}: unavailable ({type(e).__name__}: {e})", flush=True)
 
+    keep = os.environ.get("CODA_FP8_VARIANTS")  # a comma-separated subset
+    if keep:
+        variants = {k: v for k, v in variants.items() if k in keep.split(",")}
     # numerics: 1 x 512 tokens against the block in float64
     xs, fs = x[:1, :512].contiguous(), freqs[:512]
     with torch.no_grad():

@@ -55,14 +55,14 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     import torch
 
     from ..codegen.program import Kind, parse
-    from .quack_path import Planned, configs_of, load
+    from .quack_path import FP8_FAMILY, Planned, configs_of, load
     from ..codegen.reference import dtype_from_name
 
     ks, module = load(text)
     prog = parse(text)
     dt = dtype_from_name(dtype)
     # the FP8 MLP's GEMMs take e4m3 operands (kernels/fp8.py), the rest the model's dtype
-    gemm_dt = torch.float8_e4m3fn if prog.family == "fp8_mlp" else dt
+    gemm_dt = torch.float8_e4m3fn if prog.family == FP8_FAMILY else dt
     a = torch.randn(m, k).to(gemm_dt)
     b = torch.randn(n, k).to(gemm_dt)
     by_name = {}

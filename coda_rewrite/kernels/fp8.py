@@ -44,7 +44,7 @@ import torch
 
 from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
-from . import ops, versioned
+from . import ops, quack_path, versioned
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -140,7 +140,7 @@ def kept_mlp_weights(sources: list[torch.Tensor], packed: bool, has_gamma: bool,
 
 def gate_up_program(op: str, params: tuple[float, ...] = ()) -> EpilogueProgram:
     """act(acc·ws[j]) over the interleaved e4m3 gate/up GEMM, stored in bf16."""
-    p = ProgramBuilder(f"fp8_{op}", gemm=True, family="fp8_mlp")
+    p = ProgramBuilder(f"fp8_{op}", gemm=True, family=quack_path.FP8_FAMILY)
     y = p.mul(ACC, p.operand("ws", Kind.PER_FEATURE), name="y")
     p.output(p.emit(op, y, *params, name="act"), Kind.PAIR, "bfloat16")
     return p.build()
@@ -148,7 +148,7 @@ def gate_up_program(op: str, params: tuple[float, ...] = ()) -> EpilogueProgram:
 
 def down_program(dtype: torch.dtype) -> EpilogueProgram:
     """acc·ws[h] over the e4m3 down GEMM, stored in the model's dtype."""
-    p = ProgramBuilder("fp8_scaled", gemm=True, family="fp8_mlp")
+    p = ProgramBuilder("fp8_scaled", gemm=True, family=quack_path.FP8_FAMILY)
     y = p.mul(ACC, p.operand("ws", Kind.PER_FEATURE), name="y")
     p.output(y, Kind.TILE, str(dtype).removeprefix("torch."))
     return p.build()

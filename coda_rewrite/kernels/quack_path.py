@@ -44,6 +44,7 @@ _GEMM_DTYPES = (torch.bfloat16, torch.float16)
 # e4m3 x e4m3 (kernels/fp8.py): QuACK's SM90 GEMM takes 8-bit operands K-major only, which
 # nn.Linear's [N, K] weight and a row-major activation are
 _FP8_GEMM_DTYPES = (torch.float8_e4m3fn,)
+FP8_FAMILY = "fp8_mlp"  # the programs kernels/fp8.py builds: their configs are FP8's
 _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # A cos/sin table wraps every head_dim columns, so a tile must hold whole heads or a
@@ -250,15 +251,37 @@ def _row_rstd_kernel(partials_shape, dtype=torch.float32):
     return final._compile_rms_final_reduce(torch2cute_dtype_map[dtype], partials_shape[-1])
 
 
-def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1):
-    """QuACK's GemmConfig of a planned launch. ``split_k`` > 1 splits the contraction over
+def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1,
+                pingpong: bool = True):
+    """QuACK's GemmConfig of a planned launch (``pingpong``: one warp group per tile, two
+    tiles in flight; False: two warp groups share one tile). ``split_k`` > 1 splits the contraction over
     that many CTAs per output tile, SERIAL: the splits add their float32 partials in split
     order and only the last runs the epilogue, on the whole sum (QuACK's stream-K fixup:
     any epilogue, reductions included, sees exactly the unsplit accumulator, and the order
     is fixed, so the result is deterministic)."""
     from quack.gemm_config import GemmConfig
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=True, cluster_m=cluster_m,
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
                       cluster_n=1, is_dynamic_persistent=False, split_k=split_k)
+
+
+# e4m3 GEMMs (kernels/fp8.py). QuACK's SM90 FP8 mainloop adds each K tile's products into
+# a second float32 accumulator (its fp8_slow_accum: Hopper's FP8 tensor cores keep ~14
+# bits while accumulating), which doubles the accumulator's registers: a ping-pong tile
+# (one warp group) wider than 128 x 64 spills them. Large problems take cooperative
+# tiles (two warp groups share a tile: half the accumulator each); measured on the H200
+# (BENCHMARKS.md, eighteenth session): FP8_LARGE.
+FP8_ROW_CLASSES = (
+    (64, (64, 128, 1, 1, True)),
+    (256, (128, 64, 1, 1, True)),
+)
+FP8_LARGE = (128, 128, 2, 1, False)
+
+
+def _fp8_config(m: int):
+    for rows, tiles in FP8_ROW_CLASSES:
+        if m <= rows:
+            return tile_config(*tiles)
+    return tile_config(*FP8_LARGE)
 
 
 # Tile configs by problem size, decided once per (rows, columns) class from the sweep of
@@ -283,6 +306,8 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
     default): the row class's (ROW_CLASSES). A cos/sin table wraps every head_dim
     columns, so table programs keep a tile width of 64 or TABLE_TILE_N (the contract
     checks head_dim against both)."""
+    if prog.family == FP8_FAMILY:
+        return _fp8_config(m)
     table = any(o.kind == Kind.COS_SIN for o in prog.operands)
     groups = _group_widths(prog)
     row_class = _row_class(m, n)
@@ -320,6 +345,8 @@ def _holding(groups: set[int], tile_n: int) -> int:
 def configs_of(prog: EpilogueProgram) -> list:
     """Every config config_for can give ``prog``, at any problem size (one row count and
     one width at each class bound and one past the last): what AOT compiles."""
+    if prog.family == FP8_FAMILY:
+        return list(dict.fromkeys(_fp8_config(m) for m in (1, 256, 4096)))
     rows = sorted({r for r, _, _ in ROW_CLASSES})
     widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None})
     out = []
@@ -335,7 +362,8 @@ def config_name(cfg) -> str:
     if cfg is None:
         return "QuACK's default config (128 x 192 tiles, cluster 2)"
     return f"{cfg.tile_m} x {cfg.tile_n} tiles, cluster {cfg.cluster_m}" + (
-        f", split-K {cfg.split_k}" if cfg.split_k > 1 else "")
+        f", split-K {cfg.split_k}" if cfg.split_k > 1 else "") + (
+        "" if cfg.pingpong else ", cooperative")
 
 
 def row_class_lines() -> list[str]:
