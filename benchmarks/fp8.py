@@ -21,12 +21,11 @@ import sys
 import torch
 
 from common import bench_rounds, env_line, kernel_split, kernel_top, write_csv
+from layer_and_step import layer_8b
 
 import coda_rewrite
 from coda_rewrite.kernels import ops
-from coda_rewrite.models import Block, LlamaArgs, rope_table
 
-bf = torch.bfloat16
 MLP = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
 
@@ -49,11 +48,7 @@ def coda(block, **options):
 
 def main():
     print(env_line(), flush=True)
-    a = LlamaArgs(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=4096)
-    torch.manual_seed(0)
-    block = Block(a).cuda().to(bf)
-    x = torch.randn(2, 4096, 4096, device="cuda", dtype=bf)
-    freqs = rope_table(128, 4096, 10000.0).cuda()
+    block, x, freqs = layer_8b()
     variants = {"eager": block, "torch.compile": torch.compile(block),
                 'coda bf16': coda(block), 'coda fp8': coda(block, fp8=True)}
     for only_mlp, name in ((True, "torchao rowwise (MLP)"), (False, "torchao rowwise (all)")):

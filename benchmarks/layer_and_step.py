@@ -38,12 +38,18 @@ def peak_mib(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
-def layer():
+def layer_8b():
+    """(block, x, freqs): the Llama-3-8B-shaped decoder layer (bf16, seed 0) on 2 x 4096
+    tokens, as every layer figure measures it (here and benchmarks/fp8.py)."""
     a = LlamaArgs(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=4096)
     torch.manual_seed(0)
     block = Block(a).cuda().to(bf)
     x = torch.randn(2, 4096, 4096, device="cuda", dtype=bf)
-    freqs = rope_table(128, 4096, 10000.0).cuda()
+    return block, x, rope_table(128, 4096, 10000.0).cuda()
+
+
+def layer():
+    block, x, freqs = layer_8b()
     variants = {"eager": block, "torch.compile": torch.compile(block),
                 "optimize()": coda_rewrite.optimize(block),
                 'backend="coda"': torch.compile(block, backend="coda"),

@@ -73,10 +73,11 @@ class Options:
     # the gated MLP only with its backward epilogue: with False it is left in training
     # graphs unless fuse_in_training=True.)
     backward_epilogues: bool = True
-    # FP8 (e4m3) for the gated MLP after an RMSNorm, in inference graphs (patterns/fp8_mlp.py,
-    # kernels/fp8.py): weights e4m3 per output row (kept between calls by their version
-    # counters: one more copy, half the bf16 size), the input and the gated product scaled
-    # by bounds known before the kernels run (no amax pass). Numerics: README, "FP8".
+    # FP8 (e4m3) for the gated MLP after an RMSNorm, in inference graphs
+    # (patterns/fp8_mlp.py, codegen/fp8.py, kernels/fp8.py): weights e4m3 per output row
+    # (kept between calls by their version counters: one more copy, half the bf16 size),
+    # the input and the gated product scaled by bounds known before the kernels run (no
+    # amax pass). Numerics: README, "FP8".
     # Training graphs and MLPs it cannot take run the bf16 rewrites; the report says why.
     fp8: bool = False
 

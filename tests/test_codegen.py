@@ -423,7 +423,7 @@ def _model_programs() -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("quack") is None,
                     reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
-    from coda_rewrite.kernels import fp8  # the FP8 MLP's two GEMMs, e4m3 operands
+    from coda_rewrite.codegen import fp8  # the FP8 MLP's two GEMMs, e4m3 operands
     texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL] + \
         [fp8.gate_up_program("swiglu").to_text(), fp8.down_program(torch.bfloat16).to_text()] + \
         [p.to_text() for p in qk_norm_programs()] + \

@@ -30,13 +30,13 @@ import torch
 from ..capture import describe
 from ..codegen import reference
 from ..graph_utils import updated_between
-from ..kernels import fp8 as fp8_kernels
+from ..codegen import fp8 as fp8_math
 from ..numerics import rel_err
 from . import gated, statements
 from .decision import Decision, Proof, Rejection, Why
 from .witness import eval_nodes, guarded, verdict
 
-BOUNDED = (*fp8_kernels.BOUNDED_ACTIVATIONS, "swiglu_clamp")
+BOUNDED = (*fp8_math.BOUNDED_ACTIVATIONS, "swiglu_clamp")
 # the replay's bar against torchao's row-wise recipe (README, "FP8")
 VS_ROWWISE, FLOOR = 1.5, 0.01
 
@@ -86,8 +86,8 @@ def decide(m, gate_up, down) -> Decision:
 def rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """torchao's float8 row-wise recipe for x·wᵀ, emulated: x's rows and w's rows each
     scaled by their own amax to ±448, rounded to e4m3, multiplied, scaled back."""
-    qx, sx = fp8_kernels.quantize_rows(x)
-    qw, sw = fp8_kernels.quantize_rows(w)
+    qx, sx = fp8_math.quantize_rows(x)
+    qw, sw = fp8_math.quantize_rows(w)
     return (qx.double() @ qw.double().T) * sx.double()[:, None] * sw.double()[None, :]
 
 
@@ -129,14 +129,14 @@ def _replay(m, gate_up, down) -> str | Rejection:
     ref = env[m.down.linear].reshape(rows, h)
 
     raw_gamma = env[norm.weight] if norm.weight is not None else None
-    w_int, ws_int, w_d, ws_d = fp8_kernels.mlp_weights(wg, wu, wd, raw_gamma,
+    w_int, ws_int, w_d, ws_d = fp8_math.mlp_weights(wg, wu, wd, raw_gamma,
                                                        norm.weight_offset, k)
-    q = fp8_kernels.quantize_normalized(z, eps, k)
+    q = fp8_math.quantize_normalized(z, eps, k)
     (act,) = reference.run_program(gate_up, q, w_int, [ws_int])
-    if act.float().abs().max() > fp8_kernels.E4M3_MAX:
+    if act.float().abs().max() > fp8_math.E4M3_MAX:
         return Rejection("checker bug: a scaled gated product left e4m3's range (the bound "
                          "does not hold)", m.path)
-    (out,) = reference.run_program(down, fp8_kernels.saturate(act), w_d, [ws_d])
+    (out,) = reference.run_program(down, fp8_math.saturate(act), w_d, [ws_d])
     err = rel_err(out, ref)
 
     nrm = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)

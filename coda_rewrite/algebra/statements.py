@@ -1132,7 +1132,7 @@ def prove_token_routing() -> Proof:
 
 @functools.cache
 def prove_fp8_gated_mlp() -> Proof:
-    """The FP8 gated MLP's scales (kernels/fp8.py): where they go is exact algebra; that
+    """The FP8 gated MLP's scales (codegen/fp8.py): where they go is exact algebra; that
     no scaled value leaves e4m3's range is a bound, proved here from three facts."""
     Q, Wq, s, c = (sp.IndexedBase(n) for n in ("Q", "Wq", "s", "c"))
     S = sp.Symbol("S", positive=True)
@@ -1172,7 +1172,7 @@ def prove_fp8_gated_mlp() -> Proof:
         _require(GATE_ACTIVATIONS[name][0](x) - x * h, f"{name} = x·h(x)")
 
     def num(seed):
-        from ..kernels import fp8
+        from ..codegen import fp8
         mm, kk, nn = _shape(seed, (2, 9), (16, 64), (2, 9))
         g = _gen(seed)
         z = torch.randn(mm, kk, generator=g, dtype=torch.float64)

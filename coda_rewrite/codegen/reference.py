@@ -21,7 +21,7 @@ from .program import ACC, EpilogueProgram, Kind
 _DTYPES = STORAGE_DTYPES
 
 
-# GEMM operand dtypes the kernels accumulate in float32 (e4m3: kernels/fp8.py; products of
+# GEMM operand dtypes the kernels accumulate in float32 (e4m3: codegen/fp8.py; products of
 # two e4m3 values are exact in float32)
 LOW_PRECISION = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 

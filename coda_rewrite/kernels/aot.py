@@ -61,7 +61,7 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     ks, module = load(text)
     prog = parse(text)
     dt = dtype_from_name(dtype)
-    # the FP8 MLP's GEMMs take e4m3 operands (kernels/fp8.py), the rest the model's dtype
+    # the FP8 MLP's GEMMs take e4m3 operands (codegen/fp8.py), the rest the model's dtype
     gemm_dt = torch.float8_e4m3fn if prog.family == FP8_FAMILY else dt
     a = torch.randn(m, k).to(gemm_dt)
     b = torch.randn(n, k).to(gemm_dt)

@@ -33,7 +33,7 @@ import torch
 
 from ..codegen.program import EpilogueProgram, Kind
 from ..codegen.quack_source import GENERATOR_VERSION, KernelSource, Unlowerable, generate
-from ..codegen import reference
+from ..codegen import fp8, reference
 
 log = logging.getLogger("coda_rewrite.kernels")
 
@@ -41,10 +41,10 @@ log = logging.getLogger("coda_rewrite.kernels")
 # GEMMs, which join this set once measured there.
 SUPPORTED_ARCH_MAJOR = (9,)
 _GEMM_DTYPES = (torch.bfloat16, torch.float16)
-# e4m3 x e4m3 (kernels/fp8.py): QuACK's SM90 GEMM takes 8-bit operands K-major only, which
+# e4m3 x e4m3 (codegen/fp8.py): QuACK's SM90 GEMM takes 8-bit operands K-major only, which
 # nn.Linear's [N, K] weight and a row-major activation are
 _FP8_GEMM_DTYPES = (torch.float8_e4m3fn,)
-FP8_FAMILY = "fp8_mlp"  # the programs kernels/fp8.py builds: their configs are FP8's
+FP8_FAMILY = fp8.FAMILY  # the programs codegen/fp8.py builds: their configs are FP8's
 _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # A cos/sin table wraps every head_dim columns, so a tile must hold whole heads or a
@@ -254,8 +254,8 @@ def _row_rstd_kernel(partials_shape, dtype=torch.float32):
 def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1,
                 pingpong: bool = True):
     """QuACK's GemmConfig of a planned launch (``pingpong``: one warp group per tile, two
-    tiles in flight; False: two warp groups share one tile). ``split_k`` > 1 splits the contraction over
-    that many CTAs per output tile, SERIAL: the splits add their float32 partials in split
+    tiles in flight; False: two warp groups share one tile). ``split_k`` > 1 splits the
+    contraction over that many CTAs per output tile, SERIAL: the splits add their float32 partials in split
     order and only the last runs the epilogue, on the whole sum (QuACK's stream-K fixup:
     any epilogue, reductions included, sees exactly the unsplit accumulator, and the order
     is fixed, so the result is deterministic)."""
@@ -264,7 +264,7 @@ def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1,
                       cluster_n=1, is_dynamic_persistent=False, split_k=split_k)
 
 
-# e4m3 GEMMs (kernels/fp8.py). QuACK's SM90 FP8 mainloop adds each K tile's products into
+# e4m3 GEMMs (codegen/fp8.py). QuACK's SM90 FP8 mainloop adds each K tile's products into
 # a second float32 accumulator (its fp8_slow_accum: Hopper's FP8 tensor cores keep ~14
 # bits while accumulating), which doubles the accumulator's registers: a ping-pong tile
 # (one warp group) wider than 128 x 64 spills them. Large problems take cooperative

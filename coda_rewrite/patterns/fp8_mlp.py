@@ -8,7 +8,7 @@ becomes
     p   = coda::fp8_gate_up(q; W_g, W_u, W_d, γ)        e4m3 GEMM, act(g)·u·c in bf16
     out = coda::fp8_down(e4m3(p); W_g, W_u, W_d, γ)    e4m3 GEMM (kernels/fp8.py)
 
-with every scale known before the kernel that needs it (kernels/fp8.py says how and why:
+with every scale known before the kernel that needs it (codegen/fp8.py says how and why:
 the norm bounds the input's range, Cauchy–Schwarz the product's). This family runs before
 the bf16 ones, only when ``options.fp8`` is set; an MLP it leaves (a training graph, an
 input that is not a norm's output, a bias) goes on to them in bf16, and the report says
@@ -27,7 +27,8 @@ from ..algebra.decision import Rejection, Why
 from ..canonical import meta
 from ..capture import describe, model_path
 from ..graph_utils import copy_meta, erase_if_dead
-from ..kernels import fp8
+from ..codegen import fp8
+from ..kernels import fp8 as fp8_ops
 from ..rmsnorm_idiom import RmsNorm, find_rms_norms
 from . import gated_mlp
 from .family import Context, Decided
@@ -114,9 +115,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                *([] if norm.weight is None else [norm.weight])]
     how = (g.packed, norm.weight is not None, float(norm.weight_offset), int(norm.dim))
     with graph.inserting_before(down.linear):
-        act = graph.call_function(fp8.fp8_gate_up, (plan.gate_up.to_text(), q, sources, *how))
+        act = graph.call_function(fp8_ops.fp8_gate_up, (plan.gate_up.to_text(), q, sources, *how))
         a8 = graph.call_function(fp8.saturate, (act,))
-        call = graph.call_function(fp8.fp8_down, (plan.down.to_text(), a8, sources, *how))
+        call = graph.call_function(fp8_ops.fp8_down, (plan.down.to_text(), a8, sources, *how))
     copy_meta(call, down.linear)
     down.linear.replace_all_uses_with(call)
     erase_if_dead(graph, [down.linear, *down.between, g.mul, g.act, *g.intermediates,

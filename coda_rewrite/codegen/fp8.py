@@ -1,0 +1,135 @@
+"""FP8 (e4m3) for a gated MLP after an RMSNorm, with every activation scale known before
+the kernel that writes the activation runs.
+
+Dynamic row-wise scaling (torchao's float8 "rowwise" recipe) needs each row's amax before
+the row is written in FP8: a pass over the bf16 activation before every FP8 GEMM. Here
+the scales come from bounds that hold for every input, so no amax is ever taken:
+
+* The GEMMs' input is a normalised row n = z·rsqrt(mean(z²) + eps), and |n_k| ≤ √N
+  for every row (N the normalised width; algebra/fp8.py proves it). It is written as
+  q = e4m3(n·S_in) with one static S_in = 448/√N, by the graph ops that compute the norm
+  (Inductor fuses them into the norm's one kernel). The norm's γ is folded into the
+  gate/up weights (W·diag(γ)) before they are quantised.
+* Weights: e4m3 per output row, scale = the row's amax / 448, computed from the live
+  parameters and kept between calls by their version counters (kernels/versioned.py),
+  like the re-laid-out weights of cache_relayouts.
+* The gated product act(g)·u, the down projection's input, is bounded per column j by
+  Cauchy–Schwarz: |g_ij| ≤ ‖x̂_i‖·‖ŵg_j‖, |u_ij| ≤ ‖x̂_i‖·‖ŵu_j‖, |act(g)| ≤ |g| for
+  SiLU and both GELUs, and ‖x̂_i‖ ≤ √N·(1 + 2⁻³) for the quantised normalised row; so
+  |act(g)·u| ≤ B_j = N·(1 + 2⁻³)²·‖ŵg_j‖·‖ŵu_j‖. The factor c_j = 448/B_j rides the up
+  lane's dequantisation scale (act(g)·(c·u) = c·act(g)·u) and 1/c_j is folded into the
+  down projection's column j before its rows are quantised: nothing is scaled at run
+  time but in the GEMMs' epilogues.
+
+The gate/up GEMM (e4m3 × e4m3, interleaved rows) runs the program
+``act(acc·ws[j])`` and stores the product in bf16; QuACK 0.6.5's SM90 gated store is
+16-bit only (its fp8 postact store is SM100/SM120), so one elementwise pass (graph ops:
+Inductor fuses the clamp and the cast) turns it into e4m3, saturating: values are within
+±448 by the bound, and the GEMMs' own float32 rounding can only be clipped. The down
+GEMM (e4m3 × e4m3) runs ``acc·ws[h]``.
+
+Numerics: e4m3 keeps 3 mantissa bits (a relative rounding of 2⁻⁴) over 2⁻⁶..448, with
+subnormals to 2⁻⁹. A bound looser than the row's amax moves values down that range, not
+off it: only values below 2⁻⁶ of the bound's 448 lose relative precision, and their
+absolute error (≤ 2⁻¹⁰ in scaled units) is below the rounding error of the row's larger
+values. tests/test_fp8.py and the witness (algebra/fp8.py) compare against float64 and
+against torchao's row-wise recipe on the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import layouts
+from .program import ACC, EpilogueProgram, Kind, ProgramBuilder
+
+# the programs' family tag: their GEMMs take e4m3 operands (kernels/quack_path.py picks
+# FP8 tile configs by it, kernels/aot.py compiles them with e4m3 operands)
+FAMILY = "fp8_mlp"
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# ‖x̂_i‖ ≤ √N·(1 + MARGIN) for a quantised normalised row: e4m3's relative rounding (2⁻⁴)
+# plus its subnormal step below 2⁻⁶ (≤ N·2⁻¹⁰/448 in units of √N, < 2⁻¹⁰ for N ≤ 2¹⁹)
+MARGIN = 2.0 ** -3
+# the pair ops whose activation satisfies |act(g)| ≤ |g| (act(g) = g·h(g), 0 ≤ h ≤ 1)
+BOUNDED_ACTIVATIONS = ("swiglu", "geglu", "geglu_erf")
+
+
+def input_scale(width: int) -> float:
+    """S_in: a normalised row of ``width`` features times S_in stays within ±448."""
+    return E4M3_MAX / math.sqrt(width)
+
+
+def saturate(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 with the kernel's rounding (round to nearest even, saturating at ±448: the
+    PTX conversion's .satfinite; torch's plain cast would turn |x| > 448 into NaN)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_normalized(z: torch.Tensor, eps, width: int) -> torch.Tensor:
+    """e4m3(n·S_in), n = z·rsqrt(mean(z², last dim) + eps) in float32: the RMSNorm's
+    normalised row without its γ (folded into the weights), in the GEMM's FP8 input."""
+    zf = z.float()
+    n = zf * torch.rsqrt(zf.pow(2).mean(-1, keepdim=True) + eps)
+    return saturate(n * input_scale(width))
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 dequantisation scale per row): w[j] ≈ q[j]·s[j], with
+    s[j] = amax_j/448 (1 for a zero row, whose values are exactly 0)."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return saturate(wf / s[:, None]), s
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s[:, None]
+
+
+def activation_bounds(qg, sg, qu, su, width: int) -> torch.Tensor:
+    """B_j ≥ |act(g_ij)·u_ij| for every normalised input row (the module docstring)."""
+    ng = dequantize(qg, sg).norm(dim=-1)
+    nu = dequantize(qu, su).norm(dim=-1)
+    return width * (1 + MARGIN) ** 2 * ng * nu
+
+
+def mlp_weights(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                gamma: torch.Tensor | None, gamma_offset: float, width: int):
+    """(W_int e4m3 [2I, N], ws_int float32 [2I], W_down e4m3 [H, I], ws_down float32 [H])
+    from the live parameters: γ folded, rows quantised, the activation bound's factor on
+    the up lane's scale and its inverse on the down projection's columns."""
+    with torch.no_grad():
+        scale = None if gamma is None else gamma.float() + gamma_offset
+        wg, wu = gate.float(), up.float()
+        if scale is not None:
+            wg, wu = wg * scale, wu * scale
+        qg, sg = quantize_rows(wg)
+        qu, su = quantize_rows(wu)
+        bound = activation_bounds(qg, sg, qu, su, width)
+        c = torch.where(bound > 0, E4M3_MAX / bound, torch.ones_like(bound))
+        s_in = input_scale(width)
+        w_int = layouts.interleave_rows(qg.view(torch.uint8), qu.view(torch.uint8)).view(E4M3)
+        ws_int = layouts.interleave_rows(sg / s_in, su * c / s_in)
+        qd, sd = quantize_rows(down.float() / c)
+        return w_int.contiguous(), ws_int.contiguous(), qd, sd
+
+
+# ---- the two programs ----------------------------------------------------------------
+
+def gate_up_program(op: str, params: tuple[float, ...] = ()) -> EpilogueProgram:
+    """act(acc·ws[j]) over the interleaved e4m3 gate/up GEMM, stored in bf16."""
+    p = ProgramBuilder(f"fp8_{op}", gemm=True, family=FAMILY)
+    y = p.mul(ACC, p.operand("ws", Kind.PER_FEATURE), name="y")
+    p.output(p.emit(op, y, *params, name="act"), Kind.PAIR, "bfloat16")
+    return p.build()
+
+
+def down_program(dtype: torch.dtype) -> EpilogueProgram:
+    """acc·ws[h] over the e4m3 down GEMM, stored in the model's dtype."""
+    p = ProgramBuilder("fp8_scaled", gemm=True, family=FAMILY)
+    y = p.mul(ACC, p.operand("ws", Kind.PER_FEATURE), name="y")
+    p.output(y, Kind.TILE, str(dtype).removeprefix("torch."))
+    return p.build()
