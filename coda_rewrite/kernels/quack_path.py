@@ -255,10 +255,10 @@ def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1,
                 pingpong: bool = True):
     """QuACK's GemmConfig of a planned launch (``pingpong``: one warp group per tile, two
     tiles in flight; False: two warp groups share one tile). ``split_k`` > 1 splits the
-    contraction over that many CTAs per output tile, SERIAL: the splits add their float32 partials in split
-    order and only the last runs the epilogue, on the whole sum (QuACK's stream-K fixup:
-    any epilogue, reductions included, sees exactly the unsplit accumulator, and the order
-    is fixed, so the result is deterministic)."""
+    contraction over that many CTAs per output tile, SERIAL: the splits add their float32
+    partials in split order and only the last runs the epilogue, on the whole sum (QuACK's
+    stream-K fixup: any epilogue, reductions included, sees exactly the unsplit
+    accumulator, and the order is fixed, so the result is deterministic)."""
     from quack.gemm_config import GemmConfig
     return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
                       cluster_n=1, is_dynamic_persistent=False, split_k=split_k)
@@ -267,9 +267,11 @@ def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1,
 # e4m3 GEMMs (codegen/fp8.py). QuACK's SM90 FP8 mainloop adds each K tile's products into
 # a second float32 accumulator (its fp8_slow_accum: Hopper's FP8 tensor cores keep ~14
 # bits while accumulating), which doubles the accumulator's registers: a ping-pong tile
-# (one warp group) wider than 128 x 64 spills them. Large problems take cooperative
-# tiles (two warp groups share a tile: half the accumulator each); measured on the H200
-# (BENCHMARKS.md, eighteenth session): FP8_LARGE.
+# (one warp group) wider than 128 x 64 needs more than the 240 a thread gets (measured on
+# the H200 at 128 x 192, QuACK's default: ~10x a bf16 GEMM's time; BENCHMARKS.md,
+# eighteenth session). Large problems take cooperative tiles (two warp groups share a
+# tile: half the accumulator each), chosen by that register count: their speed is not
+# measured yet.
 FP8_ROW_CLASSES = (
     (64, (64, 128, 1, 1, True)),
     (256, (128, 64, 1, 1, True)),

@@ -81,9 +81,10 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
 
 def describe_match(m: Match) -> dict:
     g = m.gated
+    gate_up = [describe(g.gate.out)] if g.packed else [describe(g.gate.out),
+                                                        describe(g.up.out)]
     return {"producer": describe(m.norm.output),
-            "consumers": [describe(g.gate.out)] if g.packed else
-            [describe(g.gate.out), describe(g.up.out), describe(m.down.linear)]}
+            "consumers": [*gate_up, describe(m.down.linear)]}
 
 
 @dataclasses.dataclass(frozen=True)
