@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 
 from ..capture import describe
+from ..codegen import fp8 as fp8_math
 from ..codegen import reference
 from ..graph_utils import updated_between
-from ..codegen import fp8 as fp8_math
 from ..numerics import rel_err
 from . import gated, statements
-from .decision import Decision, Proof, Rejection, Why
+from .decision import Decision, Proof, Rejection, RejectionKind, Why
 from .witness import eval_nodes, guarded, verdict
 
 BOUNDED = (*fp8_math.BOUNDED_ACTIVATIONS, "swiglu_clamp")
@@ -135,7 +135,8 @@ def _replay(m, gate_up, down) -> str | Rejection:
     (act,) = reference.run_program(gate_up, q, w_int, [ws_int])
     if act.float().abs().max() > fp8_math.E4M3_MAX:
         return Rejection("checker bug: a scaled gated product left e4m3's range (the bound "
-                         "does not hold)", m.path)
+                         "does not hold); the rewrite is not applied", m.path,
+                         RejectionKind.WITNESS_DISAGREES, "witness.disagrees")
     (out,) = reference.run_program(down, fp8_math.saturate(act), w_d, [ws_d])
     err = rel_err(out, ref)
 
