@@ -70,7 +70,8 @@ def _intermediate(sources, packed: bool) -> int:
 
 
 def _fake_gate_up(program, q, sources, packed, has_gamma, gamma_offset, width):
-    return q.new_empty((*q.shape[:-1], _intermediate(sources, packed)), dtype=torch.bfloat16)
+    return q.new_empty((*q.shape[:-1], _intermediate(sources, packed)),
+                       dtype=_out_dtype(program))
 
 
 def _fake_down(program, a, sources, packed, has_gamma, gamma_offset, width):
