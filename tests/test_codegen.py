@@ -573,6 +573,32 @@ def test_tile_config_by_row_class():
         (64, 128, 1), (128, 64, 1), (128, 128, 2)]
 
 
+def test_fp8_programs_take_their_own_tile_configs():
+    """e4m3 GEMMs (QuACK's SM90 mainloop keeps a second float32 accumulator) take tiles
+    whose doubled accumulator fits a thread's registers: 64 x 128 up to 64 rows, 128 x 64
+    ping-pong up to 256 rows of a narrow output, cooperative 128 x 128 below 4096 rows and
+    128 x 192 above; none accumulates fast."""
+    from coda_rewrite.codegen import fp8
+    from coda_rewrite.kernels.quack_path import config_for, configs_of, fast_accum
+    down, gate_up = fp8.down_program(torch.bfloat16), fp8.gate_up_program("swiglu")
+
+    def tile(prog, m, n):
+        c = config_for(prog, m, n)
+        return (c.tile_m, c.tile_n, c.cluster_m, c.pingpong)
+    assert tile(down, 1, 4096) == (64, 128, 1, True)
+    assert tile(gate_up, 64, 28672) == (64, 128, 1, True)
+    assert tile(down, 256, 4096) == (128, 64, 2, True)
+    assert tile(gate_up, 256, 28672) == (128, 128, 2, False)
+    assert tile(down, 4095, 4096) == (128, 128, 2, False)
+    assert tile(gate_up, 8192, 28672) == (128, 192, 2, False)
+    every = configs_of(down)
+    assert [(c.tile_m, c.tile_n, c.pingpong) for c in every] == [
+        (64, 128, True), (128, 64, True), (128, 128, False), (128, 192, False)]
+    assert not any(fast_accum(c) for c in every)
+    for c in every:  # the accumulator registers per thread, doubled by the second one
+        assert 2 * c.tile_m * c.tile_n // (128 if c.pingpong else 256) <= 192
+
+
 def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):
     """The report's runtime lines say which tile config each kernel launched with, at
     which problem sizes (a launch is a GPU object: built here without a plan)."""
@@ -716,3 +742,48 @@ def test_a_reference_run_on_a_cuda_device_warns():
     assert "probe_kernel" in str(seen[0].message) and "a reason" in str(seen[0].message)
     assert ops.RUNTIME[("probe_kernel", "reference", "a reason")] - \
         before.get(("probe_kernel", "reference", "a reason"), 0) == 4
+
+
+_FAST_ACCUM_PLAN = """
+import torch
+from coda_rewrite.kernels import aot
+aot._prepare_env(None)
+aot._install_driver_stand_in()
+import quack.gemm_runtime.host as host
+from coda_rewrite.codegen import fp8
+from coda_rewrite.kernels.quack_path import Planned, config_name, load, tile_config
+traced = []  # fp8_slow_accum of each GEMM object as it is traced
+compile_gemm_kernel = host.compile_gemm_kernel
+def spy(*args, post_init=None, **kwargs):
+    def record(gemm):
+        if post_init is not None:
+            post_init(gemm)
+        traced.append(gemm.fp8_slow_accum)
+    return compile_gemm_kernel(*args, post_init=record, **kwargs)
+host.compile_gemm_kernel = spy
+ks, module = load(fp8.down_program(torch.bfloat16).to_text())
+m, n, k = 256, 256, 512
+e4 = torch.float8_e4m3fn
+a, b = torch.randn(m, k).to(e4), torch.randn(n, k).to(e4)
+out = {{name: torch.empty(m, n, dtype=torch.bfloat16) for _, name in ks.contract.tile_outputs}}
+ws = {{b.param: torch.rand(n) for b in ks.contract.operands}}
+cfg = tile_config(128, 128, 1, pingpong=False, fp8_fast_accum={fast})
+p = Planned(module.epilogue, a, b.t(), None, out, ws, cfg)
+print(config_name(cfg), p.epi_plan is None, traced)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is None,
+                    reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_fp8_fast_accumulation_config_reaches_the_compiled_gemm(tmp_path, fast):
+    """A config with fast FP8 accumulation is planned through mod.gemm with QuACK's
+    fp8_slow_accum switched off before the trace (EpiMod.plan takes no post-init
+    attribute) and compiles for sm_90a; the plain config keeps the second accumulator."""
+    env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path / "cache"),
+           "CODA_KERNEL_DIR": str(tmp_path / "kernels"), "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", _FAST_ACCUM_PLAN.format(fast=fast)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name = "128 x 128 tiles, cluster 1, cooperative" + (", fast FP8 accumulation" * fast)
+    assert out.stdout.split("\n")[-2] == f"{name} {fast} [{not fast}]", out.stdout

@@ -252,36 +252,71 @@ def _row_rstd_kernel(partials_shape, dtype=torch.float32):
 
 
 def tile_config(tile_m: int, tile_n: int, cluster_m: int, split_k: int = 1,
-                pingpong: bool = True):
+                pingpong: bool = True, fp8_fast_accum: bool = False):
     """QuACK's GemmConfig of a planned launch (``pingpong``: one warp group per tile, two
     tiles in flight; False: two warp groups share one tile). ``split_k`` > 1 splits the
     contraction over that many CTAs per output tile, SERIAL: the splits add their float32
     partials in split order and only the last runs the epilogue, on the whole sum (QuACK's
     stream-K fixup: any epilogue, reductions included, sees exactly the unsplit
     accumulator, and the order is fixed, so the result is deterministic)."""
+    cls = _fp8_fast_accum_config() if fp8_fast_accum else _gemm_config()
+    return cls(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
+               cluster_n=1, is_dynamic_persistent=False, split_k=split_k)
+
+
+def _gemm_config():
     from quack.gemm_config import GemmConfig
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
-                      cluster_n=1, is_dynamic_persistent=False, split_k=split_k)
+    return GemmConfig
+
+
+_FAST_ACCUM = []
+
+
+def _fp8_fast_accum_config():
+    """GemmConfig of an e4m3 GEMM that accumulates in the tensor cores' own accumulator
+    (what cuBLAS's use_fast_accum and torchao's float8 inference do): QuACK's SM90 FP8
+    mainloop otherwise adds each K tile into a second float32 accumulator (its
+    fp8_slow_accum), which doubles the accumulator registers. QuACK's GemmConfig has no
+    field for it; EpiMod.gemm takes it as a post-init attribute (Planned)."""
+    if not _FAST_ACCUM:
+        from dataclasses import dataclass
+
+        @dataclass(frozen=True)
+        class Fp8FastAccumConfig(_gemm_config()):
+            fp8_fast_accum: bool = True
+        _FAST_ACCUM.append(Fp8FastAccumConfig)
+    return _FAST_ACCUM[0]
+
+
+def fast_accum(config) -> bool:
+    return bool(getattr(config, "fp8_fast_accum", False))
 
 
 # e4m3 GEMMs (codegen/fp8.py). QuACK's SM90 FP8 mainloop adds each K tile's products into
 # a second float32 accumulator (its fp8_slow_accum: Hopper's FP8 tensor cores keep ~14
 # bits while accumulating), which doubles the accumulator's registers: a ping-pong tile
-# (one warp group) wider than 128 x 64 needs more than the 240 a thread gets (measured on
-# the H200 at 128 x 192, QuACK's default: ~10x a bf16 GEMM's time; BENCHMARKS.md,
-# eighteenth session). Large problems take cooperative tiles (two warp groups share a
-# tile: half the accumulator each), chosen by that register count: their speed is not
-# measured yet.
-FP8_ROW_CLASSES = (
-    (64, (64, 128, 1, 1, True)),
-    (256, (128, 64, 1, 1, True)),
+# (one warp group) wider than 128 x 64 spills (QuACK's default 128 x 192 ping-pong: ~10x
+# a bf16 GEMM's time). Cooperative tiles (two warp groups share a tile, half the
+# accumulator each) do not. Measured on the H200 at the 8B MLP's shapes (gate/up
+# K 4096 N 28672, down K 14336 N 4096; BENCHMARKS.md, nineteenth session), against
+# cuBLAS's row-scaled FP8 GEMM with the same precise accumulation: 8192 rows on
+# 128 x 192 cooperative 1.40 / 0.69 ms (cuBLAS 1.42 / 0.72); 1024 rows on 128 x 128
+# cooperative 0.200 / 0.094 (0.185 / 0.102); 256 rows 0.064 (128 x 128 cooperative) /
+# 0.037 (128 x 64) (0.059 / 0.043); 64 rows on 64 x 128 0.043 / 0.037 (0.049 / 0.042).
+# Fast accumulation (tile_config's fp8_fast_accum, what torchao's float8 inference
+# uses) gains 5-8% at 8192 rows and doubles the GEMM's error against float64 (K 14336:
+# 3.3e-3 vs 1.7e-3): not taken.
+FP8_ROW_CLASSES = (  # (rows at most, widest N, (tile_m, tile_n, cluster_m, split_k,
+    (64, None, (64, 128, 1, 1, True)),  # pingpong)); first match wins
+    (256, 8192, (128, 64, 2, 1, True)),
+    (4095, None, (128, 128, 2, 1, False)),
 )
-FP8_LARGE = (128, 128, 2, 1, False)
+FP8_LARGE = (128, 192, 2, 1, False)
 
 
-def _fp8_config(m: int):
-    for rows, tiles in FP8_ROW_CLASSES:
-        if m <= rows:
+def _fp8_config(m: int, n: int):
+    for rows, widest, tiles in FP8_ROW_CLASSES:
+        if m <= rows and (widest is None or n <= widest):
             return tile_config(*tiles)
     return tile_config(*FP8_LARGE)
 
@@ -309,7 +344,7 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
     columns, so table programs keep a tile width of 64 or TABLE_TILE_N (the contract
     checks head_dim against both)."""
     if prog.family == FP8_FAMILY:
-        return _fp8_config(m)
+        return _fp8_config(m, n)
     table = any(o.kind == Kind.COS_SIN for o in prog.operands)
     groups = _group_widths(prog)
     row_class = _row_class(m, n)
@@ -348,7 +383,8 @@ def configs_of(prog: EpilogueProgram) -> list:
     """Every config config_for can give ``prog``, at any problem size (one row count and
     one width at each class bound and one past the last): what AOT compiles."""
     if prog.family == FP8_FAMILY:
-        return list(dict.fromkeys(_fp8_config(m) for m in (1, 256, 4096)))
+        return list(dict.fromkeys(_fp8_config(m, n) for m in (1, 256, 4096)
+                                  for n in (8192, 8193)))
     rows = sorted({r for r, _, _ in ROW_CLASSES})
     widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None})
     out = []
@@ -365,7 +401,8 @@ def config_name(cfg) -> str:
         return "QuACK's default config (128 x 192 tiles, cluster 2)"
     return f"{cfg.tile_m} x {cfg.tile_n} tiles, cluster {cfg.cluster_m}" + (
         f", split-K {cfg.split_k}" if cfg.split_k > 1 else "") + (
-        "" if cfg.pingpong else ", cooperative")
+        "" if cfg.pingpong else ", cooperative") + (
+        ", fast FP8 accumulation" if fast_accum(cfg) else "")
 
 
 def row_class_lines() -> list[str]:
@@ -392,14 +429,15 @@ class Planned:
     the workspace uninitialised (split 0 writes it before any other split reads it). No
     row class uses split-K: on the H200 it ran 1.2–2x slower than the same tile unsplit
     at every small-M shape tried (BENCHMARKS.md, sixteenth session); benchmarks/small_m.py
-    sweeps it."""
+    sweeps it. A config with fast FP8 accumulation (tile_config) is planned the same way:
+    plan() takes no post-init attributes either."""
 
     __slots__ = ("epi_plan", "gemm", "scratch", "split_buffers", "device")
 
     def __init__(self, mod, a, b_kn, c, out: dict, operands: dict, config):
         self.device = a.device
         self.split_buffers = None
-        if config is None or config.split_k == 1:
+        if config is None or (config.split_k == 1 and not fast_accum(config)):
             self.epi_plan = mod.plan(a, b_kn, c, out=out, config=config, **operands)
             # Hopper takes B as the (k, n) view plan() saw and nothing is swapped; any
             # other plan goes through EpiPlan.run, which knows how to relabel it
@@ -410,21 +448,26 @@ class Planned:
             return
         from quack.gemm import _split_k_buffers
         from quack.gemm_config import SplitKMode
-        if _capability(a.device)[0] != 9 or config.swap_ab or out.get("D") is None:
-            raise ValueError(f"split-K {config.split_k}: planned only for Hopper's direct "
-                             "launch of a GEMM that stores D")
+        if _capability(a.device)[0] != 9 or config.swap_ab or (
+                config.split_k > 1 and out.get("D") is None):
+            raise ValueError(f"{config_name(config)}: planned only for Hopper's direct "
+                             "launch" + (" of a GEMM that stores D" if config.split_k > 1
+                                         else ""))
         epi_args = {**operands, **out}
         lead, n = tuple(a.shape[:-1]), b_kn.shape[-1]
         scratch = mod._alloc_sinks(epi_args, lead, n, config, a.device)
         self.epi_plan = None
         self.gemm = mod.gemm(
-            a, b_kn, out["D"], c, epi_args=epi_args, tile_M=config.tile_m,
+            a, b_kn, out.get("D"), c, epi_args=epi_args, tile_M=config.tile_m,
             tile_N=config.tile_n, tile_K=config.tile_k, cluster_M=config.cluster_m,
             cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True,
             is_dynamic_persistent=False, max_swizzle_size=config.max_swizzle_size,
             b_kn=True, split_k=config.split_k, split_k_mode=SplitKMode.SERIAL,
+            post_init_attrs=(("fp8_slow_accum", False),) if fast_accum(config) else (),
             _launch=False)
         self.scratch = {n: (t.shape, t.dtype) for n, t in scratch.items()}
+        if config.split_k == 1:
+            return
         sem, ws = _split_k_buffers(out["D"][None], SplitKMode.SERIAL, config.tile_m,
                                    config.tile_n, config.cluster_m, config.cluster_n, False)
         self.split_buffers = (sem.shape, ws.shape)
