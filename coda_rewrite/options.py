@@ -18,8 +18,8 @@ class Options:
     dump_dir: str | None = None
     # Patterns to apply; the others are still matched and reported as disabled.
     patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs", "dense_experts",
-                                 "batched_experts", "fp8_mlp", "residual_rmsnorm_gemm",
-                                 "gated_mlp",
+                                 "batched_experts", "fp8_mlp", "fp8_linear",
+                                 "residual_rmsnorm_gemm", "gated_mlp",
                                  "routed_experts", "scatter_back", "rope",
                                  "lm_head_cross_entropy", "layernorm_gemm")
     # Logits are written where something besides the loss reads them (a model output),
@@ -73,8 +73,9 @@ class Options:
     # the gated MLP only with its backward epilogue: with False it is left in training
     # graphs unless fuse_in_training=True.)
     backward_epilogues: bool = True
-    # FP8 (e4m3) for the gated MLP after an RMSNorm, in inference graphs
-    # (patterns/fp8_mlp.py, codegen/fp8.py, kernels/fp8.py): weights e4m3 per output row
+    # FP8 (e4m3) for the gated MLP after an RMSNorm and for the other linears that read an
+    # RMSNorm's output (q/k/v, the LM head), in inference graphs (patterns/fp8_mlp.py,
+    # patterns/fp8_linear.py, codegen/fp8.py, kernels/fp8.py): weights e4m3 per output row
     # (kept between calls by their version counters: one more copy, half the bf16 size),
     # the input and the gated product scaled by bounds known before the kernels run (no
     # amax pass). Numerics: README, "FP8".

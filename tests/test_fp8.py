@@ -30,24 +30,27 @@ from conftest import codes, hf_model, plain_llama, tokens
 bf = torch.bfloat16
 
 
-def fp8_records(report, status="rewritten"):
-    return [r for r in report.records if r.pattern == "fp8_mlp" and r.status == status]
+def fp8_records(report, status="rewritten", pattern="fp8_mlp"):
+    return [r for r in report.records if r.pattern == pattern and r.status == status]
 
 
-def rowwise_mlps(model, projections):
-    """``model`` with torchao's row-wise FP8 recipe emulated on each MLP's projections
-    (``projections(layer)``: gate, up, down): the numerics bar of README's "FP8"."""
+def rowwise_projections(model, projections):
+    """``model`` with torchao's row-wise FP8 recipe emulated on the projections FP8 takes
+    (``projections(model)``: per layer, the linears of a norm's output and the down
+    projection): the numerics bar of README's "FP8"."""
     emu = copy.deepcopy(model)
     for layer in projections(emu):
         for lin in layer:
-            lin.forward = (lambda x, lin=lin: rowwise(
+            lin.forward = (lambda x, lin=lin: (rowwise(
                 x.reshape(-1, x.shape[-1]).double(), lin.weight.double()
+            ) + (0 if lin.bias is None else lin.bias.double())
             ).reshape(*x.shape[:-1], -1).to(x.dtype))
     return emu
 
 
 def hf_projections(m):
-    return [(l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj) for l in m.model.layers]
+    return [(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.mlp.gate_proj,
+             l.mlp.up_proj, l.mlp.down_proj) for l in m.model.layers]
 
 
 # Helium: its norm multiplies γ in float32 and ends in a cast to the model dtype
@@ -61,30 +64,40 @@ def test_hf_mlps_run_in_fp8_no_worse_than_torchaos_rowwise(family):
         before = dict(ops.RUNTIME)
         fast = coda_rewrite.optimize(model, fp8=True)
         got = fast(ids).logits
-        emulated = rowwise_mlps(model, hf_projections)(ids).logits
+        emulated = rowwise_projections(model, hf_projections)(ids).logits
     assert len(fp8_records(fast.report)) == 2, str(fast.report)
+    # q/k/v (the attention norm's linears) in one e4m3 GEMM per layer
+    linears = fp8_records(fast.report, pattern="fp8_linear")
+    assert len(linears) == 2 and all(len(r.consumers) == 3 for r in linears), \
+        str(fast.report)
     ran = {k[0].split("#")[0] for k, v in ops.RUNTIME.items() if before.get(k) != v}
     op = "geglu" if family == "gemma" else "swiglu"
-    assert {f"fp8_{op}", "fp8_scaled"} <= ran, ran
+    biased = "fp8_scaled_bias" if family == "qwen2" else "fp8_scaled"
+    assert {f"fp8_{op}", "fp8_scaled", biased} <= ran, ran
     err, bar, base = rel_err(got, truth), rel_err(emulated, truth), rel_err(eager, truth)
     assert err <= 1.5 * bar, (err, bar, base)
     assert base < err  # it is FP8: were it bf16's error, the FP8 path would not have run
 
 
-def test_the_norm_family_keeps_the_attention_norm_and_the_gated_family_gets_nothing():
+def test_fp8_takes_every_norm_that_feeds_linears_and_the_bf16_families_the_rest():
+    """The MLPs and q/k/v go FP8; the final norm, whose LM head reads a slice of it (Hugging
+    Face's logits_to_keep), defers its rstd in bf16; RoPE, whose projections are no longer
+    bf16 GEMMs, rotates in graph ops and says so."""
     model = hf_model("llama", layers=2, hidden=128, dtype=bf).eval()
     report = coda_rewrite.explain(model, tokens(), fp8=True)
     assert len(fp8_records(report)) == 2
+    assert len(fp8_records(report, pattern="fp8_linear")) == 2
     assert not [r for r in report.records if r.pattern == "gated_mlp"]
-    # the attention norms and the final norm still defer their rstd (bf16)
-    assert report.count(pattern="residual_rmsnorm_gemm") == 3, str(report)
+    assert report.count(pattern="residual_rmsnorm_gemm") == 1, str(report)
+    assert codes(report, "rope") == {"rope.not_head_split"}, str(report)
     text = str(report)
     assert "448/√128" in text and "Cauchy–Schwarz" in text and "torchao row-wise" in text
+    assert "3 linear(s) stacked in one GEMM" in text
 
 
 def test_off_by_default_and_not_even_matched():
     report = coda_rewrite.explain(hf_model("llama").to(bf).eval(), tokens())
-    assert not [r for r in report.records if r.pattern == "fp8_mlp"]
+    assert not [r for r in report.records if r.pattern.startswith("fp8")]
 
 
 def test_plain_llama_under_the_backend_matches_optimize():
@@ -97,11 +110,16 @@ def test_plain_llama_under_the_backend_matches_optimize():
         a = coda_rewrite.optimize(model, fp8=True)(ids)
         b = torch.compile(model, backend=coda_rewrite.CodaBackend(
             coda_rewrite.Options(fp8=True)))(ids)
-        emulated = rowwise_mlps(model, lambda m: [
-            (l.feed_forward.w1, l.feed_forward.w3, l.feed_forward.w2) for l in m.layers])(ids)
+        emulated = rowwise_projections(model, lambda m: [
+            (l.attention.wq, l.attention.wk, l.attention.wv, l.feed_forward.w1,
+             l.feed_forward.w3, l.feed_forward.w2) for l in m.layers] + [(m.output,)])(ids)
     bar = rel_err(emulated, truth)
     assert rel_err(a, truth) <= 1.5 * bar and rel_err(b, truth) <= 1.5 * bar
-    assert rel_err(a, b) <= 0.02
+    # the same math (without Inductor, bit for bit); Inductor keeps the residual adds'
+    # values in float32 inside its kernels where eager rounds them to bf16, and an e4m3
+    # rounding moves a whole step (2⁻⁴) where its input crosses a tie: the two differ by
+    # less than either's FP8 error (measured: 2.0e-2 apart, 3.95e-2 / 3.96e-2 from float64)
+    assert rel_err(a, b) <= bar, (rel_err(a, b), bar)
 
 
 def test_packed_gate_up():
@@ -114,16 +132,19 @@ def test_packed_gate_up():
         truth = copy.deepcopy(model).double()(ids).logits
         fast = coda_rewrite.optimize(model, fp8=True)
         got = fast(ids).logits
-        emulated = rowwise_mlps(model, lambda m: [
-            (l.mlp.gate_up_proj, l.mlp.down_proj) for l in m.model.layers])(ids).logits
+        emulated = rowwise_projections(model, lambda m: [
+            (l.self_attn.qkv_proj, l.mlp.gate_up_proj, l.mlp.down_proj)
+            for l in m.model.layers])(ids).logits
     assert len(fp8_records(fast.report)) == 1, str(fast.report)
+    assert len(fp8_records(fast.report, pattern="fp8_linear")) == 1, str(fast.report)
     assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth), \
         (rel_err(got, truth), rel_err(emulated, truth))
 
 
 def test_weights_follow_the_parameters():
     """The kept FP8 weights are recomputed when a source changes in place (an optimizer
-    step, copy_): the output follows the new weights, never the kept ones."""
+    step, copy_): the output is, bit for bit, what the model optimized afresh from the new
+    weights gives (the same deterministic FP8 math), and not what it gave before."""
     model = hf_model("llama", layers=1, hidden=128, dtype=bf).eval()
     ids = tokens()
     fast = coda_rewrite.optimize(model, fp8=True)
@@ -131,14 +152,14 @@ def test_weights_follow_the_parameters():
         first = fast(ids).logits
         again = fast(ids).logits
         assert torch.equal(first, again)
-        for p in (model.model.layers[0].mlp.down_proj.weight,
-                  model.model.layers[0].post_attention_layernorm.weight):
-            old = copy.deepcopy(model).double()(ids).logits
+        layer = model.model.layers[0]
+        for p in (layer.mlp.down_proj.weight, layer.post_attention_layernorm.weight,
+                  layer.self_attn.k_proj.weight, layer.input_layernorm.weight):
+            before = fast(ids).logits
             p.mul_(3.0)
-            new = copy.deepcopy(model).double()(ids).logits
             got = fast(ids).logits
-            assert rel_err(got, new) <= 0.1 and rel_err(got, new) < rel_err(got, old) / 3, \
-                (rel_err(got, new), rel_err(got, old))
+            afresh = coda_rewrite.optimize(copy.deepcopy(model), fp8=True)(ids).logits
+            assert torch.equal(got, afresh) and not torch.equal(got, before)
 
 
 class Mlp(nn.Module):
@@ -272,3 +293,128 @@ def test_weight_quantisation_is_per_row_and_exact_for_zero_rows():
     assert (q.float().abs().amax(-1)[[0, 1, 2, 4]] == fp8.E4M3_MAX).all()
     assert (fp8.dequantize(q, s)[3] == 0).all()
     assert rel_err(fp8.dequantize(q, s), w) <= 0.05
+
+
+# ---- the linears of a normalised row (patterns/fp8_linear.py) ---------------------------
+
+class Attn(nn.Module):
+    """RMSNorm → q/k/v, with the look-alike knobs the linears' family must handle."""
+
+    def __init__(self, d=64, bias=False, reader="view", in_place=False, late_weight=False,
+                 second=False):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.q = nn.Linear(d, 64, bias=bias)
+        self.k, self.v = nn.Linear(d, 32, bias=bias), nn.Linear(d, 32, bias=False)
+        self.reader, self.in_place, self.late_weight = reader, in_place, late_weight
+        self.second = second
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.q(h)
+        if self.in_place:  # the k weight changes between q's GEMM and k's
+            self.k.weight.mul_(1.5)
+        if self.late_weight:  # computed after q's GEMM
+            k = F.linear(h, self.k.weight * 1.0, self.k.bias)
+        else:
+            k = self.k(h)
+        v = self.v(h)
+        if self.reader == "view":      # splits the last dim: reads the column range as is
+            q = q.view(b, s, 4, 16).transpose(1, 2)
+        elif self.reader == "flatten":  # merges rows: reads a contiguous copy
+            q = q.view(b * s, 64)
+        out = (q, k.float() * 2, v.abs())  # readers that take strided values
+        return (*out, h.float().sum()) if self.second else out
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(bias=True), dict(reader="flatten"),
+                                   dict(second=True)])
+def test_linears_of_a_norm_run_as_one_fp8_gemm(knobs):
+    model = Attn(**knobs).to(bf).eval()
+    x = torch.randn(2, 8, 64, dtype=bf)
+    with torch.no_grad():
+        truth = copy.deepcopy(model).double()(x.double())
+        emulated = rowwise_projections(model, lambda m: [(m.q, m.k, m.v)])(x)
+        fast = coda_rewrite.optimize(model, fp8=True)
+        got = fast(x)
+    (rec,) = fp8_records(fast.report, pattern="fp8_linear")
+    assert len(rec.consumers) == 3, str(fast.report)
+    copies = "contiguous copy of the columns of" in rec.weights
+    assert copies == (knobs.get("reader") == "flatten"), rec.weights
+    for a, t, e in zip(got, truth, emulated):
+        assert rel_err(a, t) <= 1.5 * rel_err(e, t) + 1e-3, (rel_err(a, t), rel_err(e, t))
+
+
+@pytest.mark.parametrize("knobs,code", [
+    (dict(in_place=True), "fp8.in_place"),
+    (dict(late_weight=True), "fp8.weight_order"),
+])
+def test_linear_look_alikes_are_refused_with_the_reason(knobs, code):
+    model = Attn(**knobs).to(bf).eval()
+    x = torch.randn(2, 8, 64, dtype=bf)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(x)
+        fast = coda_rewrite.optimize(model, fp8=True)
+        got = fast(x)
+    assert codes(fast.report, "fp8_linear") == {code}, str(fast.report)
+    for a, b in zip(got, want):  # the bf16 path: eager's numbers
+        assert rel_err(a, b) <= 2e-2
+
+
+def test_training_graphs_leave_the_linears_to_bf16():
+    model = Attn()
+    x = torch.randn(2, 8, 64)
+    fast = coda_rewrite.optimize(model, fp8=True)
+    q, k, v = fast(x)
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert codes(fast.report, "fp8_linear") == {"fp8.training"}, str(fast.report)
+    assert model.q.weight.grad is not None
+
+
+def test_the_linear_op_refuses_gradients():
+    w = [torch.randn(32, 16, requires_grad=True)]
+    q = fp8.saturate(torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        fp8_ops.fp8_linear(fp8.scaled_program(torch.float32).to_text(), q, w, [False], False,
+                           0.0, 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), width=st.sampled_from([64, 256]),
+       scale=st.floats(1e-3, 1e3), spike=st.floats(0, 1e4), bias=st.booleans())
+def test_linears_of_any_normalised_row_stay_in_range_and_right(seed, width, scale, spike,
+                                                               bias):
+    """Rows with their mass anywhere (one feature, a constant, zero, huge or tiny) and
+    weights with outlier rows: the quantised input is finite and within ±448 (the norm's
+    bound, so the saturating cast never clips), and each linear of the stacked FP8 GEMM is
+    within 1.5x of torchao's row-wise recipe against float64 (+1%)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(64, width, generator=g, dtype=torch.float64) * scale
+    z[0] = 0
+    z[0, 1] = spike or 1.0
+    z[1] = scale
+    z[2] = 0
+    ws = [torch.randn(n, width, generator=g, dtype=torch.float64) for n in (8, 4, 4)]
+    ws[0][0] *= 1e3  # an outlier row: its own scale
+    ws[1][1] = 0     # a zero row: exact zeros
+    b = [torch.randn(n, generator=g, dtype=torch.float64) if bias else None
+         for n in (8, 4, 4)]
+    b[2] = None      # one linear without a bias beside biased ones
+    gamma = torch.rand(width, generator=g, dtype=torch.float64) * 4 + 0.01
+    q = fp8.quantize_normalized(z, 1e-6, width)
+    n = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.isfinite(q.float()).all()
+    assert (n * fp8.input_scale(width)).abs().max() <= fp8.E4M3_MAX * (1 + 1e-12)
+    w8, scales, bb = fp8.linear_weights(ws, b, gamma, 0.0, width)
+    (out,) = reference.run_program(fp8.scaled_program(torch.float32, bias=bb is not None),
+                                   q, w8, [scales] if bb is None else [scales, bb])
+    want = torch.cat([n * gamma @ w.T + (0 if bi is None else bi) for w, bi in zip(ws, b)],
+                     dim=-1)
+    assert (out[:, 8 + 1] == (0 if b[1] is None else b[1][1].float())).all()
+    rows = rowwise(n * gamma, torch.cat(ws)) + torch.cat(
+        [torch.zeros(len(w)) if bi is None else bi for w, bi in zip(ws, b)])
+    for lo, hi in ((0, 8), (8, 12), (12, 16)):  # each linear within the policy
+        err, bar = rel_err(out[:, lo:hi], want[:, lo:hi]), rel_err(rows[:, lo:hi],
+                                                                   want[:, lo:hi])
+        assert err <= 1.5 * bar + 0.01, (lo, err, bar)

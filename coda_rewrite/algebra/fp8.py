@@ -155,3 +155,92 @@ def _pair(g, y: torch.Tensor) -> torch.Tensor:
     from ..codegen.program import Instr
     ins = Instr("p", g.op, ("y", *g.params))
     return OPS[g.op].reference([y, *g.params], ins, torch.float64)
+
+
+# ---- the linears of a normalised row (patterns/fp8_linear.py) -----------------------
+
+def linear_conditions(m) -> tuple[list[str], Why | None]:
+    """What the FP8 linears need of the matched graph: weights it can read before the
+    first of them, in a graph without gradients, and nothing it reads updated in place
+    between eager's reads and its own (it reads every weight at the first linear and the
+    norm's input right after the norm)."""
+    held = []
+    order = {n: i for i, n in enumerate(m.norm.output.graph.nodes)}
+    first = min((lin.node for lin in m.linears), key=order.get)
+    for lin in m.linears:
+        for t in (lin.weight, lin.bias):
+            if t is not None and order[t] > order[first] and t.op != "get_attr":
+                return held, Why(f"{describe(t)} is computed after {describe(first)}, where "
+                                 "the one FP8 GEMM of every linear would read it",
+                                 "fp8.weight_order")
+    held.append("every weight and bias is a module attribute, a graph input or computed "
+                "before the first linear")
+    last = max((lin.node for lin in m.linears), key=order.get)
+    read = [t for lin in m.linears for t in (lin.weight, lin.bias) if t is not None]
+    read += [m.norm.weight] if m.norm.weight is not None else []
+    moved = updated_between(read, m.norm.output, last)
+    if moved is not None:
+        return held, Why(f"{describe(moved[0])} updates {describe(moved[1])} in place where "
+                         "the FP8 GEMM reads it at another point than eager", "fp8.in_place")
+    held.append("nothing it reads is updated in place between the norm and the last linear")
+    return held, None
+
+
+def decide_linears(m, program) -> Decision:
+    held, failed = linear_conditions(m)
+    if failed:
+        return Rejection(failed, m.path)
+    proof = statements.prove_fp8_normalized_linears()
+    seen = guarded(lambda m: _replay_linears(m, program), m)
+    if isinstance(seen, Rejection):
+        return seen
+    return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
+
+
+def _replay_linears(m, program) -> str:
+    norm = m.norm
+    gen = torch.Generator().manual_seed(8209)
+    # 32 rows: FP8's error on a few values is a noisy draw, and the bar is a ratio of two
+    k, rows = norm.dim, 32
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    env: dict = {"__gen__": gen}
+    z = rand(rows, k)
+    z[0] = 0
+    z[0, 3 % k] = 5.0  # the whole row on one feature: |n_3| = √N, the input's bound
+    env[norm.input] = z
+    eps = norm.eps if isinstance(norm.eps, float) else 1e-6
+    if not isinstance(norm.eps, float):
+        env[norm.eps] = torch.tensor(eps, dtype=torch.float64)
+    gamma = rand(k).abs() + 0.5
+    if norm.weight is not None:
+        env[norm.weight] = gamma - norm.weight_offset
+    widths = [7 + 3 * i for i in range(len(m.linears))]
+    weights = [rand(w, k) for w in widths]
+    biases = [None if lin.bias is None else rand(w) for lin, w in zip(m.linears, widths)]
+    for lin, w, b in zip(m.linears, weights, biases):
+        env[lin.weight] = w
+        if b is not None:
+            env[lin.bias] = b
+    eval_nodes([n for n in norm.nodes if n not in env], env)
+    env[norm.output] = env[norm.output].double()
+    nodes = [n for lin in m.linears for n in lin.nodes]
+    eval_nodes(dict.fromkeys(n for n in nodes if n not in env), env)
+    ref = torch.cat([env[lin.node].reshape(rows, -1) for lin in m.linears], dim=-1)
+
+    w8, ws, b = fp8_math.linear_weights(weights, biases, gamma if norm.weight is not None
+                                        else None, 0.0, k)
+    q = fp8_math.quantize_normalized(z, eps, k)
+    (out,) = reference.run_program(program, q, w8, [ws] if b is None else [ws, b])
+    err = rel_err(out, ref)
+
+    nrm = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+    hh = nrm * gamma if norm.weight is not None else nrm
+    base = rowwise(hh, torch.cat(weights))
+    if b is not None:
+        base = base + b.double()
+    base = rel_err(base, ref)
+    return verdict(err, f"rows {rows}, N {k}, {len(m.linears)} linear(s) (torchao row-wise: "
+                   f"{base:.1e})", m.path, tol=VS_ROWWISE * base + FLOOR)

@@ -1211,6 +1211,53 @@ def prove_fp8_gated_mlp() -> Proof:
         _witness("FP8 gated MLP (a row and weights at the bound)", num, tol=1.0))
 
 
+def prove_fp8_normalized_linears() -> Proof:
+    """The linears of a normalised row as one e4m3 GEMM (codegen/fp8.linear_weights): the
+    scales leave the sum, and the input's static scale keeps it inside e4m3's range."""
+    Q, Wq, s, b = (sp.IndexedBase(n) for n in ("Q", "Wq", "s", "b"))
+    S = sp.Symbol("S", positive=True)
+    _require(_gemm((Q[i, k] / S) * (Wq[j, k] * s[j])) + b[j]
+             - (s[j] / S * _gemm(Q[i, k] * Wq[j, k]) + b[j]),
+             "per-row weight and static input scales out of the GEMM, the bias after")
+    zk, R = sp.symbols("z_k R", nonnegative=True)
+    eps_, N = sp.symbols("epsilon N", positive=True)
+    slack = sp.factor(sp.simplify(N - zk ** 2 / ((zk ** 2 + R) / N + eps_)))
+    _require(slack - N * (R + eps_ * N) / (zk ** 2 + R + eps_ * N), "√N bound's slack")
+    if not slack.is_nonnegative:
+        raise Unproved(f"|n_k| ≤ √N: slack {slack} not shown nonnegative")
+
+    def num(seed):
+        from ..codegen import fp8
+        mm, kk, nn = _shape(seed, (2, 9), (16, 64), (2, 9))
+        g = _gen(seed)
+        z = torch.randn(mm, kk, generator=g, dtype=torch.float64)
+        z[0] = 0
+        z[0, 0] = 1e3  # one feature carries the whole row: n_0 = √N, scaled to 448
+        w = [torch.randn(nn + i, kk, generator=g, dtype=torch.float64) for i in range(3)]
+        bias = torch.randn(nn + 1, generator=g, dtype=torch.float64)
+        q = fp8.quantize_normalized(z, 1e-6, kk)
+        if q.float().abs().max() > fp8.E4M3_MAX:
+            return float("inf")
+        w8, ws, b = fp8.linear_weights(w, [None, bias, None], None, 0.0, kk)
+        out = (q.double() @ w8.double().T) * ws.double() + b.double()
+        n = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ref = torch.cat([n @ w[0].T, n @ w[1].T + bias, n @ w[2].T], dim=-1)
+        return rel_err(out, ref) / 0.13  # e4m3: ≤ 2⁻⁴ per value, two roundings
+
+    return Proof(
+        "Σ_k x̂_ik·Ŵ[j,k] + b_j = (s_j/S)·Σ_k Q_ik·Wq_jk + b_j with x̂ = Q/S, Ŵ = Wq·diag(s), "
+        "and |n_k·S| ≤ 448 for S = 448/√N",
+        ("the linears' input is a normalised row n = z·rsqrt(mean(z²) + eps), quantised as "
+         "Q = e4m3(n·S), S = 448/√N",
+         "γ is folded into the weights before their rows are quantised (per-feature fold)",
+         "the linears' weights are stacked along their outputs: one GEMM, each output a "
+         "column range of it"),
+        ("Σ_k (Q/S)·(Wq·s_j) = (s_j/S)·Σ_k Q·Wq: the scales leave the sum (sympy)",
+         "N − n_k² = N·(R + eps·N)/(z_k² + R + eps·N) ≥ 0 with R = Σ_{l≠k} z_l², so "
+         "|n_k·S| ≤ 448 (sympy)"),
+        _witness("FP8 linears of a normalised row (a row at the bound)", num, tol=1.0))
+
+
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
@@ -1239,6 +1286,8 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("the routing's gather and sum back as each other's gradient",
              prove_token_routing()),
             ("FP8 gated MLP: scales out of the GEMMs, values within e4m3's range",
-             prove_fp8_gated_mlp())]
+             prove_fp8_gated_mlp()),
+            ("FP8 linears of a normalised row: one e4m3 GEMM, its input within range",
+             prove_fp8_normalized_linears())]
     return out
 

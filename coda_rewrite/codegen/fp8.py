@@ -117,7 +117,25 @@ def mlp_weights(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         return w_int.contiguous(), ws_int.contiguous(), qd, sd
 
 
-# ---- the two programs ----------------------------------------------------------------
+def linear_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                   gamma: torch.Tensor | None, gamma_offset: float, width: int):
+    """(W e4m3 [ΣN_i, N], ws float32 [ΣN_i], b float32 [ΣN_i] or None) for linears that
+    read one normalised row (q/k/v, a packed qkv, an LM head): their rows stacked, γ
+    folded, rows quantised; ws = s_j/S_in dequantises the GEMM of e4m3(n·S_in); a linear
+    without a bias beside biased ones adds zeros."""
+    with torch.no_grad():
+        w = torch.cat([t.float() for t in weights])
+        if gamma is not None:
+            w = w * (gamma.float() + gamma_offset)
+        q, s = quantize_rows(w)
+        b = None
+        if any(t is not None for t in biases):
+            b = torch.cat([torch.zeros(t.shape[0], device=t.device) if bias is None
+                           else bias.float() for t, bias in zip(weights, biases)])
+        return q, (s / input_scale(width)).contiguous(), b
+
+
+# ---- the programs ----------------------------------------------------------------------
 
 def gate_up_program(op: str, params: tuple[float, ...] = ()) -> EpilogueProgram:
     """act(acc·ws[j]) over the interleaved e4m3 gate/up GEMM, stored in bf16."""
@@ -127,9 +145,17 @@ def gate_up_program(op: str, params: tuple[float, ...] = ()) -> EpilogueProgram:
     return p.build()
 
 
-def down_program(dtype: torch.dtype) -> EpilogueProgram:
-    """acc·ws[h] over the e4m3 down GEMM, stored in the model's dtype."""
-    p = ProgramBuilder("fp8_scaled", gemm=True, family=FAMILY)
+def scaled_program(dtype: torch.dtype, bias: bool = False) -> EpilogueProgram:
+    """acc·ws[j] (+ b[j]) over an e4m3 GEMM, stored in the model's dtype: the down
+    projection, the linears of a normalised row."""
+    p = ProgramBuilder("fp8_scaled_bias" if bias else "fp8_scaled", gemm=True, family=FAMILY)
     y = p.mul(ACC, p.operand("ws", Kind.PER_FEATURE), name="y")
+    if bias:
+        y = p.add(y, p.operand("b", Kind.PER_FEATURE), name="yb")
     p.output(y, Kind.TILE, str(dtype).removeprefix("torch."))
     return p.build()
+
+
+def down_program(dtype: torch.dtype) -> EpilogueProgram:
+    """acc·ws[h] over the e4m3 down GEMM, stored in the model's dtype."""
+    return scaled_program(dtype)

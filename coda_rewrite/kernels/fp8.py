@@ -1,7 +1,8 @@
-"""The FP8 gated MLP's two ops (the math, the scales and the programs: codegen/fp8.py):
-its e4m3 weights computed from the live parameters and kept between calls by their
-version counters, the e4m3 gate/up GEMM and the e4m3 down GEMM, each on the generated
-kernel where the layout contract holds and the reference elsewhere (kernels/ops.py)."""
+"""The FP8 ops (the math, the scales and the programs: codegen/fp8.py): the gated MLP's
+e4m3 gate/up GEMM and e4m3 down GEMM, and the linears of a normalised row as one e4m3
+GEMM; their e4m3 weights computed from the live parameters and kept between calls by
+their version counters; each on the generated kernel where the layout contract holds and
+the reference elsewhere (kernels/ops.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..codegen import fp8
 from . import ops, versioned
 
 _ATTR = "_coda_fp8_mlp"
+_ATTR_LINEAR = "_coda_fp8_linear"
 
 
 def kept_mlp_weights(sources: list[torch.Tensor], packed: bool, has_gamma: bool,
@@ -53,6 +55,34 @@ def down(program: str, a: torch.Tensor, sources: list[torch.Tensor], packed: boo
     return out.reshape(*a.shape[:-1], out.shape[-1])
 
 
+def kept_linear_weights(sources: list[torch.Tensor], biased: list[bool], has_gamma: bool,
+                        gamma_offset: float, width: int):
+    """``linear_weights`` of (weights..., the biases of the ``biased`` ones..., [γ]), kept
+    on the first weight like kept_mlp_weights."""
+    n = len(biased)
+    weights, rest = sources[:n], sources[n:]
+    given = iter(rest[:sum(biased)])
+    biases = [next(given) if b else None for b in biased]
+
+    def fresh():
+        return fp8.linear_weights(weights, biases, rest[-1] if has_gamma else None,
+                                  gamma_offset, width)
+    out, _ = versioned.kept(sources[0], _ATTR_LINEAR, sources,
+                            (tuple(biased), gamma_offset, width), fresh)
+    return out
+
+
+def linear(program: str, q: torch.Tensor, sources: list[torch.Tensor], biased: list[bool],
+           has_gamma: bool, gamma_offset: float, width: int) -> torch.Tensor:
+    """The linears of the quantised normalised rows ``q`` [*, N], their outputs side by
+    side [*, ΣN_i] in the order of ``sources`` (the e4m3 GEMM, acc·ws (+ b))."""
+    ops.refuse_gradients("fp8_linear", *sources)
+    w, ws, b = kept_linear_weights(sources, biased, has_gamma, gamma_offset, width)
+    (out,) = ops.execute(program, q.reshape(-1, q.shape[-1]), w,
+                         [ws] if b is None else [ws, b])
+    return out.reshape(*q.shape[:-1], out.shape[-1])
+
+
 # Two ops, with the product's quantisation between them as graph ops (Inductor makes the
 # clamp and the cast one pass). The FP8 weights stay inside the ops, computed once per
 # weight version and shared by both (an op output could be reused as scratch by Inductor's
@@ -61,7 +91,10 @@ _lib = torch.library.Library("coda", "FRAGMENT")
 _ARGS = "Tensor[] sources, bool packed, bool has_gamma, float gamma_offset, int width"
 _lib.define(f"fp8_gate_up(str program, Tensor q, {_ARGS}) -> Tensor")
 _lib.define(f"fp8_down(str program, Tensor a, {_ARGS}) -> Tensor")
+_lib.define("fp8_linear(str program, Tensor q, Tensor[] sources, bool[] biased, "
+            "bool has_gamma, float gamma_offset, int width) -> Tensor")
 _lib.impl("fp8_gate_up", gate_up, "CompositeExplicitAutograd")
+_lib.impl("fp8_linear", linear, "CompositeExplicitAutograd")
 _lib.impl("fp8_down", down, "CompositeExplicitAutograd")
 
 
@@ -79,6 +112,11 @@ def _fake_down(program, a, sources, packed, has_gamma, gamma_offset, width):
     return a.new_empty((*a.shape[:-1], rows), dtype=_out_dtype(program))
 
 
+def _fake_linear(program, q, sources, biased, has_gamma, gamma_offset, width):
+    columns = sum(w.shape[0] for w in sources[:len(biased)])
+    return q.new_empty((*q.shape[:-1], columns), dtype=_out_dtype(program))
+
+
 def _out_dtype(program: str) -> torch.dtype:
     from ..codegen.program import parse
     from ..codegen.reference import dtype_from_name
@@ -87,5 +125,7 @@ def _out_dtype(program: str) -> torch.dtype:
 
 torch.library.register_fake("coda::fp8_gate_up", _fake_gate_up)
 torch.library.register_fake("coda::fp8_down", _fake_down)
+torch.library.register_fake("coda::fp8_linear", _fake_linear)
 fp8_gate_up = torch.ops.coda.fp8_gate_up.default
+fp8_linear = torch.ops.coda.fp8_linear.default
 fp8_down = torch.ops.coda.fp8_down.default

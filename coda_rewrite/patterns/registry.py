@@ -13,6 +13,9 @@
     fp8_mlp            only with options.fp8: RMSNorm → gated MLP → down projection as
                        two e4m3 GEMMs, before the bf16 families that would otherwise
                        take the norm's consumers and the gated pair
+    fp8_linear         only with options.fp8: the other linears of an RMSNorm's output
+                       (q/k/v, the LM head) as one e4m3 GEMM, after the FP8 MLP took its
+                       norms' gated pairs
     residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
@@ -37,9 +40,9 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 from __future__ import annotations
 
 from . import (attention, batched_experts, cross_entropy, dense_experts, explicit_attention,
-               fp8_mlp, gated_mlp, layernorm, residual_rmsnorm, rope, routed_experts,
-               scatter_back)
+               fp8_linear, fp8_mlp, gated_mlp, layernorm, residual_rmsnorm, rope,
+               routed_experts, scatter_back)
 
 FAMILIES = (explicit_attention, attention, dense_experts, batched_experts, fp8_mlp,
-            residual_rmsnorm, gated_mlp, routed_experts, scatter_back, rope, cross_entropy,
-            layernorm)
+            fp8_linear, residual_rmsnorm, gated_mlp, routed_experts, scatter_back, rope,
+            cross_entropy, layernorm)

@@ -1161,10 +1161,10 @@ def test_batched_experts_on_gpu(gated):
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 @pytest.mark.parametrize("via", ["optimize", "backend"])
 def test_fp8_mlps_on_gpu(family, via):
-    """options.fp8: both e4m3 GEMMs run their generated kernels (no reference fallback),
-    and the logits are within README's FP8 policy: no worse than 1.5x torchao's row-wise
-    recipe, emulated on the same projections, against float64."""
-    from test_fp8 import hf_projections, rowwise_mlps
+    """options.fp8: the e4m3 GEMMs (gate/up, down, q/k/v) run their generated kernels (no
+    reference fallback), and the logits are within README's FP8 policy: no worse than
+    1.5x torchao's row-wise recipe, emulated on the same projections, against float64."""
+    from test_fp8 import hf_projections, rowwise_projections
     model = hf_model(family, layers=2, hidden=256, dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(0, 256, (2, 128), device="cuda")
     before = dict(ops.RUNTIME)
@@ -1174,7 +1174,7 @@ def test_fp8_mlps_on_gpu(family, via):
             torch.compile(model, backend=coda_rewrite.CodaBackend(
                 coda_rewrite.Options(fp8=True)))
         got = fast(ids).logits
-        emulated = rowwise_mlps(model, hf_projections)(ids).logits
+        emulated = rowwise_projections(model, hf_projections)(ids).logits
     ran = {(k[0].split("#")[0], k[1]) for k, v in ops.RUNTIME.items() if before.get(k) != v}
     op = "geglu" if family == "gemma" else "swiglu"
     assert {(f"fp8_{op}", "kernel"), ("fp8_scaled", "kernel")} <= ran, ran

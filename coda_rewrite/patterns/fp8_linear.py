@@ -1,0 +1,196 @@
+"""The linears that read an RMSNorm's output as one FP8 (e4m3) GEMM, opt-in:
+``Options(fp8=True)``.
+
+    h = rmsnorm(z)·γ;  y_i = h·W_iᵀ (+ b_i)        (q/k/v, a packed qkv, the LM head)
+
+becomes
+
+    q = e4m3(z·rsqrt(mean(z²) + eps)·448/√N)       graph ops: the norm's own kernel
+    y = coda::fp8_linear(q; W_1..W_n, b, γ)          one e4m3 GEMM, acc·ws[j] (+ b[j])
+    y_i = y[..., columns of W_i]
+
+with the weights stacked along their outputs, γ folded in, each row quantised (its
+amax/448) and kept by version (kernels/fp8.py), and the input's one static scale from the
+norm's bound |n_k| ≤ √N (codegen/fp8.py): no amax pass, the quantisation inside the
+norm's kernel. It runs after the FP8 MLP (which takes a norm's gated pair and down
+projection) and before the bf16 families: an attention block's q/k/v in FP8 rotate and
+attend in graph ops (RoPE's bf16 fusion needs the projections as bf16 GEMMs). Legality
+and the replay against torchao's row-wise recipe: algebra/fp8.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .. import patterns
+from ..algebra import fp8 as fp8_algebra
+from ..algebra import sharding
+from ..algebra.decision import Rejection, Why
+from ..algebra.gated import upstream
+from ..canonical import canon, meta
+from ..capture import describe, model_path
+from ..graph_utils import copy_meta, erase_if_dead
+from ..codegen import fp8
+from ..kernels import fp8 as fp8_ops
+from ..rmsnorm_idiom import RmsNorm, find_rms_norms
+from .family import Context, Decided
+
+NAME = "fp8_linear"
+OPT_IN = "fp8"  # the pipeline runs this family only where options.fp8 is set
+FUSES_GEMMS = False
+
+_VIEWS = {"view", torch.Tensor.view, torch.ops.aten.view.default}
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    node: fx.Node                 # the linear's output
+    weight: fx.Node
+    bias: fx.Node | None
+    nodes: tuple[fx.Node, ...]    # what computes it from the norm's output and the weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    norm: RmsNorm
+    linears: tuple[Linear, ...]   # in graph order
+
+    pattern = NAME
+
+    @property
+    def path(self) -> str:
+        return model_path(self.linears[0].node)
+
+
+class NoMatch(patterns.NoMatch):
+    pattern = NAME
+
+
+def _linear_of(node: fx.Node, x: fx.Node) -> Linear | Why | None:
+    """``node`` as a linear of ``x`` (None: not a linear of it; Why: one FP8 cannot take)."""
+    c = canon(node)
+    if c is None or c.name != "linear" or c.args[0] is not x:
+        return None
+    w, b = c.args[1], c.args[2]
+    if not isinstance(w, fx.Node) or meta(w) is None or meta(w).dim() != 2 or (
+            b is not None and (not isinstance(b, fx.Node) or meta(b) is None
+                               or meta(b).dim() != 1)):
+        return Why(f"{describe(node)}'s weight is not a 2-D tensor (or its bias not 1-D)",
+                   "fp8.weight")
+    if sharding.is_dtensor(w):
+        return Why(f"{describe(node)} runs on a sharded weight (tensor parallelism): its "
+                   "FP8 weight would be the shard's", "fp8.sharded")
+    nodes = tuple(n for n in upstream(node, {x, w, b}) if n is not x)
+    return Linear(node, w, b, nodes)
+
+
+def find(graph: fx.Graph) -> list[Match | NoMatch]:
+    out = []
+    for norm in find_rms_norms(graph):
+        if not isinstance(norm, RmsNorm):
+            continue
+        found = [_linear_of(u, norm.output) for u in norm.output.users]
+        whys = [f for f in found if isinstance(f, Why)]
+        linears = tuple(f for f in found if isinstance(f, Linear))
+        if whys:
+            out.append(NoMatch(norm.output, whys[0]))
+        elif linears:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            out.append(Match(norm, tuple(sorted(linears, key=lambda lin: order[lin.node]))))
+    return out
+
+
+def describe_match(m: Match) -> dict:
+    return {"producer": describe(m.norm.output),
+            "consumers": [describe(lin.node) for lin in m.linears]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    match: Match
+    program: object   # EpilogueProgram
+
+
+def decide(m: Match, context: Context) -> Decided:
+    if any(meta(lin.node).requires_grad for lin in m.linears):
+        return Decided.refuse(Rejection(Why(
+            "a training graph: FP8 is built for inference graphs so far (its backward GEMMs "
+            "are not); the linears run the bf16 rewrites", "fp8.training"), m.path))
+    program = fp8.scaled_program(meta(m.linears[0].node).dtype,
+                                 bias=any(lin.bias is not None for lin in m.linears))
+    return Decided.by(fp8_algebra.decide_linears(m, program), Plan(m, program))
+
+
+def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
+    """The norm's quantised row at the norm, one FP8 GEMM before the first linear, each
+    linear's output its column range of the GEMM's."""
+    m = plan.match
+    norm, linears = m.norm, m.linears
+    first = linears[0].node
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for lin in linears:  # a module attribute read after the first linear: read it there
+        for t in (lin.weight, lin.bias):
+            if t is not None and order[t] > order[first]:
+                first.prepend(t)
+    with graph.inserting_after(norm.output):
+        q = graph.call_function(fp8.quantize_normalized, (norm.input, norm.eps, norm.dim))
+    sources = [lin.weight for lin in linears] + [lin.bias for lin in linears
+                                                 if lin.bias is not None]
+    sources += [] if norm.weight is None else [norm.weight]
+    biased = [lin.bias is not None for lin in linears]
+    with graph.inserting_before(first):
+        y = graph.call_function(fp8_ops.fp8_linear, (
+            plan.program.to_text(), q, sources, biased, norm.weight is not None,
+            float(norm.weight_offset), int(norm.dim)))
+        copy_meta(y, first)
+        start, copies = 0, []
+        for lin in linears:
+            width = meta(lin.weight).shape[0]
+            value = y
+            if len(linears) > 1:
+                value = graph.call_function(torch.ops.aten.slice.Tensor,
+                                            (y, -1, start, start + width))
+                if not all(_reads_as_is(u, lin.node) for u in lin.node.users):
+                    value = graph.call_method("contiguous", (value,))
+                    copies.append(describe(lin.node))
+            copy_meta(value, lin.node)
+            lin.node.replace_all_uses_with(value)
+            start += width
+    erase_if_dead(graph, [n for lin in reversed(linears) for n in lin.nodes]
+                  + list(reversed(norm.nodes)))
+    alive = set(graph.nodes)
+    return {"programs": [plan.program],
+            "materialised": [describe(n) for n in norm.nodes if n in alive],
+            "weights": (f"e4m3 per output row, γ folded, {len(linears)} linear(s) stacked in "
+                        f"one GEMM, kept by version (kernels/fp8.py); input e4m3(n·448/"
+                        f"√{norm.dim}) from the norm's statistics" + (
+                            "; a contiguous copy of the columns of " + ", ".join(copies)
+                            + " (a reader that may need contiguous rows: _reads_as_is)"
+                            if copies else ""))}
+
+
+def _reads_as_is(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` can read ``value`` as a column range of the GEMM's output (rows
+    strided by the whole width): a view that keeps every leading dim and splits the last
+    (``q.view(b, s, -1, d)``), and any torch op that takes strided tensors (reshape and
+    the elementwise ones copy or stride as they need). A view that merges rows, a module
+    or a custom op (which may assume a contiguous tensor) reads a contiguous copy."""
+    if user.op == "call_module":
+        return False
+    target = user.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
+            target.namespace not in ("aten", "prims"):
+        return False
+    if target not in _VIEWS:
+        return True
+    before, after = meta(value), meta(user)
+    if user.args[0] is not value or before is None or after is None or \
+            after.dim() < before.dim():
+        return False
+    lead = before.dim() - 1
+    return all(statically_known_true(a == b) for a, b in
+               zip(after.shape[:lead], before.shape[:lead]))
