@@ -423,9 +423,10 @@ def _model_programs() -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("quack") is None,
                     reason="needs the gpu extra (quack-kernels, nvidia-cutlass-dsl)")
 def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
-    from coda_rewrite.codegen import fp8  # the FP8 MLP's two GEMMs, e4m3 operands
+    from coda_rewrite.codegen import fp8  # the FP8 GEMMs, e4m3 operands
     texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL] + \
-        [fp8.gate_up_program("swiglu").to_text(), fp8.down_program(torch.bfloat16).to_text()] + \
+        [fp8.gate_up_program("swiglu").to_text(), fp8.down_program(torch.bfloat16).to_text(),
+         fp8.scaled_program(torch.bfloat16, bias=True).to_text()] + \
         [p.to_text() for p in qk_norm_programs()] + \
         [centred_program(bias, "bfloat16", act).to_text()
          for bias, act in ((True, None), (False, None), (True, "gelu_erf"), (True, "relu_sq"))]
@@ -574,29 +575,26 @@ def test_tile_config_by_row_class():
 
 
 def test_fp8_programs_take_their_own_tile_configs():
-    """e4m3 GEMMs (QuACK's SM90 mainloop keeps a second float32 accumulator) take tiles
-    whose doubled accumulator fits a thread's registers: 64 x 128 up to 64 rows, 128 x 64
-    ping-pong up to 256 rows of a narrow output, cooperative 128 x 128 below 4096 rows and
-    128 x 192 above; none accumulates fast."""
+    """e4m3 GEMMs accumulate fast (torchao's inference recipe; QuACK's second float32
+    accumulator would double the registers) on ping-pong tiles: 64 x 128 up to 64 rows,
+    128 x 128 (cluster 2) below 4096 rows, 128 x 192 above."""
     from coda_rewrite.codegen import fp8
     from coda_rewrite.kernels.quack_path import config_for, configs_of, fast_accum
     down, gate_up = fp8.down_program(torch.bfloat16), fp8.gate_up_program("swiglu")
 
     def tile(prog, m, n):
         c = config_for(prog, m, n)
-        return (c.tile_m, c.tile_n, c.cluster_m, c.pingpong)
-    assert tile(down, 1, 4096) == (64, 128, 1, True)
-    assert tile(gate_up, 64, 28672) == (64, 128, 1, True)
-    assert tile(down, 256, 4096) == (128, 64, 2, True)
-    assert tile(gate_up, 256, 28672) == (128, 128, 2, False)
-    assert tile(down, 4095, 4096) == (128, 128, 2, False)
-    assert tile(gate_up, 8192, 28672) == (128, 192, 2, False)
+        return (c.tile_m, c.tile_n, c.cluster_m, c.pingpong, fast_accum(c))
+    assert tile(down, 1, 4096) == (64, 128, 1, True, True)
+    assert tile(gate_up, 64, 28672) == (64, 128, 1, True, True)
+    assert tile(down, 256, 4096) == (128, 128, 2, True, True)
+    assert tile(gate_up, 4095, 28672) == (128, 128, 2, True, True)
+    assert tile(gate_up, 8192, 28672) == (128, 192, 2, True, True)
     every = configs_of(down)
-    assert [(c.tile_m, c.tile_n, c.pingpong) for c in every] == [
-        (64, 128, True), (128, 64, True), (128, 128, False), (128, 192, False)]
-    assert not any(fast_accum(c) for c in every)
-    for c in every:  # the accumulator registers per thread, doubled by the second one
-        assert 2 * c.tile_m * c.tile_n // (128 if c.pingpong else 256) <= 192
+    assert [(c.tile_m, c.tile_n) for c in every] == [(64, 128), (128, 128), (128, 192)]
+    assert all(fast_accum(c) for c in every)
+    for c in every:  # the accumulator's registers per thread (a warp group per tile)
+        assert c.tile_m * c.tile_n // 128 <= 192
 
 
 def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):

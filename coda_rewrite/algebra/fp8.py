@@ -52,11 +52,13 @@ def conditions(m) -> tuple[list[str], Why | None]:
         return held, why
     if g.op not in BOUNDED:
         return held, Why(f"the gate activation of {g.op} has no |act(g)| ≤ |g| bound: its "
-                         "product's range is not known before the GEMM", "fp8.activation")
+                         "product's range is not known before the GEMM (gate and up go on "
+                         "as linears of the norm: fp8_linear)", "fp8.activation")
     held.append(f"{g.op}: |act(g)| ≤ |g|")
     if g.gate.bias is not None or g.up.bias is not None or down.bias is not None:
         return held, Why("a projection has a bias: the product's bound would need its size; "
-                         "the MLP runs in bf16", "fp8.bias")
+                         "gate and up go on as linears of the norm (fp8_linear), the down "
+                         "projection in bf16", "fp8.bias")
     held.append("no bias on gate, up or down")
     projections = (g.gate,) if g.packed else (g.gate, g.up)
     order = {n: i for i, n in enumerate(down.linear.graph.nodes)}

@@ -292,26 +292,28 @@ def fast_accum(config) -> bool:
     return bool(getattr(config, "fp8_fast_accum", False))
 
 
-# e4m3 GEMMs (codegen/fp8.py). QuACK's SM90 FP8 mainloop adds each K tile's products into
-# a second float32 accumulator (its fp8_slow_accum: Hopper's FP8 tensor cores keep ~14
-# bits while accumulating), which doubles the accumulator's registers: a ping-pong tile
-# (one warp group) wider than 128 x 64 spills (QuACK's default 128 x 192 ping-pong: ~10x
-# a bf16 GEMM's time). Cooperative tiles (two warp groups share a tile, half the
-# accumulator each) do not. Measured on the H200 at the 8B MLP's shapes (gate/up
-# K 4096 N 28672, down K 14336 N 4096; BENCHMARKS.md, nineteenth session), against
-# cuBLAS's row-scaled FP8 GEMM with the same precise accumulation: 8192 rows on
-# 128 x 192 cooperative 1.40 / 0.69 ms (cuBLAS 1.42 / 0.72); 1024 rows on 128 x 128
-# cooperative 0.200 / 0.094 (0.185 / 0.102); 256 rows 0.064 (128 x 128 cooperative) /
-# 0.037 (128 x 64) (0.059 / 0.043); 64 rows on 64 x 128 0.043 / 0.037 (0.049 / 0.042).
-# Fast accumulation (tile_config's fp8_fast_accum, what torchao's float8 inference
-# uses) gains 5-8% at 8192 rows and doubles the GEMM's error against float64 (K 14336:
-# 3.3e-3 vs 1.7e-3): not taken.
+# e4m3 GEMMs (codegen/fp8.py) accumulate in the tensor cores' own accumulator ("fast
+# accumulation", cuBLAS's use_fast_accum): what torchao's float8 inference recipe does,
+# the baseline of README's FP8 policy. QuACK's SM90 FP8 mainloop otherwise adds each K
+# tile into a second float32 accumulator (its fp8_slow_accum, for the ~14 bits Hopper's
+# FP8 MMA keeps while accumulating), which doubles the accumulator registers: a
+# ping-pong tile over 128 x 64 then spills (QuACK's default 128 x 192: ~10x a bf16
+# GEMM's time) and only cooperative tiles run at speed. Measured on the H200 at the 8B
+# MLP's shapes, gate/up (K 4096, N 28672) / down (K 14336, N 4096), in ms (BENCHMARKS.md,
+# nineteenth session), against cuBLAS's row-scaled FP8 GEMM with fast accumulation:
+#   rows    tiles (ping-pong, cluster)     fast            precise (best tile)   cuBLAS
+#   8192    128 x 192, 2                   1.294 / 0.666   1.402 / 0.686         1.425 / 0.760
+#   1024    128 x 128, 2                   0.185 / 0.087   0.200 / 0.094         0.166 / 0.098
+#   256     128 x 128, 2                   0.055 / 0.043   0.064 / 0.037         0.054 / 0.042
+#   64      64 x 128, 1                    0.042 / 0.032   0.043 / 0.037         0.046 / 0.041
+# Fast accumulation's own error, on e4m3 inputs at K 14336: 3.3e-3 against float64 (1.7e-3
+# precise: the bf16 store's rounding); an e4m3 rounding of the inputs costs ~3e-2. The 8B
+# layer's output: 7.19e-3 from float64 with it, 7.18e-3 without (torchao 7.27e-3).
 FP8_ROW_CLASSES = (  # (rows at most, widest N, (tile_m, tile_n, cluster_m, split_k,
-    (64, None, (64, 128, 1, 1, True)),  # pingpong)); first match wins
-    (256, 8192, (128, 64, 2, 1, True)),
-    (4095, None, (128, 128, 2, 1, False)),
+    (64, None, (64, 128, 1, 1, True, True)),  # pingpong, fast)); first match wins
+    (4095, None, (128, 128, 2, 1, True, True)),
 )
-FP8_LARGE = (128, 192, 2, 1, False)
+FP8_LARGE = (128, 192, 2, 1, True, True)
 
 
 def _fp8_config(m: int, n: int):
@@ -383,8 +385,7 @@ def configs_of(prog: EpilogueProgram) -> list:
     """Every config config_for can give ``prog``, at any problem size (one row count and
     one width at each class bound and one past the last): what AOT compiles."""
     if prog.family == FP8_FAMILY:
-        return list(dict.fromkeys(_fp8_config(m, n) for m in (1, 256, 4096)
-                                  for n in (8192, 8193)))
+        return list(dict.fromkeys(_fp8_config(m, 8192) for m in (1, 256, 4096)))
     rows = sorted({r for r, _, _ in ROW_CLASSES})
     widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None})
     out = []

@@ -72,8 +72,9 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
             continue
         down = gated_mlp.down_projection_of(m)
         if isinstance(down, Why):
-            out.append(NoMatch(m.mul, Why(f"no down projection to run in FP8 ({down}); the MLP "
-                                          "runs in bf16", "fp8.no_down_projection")))
+            out.append(NoMatch(m.mul, Why(
+                f"no down projection to run in FP8 ({down}); gate and up go on as linears of "
+                "the norm (fp8_linear), the rest in bf16", "fp8.no_down_projection")))
             continue
         out.append(Match(m, norm, down))
     return out
