@@ -85,6 +85,27 @@ def decide(m, gate_up, down) -> Decision:
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 
+def _norm_inputs(norm, rows: int, gen: torch.Generator):
+    """(rand, env, z, eps, γ) of a replay: ``rows`` random float64 rows into the norm, the
+    first with its whole mass on feature 3 (|n_3| = √N: the input's bound), eps and γ
+    bound where the graph reads them."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    env: dict = {"__gen__": gen}
+    z = rand(rows, norm.dim)
+    z[0] = 0
+    z[0, 3 % norm.dim] = 5.0
+    env[norm.input] = z
+    eps = norm.eps if isinstance(norm.eps, float) else 1e-6
+    if not isinstance(norm.eps, float):
+        env[norm.eps] = torch.tensor(eps, dtype=torch.float64)
+    gamma = rand(norm.dim).abs() + 0.5
+    if norm.weight is not None:
+        env[norm.weight] = gamma - norm.weight_offset
+    return rand, env, z, eps, gamma
+
+
 def rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """torchao's float8 row-wise recipe for x·wᵀ, emulated: x's rows and w's rows each
     scaled by their own amax to ±448, rounded to e4m3, multiplied, scaled back."""
@@ -98,21 +119,7 @@ def _replay(m, gate_up, down) -> str | Rejection:
     gen = torch.Generator().manual_seed(8191)
     # the norm's own width: a fused norm (F.rms_norm) carries its normalized_shape
     k, n, h, rows = norm.dim, 24, 16, 6
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    env: dict = {"__gen__": gen}
-    z = rand(rows, k)
-    z[0] = 0
-    z[0, 3 % k] = 5.0  # the bound's worst case (with the weights below)
-    env[norm.input] = z
-    eps = norm.eps if isinstance(norm.eps, float) else 1e-6
-    if not isinstance(norm.eps, float):
-        env[norm.eps] = torch.tensor(eps, dtype=torch.float64)
-    gamma = rand(k).abs() + 0.5
-    if norm.weight is not None:
-        env[norm.weight] = gamma - norm.weight_offset
+    rand, env, z, eps, gamma = _norm_inputs(norm, rows, gen)
     wg, wu, wd = rand(n, k), rand(n, k), rand(h, n)
     wg[0] = wu[0] = 0
     wg[0, 3 % k] = wu[0, 3 % k] = 1.0
@@ -204,21 +211,7 @@ def _replay_linears(m, program) -> str:
     gen = torch.Generator().manual_seed(8209)
     # 32 rows: FP8's error on a few values is a noisy draw, and the bar is a ratio of two
     k, rows = norm.dim, 32
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    env: dict = {"__gen__": gen}
-    z = rand(rows, k)
-    z[0] = 0
-    z[0, 3 % k] = 5.0  # the whole row on one feature: |n_3| = √N, the input's bound
-    env[norm.input] = z
-    eps = norm.eps if isinstance(norm.eps, float) else 1e-6
-    if not isinstance(norm.eps, float):
-        env[norm.eps] = torch.tensor(eps, dtype=torch.float64)
-    gamma = rand(k).abs() + 0.5
-    if norm.weight is not None:
-        env[norm.weight] = gamma - norm.weight_offset
+    rand, env, z, eps, gamma = _norm_inputs(norm, rows, gen)
     widths = [7 + 3 * i for i in range(len(m.linears))]
     weights = [rand(w, k) for w in widths]
     biases = [None if lin.bias is None else rand(w) for lin, w in zip(m.linears, widths)]
