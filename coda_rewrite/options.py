@@ -18,7 +18,7 @@ class Options:
     dump_dir: str | None = None
     # Patterns to apply; the others are still matched and reported as disabled.
     patterns: tuple[str, ...] = ("explicit_attention", "attention_inputs", "dense_experts",
-                                 "batched_experts", "fp8_mlp", "fp8_linear",
+                                 "batched_experts", "fp8_mlp", "fp8_linear", "fp8_rowwise",
                                  "residual_rmsnorm_gemm", "gated_mlp",
                                  "routed_experts", "scatter_back", "rope",
                                  "lm_head_cross_entropy", "layernorm_gemm")
@@ -73,13 +73,13 @@ class Options:
     # the gated MLP only with its backward epilogue: with False it is left in training
     # graphs unless fuse_in_training=True.)
     backward_epilogues: bool = True
-    # FP8 (e4m3) for the gated MLP after an RMSNorm and for the other linears that read an
-    # RMSNorm's output (q/k/v, the LM head), in inference graphs (patterns/fp8_mlp.py,
-    # patterns/fp8_linear.py, codegen/fp8.py, kernels/fp8.py): weights e4m3 per output row
-    # (kept between calls by their version counters: one more copy, half the bf16 size),
-    # the input and the gated product scaled by bounds known before the kernels run (no
-    # amax pass). Numerics: README, "FP8".
-    # Training graphs and MLPs it cannot take run the bf16 rewrites; the report says why.
+    # FP8 (e4m3) for the linears of inference graphs: the gated MLP after an RMSNorm and the
+    # other linears that read an RMSNorm's output (q/k/v) scaled by the norm's bounds, every
+    # other linear by row-wise dynamic scales (patterns/fp8_mlp.py, fp8_linear.py,
+    # fp8_rowwise.py; codegen/fp8.py, kernels/fp8.py): weights e4m3 per output row
+    # (kept between calls by their version counters: one more copy, half the bf16 size).
+    # Numerics: README, "FP8". Training graphs and linears whose widths an e4m3 GEMM does
+    # not take run the bf16 rewrites; the report says why.
     fp8: bool = False
 
     @classmethod

@@ -426,7 +426,9 @@ def test_every_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     from coda_rewrite.codegen import fp8  # the FP8 GEMMs, e4m3 operands
     texts = _model_programs() + [f().to_text() for f in NEW_PROGRAMS + PAIR_AND_STATEFUL] + \
         [fp8.gate_up_program("swiglu").to_text(), fp8.down_program(torch.bfloat16).to_text(),
-         fp8.scaled_program(torch.bfloat16, bias=True).to_text()] + \
+         fp8.scaled_program(torch.bfloat16, bias=True).to_text(),
+         fp8.rowwise_program(torch.bfloat16).to_text(),
+         fp8.rowwise_program(torch.bfloat16, bias=True).to_text()] + \
         [p.to_text() for p in qk_norm_programs()] + \
         [centred_program(bias, "bfloat16", act).to_text()
          for bias, act in ((True, None), (False, None), (True, "gelu_erf"), (True, "relu_sq"))]

@@ -239,3 +239,40 @@ def _replay_linears(m, program) -> str:
     base = rel_err(base, ref)
     return verdict(err, f"rows {rows}, N {k}, {len(m.linears)} linear(s) (torchao row-wise: "
                    f"{base:.1e})", m.path, tol=VS_ROWWISE * base + FLOOR)
+
+
+# ---- a linear of row-wise scaled rows (patterns/fp8_rowwise.py) ---------------------
+
+def decide_rowwise(m, program) -> Decision:
+    """Nothing moves: the quantisation and the GEMM run where eager's linear ran, on what
+    it read. The replay holds the kernel's math to the recipe it implements."""
+    proof = statements.prove_fp8_rowwise_linear()
+    seen = guarded(lambda m: _replay_rowwise(m, program), m)
+    if isinstance(seen, Rejection):
+        return seen
+    return Proof(proof.statement, (*proof.assumptions,
+                                   "the quantisation and the GEMM run where eager's linear "
+                                   "ran, on the values it read"), proof.steps, seen)
+
+
+def _replay_rowwise(m, program) -> str:
+    gen = torch.Generator().manual_seed(8219)
+    k, n, rows = m.in_features, 24, 32
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    x[0] = 0           # a zero row: scale 1, exact zeros
+    x[1, 0] = 1e4      # an outlier: its row's own scale
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64)
+    b = torch.randn(n, generator=gen, dtype=torch.float64) if m.bias is not None else None
+    env = {"__gen__": gen, m.x: x, m.weight: w}
+    if b is not None:
+        env[m.bias] = b
+    eval_nodes([m.node], env)
+    ref = env[m.node].reshape(rows, n)
+    r = fp8_math.row_scales(x)
+    w8, ws, bb = fp8_math.rowwise_weights(w, b)
+    (out,) = reference.run_program(program, fp8_math.quantize_by(x, r), w8,
+                                   [r.reshape(-1), ws] + ([] if bb is None else [bb]))
+    base = rowwise(x, w) + (0 if b is None else b)
+    err, base = rel_err(out, ref), rel_err(base, ref)
+    return verdict(err, f"rows {rows}, K {k} (torchao row-wise: {base:.1e})", m.path,
+                   tol=VS_ROWWISE * base + FLOOR)

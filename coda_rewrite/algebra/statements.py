@@ -1258,6 +1258,43 @@ def prove_fp8_normalized_linears() -> Proof:
         _witness("FP8 linears of a normalised row (a row at the bound)", num, tol=1.0))
 
 
+def prove_fp8_rowwise_linear() -> Proof:
+    """A linear of row-wise scaled e4m3 rows (codegen/fp8.rowwise_program): both scales
+    leave the sum, and each scaled row is within e4m3's range by its scale's definition."""
+    Q, Wq, r, s, b = (sp.IndexedBase(n) for n in ("Q", "Wq", "r", "s", "b"))
+    _require(_gemm((Q[i, k] * r[i]) * (Wq[j, k] * s[j])) + b[j]
+             - (r[i] * s[j] * _gemm(Q[i, k] * Wq[j, k]) + b[j]),
+             "per-row activation and weight scales out of the GEMM, the bias after")
+    x, amax = sp.Symbol("x", real=True), sp.Symbol("a", positive=True)
+    # |x| ≤ amax  =>  |x / (amax/448)| = 448·|x|/amax ≤ 448
+    _require(sp.simplify(448 - sp.Abs(x / (amax / 448))
+                         - 448 * (amax - sp.Abs(x)) / amax), "the scaled row's slack")
+
+    def num(seed):
+        from ..codegen import fp8
+        mm, kk, nn = _shape(seed, (2, 9), (16, 64), (2, 9))
+        g = _gen(seed)
+        x = torch.randn(mm, kk, generator=g, dtype=torch.float64)
+        x[0, 0] = 1e4
+        w = torch.randn(nn, kk, generator=g, dtype=torch.float64)
+        r = fp8.row_scales(x)
+        q = fp8.quantize_by(x, r)
+        if q.float().abs().max() > fp8.E4M3_MAX:
+            return float("inf")
+        w8, ws, _ = fp8.rowwise_weights(w, None)
+        out = (q.double() @ w8.double().T) * r.double() * ws.double()
+        return rel_err(out, x @ w.T) / 0.13  # e4m3: ≤ 2⁻⁴ per value, two roundings
+
+    return Proof(
+        "Σ_k (Q_ik·r_i)·(Wq_jk·s_j) + b_j = r_i·s_j·Σ_k Q_ik·Wq_jk + b_j, and "
+        "|x_ik/r_i| ≤ 448 for r_i = max_k |x_ik|/448",
+        ("the activation's rows are scaled by their own amax (torchao's row-wise recipe); "
+         "the weight's rows by theirs",),
+        ("Σ_k (Q·r_i)·(Wq·s_j) = r_i·s_j·Σ_k Q·Wq: the scales leave the sum (sympy)",
+         "448 − 448·|x|/amax = 448·(amax − |x|)/amax ≥ 0 (sympy)"),
+        _witness("FP8 row-wise linear (an outlier row)", num, tol=1.0))
+
+
 def all_statements() -> list[tuple[str, Proof]]:
     """Every identity the pass relies on, proved (and cached)."""
     out = [("row-scale deferral", prove_row_scale_deferral()),
@@ -1288,6 +1325,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("FP8 gated MLP: scales out of the GEMMs, values within e4m3's range",
              prove_fp8_gated_mlp()),
             ("FP8 linears of a normalised row: one e4m3 GEMM, its input within range",
-             prove_fp8_normalized_linears())]
+             prove_fp8_normalized_linears()),
+            ("FP8 row-wise linear: both scales out of the GEMM", prove_fp8_rowwise_linear())]
     return out
 

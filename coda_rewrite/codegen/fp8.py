@@ -135,6 +135,25 @@ def linear_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None
         return q, (s / input_scale(width)).contiguous(), b
 
 
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-row dequantisation scales of an activation no bound covers (torchao's
+    row-wise recipe): amax over the last dim / 448, 1 for a zero row; float32 [*, 1]."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_by(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3(x / scale) per row: within ±448 by the scale's definition (row_scales)."""
+    return saturate(x.float() / scales)
+
+
+def rowwise_weights(weight: torch.Tensor, bias: torch.Tensor | None):
+    """(W e4m3 [N, K], ws float32 [N], b float32 [N] or None) of a row-wise linear."""
+    with torch.no_grad():
+        q, s = quantize_rows(weight)
+        return q, s.contiguous(), None if bias is None else bias.float()
+
+
 # ---- the programs ----------------------------------------------------------------------
 
 def gate_up_program(op: str, params: tuple[float, ...] = ()) -> EpilogueProgram:
@@ -150,6 +169,19 @@ def scaled_program(dtype: torch.dtype, bias: bool = False) -> EpilogueProgram:
     projection, the linears of a normalised row."""
     p = ProgramBuilder("fp8_scaled_bias" if bias else "fp8_scaled", gemm=True, family=FAMILY)
     y = p.mul(ACC, p.operand("ws", Kind.PER_FEATURE), name="y")
+    if bias:
+        y = p.add(y, p.operand("b", Kind.PER_FEATURE), name="yb")
+    p.output(y, Kind.TILE, str(dtype).removeprefix("torch."))
+    return p.build()
+
+
+def rowwise_program(dtype: torch.dtype, bias: bool = False) -> EpilogueProgram:
+    """acc·r[i]·ws[j] (+ b[j]) over an e4m3 GEMM whose rows were scaled by their own amax:
+    torchao's row-wise recipe with both scales in the epilogue."""
+    p = ProgramBuilder("fp8_rowwise_bias" if bias else "fp8_rowwise", gemm=True,
+                       family=FAMILY)
+    y = p.mul(ACC, p.operand("r", Kind.PER_ROW), name="y_r")
+    y = p.mul(y, p.operand("ws", Kind.PER_FEATURE), name="y")
     if bias:
         y = p.add(y, p.operand("b", Kind.PER_FEATURE), name="yb")
     p.output(y, Kind.TILE, str(dtype).removeprefix("torch."))

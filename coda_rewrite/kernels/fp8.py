@@ -1,6 +1,6 @@
 """The FP8 ops (the math, the scales and the programs: codegen/fp8.py): the gated MLP's
-e4m3 gate/up GEMM and e4m3 down GEMM, and the linears of a normalised row as one e4m3
-GEMM; their e4m3 weights computed from the live parameters and kept between calls by
+e4m3 gate/up GEMM and e4m3 down GEMM, the linears of a normalised row as one e4m3 GEMM,
+and a linear of row-wise scaled rows; their e4m3 weights computed from the live parameters and kept between calls by
 their version counters; each on the generated kernel where the layout contract holds and
 the reference elsewhere (kernels/ops.py)."""
 
@@ -13,6 +13,7 @@ from . import ops, versioned
 
 _ATTR = "_coda_fp8_mlp"
 _ATTR_LINEAR = "_coda_fp8_linear"
+_ATTR_ROWWISE = "_coda_fp8_rowwise"
 
 
 def kept_mlp_weights(sources: list[torch.Tensor], packed: bool, has_gamma: bool,
@@ -83,6 +84,19 @@ def linear(program: str, q: torch.Tensor, sources: list[torch.Tensor], biased: l
     return out.reshape(*q.shape[:-1], out.shape[-1])
 
 
+def rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor,
+                   sources: list[torch.Tensor]) -> torch.Tensor:
+    """A linear of e4m3 rows ``q`` [*, K] with their dequantisation scales ``r`` [*, 1]
+    (weight[, bias] in ``sources``, the e4m3 weight kept on it by version)."""
+    ops.refuse_gradients("fp8_rowwise_linear", *sources)
+    weight, *bias = sources
+    w, ws, b = versioned.kept(weight, _ATTR_ROWWISE, sources, (),
+                              lambda: fp8.rowwise_weights(weight, bias[0] if bias else None))[0]
+    (out,) = ops.execute(program, q.reshape(-1, q.shape[-1]), w,
+                         [r.reshape(-1).float(), ws] + ([] if b is None else [b]))
+    return out.reshape(*q.shape[:-1], out.shape[-1])
+
+
 # Two ops, with the product's quantisation between them as graph ops (Inductor makes the
 # clamp and the cast one pass). The FP8 weights stay inside the ops, computed once per
 # weight version and shared by both (an op output could be reused as scratch by Inductor's
@@ -93,7 +107,9 @@ _lib.define(f"fp8_gate_up(str program, Tensor q, {_ARGS}) -> Tensor")
 _lib.define(f"fp8_down(str program, Tensor a, {_ARGS}) -> Tensor")
 _lib.define("fp8_linear(str program, Tensor q, Tensor[] sources, bool[] biased, "
             "bool has_gamma, float gamma_offset, int width) -> Tensor")
+_lib.define("fp8_rowwise_linear(str program, Tensor q, Tensor r, Tensor[] sources) -> Tensor")
 _lib.impl("fp8_gate_up", gate_up, "CompositeExplicitAutograd")
+_lib.impl("fp8_rowwise_linear", rowwise_linear, "CompositeExplicitAutograd")
 _lib.impl("fp8_linear", linear, "CompositeExplicitAutograd")
 _lib.impl("fp8_down", down, "CompositeExplicitAutograd")
 
@@ -117,6 +133,10 @@ def _fake_linear(program, q, sources, biased, has_gamma, gamma_offset, width):
     return q.new_empty((*q.shape[:-1], columns), dtype=_out_dtype(program))
 
 
+def _fake_rowwise(program, q, r, sources):
+    return q.new_empty((*q.shape[:-1], sources[0].shape[0]), dtype=_out_dtype(program))
+
+
 def _out_dtype(program: str) -> torch.dtype:
     from ..codegen.program import parse
     from ..codegen.reference import dtype_from_name
@@ -126,6 +146,8 @@ def _out_dtype(program: str) -> torch.dtype:
 torch.library.register_fake("coda::fp8_gate_up", _fake_gate_up)
 torch.library.register_fake("coda::fp8_down", _fake_down)
 torch.library.register_fake("coda::fp8_linear", _fake_linear)
+torch.library.register_fake("coda::fp8_rowwise_linear", _fake_rowwise)
 fp8_gate_up = torch.ops.coda.fp8_gate_up.default
 fp8_linear = torch.ops.coda.fp8_linear.default
+fp8_rowwise_linear = torch.ops.coda.fp8_rowwise_linear.default
 fp8_down = torch.ops.coda.fp8_down.default

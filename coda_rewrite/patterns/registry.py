@@ -16,6 +16,9 @@
     fp8_linear         only with options.fp8: the other linears of an RMSNorm's output
                        (q/k/v, the LM head) as one e4m3 GEMM, after the FP8 MLP took its
                        norms' gated pairs
+    fp8_rowwise        only with options.fp8: every other linear, row-wise dynamic
+                       scales (torchao's recipe) in an e4m3 GEMM's epilogue; before the
+                       bf16 families, which would take the GEMMs it runs
     residual_rmsnorm   GEMM → residual → RMSNorm → GEMM(s): the row-scale deferral
     gated_mlp          after the norms: a gate/up pair that became two rowscale consumers
                        of a rewritten norm merges into one GEMM that applies the deferred
@@ -40,9 +43,9 @@ A family is a module implementing patterns/family.Family; adding one is its modu
 from __future__ import annotations
 
 from . import (attention, batched_experts, cross_entropy, dense_experts, explicit_attention,
-               fp8_linear, fp8_mlp, gated_mlp, layernorm, residual_rmsnorm, rope,
-               routed_experts, scatter_back)
+               fp8_linear, fp8_mlp, fp8_rowwise, gated_mlp, layernorm, residual_rmsnorm,
+               rope, routed_experts, scatter_back)
 
 FAMILIES = (explicit_attention, attention, dense_experts, batched_experts, fp8_mlp,
-            fp8_linear, residual_rmsnorm, gated_mlp, routed_experts, scatter_back, rope,
-            cross_entropy, layernorm)
+            fp8_linear, fp8_rowwise, residual_rmsnorm, gated_mlp, routed_experts,
+            scatter_back, rope, cross_entropy, layernorm)
