@@ -516,3 +516,37 @@ def test_rowwise_rows_stay_in_range_and_match_the_recipe(seed, scale, spike):
     recipe = rowwise(x, w)
     assert (out[0] == 0).all()
     assert rel_err(out, recipe) <= 1e-5
+
+
+class Router(nn.Module):
+    """A norm feeding q and a router whose top-k picks experts (through its softmax)."""
+
+    def __init__(self, d=64, experts=16):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.q, self.gate = nn.Linear(d, 64, bias=False), nn.Linear(d, experts, bias=False)
+        self.out = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        scores = torch.softmax(self.gate(h).float(), dim=-1)
+        weights, chosen = torch.topk(scores, 2, dim=-1)
+        return self.q(h), chosen, weights, torch.argmax(self.out(self.q(h)), dim=-1)
+
+
+def test_a_linear_that_feeds_a_choice_stays_bf16():
+    """FP8 rounding could flip which experts a router's top-k picks (or an argmax's
+    winner): such linears stay bf16 (fp8.routing), in both FP8 families, where the bf16
+    rewrites take them (the norm's deferred rstd); the choice is eager's, and the other
+    linear of the norm still goes FP8."""
+    model = Router().to(bf).eval()
+    x = torch.randn(2, 8, 64, dtype=bf)
+    with torch.no_grad():
+        want = model(x)
+        fast = coda_rewrite.optimize(model, fp8=True)
+        got = fast(x)
+    assert codes(fast.report, "fp8_linear") == {"fp8.routing"}, str(fast.report)
+    assert codes(fast.report, "fp8_rowwise") == {"fp8.routing"}, str(fast.report)
+    assert torch.equal(got[1], want[1]) and rel_err(got[2], want[2]) <= 1e-2
+    (rec,) = fp8_records(fast.report, pattern="fp8_linear")
+    assert len(rec.consumers) == 1  # q alone (read twice); the router's gate left out

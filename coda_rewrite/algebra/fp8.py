@@ -106,6 +106,44 @@ def _norm_inputs(norm, rows: int, gen: torch.Generator):
     return rand, env, z, eps, gamma
 
 
+# ops whose result is a choice among values (an index, an order): a rounding can flip it
+_CHOICES = {torch.topk, torch.argmax, torch.argmin, torch.sort, torch.argsort, torch.max,
+            torch.min, torch.multinomial, "topk", "argmax", "argmin", "sort", "argsort",
+            "max", "min", torch.ops.aten.topk.default, torch.ops.aten.argmax.default,
+            torch.ops.aten.argmin.default, torch.ops.aten.sort.default}
+CHOICE_DEPTH = 4  # ops between a linear and the choice it feeds (softmax, a cast, a view)
+
+
+def feeds_a_choice(node, depth: int = CHOICE_DEPTH):
+    """The first op within ``depth`` uses of ``node`` that chooses among its values (a
+    router's topk over the softmax of its logits), or None. FP8's rounding of such a
+    linear's output would change which experts (or tokens) are chosen, not only by how
+    much: a discrete change no error bar covers. (max/min with a dim also return indices;
+    without one they are a value, counted here too: a cheap refusal, not a wrong one.)"""
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u.target in _CHOICES:
+                    return u
+                if u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return None
+
+
+def choice_refusal(node) -> Why | None:
+    """Why a linear whose output feeds a choice (feeds_a_choice) stays bf16, or None."""
+    choice = feeds_a_choice(node)
+    if choice is None:
+        return None
+    return Why(f"{describe(node)} feeds {describe(choice)}, which chooses among its values "
+               "(a router's top-k): an FP8 rounding could change the choice; it runs in bf16",
+               "fp8.routing")
+
+
 def rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """torchao's float8 row-wise recipe for x·wᵀ, emulated: x's rows and w's rows each
     scaled by their own amax to ±448, rounded to e4m3, multiplied, scaled back."""

@@ -1,9 +1,11 @@
-"""FP8 (e4m3) for a gated MLP after an RMSNorm, with every activation scale known before
-the kernel that writes the activation runs.
+"""FP8 (e4m3) for an inference graph's linears: the math, the scales and the programs.
 
 Dynamic row-wise scaling (torchao's float8 "rowwise" recipe) needs each row's amax before
-the row is written in FP8: a pass over the bf16 activation before every FP8 GEMM. Here
-the scales come from bounds that hold for every input, so no amax is ever taken:
+the row is written in FP8: a pass over the bf16 activation before every FP8 GEMM. Where an
+RMSNorm feeds the linears (a gated MLP, q/k/v) the scales come instead from bounds that
+hold for every input, so no amax is ever taken; every other linear takes the row-wise
+recipe with both of its scales in the GEMM's epilogue (row_scales, rowwise_program). The
+bounds:
 
 * The GEMMs' input is a normalised row n = z·rsqrt(mean(z²) + eps), and |n_k| ≤ √N
   for every row (N the normalised width; algebra/fp8.py proves it). It is written as
@@ -21,7 +23,9 @@ the scales come from bounds that hold for every input, so no amax is ever taken:
   down projection's column j before its rows are quantised: nothing is scaled at run
   time but in the GEMMs' epilogues.
 
-The gate/up GEMM (e4m3 × e4m3, interleaved rows) runs the program
+The linears of a normalised row (q/k/v) stack their weights (linear_weights) and run one
+e4m3 GEMM, ``acc·ws[j] (+ b[j])`` (scaled_program). The gate/up GEMM (e4m3 × e4m3,
+interleaved rows) runs the program
 ``act(acc·ws[j])`` and stores the product in bf16; QuACK 0.6.5's SM90 gated store is
 16-bit only (its fp8 postact store is SM100/SM120), so one elementwise pass (graph ops:
 Inductor fuses the clamp and the cast) turns it into e4m3, saturating: values are within

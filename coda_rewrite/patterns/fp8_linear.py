@@ -81,6 +81,9 @@ def _linear_of(node: fx.Node, x: fx.Node) -> Linear | Why | None:
                                or meta(b).dim() != 1)):
         return Why(f"{describe(node)}'s weight is not a 2-D tensor (or its bias not 1-D)",
                    "fp8.weight")
+    choice = fp8_algebra.choice_refusal(node)
+    if choice is not None:
+        return choice
     if sharding.is_dtensor(w):
         return Why(f"{describe(node)} runs on a sharded weight (tensor parallelism): its "
                    "FP8 weight would be the shard's", "fp8.sharded")
@@ -93,12 +96,11 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
     for norm in find_rms_norms(graph):
         if not isinstance(norm, RmsNorm):
             continue
-        found = [_linear_of(u, norm.output) for u in norm.output.users]
-        whys = [f for f in found if isinstance(f, Why)]
-        linears = tuple(f for f in found if isinstance(f, Linear))
-        if whys:
-            out.append(NoMatch(norm.output, whys[0]))
-        elif linears:
+        found = [(u, _linear_of(u, norm.output)) for u in norm.output.users]
+        linears = tuple(f for _, f in found if isinstance(f, Linear))
+        # a linear this GEMM cannot take is reported and left out; the others still go
+        out += [NoMatch(u, f) for u, f in found if isinstance(f, Why)]
+        if linears:
             order = {n: i for i, n in enumerate(graph.nodes)}
             out.append(Match(norm, tuple(sorted(linears, key=lambda lin: order[lin.node]))))
     return out

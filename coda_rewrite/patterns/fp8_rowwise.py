@@ -81,6 +81,8 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         elif sharding.is_dtensor(w):
             out.append(NoMatch(node, Why(f"{describe(node)} runs on a sharded weight (tensor "
                                          "parallelism)", "fp8.sharded")))
+        elif fp8_algebra.choice_refusal(node) is not None:
+            out.append(NoMatch(node, fp8_algebra.choice_refusal(node)))
         elif any(int(d) % ALIGN for d in mw.shape):
             out.append(NoMatch(node, Why(
                 f"{describe(node)}'s weight is {tuple(mw.shape)}: an e4m3 GEMM needs both "
