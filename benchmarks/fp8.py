@@ -1,7 +1,8 @@
 """FP8 (options.fp8) on the H200: the Llama-3-8B-shaped decoder layer forward (the
 TorchTitan-style Block of coda_rewrite.models, batch 2 x 4096, bf16, no_grad), side by
 side in alternating rounds: torch.compile, backend="coda" bf16 and fp8 (both with kept
-re-layouts: serving), torchao's float8 row-wise inference recipe (dynamic per-row
+re-layouts: serving; fp8 also with its families added one at a time: the MLP, then q/k/v,
+then the row-wise rest), torchao's float8 row-wise inference recipe (dynamic per-row
 activation scales, per-row weights) on the MLP's three projections and on every
 projection, each under torch.compile. Numerics: each variant's relative difference from
 the block in float64 (1 x 512 tokens) beside eager bf16's. Kernel lists show where the
@@ -49,8 +50,14 @@ def coda(block, **options):
 def main():
     print(env_line(), flush=True)
     block, x, freqs = layer_8b()
+    every = coda_rewrite.Options().patterns
     variants = {"eager": block, "torch.compile": torch.compile(block),
-                'coda bf16': coda(block), 'coda fp8': coda(block, fp8=True)}
+                "coda bf16": coda(block), "coda fp8": coda(block, fp8=True),
+                # the ablation: each FP8 family added to the ones before it
+                "coda fp8 (MLP)": coda(block, fp8=True, patterns=tuple(
+                    p for p in every if p not in ("fp8_linear", "fp8_rowwise"))),
+                "coda fp8 (MLP, q/k/v)": coda(block, fp8=True, patterns=tuple(
+                    p for p in every if p != "fp8_rowwise"))}
     for only_mlp, name in ((True, "torchao rowwise (MLP)"), (False, "torchao rowwise (all)")):
         try:
             variants[name] = torchao_rowwise(block, only_mlp)
@@ -85,7 +92,7 @@ def main():
             print(f"layer {name}: {ms:.3f} ms ({spread:.1%}) | rel. diff vs float64 "
                   f"{errs[name]:.2e} | {kernel_split(fns[name])}", flush=True)
             rows += [(name, "ms", ms), (name, "rel_err_f64", errs[name])]
-        for name in ("coda fp8", "torchao rowwise (MLP)", "coda bf16"):
+        for name in ("coda fp8", "torchao rowwise (all)", "coda bf16"):
             if name in fns:
                 print(f"kernels of {name}:\n{kernel_top(fns[name], 12)}", flush=True)
         print("summary (ms, x of coda bf16): " + ", ".join(

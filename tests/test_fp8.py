@@ -550,3 +550,35 @@ def test_a_linear_that_feeds_a_choice_stays_bf16():
     assert torch.equal(got[1], want[1]) and rel_err(got[2], want[2]) <= 1e-2
     (rec,) = fp8_records(fast.report, pattern="fp8_linear")
     assert len(rec.consumers) == 1  # q alone (read twice); the router's gate left out
+
+
+class Chain(nn.Module):
+    """Linears that read each other (B(A(x)), a LoRA-style pair) after a norm's linear:
+    each rewrite replaces a node the next match found."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.a, self.b, self.c = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.norm2 = nn.RMSNorm(d)
+        self.d = nn.Linear(d, 32, bias=False)
+
+    def forward(self, x):
+        y = self.b(self.a(self.norm(x)))
+        return self.d(self.norm2(self.c(y)))
+
+
+def test_chained_linears_are_each_rewritten_from_the_graph_as_it_is_then():
+    """a reads a norm (fp8_linear); b reads a's output, c reads b's (fp8_rowwise, each
+    after the one before it was replaced); norm2 reads c's output and feeds d
+    (fp8_linear, found again after c's rewrite)."""
+    model = Chain().to(bf).eval()
+    x = torch.randn(2, 8, 64, dtype=bf)
+    with torch.no_grad():
+        truth = copy.deepcopy(model).double()(x.double())
+        emulated = rowwise_projections(model, lambda m: [(m.a, m.b, m.c, m.d)])(x)
+        fast = coda_rewrite.optimize(model, fp8=True)
+        got = fast(x)
+    assert len(fp8_records(fast.report, pattern="fp8_linear")) == 2, str(fast.report)
+    assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 2, str(fast.report)
+    assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth) + 1e-3

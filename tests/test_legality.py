@@ -108,7 +108,8 @@ def test_norm_before_the_residual_stays_right(family):
     with torch.no_grad():
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
     report = fast.report
-    producers = [r for r in report.records if r.programs and r.programs[0].name == "residual_rmsnorm"]
+    producers = [r for r in report.records
+                 if r.programs and r.programs[0].name == "residual_rmsnorm"]
     assert not producers, str(report)
     assert "row_scale.post_sublayer" in codes(report)  # the post-block norms
     if family == "gemma2":
@@ -170,6 +171,25 @@ def test_eps_as_0d_tensor_is_read_at_run_time():
     model.eps.fill_(2.0)
     ref.eps.fill_(2.0)
     same(fast(x, res), ref(x, res), tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_default_eps_is_atens_not_the_input_dtypes(dtype):
+    """F.rms_norm / nn.RMSNorm with eps=None take the epsilon of the type ATen computes in
+    (float32 for bf16 and fp16), not of the input's (bf16: 2⁻⁷): small rows, where the two
+    give visibly different norms, come out as eager's."""
+    def body(self, x, res):
+        z = self.w0(x) + res
+        return self.w1(F.rms_norm(z, (D,), self.g))
+
+    torch.manual_seed(0)
+    model = Block(body).to(dtype)
+    ref = copy.deepcopy(model)
+    x, res = torch.randn(2, 6, D, dtype=dtype) * 0.02, torch.randn(2, 6, D, dtype=dtype) * 0.02
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(x, res), ref(x, res)
+    assert fast.report.count() == 1, str(fast.report)
+    assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_eps_as_vector_is_left_alone():

@@ -80,12 +80,19 @@ def quantize_normalized(z: torch.Tensor, eps, width: int) -> torch.Tensor:
     return saturate(n * input_scale(width))
 
 
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax/448, 1 for a zero row (its values are exactly 0), and never below float32's
+    smallest normal: amax/448 of a row of subnormals would round to 0 and x/0 is not a
+    number (such a row quantises to zeros, within its own absolute size of eager's)."""
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return s.clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, float32 dequantisation scale per row): w[j] ≈ q[j]·s[j], with
-    s[j] = amax_j/448 (1 for a zero row, whose values are exactly 0)."""
+    s[j] = amax_j/448 (_scale_of)."""
     wf = w.float()
-    amax = wf.abs().amax(dim=-1)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    s = _scale_of(wf.abs().amax(dim=-1))
     return saturate(wf / s[:, None]), s
 
 
@@ -141,9 +148,8 @@ def linear_weights(weights: list[torch.Tensor], biases: list[torch.Tensor | None
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-row dequantisation scales of an activation no bound covers (torchao's
-    row-wise recipe): amax over the last dim / 448, 1 for a zero row; float32 [*, 1]."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True)
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    row-wise recipe): amax over the last dim / 448 (_scale_of); float32 [*, 1]."""
+    return _scale_of(x.float().abs().amax(dim=-1, keepdim=True))
 
 
 def quantize_by(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The FP8 ops (the math, the scales and the programs: codegen/fp8.py): the gated MLP's
 e4m3 gate/up GEMM and e4m3 down GEMM, the linears of a normalised row as one e4m3 GEMM,
-and a linear of row-wise scaled rows; their e4m3 weights computed from the live parameters and kept between calls by
-their version counters; each on the generated kernel where the layout contract holds and
-the reference elsewhere (kernels/ops.py)."""
+and a linear of row-wise scaled rows; their e4m3 weights computed from the live
+parameters and kept between calls by their version counters; each on the generated kernel
+where the layout contract holds and the reference elsewhere (kernels/ops.py)."""
 
 from __future__ import annotations
 

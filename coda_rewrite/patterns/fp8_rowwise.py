@@ -72,12 +72,13 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         if c is None or c.name != "linear":
             continue
         x, w, b = c.args
-        mw, mx = meta(w), meta(x)
-        if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or mw is None or \
-                mx is None or mw.dim() != 2 or (b is not None and (
-                    not isinstance(b, fx.Node) or meta(b) is None or meta(b).dim() != 1)):
-            out.append(NoMatch(node, Why(f"{describe(node)}'s weight is not a 2-D tensor "
-                                         "(or its bias not 1-D)", "fp8.weight")))
+        mw = meta(w) if isinstance(w, fx.Node) else None
+        if not isinstance(x, fx.Node) or mw is None or mw.dim() != 2 or (
+                b is not None and (not isinstance(b, fx.Node) or meta(b) is None
+                                   or meta(b).dim() != 1)):
+            out.append(NoMatch(node, Why(f"{describe(node)}'s input or weight is not a graph "
+                                         "value (or its weight not 2-D, its bias not 1-D)",
+                                         "fp8.weight")))
         elif sharding.is_dtensor(w):
             out.append(NoMatch(node, Why(f"{describe(node)} runs on a sharded weight (tensor "
                                          "parallelism)", "fp8.sharded")))
@@ -103,6 +104,10 @@ class Plan:
 
 
 def decide(m: Match, context: Context) -> Decided:
+    # the linear as the graph now reads it: its input may have been a linear this family
+    # rewrote since find() (B(A(x))), whose readers now read the FP8 op's output
+    x, w, b = canon(m.node).args
+    m = dataclasses.replace(m, x=x, weight=w, bias=b)
     if meta(m.node).requires_grad:
         return Decided.refuse(Rejection(Why(
             "a training graph: FP8 is built for inference graphs so far (its backward GEMMs "

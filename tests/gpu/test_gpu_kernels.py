@@ -1161,9 +1161,10 @@ def test_batched_experts_on_gpu(gated):
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 @pytest.mark.parametrize("via", ["optimize", "backend"])
 def test_fp8_mlps_on_gpu(family, via):
-    """options.fp8: the e4m3 GEMMs (gate/up, down, q/k/v) run their generated kernels (no
-    reference fallback), and the logits are within README's FP8 policy: no worse than
-    1.5x torchao's row-wise recipe, emulated on the same projections, against float64."""
+    """options.fp8: the e4m3 GEMMs (gate/up, down, q/k/v, and row-wise o_proj and the LM
+    head) run their generated kernels (no reference fallback), and the logits are within
+    README's FP8 policy: no worse than 1.5x torchao's row-wise recipe, emulated on the same
+    projections, against float64."""
     from test_fp8 import hf_projections, rowwise_projections
     model = hf_model(family, layers=2, hidden=256, dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(0, 256, (2, 128), device="cuda")
@@ -1177,7 +1178,8 @@ def test_fp8_mlps_on_gpu(family, via):
         emulated = rowwise_projections(model, hf_projections)(ids).logits
     ran = {(k[0].split("#")[0], k[1]) for k, v in ops.RUNTIME.items() if before.get(k) != v}
     op = "geglu" if family == "gemma" else "swiglu"
-    assert {(f"fp8_{op}", "kernel"), ("fp8_scaled", "kernel")} <= ran, ran
+    assert {(f"fp8_{op}", "kernel"), ("fp8_scaled", "kernel"), ("fp8_rowwise", "kernel")} \
+        <= ran, ran
     assert not [r for r in ran if r[0].startswith("fp8") and r[1] != "kernel"], ran
     assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth), \
         (rel_err(got, truth), rel_err(emulated, truth))
