@@ -315,3 +315,10 @@ def gemm_eager_rejects(graph: fx.Graph) -> fx.Node | None:
         if len(dtypes) > 1 and not under_autocast(node):
             return node
     return None
+
+
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """The eps F.rms_norm / nn.RMSNorm take for eps=None: ATen's, the epsilon of the type
+    it computes in (float32 for bf16 and fp16 inputs), not of the input's dtype (2⁻⁷ for
+    bf16); a float64 replay of such a norm must use the model's, not float64's."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .algebra.decision import Why
-from .canonical import canon, canon_name, constant, meta, runtime_scalar
+from .canonical import canon, canon_name, constant, default_rms_eps, meta, runtime_scalar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,9 +176,8 @@ def _recognise_fused(node: fx.Node) -> RmsNorm | NearMiss | None:
                                   "feature dim", "rmsnorm.not_last_dim"))
     if w is not None and not isinstance(w, fx.Node):
         return NearMiss(node, Why("weight is not a tensor of the graph", "rmsnorm.weight"))
-    if eps is None:  # ATen's default: the epsilon of the type it computes in (float32
-        # for bf16 and fp16 inputs), not of the input's dtype (2⁻⁷ for bf16)
-        eps = torch.finfo(torch.promote_types(mx.dtype, torch.float32)).eps
+    if eps is None:
+        eps = default_rms_eps(mx.dtype)
     if _eps(eps) is None:
         return NearMiss(node, Why(f"eps is {getattr(eps, 'name', eps)!r}, neither a constant "
                                   "nor a 0-d tensor", "rmsnorm.eps"))

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..canonical import canon, meta
+from ..canonical import canon, default_rms_eps, meta
 from ..codegen import layouts, reference
 from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
@@ -55,6 +55,13 @@ def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
         # keep (or refuse) shows up as a disagreement.
         return arg(node.args[0])
     c = canon(node)
+    if c is not None and c.name == "rms_norm" and c.args[3] is None and \
+            meta(c.args[0]) is not None:
+        # eps=None is the model's dtype's eps (default_rms_eps), not the replay's float64's
+        x, shape, w, _ = c.args
+        return torch.nn.functional.rms_norm(
+            arg(x), list(shape), None if w is None else arg(w),
+            default_rms_eps(meta(x).dtype))
     if c is not None and c.name == "grouped_mm":
         # torch._grouped_mm takes no float64: the same product, in the reference's loop
         return reference.grouped_mm(*(arg(x) for x in c.args))
