@@ -149,6 +149,11 @@ def step():
             patterns=("attention_inputs", "gated_mlp"), fuse_in_training=True)),
         **{name: (lambda pats=pats: torch.compile(model, backend=coda_backend(
             patterns=pats, fuse_in_training=True))) for name, pats in ABLATION},
+        # FP8 (options.fp8): every linear but the LM head row-wise e4m3, forward and
+        # backward; beside it torchao's float8 row-wise training recipe on the same linears
+        # (a copy of the model: its parameters are 2.4 GiB more in every variant's peak)
+        "coda fp8": lambda: torch.compile(model, backend=coda_backend(fp8=True)),
+        "torchao float8 rowwise": lambda: torchao_float8(model),
         # what users pick today (its wheel carried to the GPU, on PYTHONPATH); it patches
         # transformers' Llama modules, so it runs after the others
         "Liger 0.8.5": lambda: liger(model),
@@ -174,7 +179,7 @@ def step():
         for _ in range(per_round):
             run(m)
         torch.cuda.synchronize()
-        model.zero_grad(set_to_none=True)
+        m.zero_grad(set_to_none=True)
         times[name].append((time.time() - t0) / per_round * 1e3)
 
     def prepare(name):
@@ -186,7 +191,7 @@ def step():
         torch.cuda.synchronize()
         first[name] = time.time() - t0
         run(compiled[name])
-        model.zero_grad(set_to_none=True)
+        compiled[name].zero_grad(set_to_none=True)
         fused[name] = what_was_rewritten()
 
     alternating = [n for n in names if n != "Liger 0.8.5"]
@@ -204,7 +209,7 @@ def step():
         if os.environ.get("CODA_BENCH_TOP"):  # the kernels behind the split, per variant
             top = max(15, int(os.environ["CODA_BENCH_TOP"]))
             print(f"step {name}: top kernels\n{kernel_top(lambda: run(m), top)}", flush=True)
-        model.zero_grad(set_to_none=True)
+        m.zero_grad(set_to_none=True)
         ts = times[name]
         ms = statistics.median(ts)
         spread = (max(ts) - min(ts)) / ms
@@ -220,6 +225,19 @@ def step():
             timed("Liger 0.8.5")
         report("Liger 0.8.5")
     return rows, f"{batch} x {seq}"
+
+
+def torchao_float8(model):
+    """torchao's float8 training, its "rowwise" recipe (e4m3 for the three GEMMs, scales
+    per row / column), on every linear but the LM head, compiled (a copy: torchao swaps
+    the modules)."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    converted = convert_to_float8_training(
+        copy.deepcopy(model), config=Float8LinearConfig.from_recipe_name("rowwise"),
+        module_filter_fn=lambda module, fqn: fqn != "lm_head")
+    return torch.compile(converted)
 
 
 def what_was_rewritten() -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .algebra.decision import Why

@@ -22,6 +22,7 @@ import coda_rewrite
 from coda_rewrite.algebra.fp8 import rowwise
 from coda_rewrite.codegen import reference
 from coda_rewrite.codegen import fp8
+from coda_rewrite.codegen.program import parse
 from coda_rewrite.kernels import ops
 from coda_rewrite.kernels import fp8 as fp8_ops
 from coda_rewrite.numerics import rel_err
@@ -233,19 +234,6 @@ def test_relu_gate_is_not_a_pair_the_gated_matcher_knows():
     assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth) + 1e-3
 
 
-def test_training_graphs_run_the_bf16_rewrites():
-    model = hf_model("llama", layers=1, hidden=64).train()
-    ref = copy.deepcopy(model)
-    ids = tokens()
-    fast = coda_rewrite.optimize(model, fp8=True)
-    loss, want = fast(ids, labels=ids).loss, ref(ids, labels=ids).loss
-    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
-    assert codes(fast.report, "fp8_mlp") == {"fp8.training"}, str(fast.report)
-    assert codes(fast.report, "fp8_rowwise") == {"fp8.training"}, str(fast.report)
-    assert [r for r in fast.report.records if r.pattern == "gated_mlp"
-            and r.status == "rewritten"], str(fast.report)
-
-
 def test_the_ops_refuse_gradients():
     w = [torch.randn(32, 16, requires_grad=True), torch.randn(32, 16), torch.randn(16, 32)]
     q = fp8.saturate(torch.randn(4, 16))
@@ -394,16 +382,6 @@ def test_linear_look_alikes_are_refused_with_the_reason(knobs, code):
         assert rel_err(a, t) <= 1.5 * rel_err(e, t) + 1e-3, (rel_err(a, t), rel_err(e, t))
 
 
-def test_training_graphs_leave_the_linears_to_bf16():
-    model = Attn()
-    x = torch.randn(2, 8, 64)
-    fast = coda_rewrite.optimize(model, fp8=True)
-    q, k, v = fast(x)
-    (q.sum() + k.sum() + v.sum()).backward()
-    assert codes(fast.report, "fp8_linear") == {"fp8.training"}, str(fast.report)
-    assert model.q.weight.grad is not None
-
-
 def test_the_linear_op_refuses_gradients():
     w = [torch.randn(32, 16, requires_grad=True)]
     q = fp8.saturate(torch.randn(4, 16))
@@ -548,8 +526,42 @@ def test_a_linear_that_feeds_a_choice_stays_bf16():
     assert codes(fast.report, "fp8_linear") == {"fp8.routing"}, str(fast.report)
     assert codes(fast.report, "fp8_rowwise") == {"fp8.routing"}, str(fast.report)
     assert torch.equal(got[1], want[1]) and rel_err(got[2], want[2]) <= 1e-2
+    assert rel_err(got[0], want[0]) <= 0.1  # q in FP8: one e4m3 rounding of each operand
     (rec,) = fp8_records(fast.report, pattern="fp8_linear")
-    assert len(rec.consumers) == 1  # q alone (read twice); the router's gate left out
+    # q, called twice (the second call's output feeds `out`, whose argmax keeps `out` in
+    # bf16, not q: past a GEMM the values are another product's); the router's gate left
+    assert len(rec.consumers) == 2, rec.consumers
+    out = [r for r in fast.report.records if r.path == "out" and r.pattern == "fp8_rowwise"]
+    assert {r.code for r in out} == {"fp8.routing"}, str(fast.report)
+
+
+class DeepRouter(nn.Module):
+    """A router spelled long (casts, a temperature, a bias, a view: six ops before its
+    top-k) and a linear two GEMMs upstream of it."""
+
+    def __init__(self, d=64, experts=16):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.pre = nn.Linear(d, d, bias=False)
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.bias = nn.Parameter(torch.randn(experts))
+
+    def forward(self, x):
+        h = self.norm(self.pre(x))
+        logits = self.gate(h).float() / 0.7
+        scores = (torch.sigmoid(logits) + self.bias).to(x.dtype).view(-1, 16)
+        return h, torch.topk(scores, 4, dim=-1).indices
+
+
+def test_a_router_spelled_long_stays_bf16_and_what_is_upstream_does_not():
+    model = DeepRouter().to(bf).eval()
+    x = torch.randn(2, 8, 64, dtype=bf)
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(model, fp8=True)
+        fast(x)
+    gate = [r for r in fast.report.records if r.path == "gate" and r.pattern.startswith("fp8")]
+    assert gate and {r.code for r in gate} == {"fp8.routing"}, str(fast.report)
+    assert fp8_records(fast.report, pattern="fp8_rowwise"), str(fast.report)  # pre
 
 
 class Chain(nn.Module):
@@ -582,3 +594,192 @@ def test_chained_linears_are_each_rewritten_from_the_graph_as_it_is_then():
     assert len(fp8_records(fast.report, pattern="fp8_linear")) == 2, str(fast.report)
     assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 2, str(fast.report)
     assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth) + 1e-3
+
+
+# ---- training: every linear row-wise, its backward GEMMs in FP8 too -------------------------
+
+class _RowwiseRecipe(torch.autograd.Function):
+    """torchao's float8 row-wise training recipe, emulated in float64: each of the three
+    GEMMs on e4m3 operands scaled along the dims it keeps (the test's bar)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.biased = b is not None
+        y = rowwise(x.reshape(-1, x.shape[-1]).double(), w.double())
+        y = y + (0 if b is None else b.double())
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        d, x2 = dy.reshape(-1, dy.shape[-1]).double(), x.reshape(-1, x.shape[-1]).double()
+        dx = rowwise(d, w.double().T).reshape(x.shape).to(x.dtype)
+        return dx, rowwise(d.T, x2.T).to(w.dtype), d.sum(0).to(w.dtype) if ctx.biased else None
+
+
+def rowwise_training(model, skip=("lm_head",)):
+    emu = copy.deepcopy(model)
+    for name, lin in emu.named_modules():
+        if isinstance(lin, nn.Linear) and name.rsplit(".", 1)[-1] not in skip:
+            lin.forward = lambda x, lin=lin: _RowwiseRecipe.apply(x, lin.weight, lin.bias)
+    return emu
+
+
+def grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_within_policy(got: dict, recipe: dict, truth: dict, floor=1e-2):
+    """Every gradient no worse than the recipe's against float64, by README's FP8 bar."""
+    assert got.keys() == recipe.keys() == truth.keys()
+    for name in truth:
+        err, base = rel_err(got[name], truth[name]), rel_err(recipe[name], truth[name])
+        assert err <= 1.5 * base + floor, (name, err, base)
+
+
+def test_training_runs_every_linear_rowwise_with_its_backward_in_fp8():
+    """A training graph: the bound-scaled families refuse (fp8.training), every linear but
+    the LM head (fp8.loss_head: the cross-entropy family fuses it) runs row-wise, forward
+    and backward; the loss and every gradient within the policy against float64."""
+    model = hf_model("llama", layers=2, hidden=64, dtype=bf).train()
+    truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model, fp8=True)
+    losses = [m(ids, labels=ids).loss for m in (fast, recipe, truth)]
+    for loss in losses:
+        loss.backward()
+    assert codes(fast.report, "fp8_mlp") == {"fp8.training"}, str(fast.report)
+    assert codes(fast.report, "fp8_linear") == {"fp8.training"}, str(fast.report)
+    assert codes(fast.report, "fp8_rowwise") == {"fp8.loss_head"}, str(fast.report)
+    assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 14, str(fast.report)
+    assert fp8_records(fast.report, pattern="lm_head_cross_entropy"), str(fast.report)
+    got, want, exact = (loss.item() for loss in losses)
+    assert abs(got - exact) <= 1.5 * abs(want - exact) + 1e-2 * abs(exact)
+    assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
+
+
+class Linears(nn.Module):
+    """The look-alikes of a training graph's linear: a frozen weight, one weight read by two
+    linears, a bias, an input that needs no gradient, 14 rows (not a multiple of 16: the
+    wgrad's reduction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 48)
+        self.b = nn.Linear(48, 32, bias=False)
+        self.frozen = nn.Linear(32, 16, bias=False).requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.frozen(self.b(h) + self.b(h * 2)).sum() + self.a(x).square().mean()
+
+
+def test_training_look_alikes_match_the_recipe():
+    model = Linears().to(bf)
+    x = torch.randn(2, 7, 32, dtype=bf)
+    truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
+    fast = coda_rewrite.optimize(model, fp8=True)
+    fast(x).backward()
+    recipe(x).backward()
+    truth(x.double()).backward()
+    assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 5, str(fast.report)
+    assert model.frozen.weight.grad is None
+    got, want = grads(model), grads(recipe)
+    for name in want:  # the same recipe: float32 sums where the emulation's are float64
+        assert rel_err(got[name], want[name]) <= 2e-2, name
+    assert_grads_within_policy(got, want, grads(truth))
+
+
+def test_an_input_that_needs_a_gradient_gets_it_through_the_fp8_linear():
+    lin = nn.Linear(32, 16, bias=False).to(bf)
+    x = torch.randn(16, 32, dtype=bf, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    fast = coda_rewrite.optimize(nn.Sequential(lin), fp8=True)
+    fast(x).square().sum().backward()
+    (xd @ lin.weight.double().T).square().sum().backward()
+    assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 1, str(fast.report)
+    assert rel_err(x.grad, xd.grad) <= 0.1
+
+
+def test_a_second_derivative_through_the_fp8_linear_is_refused():
+    lin = nn.Linear(32, 16).to(bf)
+    x = torch.randn(16, 32, dtype=bf, requires_grad=True)
+    fast = coda_rewrite.optimize(nn.Sequential(lin), fp8=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(fast(x).square().sum(), x, create_graph=True)
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_training_witness_refuses_a_backward_that_is_off(monkeypatch):
+    """A column scale 25% off (the kind of slip a transposed operand makes) is caught by the
+    backward's replay: the linear runs as eager's, and the report says why."""
+    real = fp8.quantize_columns
+    monkeypatch.setattr(fp8, "quantize_columns", lambda t: (real(t)[0], real(t)[1] * 1.25))
+    model = Linears().to(bf)
+    fast = coda_rewrite.optimize(model, fp8=True)
+    fast(torch.randn(2, 7, 32, dtype=bf))
+    assert codes(fast.report, "fp8_rowwise") == {"witness.disagrees"}, str(fast.report)
+    assert not fp8_records(fast.report, pattern="fp8_rowwise")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rows=st.integers(1, 40), scale=st.floats(1e-4, 1e4),
+       spike=st.floats(0, 1e4))
+def test_rowwise_grads_are_the_recipe(seed, rows, scale, spike):
+    """codegen/fp8.rowwise_grads (what the op's backward runs) against the recipe emulated
+    in float64, on gradients of any size with an outlier token and an outlier feature."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 48, generator=g)
+    w = torch.randn(32, 48, generator=g)
+    dy = torch.randn(rows, 32, generator=g) * scale
+    dy[0, 3] += spike * scale
+    dx, dw = fp8.rowwise_grads(dy, x, w, True, True,
+                               lambda t, a, b, o: reference.run_program(parse(t), a, b, o))
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    assert rel_err(dx, rowwise(dy.double(), w.double().T)) <= 1e-5
+    assert rel_err(dw, rowwise(dy.double().T, x.double().T)) <= 1e-5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_training_loss_after_steps_is_no_worse_than_the_recipes(seed):
+    """The numerics policy's training bar (README, "FP8"): six AdamW steps on one batch,
+    each step's loss against the float64 model's trajectory, within 1.5x of the larger
+    of torchao's recipe's distance and eager bf16's (a trajectory's own noise: eager bf16
+    drifts ~1e-2 from float64 by the sixth step here), plus 0.1% of the loss."""
+    model = hf_model("llama", layers=2, hidden=64, dtype=bf, seed=seed).train()
+    truth, recipe, eager = (copy.deepcopy(model).double(), rowwise_training(model),
+                            copy.deepcopy(model))
+    fast = coda_rewrite.optimize(model, fp8=True)
+    runs = [(fast, model), (recipe, recipe), (eager, eager), (truth, truth)]
+    opts = [torch.optim.AdamW(params.parameters(), lr=3e-3) for _, params in runs]
+    curves = [[] for _ in runs]
+    ids = tokens(seed=seed)
+    for _ in range(6):
+        for (m, _), opt, curve in zip(runs, opts, curves):
+            opt.zero_grad()
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+    ours, theirs, bf16, exact = curves
+    for step, (o, t, b, e) in enumerate(zip(ours, theirs, bf16, exact)):
+        bar = 1.5 * max(abs(t - e), abs(b - e)) + 1e-3 * abs(e)
+        assert abs(o - e) <= bar, (step, ours, theirs, bf16, exact)
+    assert exact[-1] < exact[0] - 1 and ours[-1] < ours[0] - 1  # it trained
+
+
+def test_the_backend_trains_through_the_fp8_linears():
+    """torch.compile(backend=coda, fp8): AOTAutograd traces the Function apart; the
+    backward's quantisations are graph ops; the gradients within the policy."""
+    model = hf_model("llama", layers=1, hidden=64, dtype=bf).train()
+    truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
+    ids = tokens()
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(fp8=True))
+    compiled = torch.compile(model, backend=backend)
+    for m in (compiled, recipe, truth):
+        m(ids, labels=ids).loss.backward()
+    taken = [r for r in backend.report.records
+             if r.pattern == "fp8_rowwise" and r.status == "rewritten"]
+    assert len(taken) == 7, str(backend.report)
+    assert_grads_within_policy(grads(model), grads(recipe), grads(truth))

@@ -26,10 +26,13 @@ per-row weight scales) on the same values, plus 1% — the numerics policy of RE
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from ..canonical import canon
 from ..capture import describe
 from ..codegen import fp8 as fp8_math
 from ..codegen import reference
+from ..codegen.program import parse
 from ..graph_utils import updated_between
 from ..numerics import rel_err
 from . import gated, statements
@@ -112,23 +115,38 @@ _CHOICES = {torch.topk, torch.argmax, torch.argmin, torch.sort, torch.argsort, t
             torch.min, torch.multinomial, "topk", "argmax", "argmin", "sort", "argsort",
             "max", "min", torch.ops.aten.topk.default, torch.ops.aten.argmax.default,
             torch.ops.aten.argmin.default, torch.ops.aten.sort.default}
-CHOICE_DEPTH = 4  # ops between a linear and the choice it feeds (softmax, a cast, a view)
+# losses whose logits another family fuses with their GEMM (patterns/cross_entropy.py)
+_LOSSES = {F.cross_entropy, F.nll_loss, torch.ops.aten.nll_loss_forward.default}
+# ops that multiply what they read by something else: a search for what a linear's output
+# feeds stops there (what is past them reads another product, not this linear's values)
+_PRODUCTS = {"linear", "matmul", "grouped_mm"}
+_OTHER_PRODUCTS = {torch.bmm, torch.einsum, torch.baddbmm, "bmm", "baddbmm",
+                   F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+                   torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+                   torch.ops.aten.addmm.default}
 
 
-def feeds_a_choice(node, depth: int = CHOICE_DEPTH):
-    """The first op within ``depth`` uses of ``node`` that chooses among its values (a
-    router's topk over the softmax of its logits), or None. FP8's rounding of such a
-    linear's output would change which experts (or tokens) are chosen, not only by how
-    much: a discrete change no error bar covers. (max/min with a dim also return indices;
-    without one they are a value, counted here too: a cheap refusal, not a wrong one.)"""
+def _is_product(node) -> bool:
+    if node.target in _OTHER_PRODUCTS:
+        return True
+    c = canon(node)
+    return c is not None and c.name in _PRODUCTS
+
+
+def first_reader(node, targets):
+    """The first op among ``targets`` that reads ``node``'s values through any chain of
+    ops that does not multiply them by another operand (elementwise maps, softmax, casts,
+    views, reductions: however long the spelling), or None. A chain ends at a GEMM or an
+    attention: past it, the values are another product's (a linear two GEMMs upstream of
+    a router perturbs its choice no more than any bf16 rounding upstream does in eager)."""
     frontier, seen = [node], {node}
-    for _ in range(depth):
+    while frontier:
         nxt = []
         for n in frontier:
             for u in n.users:
-                if u.target in _CHOICES:
+                if u.target in targets:
                     return u
-                if u not in seen:
+                if u not in seen and not _is_product(u):
                     seen.add(u)
                     nxt.append(u)
         frontier = nxt
@@ -136,13 +154,29 @@ def feeds_a_choice(node, depth: int = CHOICE_DEPTH):
 
 
 def choice_refusal(node) -> Why | None:
-    """Why a linear whose output feeds a choice (feeds_a_choice) stays bf16, or None."""
-    choice = feeds_a_choice(node)
+    """Why a linear whose output a choice reads (first_reader) stays bf16, or None: FP8's
+    rounding of a router's logits would change which experts (or tokens) are chosen, not
+    only by how much, a discrete change no error bar covers. (max/min with a dim also
+    return indices; without one they are a value, counted here too: a cheap refusal, not
+    a wrong one.)"""
+    choice = first_reader(node, _CHOICES)
     if choice is None:
         return None
     return Why(f"{describe(node)} feeds {describe(choice)}, which chooses among its values "
                "(a router's top-k): an FP8 rounding could change the choice; it runs in bf16",
                "fp8.routing")
+
+
+def loss_refusal(node) -> Why | None:
+    """Why a linear whose output a cross-entropy reads (an LM head) stays bf16, or None:
+    the cross-entropy family fuses the head with its loss (in training, no logits written
+    at all), the larger win; float8 training recipes commonly leave the output layer in
+    high precision too."""
+    loss = first_reader(node, _LOSSES)
+    if loss is None:
+        return None
+    return Why(f"{describe(node)} feeds {describe(loss)}: the head stays bf16 for the "
+               "cross-entropy family, which fuses it with the loss", "fp8.loss_head")
 
 
 def rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -250,13 +284,15 @@ def _replay_linears(m, program) -> str:
     # 32 rows: FP8's error on a few values is a noisy draw, and the bar is a ratio of two
     k, rows = norm.dim, 32
     rand, env, z, eps, gamma = _norm_inputs(norm, rows, gen)
-    widths = [7 + 3 * i for i in range(len(m.linears))]
-    weights = [rand(w, k) for w in widths]
-    biases = [None if lin.bias is None else rand(w) for lin, w in zip(m.linears, widths)]
-    for lin, w, b in zip(m.linears, weights, biases):
-        env[lin.weight] = w
-        if b is not None:
-            env[lin.bias] = b
+    # one value per weight (and bias) node: two linears may read the same one (a module
+    # called twice on the norm's output), and their columns are then the same
+    for i, lin in enumerate(m.linears):
+        if lin.weight not in env:
+            env[lin.weight] = rand(7 + 3 * i, k)
+        if lin.bias is not None and lin.bias not in env:
+            env[lin.bias] = rand(env[lin.weight].shape[0])
+    weights = [env[lin.weight] for lin in m.linears]
+    biases = [None if lin.bias is None else env[lin.bias] for lin in m.linears]
     eval_nodes([n for n in norm.nodes if n not in env], env)
     env[norm.output] = env[norm.output].double()
     nodes = [n for lin in m.linears for n in lin.nodes]
@@ -280,11 +316,12 @@ def _replay_linears(m, program) -> str:
 
 # ---- a linear of row-wise scaled rows (patterns/fp8_rowwise.py) ---------------------
 
-def decide_rowwise(m, program) -> Decision:
+def decide_rowwise(m, program, trains: bool = False) -> Decision:
     """Nothing moves: the quantisation and the GEMM run where eager's linear ran, on what
-    it read. The replay holds the kernel's math to the recipe it implements."""
+    it read. The replay holds the kernel's math to the recipe it implements, and in a
+    training graph the backward's two FP8 GEMMs to the same recipe's."""
     proof = statements.prove_fp8_rowwise_linear()
-    seen = guarded(lambda m: _replay_rowwise(m, program), m)
+    seen = guarded(lambda m: _replay_rowwise(m, program, trains), m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions,
@@ -292,7 +329,7 @@ def decide_rowwise(m, program) -> Decision:
                                    "ran, on the values it read"), proof.steps, seen)
 
 
-def _replay_rowwise(m, program) -> str:
+def _replay_rowwise(m, program, trains: bool) -> str | Rejection:
     gen = torch.Generator().manual_seed(8219)
     k, n, rows = m.in_features, 24, 32
     x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
@@ -311,5 +348,32 @@ def _replay_rowwise(m, program) -> str:
                                    [r.reshape(-1), ws] + ([] if bb is None else [bb]))
     base = rowwise(x, w) + (0 if b is None else b)
     err, base = rel_err(out, ref), rel_err(base, ref)
-    return verdict(err, f"rows {rows}, K {k} (torchao row-wise: {base:.1e})", m.path,
+    seen = verdict(err, f"rows {rows}, K {k} (torchao row-wise: {base:.1e})", m.path,
                    tol=VS_ROWWISE * base + FLOOR)
+    if not trains or isinstance(seen, Rejection):
+        return seen
+    return _replay_rowwise_grads(m, x, w, gen, seen)
+
+
+def _replay_rowwise_grads(m, x, w, gen, seen: str) -> str | Rejection:
+    """The backward (codegen/fp8.rowwise_grads, as the op's backward runs it) against the
+    exact gradients, each GEMM held to the recipe emulated: dy's rows with W's columns,
+    dy's columns with x's columns."""
+    dy = torch.randn(x.shape[0], w.shape[0], generator=gen, dtype=torch.float64)
+    dy[2] = 0           # a token with no gradient
+    dy[:, 1] *= 1e3     # an output feature with large gradients: its column's own scale
+    dx, dw = fp8_math.rowwise_grads(dy, x, w, True, True, _reference_gemm)
+    lines = [seen]
+    for what, got, exact, recipe in (("dx", dx, dy @ w, rowwise(dy, w.T)),
+                                     ("dW", dw, dy.T @ x, rowwise(dy.T, x.T))):
+        err, base = rel_err(got, exact), rel_err(recipe, exact)
+        said = verdict(err, f"{what} (torchao row-wise: {base:.1e})", m.path,
+                       tol=VS_ROWWISE * base + FLOOR)
+        if isinstance(said, Rejection):
+            return said
+        lines.append(said)
+    return "; ".join(lines)
+
+
+def _reference_gemm(text, a, b, operands):
+    return reference.run_program(parse(text), a, b, operands)

@@ -42,6 +42,7 @@ against torchao's row-wise recipe on the same weights.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -155,6 +156,46 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 def quantize_by(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """e4m3(x / scale) per row: within ±448 by the scale's definition (row_scales)."""
     return saturate(x.float() / scales)
+
+
+def quantize_columns(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of tᵀ, contiguous: [K, M] e4m3 and a float32 scale per column of t
+    (its amax over the rows / 448). The backward's operands: a GEMM that reduces over t's
+    rows reads them K-major (the e4m3 contract), so they are transposed as they are
+    quantised (under Inductor, one pass)."""
+    q, s = quantize_rows(t.reshape(-1, t.shape[-1]).t())
+    return q.contiguous(), s.contiguous()
+
+
+def rowwise_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
+                  want_w: bool, gemm):
+    """(dx, dW) of y = x·Wᵀ by torchao's float8 row-wise training recipe (its "rowwise":
+    e4m3 for all three GEMMs, each operand scaled along the dim the GEMM keeps):
+
+        dx = dy·W      dy's rows scaled by their amax, W's columns by theirs
+        dW = dyᵀ·x     dy's columns and x's columns (both reduced over the tokens)
+
+    each an e4m3 GEMM with both scales in its epilogue (rowwise_program, the forward's
+    program), run by ``gemm(program_text, a, b, operands) -> [out]``. dx in x's dtype, dW
+    in W's; None where not wanted. (torchao also rounds its scales to powers of two; these
+    are amax/448 exactly, as in the forward.)"""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = dw = None
+    if want_x:
+        r = row_scales(dy2)
+        qwt, sw = quantize_columns(w)
+        (dx,) = gemm(_rowwise_text(x.dtype), quantize_by(dy2, r), qwt, [r.reshape(-1), sw])
+        dx = dx.reshape(*dy.shape[:-1], w.shape[1])
+    if want_w:
+        qdyt, sdy = quantize_columns(dy2)
+        qxt, sx = quantize_columns(x)
+        (dw,) = gemm(_rowwise_text(w.dtype), qdyt, qxt, [sdy, sx])
+    return dx, dw
+
+
+@functools.lru_cache(maxsize=None)
+def _rowwise_text(dtype: torch.dtype) -> str:
+    return rowwise_program(dtype).to_text()
 
 
 def rowwise_weights(weight: torch.Tensor, bias: torch.Tensor | None):

@@ -97,6 +97,50 @@ def rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor,
     return out.reshape(*q.shape[:-1], out.shape[-1])
 
 
+class RowwiseLinear(torch.autograd.Function):
+    """``coda::fp8_rowwise_linear`` where autograd records it (a training graph): the
+    formula-less op forward (grad mode is off inside a Function's forward), torchao's
+    float8 row-wise training recipe backward (codegen/fp8.rowwise_grads: dgrad and wgrad
+    as e4m3 GEMMs with their scales in the epilogue, the quantisations as traced ops that
+    Inductor fuses into the passes that transpose them). Like ops.FusedGemm, a Function
+    rather than the op's own formula: AOTAutograd traces it apart, so a compiled step runs
+    no Python autograd per call. It keeps what eager's linear keeps (x and W, in their own
+    dtypes: what torchao's recipe keeps too) and re-quantises in the backward along the
+    dims those GEMMs keep."""
+
+    @staticmethod
+    def forward(program, q, r, x, weight, bias):
+        return fp8_rowwise_linear(program, q, r, [weight] + ([] if bias is None else [bias]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, _, x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, dy):
+        ops.refuse_second_derivative("the FP8 row-wise linear")
+        x, weight = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dx, dw = fp8.rowwise_grads(dy, x, weight, want_x, want_w, _nograd_gemm)
+        db = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[5]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return None, None, None, dx, dw, db
+
+
+def _nograd_gemm(program, a, b, operands):
+    return ops.gemm_epilogue_nograd(program, a, b, operands)
+
+
+def trained_rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor, x: torch.Tensor,
+                           weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """What a training graph calls for a row-wise FP8 linear (RowwiseLinear): ``x`` is the
+    bf16 input ``q`` and ``r`` were quantised from, kept for the backward."""
+    return RowwiseLinear.apply(program, q, r, x, weight, bias)
+
+
 # Two ops, with the product's quantisation between them as graph ops (Inductor makes the
 # clamp and the cast one pass). The FP8 weights stay inside the ops, computed once per
 # weight version and shared by both (an op output could be reused as scratch by Inductor's

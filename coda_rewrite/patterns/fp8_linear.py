@@ -81,7 +81,7 @@ def _linear_of(node: fx.Node, x: fx.Node) -> Linear | Why | None:
                                or meta(b).dim() != 1)):
         return Why(f"{describe(node)}'s weight is not a 2-D tensor (or its bias not 1-D)",
                    "fp8.weight")
-    choice = fp8_algebra.choice_refusal(node)
+    choice = fp8_algebra.choice_refusal(node) or fp8_algebra.loss_refusal(node)
     if choice is not None:
         return choice
     if sharding.is_dtensor(w):
@@ -139,8 +139,9 @@ def decide(m: Match, context: Context) -> Decided:
     m = current
     if any(meta(lin.node).requires_grad for lin in m.linears):
         return Decided.refuse(Rejection(Why(
-            "a training graph: FP8 is built for inference graphs so far (its backward GEMMs "
-            "are not); the linears run the bf16 rewrites", "fp8.training"), m.path))
+            "a training graph: the bounds come from kept weights, which an optimizer "
+            "changes every step; the linears go on to fp8_rowwise (FP8 forward and "
+            "backward)", "fp8.training"), m.path))
     program = fp8.scaled_program(meta(m.linears[0].node).dtype,
                                  bias=any(lin.bias is not None for lin in m.linears))
     return Decided.by(fp8_algebra.decide_linears(m, program), Plan(m, program))

@@ -99,8 +99,9 @@ def decide(m: Match, context: Context) -> Decided:
     g = m.gated
     if meta(g.mul).requires_grad:
         return Decided.refuse(Rejection(Why(
-            "a training graph: FP8 is built for inference graphs so far (its backward GEMMs "
-            "are not); the MLP runs the bf16 rewrites", "fp8.training"), m.path))
+            "a training graph: the bounds come from kept weights, which an optimizer "
+            "changes every step; the MLP goes on to fp8_rowwise (FP8 forward and "
+            "backward)", "fp8.training"), m.path))
     gate_up = fp8.gate_up_program(g.op, g.params)
     down = fp8.down_program(meta(m.down.linear).dtype)
     decision = fp8_algebra.decide(m, gate_up, down)

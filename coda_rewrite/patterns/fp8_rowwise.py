@@ -16,6 +16,12 @@ reading a slice of the final norm, a down projection the FP8 MLP could not take.
 after the two bound-scaled families (patterns/fp8_mlp.py, patterns/fp8_linear.py), which
 need no amax, and before the bf16 families, so that with options.fp8 every linear of an
 inference graph whose widths e4m3 GEMMs take runs in FP8; the report lists the others.
+
+In a training graph (where the bound-scaled families step aside) it takes every linear,
+and its backward GEMMs run in FP8 too: ``kernels/fp8.RowwiseLinear``, torchao's row-wise
+training recipe (dx = dy·W and dW = dyᵀ·x on e4m3 operands scaled along the dims each GEMM
+keeps; codegen/fp8.rowwise_grads). An LM head whose logits a cross-entropy reads stays
+bf16 for the cross-entropy family, which fuses it with the loss (fp8.loss_head).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.fx as fx
 from .. import patterns
 from ..algebra import fp8 as fp8_algebra
 from ..algebra import sharding
-from ..algebra.decision import Rejection, Why
+from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..graph_utils import copy_meta, erase_if_dead
@@ -82,8 +88,8 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         elif sharding.is_dtensor(w):
             out.append(NoMatch(node, Why(f"{describe(node)} runs on a sharded weight (tensor "
                                          "parallelism)", "fp8.sharded")))
-        elif fp8_algebra.choice_refusal(node) is not None:
-            out.append(NoMatch(node, fp8_algebra.choice_refusal(node)))
+        elif (why := fp8_algebra.choice_refusal(node) or fp8_algebra.loss_refusal(node)):
+            out.append(NoMatch(node, why))
         elif any(int(d) % ALIGN for d in mw.shape):
             out.append(NoMatch(node, Why(
                 f"{describe(node)}'s weight is {tuple(mw.shape)}: an e4m3 GEMM needs both "
@@ -101,6 +107,7 @@ def describe_match(m: Match) -> dict:
 class Plan:
     match: Match
     program: object   # EpilogueProgram
+    trains: bool      # a training graph: the backward GEMMs in FP8 too
 
 
 def decide(m: Match, context: Context) -> Decided:
@@ -108,12 +115,10 @@ def decide(m: Match, context: Context) -> Decided:
     # rewrote since find() (B(A(x))), whose readers now read the FP8 op's output
     x, w, b = canon(m.node).args
     m = dataclasses.replace(m, x=x, weight=w, bias=b)
-    if meta(m.node).requires_grad:
-        return Decided.refuse(Rejection(Why(
-            "a training graph: FP8 is built for inference graphs so far (its backward GEMMs "
-            "are not); the linear runs the bf16 rewrites", "fp8.training"), m.path))
+    trains = bool(meta(m.node).requires_grad)
     program = fp8.rowwise_program(meta(m.node).dtype, bias=m.bias is not None)
-    return Decided.by(fp8_algebra.decide_rowwise(m, program), Plan(m, program))
+    return Decided.by(fp8_algebra.decide_rowwise(m, program, trains),
+                      Plan(m, program, trains))
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
@@ -122,12 +127,21 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     with graph.inserting_before(m.node):
         r = graph.call_function(fp8.row_scales, (m.x,))
         q = graph.call_function(fp8.quantize_by, (m.x, r))
-        sources = [m.weight] + ([] if m.bias is None else [m.bias])
-        y = graph.call_function(fp8_ops.fp8_rowwise_linear,
-                                (plan.program.to_text(), q, r, sources))
+        text = plan.program.to_text()
+        if plan.trains:
+            y = graph.call_function(fp8_ops.trained_rowwise_linear,
+                                    (text, q, r, m.x, m.weight, m.bias))
+        else:
+            sources = [m.weight] + ([] if m.bias is None else [m.bias])
+            y = graph.call_function(fp8_ops.fp8_rowwise_linear, (text, q, r, sources))
     copy_meta(y, m.node)
     m.node.replace_all_uses_with(y)
     erase_if_dead(graph, [m.node])
-    return {"programs": [plan.program],
-            "weights": "e4m3 per output row, kept by version (kernels/fp8.py); the input "
-                       "scaled per row by its amax (graph ops, before the GEMM)"}
+    out = {"programs": [plan.program],
+           "weights": "e4m3 per output row, kept by version (kernels/fp8.py); the input "
+                      "scaled per row by its amax (graph ops, before the GEMM)"}
+    if plan.trains:
+        out["backward"] = ("dx = dy·W and dW = dyᵀ·x as e4m3 GEMMs, each operand scaled "
+                           "along the dim its GEMM keeps (torchao's row-wise training "
+                           "recipe); x and W kept, as eager keeps them")
+    return out

@@ -1183,3 +1183,30 @@ def test_fp8_mlps_on_gpu(family, via):
     assert not [r for r in ran if r[0].startswith("fp8") and r[1] != "kernel"], ran
     assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth), \
         (rel_err(got, truth), rel_err(emulated, truth))
+
+
+@pytest.mark.parametrize("via", ["optimize", "backend"])
+def test_fp8_training_on_gpu(via):
+    """options.fp8 in a training step: every linear but the LM head runs row-wise e4m3, its
+    forward, dgrad and wgrad GEMMs on generated kernels (2 x 128 tokens: every reduction a
+    multiple of 16), and the loss and every gradient within README's FP8 policy against
+    float64 (torchao's row-wise training recipe emulated on the same linears)."""
+    from test_fp8 import assert_grads_within_policy, grads, rowwise_training
+    model = hf_model("llama", layers=2, hidden=256, dtype=torch.bfloat16).cuda().train()
+    truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
+    ids = torch.randint(0, 256, (2, 128), device="cuda")
+    before = dict(ops.RUNTIME)
+    fast = coda_rewrite.optimize(model, fp8=True) if via == "optimize" else \
+        torch.compile(model, backend=coda_rewrite.CodaBackend(coda_rewrite.Options(fp8=True)))
+    losses = [m(ids, labels=ids).loss for m in (fast, recipe, truth)]
+    for loss in losses:
+        loss.backward()
+    ran = {(k[0].split("#")[0], k[1]): v - before.get(k, 0) for k, v in ops.RUNTIME.items()
+           if before.get(k) != v}
+    # per layer 7 forwards, 7 wgrads, 6 dgrads (the first linears' input is the norm's:
+    # it needs its gradient too, so 7): 14 + 14 + 14 calls of the one program
+    assert ran.get(("fp8_rowwise", "kernel"), 0) >= 42, ran
+    assert not [r for r in ran if r[0].startswith("fp8") and r[1] != "kernel"], ran
+    got, want, exact = (loss.item() for loss in losses)
+    assert abs(got - exact) <= 1.5 * abs(want - exact) + 1e-2 * abs(exact)
+    assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
