@@ -26,16 +26,17 @@ per-row weight scales) on the same values, plus 1% — the numerics policy of RE
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
-from ..canonical import canon
+from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import fp8 as fp8_math
 from ..codegen import reference
 from ..codegen.program import parse
 from ..graph_utils import updated_between
 from ..numerics import rel_err
-from . import gated, statements
+from . import gated, sharding, statements
 from .decision import Decision, Proof, Rejection, RejectionKind, Why
 from .witness import eval_nodes, guarded, verdict
 
@@ -177,6 +178,22 @@ def loss_refusal(node) -> Why | None:
         return None
     return Why(f"{describe(node)} feeds {describe(loss)}: the head stays bf16 for the "
                "cross-entropy family, which fuses it with the loss", "fp8.loss_head")
+
+
+def linear_refusal(node, x, w, b) -> Why | None:
+    """Why the linear ``node`` (canonically ``linear(x, w, b)``) cannot run in FP8 at all,
+    or None: both FP8 linear families ask this first (patterns/fp8_linear.py,
+    patterns/fp8_rowwise.py)."""
+    mw = meta(w) if isinstance(w, fx.Node) else None
+    if not isinstance(x, fx.Node) or mw is None or mw.dim() != 2 or (
+            b is not None and (not isinstance(b, fx.Node) or meta(b) is None
+                               or meta(b).dim() != 1)):
+        return Why(f"{describe(node)}'s input or weight is not a graph value (or its weight "
+                   "not 2-D, its bias not 1-D)", "fp8.weight")
+    if sharding.is_dtensor(w):
+        return Why(f"{describe(node)} runs on a sharded weight (tensor parallelism): its FP8 "
+                   "weight would be the shard's", "fp8.sharded")
+    return choice_refusal(node) or loss_refusal(node)
 
 
 def rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

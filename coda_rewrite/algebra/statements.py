@@ -1289,7 +1289,10 @@ def prove_fp8_rowwise_linear() -> Proof:
         "Σ_k (Q_ik·r_i)·(Wq_jk·s_j) + b_j = r_i·s_j·Σ_k Q_ik·Wq_jk + b_j, and "
         "|x_ik/r_i| ≤ 448 for r_i = max_k |x_ik|/448",
         ("the activation's rows are scaled by their own amax (torchao's row-wise recipe); "
-         "the weight's rows by theirs",),
+         "the weight's rows by theirs",
+         "in training the backward's GEMMs are this product on other operands, each "
+         "scaled along the dim its GEMM keeps: dx = dy·W on (dy's rows, W's columns), "
+         "dW = dyᵀ·x on (dy's columns, x's columns)"),
         ("Σ_k (Q·r_i)·(Wq·s_j) = r_i·s_j·Σ_k Q·Wq: the scales leave the sum (sympy)",
          "448 − 448·|x|/amax = 448·(amax − |x|)/amax ≥ 0 (sympy)"),
         _witness("FP8 row-wise linear (an outlier row)", num, tol=1.0))

@@ -28,7 +28,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import patterns
 from ..algebra import fp8 as fp8_algebra
-from ..algebra import sharding
 from ..algebra.decision import Rejection, Why
 from ..algebra.gated import upstream
 from ..canonical import canon, meta
@@ -76,17 +75,9 @@ def _linear_of(node: fx.Node, x: fx.Node) -> Linear | Why | None:
     if c is None or c.name != "linear" or c.args[0] is not x:
         return None
     w, b = c.args[1], c.args[2]
-    if not isinstance(w, fx.Node) or meta(w) is None or meta(w).dim() != 2 or (
-            b is not None and (not isinstance(b, fx.Node) or meta(b) is None
-                               or meta(b).dim() != 1)):
-        return Why(f"{describe(node)}'s weight is not a 2-D tensor (or its bias not 1-D)",
-                   "fp8.weight")
-    choice = fp8_algebra.choice_refusal(node) or fp8_algebra.loss_refusal(node)
-    if choice is not None:
-        return choice
-    if sharding.is_dtensor(w):
-        return Why(f"{describe(node)} runs on a sharded weight (tensor parallelism): its "
-                   "FP8 weight would be the shard's", "fp8.sharded")
+    why = fp8_algebra.linear_refusal(node, x, w, b)
+    if why is not None:
+        return why
     nodes = tuple(n for n in upstream(node, {x, w, b}) if n is not x)
     return Linear(node, w, b, nodes)
 

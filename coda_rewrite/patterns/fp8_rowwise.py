@@ -32,7 +32,6 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import fp8 as fp8_algebra
-from ..algebra import sharding
 from ..algebra.decision import Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
@@ -78,21 +77,12 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         if c is None or c.name != "linear":
             continue
         x, w, b = c.args
-        mw = meta(w) if isinstance(w, fx.Node) else None
-        if not isinstance(x, fx.Node) or mw is None or mw.dim() != 2 or (
-                b is not None and (not isinstance(b, fx.Node) or meta(b) is None
-                                   or meta(b).dim() != 1)):
-            out.append(NoMatch(node, Why(f"{describe(node)}'s input or weight is not a graph "
-                                         "value (or its weight not 2-D, its bias not 1-D)",
-                                         "fp8.weight")))
-        elif sharding.is_dtensor(w):
-            out.append(NoMatch(node, Why(f"{describe(node)} runs on a sharded weight (tensor "
-                                         "parallelism)", "fp8.sharded")))
-        elif (why := fp8_algebra.choice_refusal(node) or fp8_algebra.loss_refusal(node)):
+        why = fp8_algebra.linear_refusal(node, x, w, b)
+        if why is not None:
             out.append(NoMatch(node, why))
-        elif any(int(d) % ALIGN for d in mw.shape):
+        elif any(int(d) % ALIGN for d in meta(w).shape):
             out.append(NoMatch(node, Why(
-                f"{describe(node)}'s weight is {tuple(mw.shape)}: an e4m3 GEMM needs both "
+                f"{describe(node)}'s weight is {tuple(meta(w).shape)}: an e4m3 GEMM needs both "
                 f"widths in multiples of {ALIGN}; it runs in bf16", "fp8.alignment")))
         else:
             out.append(Match(node, x, w, b))
