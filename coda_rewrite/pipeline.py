@@ -13,6 +13,7 @@ graphs eager rejects, and activation-checkpointed regions (rewritten inside).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch.fx as fx
@@ -167,6 +168,14 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
             record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns",
                           "disabled")
             continue
+        if _stale(m):
+            m = _found_again(family, graph, m)
+            if m is None:
+                record.reject(RejectionKind.CONDITION, "an earlier rewrite of this family "
+                              "replaced nodes this match names, and the graph as it is now "
+                              "has it no more", "stale")
+                continue
+            _show(record, family.describe_match(m))
         small = size_policy.too_few_rows(family, m, context.options.min_fused_rows)
         if small:
             record.reject(RejectionKind.CONDITION, small, "shape.small_m")
@@ -198,6 +207,38 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
         record.status = REWRITTEN
         _show(record, shown)
         record.program_checks = [locality.check(p) for p in dict.fromkeys(record.programs)]
+
+
+def _nodes_named(obj, depth: int = 0):
+    """The graph nodes a match names: its fields, and theirs (a norm, a linear)."""
+    if isinstance(obj, fx.Node):
+        yield obj
+    elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _nodes_named(getattr(obj, f.name), depth + 1)
+    elif depth < 4 and isinstance(obj, (tuple, list, frozenset, set)):
+        for x in obj:
+            yield from _nodes_named(x, depth + 1)
+
+
+def _stale(m) -> bool:
+    """Whether an earlier rewrite of the same family erased a node ``m`` names: found
+    before that rewrite (a chain B(A(x)) where A's rewrite replaced the value B reads, or
+    MLA's q_a_proj → q_a_layernorm → q_b_proj), the match describes a graph that is gone."""
+    return any(getattr(n, "_erased", False) for n in _nodes_named(m))
+
+
+def _found_again(family, graph: fx.Graph, m):
+    """``m`` found again in the graph as it is now: the family's match at the same model
+    path that shares a live node with it, or None. Deciding and applying the stale match
+    would read erased nodes (seen: the witness refused such chains; an apply could wire a
+    value that no longer exists)."""
+    live = {n for n in _nodes_named(m) if not getattr(n, "_erased", False)}
+    for again in family.find(graph):
+        if not isinstance(again, NoMatch) and again.path == m.path and not _stale(again) \
+                and live & set(_nodes_named(again)):
+            return again
+    return None
 
 
 def _show(record: MatchRecord, fields: dict) -> None:

@@ -420,3 +420,69 @@ def test_a_surgery_that_raises_midway_is_undone(monkeypatch):
     recs = fast.report.records
     assert any(r.pattern == "graph" and "undone" in r.reason and r.kind.is_bug for r in recs)
     assert not any(r.status == "rewritten" for r in recs)
+
+
+def _toy_family(found_again: bool):
+    """A family over F.linear chains whose rewrite replaces each linear with a new node (the
+    same linear, marked): a match found before the previous rewrite names an erased node.
+    ``found_again``: whether find() still finds the later match in the changed graph."""
+    import dataclasses as dc
+    import types
+
+    import torch.nn.functional as F
+
+    @dc.dataclass(frozen=True)
+    class Match:
+        node: torch.fx.Node
+        x: torch.fx.Node
+        pattern = "toy"
+
+        @property
+        def path(self):
+            return self.node.name
+
+    def find(graph):
+        return [Match(n, n.args[0]) for n in graph.nodes
+                if n.target is F.linear and not n.meta.get("toy")
+                and (found_again or not n.args[0].meta.get("toy"))]
+
+    def decide(m, context):
+        from coda_rewrite.patterns.family import Decided
+        assert not getattr(m.x, "_erased", False), "decided on an erased node"
+        return Decided(None, m)
+
+    def apply(graph, m, context):
+        with graph.inserting_before(m.node):
+            new = graph.call_function(F.linear, (m.x, *m.node.args[1:]))
+        new.meta["toy"] = True
+        m.node.replace_all_uses_with(new)
+        graph.erase_node(m.node)
+        return {}
+
+    return types.SimpleNamespace(NAME="toy", find=find, decide=decide, apply=apply,
+                                 describe_match=lambda m: {})
+
+
+@pytest.mark.parametrize("found_again", [True, False])
+def test_a_match_an_earlier_rewrite_made_stale_is_found_again_or_refused(found_again):
+    """The pipeline, not each family, handles a match whose nodes an earlier rewrite of the
+    same family erased: it is found again in the graph as it is now, or refused ("stale");
+    never decided on erased nodes."""
+    import torch.nn.functional as F
+
+    from coda_rewrite import pipeline
+    from coda_rewrite.options import Options
+    from coda_rewrite.patterns.family import Context
+
+    w1, w2 = torch.randn(8, 8), torch.randn(8, 8)
+    gm = torch.fx.symbolic_trace(lambda x: F.linear(F.linear(x, w1), w2))
+    records = []
+    pipeline._run(_toy_family(found_again), gm.graph, Context(Options(patterns=("toy",))),
+                  records)
+    gm.recompile()
+    assert [r.status for r in records] == (["rewritten"] * 2 if found_again
+                                           else ["rewritten", "rejected"])
+    if not found_again:
+        assert records[1].code == "stale"
+    x = torch.randn(3, 8)
+    assert torch.allclose(gm(x), F.linear(F.linear(x, w1), w2))

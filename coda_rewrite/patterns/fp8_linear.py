@@ -108,26 +108,7 @@ class Plan:
     program: object   # EpilogueProgram
 
 
-def _current(m: Match) -> Match | None:
-    """``m`` as the graph now reads it. A norm's input may be a linear that an earlier match
-    of this family replaced (MLA's q_a_proj → q_a_layernorm → q_b_proj): the match found
-    before that rewrite names an erased node, so it is found again."""
-    nodes = [m.norm.input, *m.norm.nodes] + [n for lin in m.linears for n in lin.nodes]
-    if not any(getattr(n, "_erased", False) for n in nodes):
-        return m
-    for again in find(m.norm.output.graph):
-        if isinstance(again, Match) and again.norm.output is m.norm.output:
-            return again
-    return None
-
-
 def decide(m: Match, context: Context) -> Decided:
-    current = _current(m)
-    if current is None:
-        return Decided.refuse(Rejection(Why(
-            "an earlier FP8 rewrite in this graph changed this match's nodes and it is not "
-            "found again", "fp8.stale"), m.path))
-    m = current
     if any(meta(lin.node).requires_grad for lin in m.linears):
         return Decided.refuse(Rejection(Why(
             "a training graph: the bounds come from kept weights, which an optimizer "

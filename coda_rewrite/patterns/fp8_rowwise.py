@@ -101,10 +101,6 @@ class Plan:
 
 
 def decide(m: Match, context: Context) -> Decided:
-    # the linear as the graph now reads it: its input may have been a linear this family
-    # rewrote since find() (B(A(x))), whose readers now read the FP8 op's output
-    x, w, b = canon(m.node).args
-    m = dataclasses.replace(m, x=x, weight=w, bias=b)
     trains = bool(meta(m.node).requires_grad)
     program = fp8.rowwise_program(meta(m.node).dtype, bias=m.bias is not None)
     return Decided.by(fp8_algebra.decide_rowwise(m, program, trains),
