@@ -391,7 +391,7 @@ def test_the_linear_op_refuses_gradients():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2 ** 16), width=st.sampled_from([64, 256]),
+@given(seed=st.integers(0, 2 ** 16), width=st.sampled_from([8, 48, 64, 256, 1000, 4096]),
        scale=st.floats(1e-3, 1e3), spike=st.floats(0, 1e4), bias=st.booleans())
 def test_linears_of_any_normalised_row_stay_in_range_and_right(seed, width, scale, spike,
                                                                bias):
@@ -533,6 +533,62 @@ def test_a_linear_that_feeds_a_choice_stays_bf16():
     assert len(rec.consumers) == 2, rec.consumers
     out = [r for r in fast.report.records if r.path == "out" and r.pattern == "fp8_rowwise"]
     assert {r.code for r in out} == {"fp8.routing"}, str(fast.report)
+
+
+class Parallel(nn.Module):
+    """One norm feeds the attention's q/k/v and the MLP's gate/up (the parallel block of
+    GPT-J, Falcon, Cohere), with a stand-in for the attention."""
+
+    def __init__(self, d=64, biased_mlp=False):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.gate, self.up = (nn.Linear(d, 2 * d, bias=biased_mlp) for _ in range(2))
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = self.q(h) * torch.sigmoid(self.k(h)) + self.v(h)
+        return x + a + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("biased_mlp", [False, True])
+def test_a_parallel_block_shares_its_norm_between_the_fp8_families(biased_mlp):
+    """The MLP bound-scaled (fp8_mlp) and q/k/v stacked (fp8_linear) on one norm; with a
+    biased MLP, fp8_mlp refuses and all five linears of the norm go in one stacked GEMM,
+    the down projection row-wise. Within the policy either way."""
+    model = Parallel(biased_mlp=biased_mlp).to(bf).eval()
+    x = torch.randn(2, 8, 64, dtype=bf)
+    with torch.no_grad():
+        truth = copy.deepcopy(model).double()(x.double())
+        emulated = rowwise_projections(model, lambda m: [
+            (m.q, m.k, m.v, m.gate, m.up, m.down)])(x)
+        fast = coda_rewrite.optimize(model, fp8=True)
+        got = fast(x)
+    (stacked,) = fp8_records(fast.report, pattern="fp8_linear")
+    assert len(stacked.consumers) == (5 if biased_mlp else 3), stacked.consumers
+    assert len(fp8_records(fast.report)) == (0 if biased_mlp else 1), str(fast.report)
+    assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == (1 if biased_mlp else 0)
+    assert rel_err(got, truth) <= 1.5 * rel_err(emulated, truth) + 1e-3
+
+
+def test_stacked_fp8_linears_under_dynamic_shapes():
+    """The backend with dynamic=True: the stacked GEMM's column slices and the row-wise
+    scales follow the sequence length (one graph for three lengths), each within the
+    policy."""
+    model = Parallel(biased_mlp=True).to(bf).eval()
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(fp8=True))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    emulated = rowwise_projections(model, lambda m: [(m.q, m.k, m.v, m.gate, m.up, m.down)])
+    with torch.no_grad():
+        for seq in (8, 13, 32):
+            x = torch.randn(2, seq, 64, dtype=bf)
+            truth = copy.deepcopy(model).double()(x.double())
+            got = compiled(x)
+            assert rel_err(got, truth) <= 1.5 * rel_err(emulated(x), truth) + 1e-3, seq
+    assert len(backend.report.graphs) == 1, str(backend.report)
+    assert [r for r in backend.report.records
+            if r.pattern == "fp8_linear" and r.status == "rewritten"], str(backend.report)
 
 
 class DeepRouter(nn.Module):

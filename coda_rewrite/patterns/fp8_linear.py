@@ -83,7 +83,7 @@ def _linear_of(node: fx.Node, x: fx.Node) -> Linear | Why | None:
 
 
 def find(graph: fx.Graph) -> list[Match | NoMatch]:
-    out = []
+    out, order = [], None
     for norm in find_rms_norms(graph):
         if not isinstance(norm, RmsNorm):
             continue
@@ -92,7 +92,7 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
         # a linear this GEMM cannot take is reported and left out; the others still go
         out += [NoMatch(u, f) for u, f in found if isinstance(f, Why)]
         if linears:
-            order = {n: i for i, n in enumerate(graph.nodes)}
+            order = order or {n: i for i, n in enumerate(graph.nodes)}
             out.append(Match(norm, tuple(sorted(linears, key=lambda lin: order[lin.node]))))
     return out
 
