@@ -168,7 +168,7 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
             record.reject(RejectionKind.DISABLED, "pattern disabled by options.patterns",
                           "disabled")
             continue
-        if _stale(m):
+        if _stale(m) and not getattr(family, "FOLLOWS_REPLACED", False):
             m = _found_again(family, graph, m)
             if m is None:
                 record.reject(RejectionKind.CONDITION, "an earlier rewrite of this family "

@@ -14,8 +14,11 @@ captured graph the pipeline calls, for each family:
                               graph changes, where the fused call has no place
 
 The pipeline owns the rest: the match records, options.patterns, a checker that raises
-(INTERNAL_ERROR, never a failed compile), and the nodes earlier rewrites replaced
-(Context.current), so a match found before them is decided on the graph as it is now.
+(INTERNAL_ERROR, never a failed compile), and matches that an earlier rewrite of the
+same family made stale (a node they name erased): the pipeline finds them again in the
+graph as it is now, or refuses them ("stale"). A family that follows the nodes earlier
+rewrites replaced itself (Context.current; the norm families, which report what the
+replacement leaves them) says so with ``FOLLOWS_REPLACED = True``.
 """
 
 from __future__ import annotations

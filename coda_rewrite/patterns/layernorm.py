@@ -74,6 +74,10 @@ from .residual_rmsnorm import Consumer, consumers_of
 NAME = "layernorm_gemm"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
+# a match an earlier rewrite of this family made stale is decided on the values that
+# replaced its nodes (Context.replaced: it reports what it could not fuse and
+# why), not found again by the pipeline
+FOLLOWS_REPLACED = True
 # ... from this many rows, where a consumer takes its activation and the folded weights
 # are kept (size_policy.py; the module docstring says when else it does not pay; H200,
 # BENCHMARKS.md, eighth session: the MLP input 0.94x torch.compile at 1024 rows of

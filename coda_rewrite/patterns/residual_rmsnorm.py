@@ -54,6 +54,10 @@ from .family import Context, Decided, DeferredNorm
 NAME = "residual_rmsnorm_gemm"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
 FUSES_GEMMS = True
+# a match an earlier rewrite of this family made stale is decided on the values that
+# replaced its nodes (Context.replaced: it reports what it could not fuse and
+# why), not found again by the pipeline
+FOLLOWS_REPLACED = True
 # ... from this many rows (size_policy.py; benchmarks/small_m.py --static and
 # inference.py small_m on the H200, BENCHMARKS.md sixth session):
 # the norm producer: its finaliser is a second launch, 1.05x at 1024 rows of the 1B
