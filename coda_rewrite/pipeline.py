@@ -230,15 +230,19 @@ def _stale(m) -> bool:
 
 def _found_again(family, graph: fx.Graph, m):
     """``m`` found again in the graph as it is now: the family's match at the same model
-    path that shares a live node with it, or None. Deciding and applying the stale match
+    path that shares the most live nodes with it, or None. Deciding and applying the stale match
     would read erased nodes (seen: the witness refused such chains; an apply could wire a
     value that no longer exists)."""
     live = {n for n in _nodes_named(m) if not getattr(n, "_erased", False)}
+    best, shared = None, 0
     for again in family.find(graph):
-        if not isinstance(again, NoMatch) and again.path == m.path and not _stale(again) \
-                and live & set(_nodes_named(again)):
-            return again
-    return None
+        if isinstance(again, NoMatch) or again.path != m.path or _stale(again):
+            continue
+        # the most nodes in common: a module called twice has two matches at one path
+        common = len(live & set(_nodes_named(again)))
+        if common > shared:
+            best, shared = again, common
+    return best
 
 
 def _show(record: MatchRecord, fields: dict) -> None:
