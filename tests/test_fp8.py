@@ -839,3 +839,25 @@ def test_the_backend_trains_through_the_fp8_linears():
              if r.pattern == "fp8_rowwise" and r.status == "rewritten"]
     assert len(taken) == 7, str(backend.report)
     assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
+
+
+@pytest.mark.parametrize("setup", ["checkpointed", "autocast"])
+def test_fp8_training_under_checkpointing_and_autocast(setup):
+    """How models are trained: Hugging Face's gradient checkpointing (the row-wise linears
+    rewritten inside the checkpointed layers, run again in the backward), and float32
+    master weights under autocast (the linears read bf16 casts of them; the gradients land
+    on the float32 parameters). Every gradient within the policy either way."""
+    dtype = bf if setup == "checkpointed" else torch.float32
+    model = hf_model("llama", layers=2, hidden=64, dtype=dtype).train()
+    truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
+    if setup == "checkpointed":
+        model.gradient_checkpointing_enable()
+    ids = tokens()
+    fast = coda_rewrite.optimize(model, fp8=True)
+    with torch.autocast("cpu", dtype=bf, enabled=setup == "autocast"):
+        for m in (fast, recipe):
+            m(ids, labels=ids).loss.backward()
+    truth(ids, labels=ids).loss.backward()
+    assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 14, str(fast.report)
+    assert all(p.grad.dtype == dtype for p in model.parameters())
+    assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
