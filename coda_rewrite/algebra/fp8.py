@@ -257,6 +257,23 @@ def _pair(g, y: torch.Tensor) -> torch.Tensor:
 
 # ---- the linears of a normalised row (patterns/fp8_linear.py) -----------------------
 
+def stacked_columns(linears, rows_of) -> tuple[list, list[tuple[int, int]]]:
+    """The stacked GEMM of a norm's linears: its (weight, bias) pairs, each once (a module
+    called twice on the norm's output reads the same ones: its columns are computed once),
+    and each linear's column range [lo, hi) of the GEMM's output. ``rows_of(weight)``:
+    the weight's output width. Shared by the rewrite and its replay."""
+    pairs, starts, columns, start = [], {}, [], 0
+    for lin in linears:
+        key = (lin.weight, lin.bias)
+        if key not in starts:
+            starts[key] = start
+            pairs.append(key)
+            start += int(rows_of(lin.weight))
+        lo = starts[key]
+        columns.append((lo, lo + int(rows_of(lin.weight))))
+    return pairs, columns
+
+
 def linear_conditions(m) -> tuple[list[str], Why | None]:
     """What the FP8 linears need of the matched graph: weights it can read before the
     first of them, in a graph without gradients, and nothing it reads updated in place
@@ -308,8 +325,9 @@ def _replay_linears(m, program) -> str:
             env[lin.weight] = rand(7 + 3 * i, k)
         if lin.bias is not None and lin.bias not in env:
             env[lin.bias] = rand(env[lin.weight].shape[0])
-    weights = [env[lin.weight] for lin in m.linears]
-    biases = [None if lin.bias is None else env[lin.bias] for lin in m.linears]
+    pairs, columns = stacked_columns(m.linears, lambda w: env[w].shape[0])
+    weights = [env[w] for w, _ in pairs]
+    biases = [None if b is None else env[b] for _, b in pairs]
     eval_nodes([n for n in norm.nodes if n not in env], env)
     env[norm.output] = env[norm.output].double()
     nodes = [n for lin in m.linears for n in lin.nodes]
@@ -320,12 +338,14 @@ def _replay_linears(m, program) -> str:
                                         else None, 0.0, k)
     q = fp8_math.quantize_normalized(z, eps, k)
     (out,) = reference.run_program(program, q, w8, [ws] if b is None else [ws, b])
+    # each linear's output its column range of the one GEMM's, as apply slices it
+    out = torch.cat([out[:, lo:hi] for lo, hi in columns], dim=-1)
     err = rel_err(out, ref)
 
     hh = env[norm.output].reshape(rows, -1)  # the graph's own norm: its eps, its γ
-    base = rowwise(hh, torch.cat(weights))
-    if b is not None:
-        base = base + b.double()
+    base = rowwise(hh, torch.cat([env[lin.weight] for lin in m.linears]))
+    base = base + torch.cat([torch.zeros(env[lin.weight].shape[0], dtype=base.dtype)
+                             if lin.bias is None else env[lin.bias] for lin in m.linears])
     base = rel_err(base, ref)
     return verdict(err, f"rows {rows}, N {k}, {len(m.linears)} linear(s) (torchao row-wise: "
                    f"{base:.1e})", m.path, tol=VS_ROWWISE * base + FLOOR)

@@ -132,34 +132,31 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                 first.prepend(t)
     with graph.inserting_after(norm.output):
         q = graph.call_function(fp8.quantize_normalized, (norm.input, norm.eps, norm.dim))
-    sources = [lin.weight for lin in linears] + [lin.bias for lin in linears
-                                                 if lin.bias is not None]
+    pairs, columns = fp8_algebra.stacked_columns(linears, lambda w: meta(w).shape[0])
+    sources = [w for w, _ in pairs] + [b for _, b in pairs if b is not None]
     sources += [] if norm.weight is None else [norm.weight]
-    biased = [lin.bias is not None for lin in linears]
+    biased = [b is not None for _, b in pairs]
     with graph.inserting_before(first):
         y = graph.call_function(fp8_ops.fp8_linear, (
             plan.program.to_text(), q, sources, biased, norm.weight is not None,
             float(norm.weight_offset), int(norm.dim)))
         copy_meta(y, first)
-        start, copies = 0, []
-        for lin in linears:
-            width = meta(lin.weight).shape[0]
+        copies = []
+        for lin, (lo, hi) in zip(linears, columns):
             value = y
-            if len(linears) > 1:
-                value = graph.call_function(torch.ops.aten.slice.Tensor,
-                                            (y, -1, start, start + width))
+            if len(pairs) > 1:
+                value = graph.call_function(torch.ops.aten.slice.Tensor, (y, -1, lo, hi))
                 if not all(_reads_as_is(u, lin.node) for u in lin.node.users):
                     value = graph.call_method("contiguous", (value,))
                     copies.append(describe(lin.node))
             copy_meta(value, lin.node)
             lin.node.replace_all_uses_with(value)
-            start += width
     erase_if_dead(graph, [n for lin in reversed(linears) for n in lin.nodes]
                   + list(reversed(norm.nodes)))
     alive = set(graph.nodes)
     return {"programs": [plan.program],
             "materialised": [describe(n) for n in norm.nodes if n in alive],
-            "weights": (f"e4m3 per output row, γ folded, {len(linears)} linear(s) stacked in "
+            "weights": (f"e4m3 per output row, γ folded, {len(pairs)} weight(s) stacked in "
                         f"one GEMM, kept by version (kernels/fp8.py); input e4m3(n·448/"
                         f"√{norm.dim}) from the norm's statistics" + (
                             "; a contiguous copy of the columns of " + ", ".join(copies)
