@@ -400,7 +400,7 @@ def test_linears_of_any_normalised_row_stay_in_range_and_right(seed, width, scal
     bound, so the saturating cast never clips), and each linear of the stacked FP8 GEMM is
     within 1.5x of torchao's row-wise recipe against float64 (+1%). Widths from 48: at 8
     a linear's few e4m3 terms make the error a noisy draw, 3.4x the recipe's on one seed
-    (the witness replays each match at its own width and refuses such a one)."""
+    (the witness holds each match to the bar at its own width)."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(64, width, generator=g, dtype=torch.float64) * scale
     z[0] = 0
