@@ -94,7 +94,9 @@ def rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor,
                               lambda: fp8.rowwise_weights(weight, bias[0] if bias else None))[0]
     (out,) = ops.execute(program, q.reshape(-1, q.shape[-1]), w,
                          [r.reshape(-1).float(), ws] + ([] if b is None else [b]))
-    return out.reshape(*q.shape[:-1], out.shape[-1])
+    # rows in: the GEMM's own output, no view of it (RowwiseLinear's output must be one
+    # autograd can let the model update in place)
+    return out if q.dim() == 2 else out.reshape(*q.shape[:-1], out.shape[-1])
 
 
 class RowwiseLinear(torch.autograd.Function):
@@ -137,8 +139,14 @@ def _nograd_gemm(program, a, b, operands):
 def trained_rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor, x: torch.Tensor,
                            weight: torch.Tensor, bias: torch.Tensor | None = None):
     """What a training graph calls for a row-wise FP8 linear (RowwiseLinear): ``x`` is the
-    bf16 input ``q`` and ``r`` were quantised from, kept for the backward."""
-    return RowwiseLinear.apply(program, q, r, x, weight, bias)
+    bf16 input ``q`` and ``r`` were quantised from, kept for the backward. The Function
+    sees rows and returns the GEMM's own [M, N] output; the reshape to the model's leading
+    dims is outside it, as for the bf16 families (ops._linear): a view made inside a
+    Function could not be updated in place, and models do (Llama 4's MoE adds the routed
+    experts into the shared expert's down projection with ``add_``)."""
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    out = RowwiseLinear.apply(program, rows(q), rows(r), rows(x), weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 # Two ops, with the product's quantisation between them as graph ops (Inductor makes the
