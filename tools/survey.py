@@ -4,6 +4,7 @@ forward + backward and an eval forward, each against eager.
 
     python tools/survey.py [model_type ...]
     python tools/survey.py --bf16 [model_type ...]
+    python tools/survey.py --fp8 [model_type ...]
 
 One line per architecture:
 
@@ -22,6 +23,16 @@ not: the one a bug report belongs to.
 ``--bf16``: the numerics policy instead — the eval logits in bf16 through optimize()
 against float64, no worse than eager's bf16 logits (median over three seeds, within
 numerics.BF16_RATIO_LIMIT); flagged WORSE THAN EAGER where not.
+
+``--fp8``: ``optimize(model, fp8=True)`` in bf16 against float64 by FP8's own policy
+(README, "Numerics policy for FP8"): the eval logits, and a training step's loss and every
+gradient, each no worse than numerics.FP8_RATIO_LIMIT x torchao's row-wise recipe
+emulated on the model's linears (+1% absolute, the loss +0.1%, as tests/test_fp8.py);
+flagged WORSE THAN THE RECIPE where not. The recipe runs on every linear whose widths are
+multiples of 16 (the LM head too at eval, not in training, as the pass), so a linear the
+pass leaves in bf16 (a router) makes the bar looser, not tighter. A gradient of at most 16
+elements (an activation's learnt scalars, xIELU's alphas) is one draw of the rounding
+noise: listed, not judged.
 """
 
 from __future__ import annotations
@@ -122,10 +133,90 @@ def check_bf16(model_type: str) -> str:
             f"against float64: {res['ratio']:.2f} (eager {res['eager'][0]:.1e})")
 
 
+def _aligned(lin) -> bool:
+    return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
+
+
+def check_fp8(model_type: str) -> str:
+    """FP8's numerics policy on one architecture: eval logits and a training step."""
+    import coda_rewrite
+    from coda_rewrite.numerics import FP8_RATIO_LIMIT, rel_err, rowwise_recipe
+
+    def limit(err, bar, floor=1e-2):
+        return err <= FP8_RATIO_LIMIT * bar + floor
+    try:
+        model = coverage.build(model_type).to(torch.bfloat16).eval()
+        for module in model.modules():  # dropout off: one draw of each GEMM's rounding
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            eager = model(ids, use_cache=False).logits
+            captured = rel_err(torch.compile(copy.deepcopy(model), backend="eager")(
+                ids, use_cache=False).logits, eager)
+        for exact in (torch.float64, torch.float32):  # grouped_mm has no float64 path
+            try:
+                truth = copy.deepcopy(model).to(exact)
+                with torch.no_grad():
+                    want = truth(ids, use_cache=False).logits
+                break
+            except RuntimeError:
+                if exact is torch.float32:
+                    raise
+    except Exception as e:  # the tiny config does not run in eager
+        return f"{model_type}: skipped in fp8 ({type(e).__name__})"
+    if captured > 1e-2:  # a different computation, not a rounding (bf16: ~5e-3)
+        return (f"{model_type}: skipped in fp8: dynamo's own capture differs from eager "
+                f"({captured:.1e}), as in the fp32 survey")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fast = coda_rewrite.optimize(copy.deepcopy(model), fp8=True)
+        got = fast(ids, use_cache=False).logits
+        recipe = rowwise_recipe(model, lambda name, lin: _aligned(lin))(
+            ids, use_cache=False).logits
+    taken = sum(r.status == "rewritten" for r in fast.report.records
+                if r.pattern.startswith("fp8"))
+    err, bar = rel_err(got, want), rel_err(recipe, want)
+    bad = [] if limit(err, bar) else ["logits"]
+
+    def step(run, params):
+        for p in params.parameters():
+            p.grad = None
+        loss = run(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.double() for n, p in params.named_parameters()
+                             if p.grad is not None}
+    for m in (model, truth):
+        m.train()
+    loss64, grads64 = step(truth, truth)
+    emulated = rowwise_recipe(model, lambda name, lin: _aligned(lin)
+                              and not name.endswith("lm_head"))
+    loss_r, grads_r = step(emulated, emulated)
+    torch._dynamo.reset()
+    loss_f, grads_f = step(coda_rewrite.optimize(model, fp8=True), model)
+    if not limit(abs(loss_f - loss64) / abs(loss64), abs(loss_r - loss64) / abs(loss64),
+                 floor=1e-3):
+        bad.append("loss")
+    noise = []
+    for name, truth_grad in grads64.items():
+        ours = rel_err(grads_f[name], truth_grad) if name in grads_f else float("inf")
+        theirs = rel_err(grads_r[name], truth_grad)
+        if not limit(ours, theirs):
+            (noise if truth_grad.numel() <= 16 else bad).append(
+                f"{name} {ours:.1e} vs {theirs:.1e}")
+    flag = "ok" if not bad else "WORSE THAN THE RECIPE: " + "; ".join(bad[:3])
+    return (f"{model_type}: fp8 {flag} | {taken} FP8 rewrites at eval | logits {err:.1e} "
+            f"(recipe {bar:.1e}, eager bf16 {rel_err(eager, want):.1e}; truth in "
+            f"{str(exact)[6:]}) | train loss "
+            f"{abs(loss_f - loss64):.1e} (recipe {abs(loss_r - loss64):.1e})"
+            + (f" | scalar gradients past the bar: {'; '.join(noise)}" if noise else ""))
+
+
 def main(argv: list[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    run = check_bf16 if argv[:1] == ["--bf16"] else check
-    argv = argv[1:] if run is check_bf16 else argv
+    modes = {"--bf16": check_bf16, "--fp8": check_fp8}
+    run = modes.get(argv[0], check) if argv else check
+    argv = argv[1:] if run is not check else argv
     types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                            if t not in coverage.SKIP)
     for t in types:
