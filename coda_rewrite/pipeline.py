@@ -209,16 +209,26 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
         record.program_checks = [locality.check(p) for p in dict.fromkeys(record.programs)]
 
 
-def _nodes_named(obj, depth: int = 0):
-    """The graph nodes a match names: its fields, and theirs (a norm, a linear)."""
+def _nodes_named(obj, seen: set[int] | None = None):
+    """The graph nodes a match names: its fields, and theirs (a norm, a linear, the
+    containers and mappings holding them), however deep. Nothing is skipped by depth: a
+    node missed here is an erased node a stale match would be decided on."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
     if isinstance(obj, fx.Node):
         yield obj
-    elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _nodes_named(getattr(obj, f.name), depth + 1)
-    elif depth < 4 and isinstance(obj, (tuple, list, frozenset, set)):
+            yield from _nodes_named(getattr(obj, f.name), seen)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _nodes_named(key, seen)
+            yield from _nodes_named(value, seen)
+    elif isinstance(obj, (tuple, list, frozenset, set)):
         for x in obj:
-            yield from _nodes_named(x, depth + 1)
+            yield from _nodes_named(x, seen)
 
 
 def _stale(m) -> bool:

@@ -486,3 +486,49 @@ def test_a_match_an_earlier_rewrite_made_stale_is_found_again_or_refused(found_a
         assert records[1].code == "stale"
     x = torch.randn(3, 8)
     assert torch.allclose(gm(x), F.linear(F.linear(x, w1), w2))
+
+
+def _every_node_reachable(obj, seen=None):
+    """Every fx.Node reachable from ``obj`` through any attribute of the project's own
+    objects (dataclass or not), containers and mappings: what the pipeline must see."""
+    import torch.fx as fx
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, fx.Node):
+        yield obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _every_node_reachable(key, seen)
+            yield from _every_node_reachable(value, seen)
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        for x in obj:
+            yield from _every_node_reachable(x, seen)
+    elif type(obj).__module__.startswith("coda_rewrite"):
+        fields = getattr(obj, "__dict__", None) or {
+            s: getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s)}
+        for value in fields.values():
+            yield from _every_node_reachable(value, seen)
+
+
+@pytest.mark.parametrize("family,fp8", [("llama", False), ("gemma", False), ("qwen3", False),
+                                        ("llama", True)])
+def test_the_stale_check_sees_every_node_a_match_names(monkeypatch, family, fp8):
+    """The pipeline's stale check (an erased node in a match) fails open on any node it
+    cannot reach: every match of every family, on real models, names no node outside
+    what it walks."""
+    from coda_rewrite import pipeline
+    real, matches = pipeline._stale, []
+
+    def spy(m):
+        matches.append(m)
+        return real(m)
+    monkeypatch.setattr(pipeline, "_stale", spy)
+    model = hf_model(family, dtype=torch.bfloat16 if fp8 else torch.float32).eval()
+    with torch.no_grad():
+        coda_rewrite.optimize(model, fp8=fp8)(tokens(seq=32))
+    assert len(matches) > 5
+    for m in matches:
+        missed = set(_every_node_reachable(m)) - set(pipeline._nodes_named(m))
+        assert not missed, (type(m), missed)
