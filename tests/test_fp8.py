@@ -837,17 +837,25 @@ def test_training_loss_after_steps_is_no_worse_than_the_recipes(seed):
 
 def test_the_backend_trains_through_the_fp8_linears():
     """torch.compile(backend=coda, fp8): AOTAutograd traces the Function apart; the
-    backward's quantisations are graph ops; the gradients within the policy."""
+    backward's row-wise quantisations are graph ops, its transposed (column) ones the
+    opaque op kernels/fp8.quantize_columns says why of; the gradients within the policy."""
+    from torch._inductor.utils import run_and_get_code
     model = hf_model("llama", layers=1, hidden=64, dtype=bf).train()
     truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
     ids = tokens()
     backend = coda_rewrite.CodaBackend(coda_rewrite.Options(fp8=True))
     compiled = torch.compile(model, backend=backend)
-    for m in (compiled, recipe, truth):
+    _, code = run_and_get_code(lambda: compiled(ids, labels=ids).loss.backward())
+    for m in (recipe, truth):
         m(ids, labels=ids).loss.backward()
     taken = [r for r in backend.report.records
              if r.pattern == "fp8_rowwise" and r.status == "rewritten"]
     assert len(taken) == 7, str(backend.report)
+    # columns are quantised through the op: the 7 weights' for dgrad, the 7 gradients' and
+    # the 4 distinct inputs' for wgrad (q/k/v read one row, gate/up another: one call each;
+    # the partitioner may move an input's into the forward and save its e4m3 columns)
+    calls = sum(c.count("= torch.ops.coda.fp8_quantize_columns.default(") for c in code)
+    assert calls == 7 + 7 + 4, code
     assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
 
 

@@ -168,7 +168,7 @@ def quantize_columns(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rowwise_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
-                  want_w: bool, gemm):
+                  want_w: bool, gemm, columns=None):
     """(dx, dW) of y = x·Wᵀ by torchao's float8 row-wise training recipe (its "rowwise":
     e4m3 for all three GEMMs, each operand scaled along the dim the GEMM keeps):
 
@@ -176,19 +176,22 @@ def rowwise_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bo
         dW = dyᵀ·x     dy's columns and x's columns (both reduced over the tokens)
 
     each an e4m3 GEMM with both scales in its epilogue (rowwise_program, the forward's
-    program), run by ``gemm(program_text, a, b, operands) -> [out]``. dx in x's dtype, dW
-    in W's; None where not wanted. (torchao also rounds its scales to powers of two; these
-    are amax/448 exactly, as in the forward.)"""
+    program), run by ``gemm(program_text, a, b, operands) -> [out]``, the transposed
+    operands by ``columns`` (quantize_columns's math; kernels/fp8.py passes an op that keeps
+    it out of the passes Inductor fuses around it). dx in x's dtype, dW in W's; None where
+    not wanted. (torchao also rounds its scales to powers of two; these are amax/448
+    exactly, as in the forward.)"""
+    columns = columns or quantize_columns
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dw = None
     if want_x:
         r = row_scales(dy2)
-        qwt, sw = quantize_columns(w)
+        qwt, sw = columns(w)
         (dx,) = gemm(_rowwise_text(x.dtype), quantize_by(dy2, r), qwt, [r.reshape(-1), sw])
         dx = dx.reshape(*dy.shape[:-1], w.shape[1])
     if want_w:
-        qdyt, sdy = quantize_columns(dy2)
-        qxt, sx = quantize_columns(x)
+        qdyt, sdy = columns(dy2)
+        qxt, sx = columns(x)
         (dw,) = gemm(_rowwise_text(w.dtype), qdyt, qxt, [sdy, sx])
     return dx, dw
 

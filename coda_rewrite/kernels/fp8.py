@@ -7,6 +7,7 @@ where the layout contract holds and the reference elsewhere (kernels/ops.py)."""
 from __future__ import annotations
 
 import torch
+import torch._inductor
 
 from ..codegen import fp8
 from . import ops, versioned
@@ -125,7 +126,8 @@ class RowwiseLinear(torch.autograd.Function):
         ops.refuse_second_derivative("the FP8 row-wise linear")
         x, weight = ctx.saved_tensors
         want_x, want_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dx, dw = fp8.rowwise_grads(dy, x, weight, want_x, want_w, _nograd_gemm)
+        dx, dw = fp8.rowwise_grads(dy, x, weight, want_x, want_w, _nograd_gemm,
+                                   fp8_quantize_columns)
         db = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[5]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -134,6 +136,34 @@ class RowwiseLinear(torch.autograd.Function):
 
 def _nograd_gemm(program, a, b, operands):
     return ops.gemm_epilogue_nograd(program, a, b, operands)
+
+
+def quantize_columns(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codegen/fp8.quantize_columns (the backward's transposed e4m3 operands and their
+    scales) as an op of its own: opaque to the graph around it, compiled apart on the GPU.
+
+    Why: traced into a backward graph beside the row-wise quantisation of the same
+    gradient, Inductor fused the two into one kernel, the row amax's reduction loop, whose
+    transposed stores write one byte per element at a stride of the row count. The SwiGLU
+    gradient and both quantisations of the MLP's two [8192, 8192] gradients took 0.59 ms
+    of kernels on the H200 that way, 0.47 with the columns compiled apart (the columns'
+    amax, then a transposed cast Inductor tiles; 2026-12-03, BENCHMARKS.md)."""
+    if not t.is_cuda:
+        return fp8.quantize_columns(t)
+    key = (tuple(t.shape), t.stride(), t.dtype, t.device)
+    compiled = _COMPILED_COLUMNS.get(key)
+    if compiled is None:
+        # Inductor on the traced math, static shapes, once per layout: no dynamo guards per
+        # call, and static sizes (a dynamic-shape compile of the columns' amax measured 47
+        # µs a call in the 1B step, its static split reduction 30 µs at [8192, 8192])
+        from torch.fx.experimental.proxy_tensor import make_fx
+        compiled = torch._inductor.compile(make_fx(fp8.quantize_columns)(t), [t])
+        _COMPILED_COLUMNS[key] = compiled
+    q, s = compiled(t)
+    return q, s
+
+
+_COMPILED_COLUMNS: dict = {}
 
 
 def trained_rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor, x: torch.Tensor,
@@ -164,6 +194,8 @@ _lib.impl("fp8_gate_up", gate_up, "CompositeExplicitAutograd")
 _lib.impl("fp8_rowwise_linear", rowwise_linear, "CompositeExplicitAutograd")
 _lib.impl("fp8_linear", linear, "CompositeExplicitAutograd")
 _lib.impl("fp8_down", down, "CompositeExplicitAutograd")
+_lib.define("fp8_quantize_columns(Tensor t) -> (Tensor, Tensor)")
+_lib.impl("fp8_quantize_columns", quantize_columns, "CompositeExplicitAutograd")
 
 
 def _intermediate(sources, packed: bool) -> int:
@@ -189,6 +221,11 @@ def _fake_rowwise(program, q, r, sources):
     return q.new_empty((*q.shape[:-1], sources[0].shape[0]), dtype=_out_dtype(program))
 
 
+def _fake_columns(t):
+    k = t.shape[-1]
+    return t.new_empty((k, t.numel() // k), dtype=fp8.E4M3), t.new_empty(k, dtype=torch.float32)
+
+
 def _out_dtype(program: str) -> torch.dtype:
     from ..codegen.program import parse
     from ..codegen.reference import dtype_from_name
@@ -199,7 +236,9 @@ torch.library.register_fake("coda::fp8_gate_up", _fake_gate_up)
 torch.library.register_fake("coda::fp8_down", _fake_down)
 torch.library.register_fake("coda::fp8_linear", _fake_linear)
 torch.library.register_fake("coda::fp8_rowwise_linear", _fake_rowwise)
+torch.library.register_fake("coda::fp8_quantize_columns", _fake_columns)
 fp8_gate_up = torch.ops.coda.fp8_gate_up.default
 fp8_linear = torch.ops.coda.fp8_linear.default
 fp8_rowwise_linear = torch.ops.coda.fp8_rowwise_linear.default
 fp8_down = torch.ops.coda.fp8_down.default
+fp8_quantize_columns = torch.ops.coda.fp8_quantize_columns.default
