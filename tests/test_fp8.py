@@ -879,3 +879,28 @@ def test_fp8_training_under_checkpointing_and_autocast(setup):
     assert len(fp8_records(fast.report, pattern="fp8_rowwise")) == 14, str(fast.report)
     assert all(p.grad.dtype == dtype for p in model.parameters())
     assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
+
+
+def test_the_compiled_columns_are_the_math_for_every_layout(monkeypatch):
+    """kernels/fp8.compiled_columns (what the op runs on the GPU; Inductor compiles it for
+    the CPU here) bit for bit against codegen/fp8.quantize_columns on the layouts a
+    backward hands it: rows, a 3-D input, a transposed view, a slice at an odd offset;
+    past its bound of static compiles, the one dynamic compile, and the bound holds."""
+    from coda_rewrite.kernels import fp8 as fp8_kernels
+    monkeypatch.setattr(fp8_kernels, "_STATIC_COLUMNS", {})
+    torch.manual_seed(0)
+    base = torch.randn(41, 48, dtype=bf) * 3
+    layouts = [base[:40], torch.randn(2, 20, 48, dtype=bf), torch.randn(48, 40, dtype=bf).t(),
+               base[1:], base.view(-1)[1:1 + 40 * 48].view(40, 48)]
+    bits = lambda t: t.view(torch.uint8) if t.dtype == fp8.E4M3 else t  # noqa: E731
+
+    def same(t):
+        got, want = fp8_kernels.compiled_columns(t), fp8.quantize_columns(t)
+        return all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+    assert all(same(t) for t in layouts)
+    # base[1:] starts 96 bytes in: aligned, the same layout as base[:40]; the odd offset is not
+    compiles = len(layouts) - 1
+    assert len(fp8_kernels._STATIC_COLUMNS) == compiles
+    monkeypatch.setattr(fp8_kernels, "STATIC_LAYOUTS", compiles)
+    assert same(torch.randn(24, 48, dtype=bf)) and same(torch.randn(56, 32, dtype=bf))
+    assert len(fp8_kernels._STATIC_COLUMNS) == compiles

@@ -6,8 +6,9 @@ where the layout contract holds and the reference elsewhere (kernels/ops.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch._inductor
 
 from ..codegen import fp8
 from . import ops, versioned
@@ -148,22 +149,38 @@ def quantize_columns(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gradient and both quantisations of the MLP's two [8192, 8192] gradients took 0.59 ms
     of kernels on the H200 that way, 0.47 with the columns compiled apart (the columns'
     amax, then a transposed cast Inductor tiles; 2026-12-03, BENCHMARKS.md)."""
-    if not t.is_cuda:
-        return fp8.quantize_columns(t)
-    key = (tuple(t.shape), t.stride(), t.dtype, t.device)
-    compiled = _COMPILED_COLUMNS.get(key)
+    return compiled_columns(t) if t.is_cuda else fp8.quantize_columns(t)
+
+
+# static compiles kept at most (a model's linears have a handful of layouts per token
+# count); past it, one dynamic-shape compile serves every new layout (varying sequence
+# lengths would otherwise compile a kernel each)
+STATIC_LAYOUTS = 32
+_STATIC_COLUMNS: dict = {}
+
+
+def compiled_columns(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codegen/fp8.quantize_columns through Inductor, compiled apart from any graph: one
+    static compile per layout (shape, strides, dtype, device and 16-byte alignment: a
+    kernel compiled for an aligned pointer assumes it), no dynamo guards per call. Static
+    because the dynamic-shape kernel of the columns' amax took 47 µs a call in the 1B
+    step, its static split reduction 30 µs at [8192, 8192] (BENCHMARKS.md, 2026-12-03)."""
+    key = (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    compiled = _STATIC_COLUMNS.get(key)
     if compiled is None:
-        # Inductor on the traced math, static shapes, once per layout: no dynamo guards per
-        # call, and static sizes (a dynamic-shape compile of the columns' amax measured 47
-        # µs a call in the 1B step, its static split reduction 30 µs at [8192, 8192])
+        if len(_STATIC_COLUMNS) >= STATIC_LAYOUTS:
+            return _dynamic_columns()(t)
+        import torch._inductor
         from torch.fx.experimental.proxy_tensor import make_fx
         compiled = torch._inductor.compile(make_fx(fp8.quantize_columns)(t), [t])
-        _COMPILED_COLUMNS[key] = compiled
+        _STATIC_COLUMNS[key] = compiled
     q, s = compiled(t)
     return q, s
 
 
-_COMPILED_COLUMNS: dict = {}
+@functools.cache
+def _dynamic_columns():
+    return torch.compile(fp8.quantize_columns, dynamic=True, fullgraph=True)
 
 
 def trained_rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor, x: torch.Tensor,
