@@ -517,17 +517,30 @@ class Router(nn.Module):
 def test_a_linear_that_feeds_a_choice_stays_bf16():
     """FP8 rounding could flip which experts a router's top-k picks (or an argmax's
     winner): such linears stay bf16 (fp8.routing), in both FP8 families, where the bf16
-    rewrites take them (the norm's deferred rstd); the choice is eager's, and the other
-    linear of the norm still goes FP8."""
+    rewrites take them (the norm's deferred rstd); the choice is eager's (but for exact
+    ties), and the other linear of the norm still goes FP8. Seeded: it was not, and an
+    exact tie on one draw failed CI."""
+    torch.manual_seed(0)
     model = Router().to(bf).eval()
     x = torch.randn(2, 8, 64, dtype=bf)
     with torch.no_grad():
         want = model(x)
         fast = coda_rewrite.optimize(model, fp8=True)
         got = fast(x)
+        logits = model.gate(model.norm(x)).float()
     assert codes(fast.report, "fp8_linear") == {"fp8.routing"}, str(fast.report)
     assert codes(fast.report, "fp8_rowwise") == {"fp8.routing"}, str(fast.report)
-    assert torch.equal(got[1], want[1]) and rel_err(got[2], want[2]) <= 1e-2
+    # eager's experts with eager's weights (the order within the top-k aside), except where
+    # eager's 2nd and 3rd logits tie in bf16: top-k's tie-break is then the rounding of the
+    # norm feeding the gate (a bf16 rewrite), which bf16 leaves undecided (over 40 seeds,
+    # every token whose experts differed was such an exact tie)
+    (got_ids, got_at), (want_ids, want_at) = (out[1].sort(-1) for out in (got, want))
+    top3 = logits.topk(3, dim=-1).values
+    tied = (top3[..., 1] - top3[..., 2]).abs() <= torch.finfo(bf).eps * top3[..., 1].abs()
+    same = (got_ids == want_ids).all(-1)
+    assert (same | tied).all() and same.any()
+    weights = lambda out, at: out[2].gather(-1, at)[same]  # noqa: E731
+    assert rel_err(weights(got, got_at), weights(want, want_at)) <= 1e-2
     assert rel_err(got[0], want[0]) <= 0.1  # q in FP8: one e4m3 rounding of each operand
     (rec,) = fp8_records(fast.report, pattern="fp8_linear")
     # q, called twice (the second call's output feeds `out`, whose argmax keeps `out` in
