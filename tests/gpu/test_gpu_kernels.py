@@ -1210,3 +1210,47 @@ def test_fp8_training_on_gpu(via):
     got, want, exact = (loss.item() for loss in losses)
     assert abs(got - exact) <= 1.5 * abs(want - exact) + 1e-2 * abs(exact)
     assert_grads_within_policy(grads(model), grads(recipe), grads(truth))
+
+
+def test_fp8_columns_compiled_on_gpu_are_the_math(monkeypatch):
+    """coda::fp8_quantize_columns on the GPU (Inductor's static kernels per layout, then the
+    one dynamic compile past the bound) against the same math run eagerly on the GPU, on
+    the layouts a backward hands it: a gradient's rows at a step's width, columns of zeros
+    (their scale's guard), a 3-D input, a transposed view, a slice at an odd offset
+    (misaligned). The scales are bit for bit eager's; so are the e4m3 values, but where
+    x/s lies within float32 rounding of a midpoint between two e4m3 values: Triton's
+    float32 division (PTX div.full, within 2 ulp) may land on the other side of it (3 of
+    8M values of the [4096, 2048] gradient did, each by one e4m3 step)."""
+    from coda_rewrite.codegen import fp8
+    from coda_rewrite.kernels import fp8 as fp8_kernels
+    monkeypatch.setattr(fp8_kernels, "_STATIC_COLUMNS", {})
+    torch.manual_seed(0)
+    big = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    zero_columns = big.clone()
+    zero_columns[:, :64] = 0
+    flat = torch.randn(256 * 512 + 1, device="cuda", dtype=torch.bfloat16)
+    layouts = [big, zero_columns, torch.randn(2, 640, 384, device="cuda", dtype=torch.bfloat16),
+               torch.randn(512, 768, device="cuda", dtype=torch.bfloat16).t(),
+               flat[1:].view(256, 512)]
+
+    def same(t):
+        (got, got_s), (want, want_s) = torch.ops.coda.fp8_quantize_columns(t), \
+            fp8.quantize_columns(t)
+        assert torch.equal(got_s, want_s)
+        differ = got.view(torch.uint8) != want.view(torch.uint8)
+        if not differ.any():
+            return True
+        assert differ.sum() <= 1e-6 * differ.numel() + 3, differ.sum()
+        g, w = got[differ].double(), want[differ].double()
+        x = t.reshape(-1, t.shape[-1]).t()[differ].double() / want_s[differ.nonzero()[:, 0]]
+        step = (got.view(torch.uint8)[differ].int() - want.view(torch.uint8)[differ].int())
+        assert (step.abs() == 1).all() and (torch.sign(g) == torch.sign(w)).all()
+        midpoint = (g + w) / 2
+        return bool(((x - midpoint).abs() <= 4 * 2 ** -24 * midpoint.abs()).all())
+    assert all(same(t) for t in layouts)
+    compiles = len(layouts) - 1  # the zero columns share the gradient's layout: one kernel
+    assert len(fp8_kernels._STATIC_COLUMNS) == compiles
+    monkeypatch.setattr(fp8_kernels, "STATIC_LAYOUTS", compiles)
+    for rows in (1000, 1500):  # past the bound: the dynamic compile, two sizes
+        assert same(torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16))
+    assert len(fp8_kernels._STATIC_COLUMNS) == compiles
