@@ -5,7 +5,9 @@ a write of an activation, and the backward must not give it back (re-layouts mad
 row statistics recomputed, gradient scatters). Measured on the H200 (Llama-3.2-1B shape,
 2 × 4096 tokens, forward + loss + backward; BENCHMARKS.md, issue #16's ablation and the
 sixth, ninth and seventeenth sessions): against the attention-inputs rewrite alone
-(124.8–127.9 ms/step) the residual + RMSNorm producer adds 4.3 ms and 1.8 GiB; RoPE 1.4 ms
+(124.8–127.9 ms/step) the residual + RMSNorm producer adds 4.3 ms and 1.8 GiB (and on top
+of the gated MLP's fused backward, the down projection left to it, 10.6 ms: twenty-second
+session); RoPE 1.4 ms
 and 0.7 GiB, and with its angles read from one table (seventeenth session) still 1.6 ms
 of kernel time over the gated MLP's step (Inductor's unfused rotation rides on the q/k
 copies attention needs anyway); the LM head + loss (logits written) 0.5 ms and 1.8 GiB,

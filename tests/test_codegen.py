@@ -579,7 +579,8 @@ def test_tile_config_by_row_class():
 def test_fp8_programs_take_their_own_tile_configs():
     """e4m3 GEMMs accumulate fast (torchao's inference recipe; QuACK's second float32
     accumulator would double the registers) on ping-pong tiles: 64 x 128 up to 64 rows,
-    128 x 128 (cluster 2) below 4096 rows, 128 x 192 above."""
+    128 x 128 (cluster 2) below 4096 rows and above it up to N = 2048 (the training
+    step's narrow GEMMs), 128 x 192 above it for wider outputs."""
     from coda_rewrite.codegen import fp8
     from coda_rewrite.kernels.quack_path import config_for, configs_of, fast_accum
     down, gate_up = fp8.down_program(torch.bfloat16), fp8.gate_up_program("swiglu")
@@ -592,6 +593,11 @@ def test_fp8_programs_take_their_own_tile_configs():
     assert tile(down, 256, 4096) == (128, 128, 2, True, True)
     assert tile(gate_up, 4095, 28672) == (128, 128, 2, True, True)
     assert tile(gate_up, 8192, 28672) == (128, 192, 2, True, True)
+    assert tile(down, 8192, 4096) == (128, 192, 2, True, True)
+    assert tile(down, 8192, 2048) == (128, 128, 2, True, True)
+    rowwise = fp8.rowwise_program(torch.bfloat16)
+    assert tile(rowwise, 8192, 512) == (128, 128, 2, True, True)
+    assert tile(rowwise, 8192, 8192) == (128, 192, 2, True, True)
     every = configs_of(down)
     assert [(c.tile_m, c.tile_n) for c in every] == [(64, 128), (128, 128), (128, 192)]
     assert all(fast_accum(c) for c in every)

@@ -309,16 +309,23 @@ def fast_accum(config) -> bool:
 # Fast accumulation's own error, on e4m3 inputs at K 14336: 3.3e-3 against float64 (1.7e-3
 # precise: the bf16 store's rounding); an e4m3 rounding of the inputs costs ~3e-2. The 8B
 # layer's output: 7.19e-3 from float64 with it, 7.18e-3 without (torchao 7.27e-3).
-FP8_ROW_CLASSES = (  # (rows at most, widest N, (tile_m, tile_n, cluster_m, split_k,
-    (64, None, (64, 128, 1, 1, True, True)),  # pingpong, fast)); first match wins
-    (4095, None, (128, 128, 2, 1, True, True)),
+# The training step's GEMMs (BENCHMARKS.md, twenty-second session; 1B step shapes, 8192
+# rows, fast accumulation, µs): where N ≤ 2048, 128 x 128 tiles beat 128 x 192 at any K
+# (gate/up dgrad, K 8192: 208.8 against 221.3; down forward 206.6 / 225.0; q/o forward
+# 53.2 / 54.7; k/v forward, N 512: 20.4 / 24.7); at N = 8192 128 x 192 stays ahead (202.6
+# against 214.2). Split-K (2–4) never paid there, even for the wgrad's 4 x 16 tiles of a
+# k/v projection over K = 8192 (26.5 against 27.6, inside the noise).
+FP8_ROW_CLASSES = (  # (rows at most or None: any, widest N or None: any, (tile_m, tile_n,
+    (64, None, (64, 128, 1, 1, True, True)),  # cluster_m, split_k, pingpong, fast));
+    (4095, None, (128, 128, 2, 1, True, True)),  # first match wins
+    (None, 2048, (128, 128, 2, 1, True, True)),
 )
 FP8_LARGE = (128, 192, 2, 1, True, True)
 
 
 def _fp8_config(m: int, n: int):
     for rows, widest, tiles in FP8_ROW_CLASSES:
-        if m <= rows and (widest is None or n <= widest):
+        if (rows is None or m <= rows) and (widest is None or n <= widest):
             return tile_config(*tiles)
     return tile_config(*FP8_LARGE)
 
@@ -370,7 +377,7 @@ def _row_class(m: int, n: int) -> tuple[int, ...] | None:
     """(tile_m, tile_n, cluster_m[, split_k]) of the first row class holding an (m, n)
     output."""
     for rows, widest, tiles in ROW_CLASSES:
-        if m <= rows and (widest is None or n <= widest):
+        if (rows is None or m <= rows) and (widest is None or n <= widest):
             return tiles
     return None
 
