@@ -600,6 +600,9 @@ def test_fp8_programs_take_their_own_tile_configs():
     assert tile(rowwise, 8192, 8192) == (128, 192, 2, True, True)
     every = configs_of(down)
     assert [(c.tile_m, c.tile_n) for c in every] == [(64, 128), (128, 128), (128, 192)]
+    # what AOT compiles covers every size's pick (a class's bound on either side)
+    assert all(config_for(down, m, n) in every for m in (1, 64, 65, 4095, 4096, 8192)
+               for n in (512, 2048, 2049, 8192))
     assert all(fast_accum(c) for c in every)
     for c in every:  # the accumulator's registers per thread (a warp group per tile)
         assert c.tile_m * c.tile_n // 128 <= 192

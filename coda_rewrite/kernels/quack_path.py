@@ -324,10 +324,7 @@ FP8_LARGE = (128, 192, 2, 1, True, True)
 
 
 def _fp8_config(m: int, n: int):
-    for rows, widest, tiles in FP8_ROW_CLASSES:
-        if (rows is None or m <= rows) and (widest is None or n <= widest):
-            return tile_config(*tiles)
-    return tile_config(*FP8_LARGE)
+    return tile_config(*(_first_class(FP8_ROW_CLASSES, m, n) or FP8_LARGE))
 
 
 # Tile configs by problem size, decided once per (rows, columns) class from the sweep of
@@ -376,7 +373,13 @@ def config_for_size(m: int, n: int):
 def _row_class(m: int, n: int) -> tuple[int, ...] | None:
     """(tile_m, tile_n, cluster_m[, split_k]) of the first row class holding an (m, n)
     output."""
-    for rows, widest, tiles in ROW_CLASSES:
+    return _first_class(ROW_CLASSES, m, n)
+
+
+def _first_class(classes, m: int, n: int) -> tuple | None:
+    """The tiles of the first (rows at most, widest N, tiles) class holding an (m, n)
+    output; None in a bound means any."""
+    for rows, widest, tiles in classes:
         if (rows is None or m <= rows) and (widest is None or n <= widest):
             return tiles
     return None
@@ -391,8 +394,9 @@ def _holding(groups: set[int], tile_n: int) -> int:
 def configs_of(prog: EpilogueProgram) -> list:
     """Every config config_for can give ``prog``, at any problem size (one row count and
     one width at each class bound and one past the last): what AOT compiles."""
-    if prog.family == FP8_FAMILY:
-        return list(dict.fromkeys(_fp8_config(m, 8192) for m in (1, 256, 4096)))
+    if prog.family == FP8_FAMILY:  # the classes' own tiles: no size to probe
+        return list(dict.fromkeys(tile_config(*tiles) for tiles in
+                                  [t for _, _, t in FP8_ROW_CLASSES] + [FP8_LARGE]))
     rows = sorted({r for r, _, _ in ROW_CLASSES})
     widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None})
     out = []
