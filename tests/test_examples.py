@@ -43,3 +43,27 @@ def test_coverage_script_reports_a_row_per_architecture():
     assert any(r.startswith("| qwen3_moe | 2/2 | ") and r.split(" | ")[4] == "2/2"
                for r in rows), run.stdout
     assert any(r.startswith("| gpt2 | ") and "PASS FAILED" not in r for r in rows), run.stdout
+
+
+def _survey():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import survey
+    return survey
+
+
+def test_survey_gpu_check_judges_kernels_against_float64_and_names_top_k_flips():
+    """tools/survey.py --gpu's check, run here on the CPU (the reference in place of the
+    kernels): a Llama at the GPU widths is within the bar; and its flip detector tells a
+    routing flip (one token's logits far off, the rest as eager's) from a systematic
+    error (every token worse), which it must never excuse."""
+    import torch
+    survey = _survey()
+    line = survey.check_gpu("llama", device="cpu")
+    assert line.startswith("llama: cpu bf16 ok |") and "gradients" in line, line
+    eager = torch.full((256,), 1e-2)
+    one_off = eager.clone()
+    one_off[17] = 0.6
+    assert survey._flipped(one_off, eager).nonzero().flatten().tolist() == [17]
+    assert not survey._flipped(eager * 3, eager).any()
+    assert survey.check_gpu("llama", device="cuda").endswith("skipped (no CUDA device)") \
+        or torch.cuda.is_available()

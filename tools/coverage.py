@@ -57,10 +57,20 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             v_head_dim=16, n_group=2, topk_group=1)
 
 
-def build(model_type: str):
+# Wider than TINY, for the GPU (tools/survey.py --gpu): heads of 64 and widths that are
+# multiples of 128, so the generated kernels' layout contracts hold and they run, where
+# TINY's 16-wide heads send most fused GEMMs to their reference
+GPU_WIDTHS = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=512,
+                  moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                  n_embd=256, n_inner=512, q_lora_rank=64, kv_lora_rank=64,
+                  qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+
+
+def build(model_type: str, widths: dict | None = None):
+    """``model_type``'s tiny config (TINY, ``widths`` over it), float32, train mode."""
     import transformers as tf
     cfg = tf.AutoConfig.for_model(model_type)
-    tiny = dict(TINY)
+    tiny = {**TINY, **(widths or {})}
     if hasattr(cfg, "qk_rope_head_dim"):  # multi-head latent attention: its own dims
         # the rotary tables are head_dim wide: the config derives it from the rope part
         # (and qk_head_dim from both parts) once, at construction

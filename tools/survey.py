@@ -5,6 +5,7 @@ forward + backward and an eval forward, each against eager.
     python tools/survey.py [model_type ...]
     python tools/survey.py --bf16 [model_type ...]
     python tools/survey.py --fp8 [model_type ...]
+    python tools/survey.py --gpu [--shard k/n] [--isolate] [model_type ...]
 
 One line per architecture:
 
@@ -37,8 +38,10 @@ noise: listed, not judged.
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
+import statistics
 import sys
 
 import torch
@@ -133,6 +136,137 @@ def check_bf16(model_type: str) -> str:
             f"against float64: {res['ratio']:.2f} (eager {res['eager'][0]:.1e})")
 
 
+def _token_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Each token's logits error against the exact ones, relative to that token's norm."""
+    got, want = got.detach().double(), want.detach().double()
+    return ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-300)).flatten()
+
+
+def _flipped(ours: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
+    """The tokens whose logits error is 4x eager's worst token's: where a top-k router
+    chose other experts than eager did (a near-tie that another rounding order resolves
+    the other way, as any reordering of bf16 sums can, Inductor's too), unlike a
+    systematic error, which moves every token."""
+    return ours > 4 * eager.max()
+
+
+def check_gpu(model_type: str, device: str = "cuda") -> str:
+    """The generated kernels on one architecture: bf16 on ``device`` at the GPU widths
+    (coverage.GPU_WIDTHS), every size fused (min_fused_rows=0) and every family in
+    training (fuse_in_training=True), so what runs is the kernels, not the size and
+    training policies' choices. Eval logits (median over three seeds) and one training
+    step's loss and gradients (all of them as one vector; eval mode: no dropout draw)
+    against float64 (float32 where an op has no float64 kernel, as grouped_mm), each no
+    worse than eager's bf16 (numerics.BF16_RATIO_LIMIT); then how many fused calls ran
+    their kernel and which ran their reference, and why.
+
+    A model with a router whose logits miss the bar on a few tokens only (2% at most,
+    _flipped) while the other tokens are within it had a top-k choice flip, not an error
+    of the pass: the line says TOP-K FLIP instead of judging, and a training step whose
+    own forward flipped a token has its loss and gradients listed, not judged."""
+    import coda_rewrite
+    from coda_rewrite import numerics
+    from coda_rewrite.kernels import ops
+    from coda_rewrite.numerics import rel_err
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return f"{model_type}: skipped (no CUDA device)"
+    ids = torch.randint(3, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    before = collections.Counter(ops.RUNTIME)
+    limit = numerics.BF16_RATIO_LIMIT
+
+    def rewrite(model):
+        torch._dynamo.reset()
+        return coda_rewrite.optimize(model, min_fused_rows=0, fuse_in_training=True)
+
+    def exact_copy(model):
+        for dtype in (torch.float64, torch.float32):
+            try:
+                truth = copy.deepcopy(model).to(device, dtype)
+                with torch.no_grad():
+                    truth(ids, use_cache=False)
+                return truth
+            except RuntimeError:
+                if dtype is torch.float32:
+                    raise
+
+    errors = collections.defaultdict(list)  # eval logits against the exact copy, per seed
+    flips = []
+    for seed in (0, 1, 2):
+        try:
+            torch.manual_seed(seed)
+            base = coverage.build(model_type, coverage.GPU_WIDTHS).eval()
+            truth, eager = exact_copy(base), copy.deepcopy(base).to(device, torch.bfloat16)
+            with torch.no_grad():
+                want = truth(ids, use_cache=False).logits
+                low = eager(ids, use_cache=False).logits
+        except Exception as e:  # eager itself fails at these widths or dtypes
+            return f"{model_type}: skipped on {device} ({type(e).__name__})"
+        with torch.no_grad():  # the pass raising is main's PASS RAISED, not a skip
+            got = rewrite(copy.deepcopy(eager))(ids, use_cache=False).logits
+        errors["eager"].append(rel_err(low, want))
+        errors["ours"].append(rel_err(got, want))
+        keep = ~_flipped(_token_errors(got, want), _token_errors(low, want))
+        flips.append(int((~keep).sum()))
+        flat = lambda t: t.reshape(-1, t.shape[-1])[keep]  # noqa: E731
+        errors["eager, same tokens"].append(rel_err(flat(low), flat(want)))
+        errors["ours, unflipped"].append(rel_err(flat(got), flat(want)))
+    median = {k: statistics.median(v) for k, v in errors.items()}
+    logits_ratio = median["ours"] / median["eager"]
+    unflipped = median["ours, unflipped"] / median["eager, same tokens"]
+    routed = any(name.endswith(("router", "mlp.gate")) for name, _ in base.named_modules())
+    flip_only = routed and logits_ratio > limit and unflipped <= limit and \
+        max(flips) <= 0.02 * ids.numel()
+    ours = copy.deepcopy(eager)
+    fast = rewrite(ours)
+    loss, grads, logits = {}, {}, {}
+    for name, run, params in (("truth", truth, truth), ("eager", eager, eager),
+                              ("ours", fast, ours)):
+        out = run(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        loss[name], logits[name] = out.loss.item(), out.logits.detach()
+        grads[name] = {n: p.grad for n, p in params.named_parameters() if p.grad is not None}
+    step_flips = int(_flipped(_token_errors(logits["ours"], logits["truth"]),
+                              _token_errors(logits["eager"], logits["truth"])).sum()) \
+        if routed else 0
+    missing = sorted(set(grads["truth"]) - set(grads["ours"]))
+    flat = {k: torch.cat([g[n].double().flatten() for n in grads["truth"] if n in g])
+            for k, g in grads.items()}
+    grad_ratio = rel_err(flat["ours"], flat["truth"]) / rel_err(flat["eager"], flat["truth"])
+    loss_err = {k: abs(loss[k] - loss["truth"]) / abs(loss["truth"]) for k in loss}
+    worst = sorted(((rel_err(grads["ours"][n], g) / max(rel_err(grads["eager"][n], g), 1e-30),
+                     n) for n, g in grads["truth"].items() if n in grads["ours"]),
+                   reverse=True)[:3]
+    ran = collections.Counter(ops.RUNTIME)
+    ran.subtract(before)
+    kernels = sum(v for (_, impl, _), v in ran.items() if impl == "kernel" and v > 0)
+    fallbacks = collections.Counter()
+    for (key, impl, why), v in ran.items():
+        if impl == "reference" and v > 0:
+            fallbacks[f"{key.split('#')[0]}: {why}"] += v
+    bad = [what for what, fine in (
+        ("logits", logits_ratio <= limit or flip_only),
+        ("loss", step_flips or loss_err["ours"] <= limit * loss_err["eager"] + 1e-4),
+        ("gradients", step_flips or grad_ratio <= limit),
+        ("a gradient missing", not missing)) if not fine]
+    flag = "ok" if not bad else "WORSE THAN EAGER: " + ", ".join(bad)
+    if not bad and (flip_only or step_flips):
+        flag = (f"ok, TOP-K FLIP on {max(flips)} of {ids.numel()} tokens at eval (the "
+                f"others' logits {unflipped:.2f}), {step_flips} in the training step")
+    return (f"{model_type}: {device} bf16 {flag} | {fast.report.count(pattern=None)} rewrites, "
+            f"{kernels} kernel calls | rewritten / eager error against "
+            f"{str(truth.dtype)[6:]}: logits {logits_ratio:.2f} (eager {median['eager']:.1e}), "
+            f"loss {loss_err['ours']:.1e} (eager {loss_err['eager']:.1e}), gradients "
+            f"{grad_ratio:.2f}"
+            + (f" (worst: {', '.join(f'{n} {r:.1f}x' for r, n in worst)})"
+               if grad_ratio > limit else "")
+            + (f" | missing: {missing[:3]}" if missing else "")
+            + (" | reference ran: " + "; ".join(f"{k} x{v}" for k, v in
+                                                 fallbacks.most_common(3))
+               if fallbacks else ""))
+
+
 def _aligned(lin) -> bool:
     return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
 
@@ -214,11 +348,26 @@ def check_fp8(model_type: str) -> str:
 
 def main(argv: list[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    modes = {"--bf16": check_bf16, "--fp8": check_fp8}
+    modes = {"--bf16": check_bf16, "--fp8": check_fp8, "--gpu": check_gpu}
     run = modes.get(argv[0], check) if argv else check
     argv = argv[1:] if run is not check else argv
+    shard, isolate = (0, 1), False
+    if argv[:1] == ["--shard"]:  # k/n: every n-th architecture from the k-th (parallel runs)
+        shard, argv = tuple(int(v) for v in argv[1].split("/")), argv[2:]
+    if argv[:1] == ["--isolate"]:  # each architecture in a process of its own
+        isolate, argv = True, argv[1:]
     types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                            if t not in coverage.SKIP)
+    types = types[shard[0]::shard[1]]
+    if isolate:
+        import subprocess
+        mode = [k for k, v in modes.items() if v is run]
+        for t in types:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *mode, t],
+                                  capture_output=True, text=True)
+            print(done.stdout.strip() or f"{t}: PROCESS FAILED (exit {done.returncode}): "
+                  f"{done.stderr.strip().splitlines()[-1:]}", flush=True)
+        return
     for t in types:
         try:
             print(run(t), flush=True)
