@@ -5,7 +5,7 @@ forward + backward and an eval forward, each against eager.
     python tools/survey.py [model_type ...]
     python tools/survey.py --bf16 [model_type ...]
     python tools/survey.py --fp8 [model_type ...]
-    python tools/survey.py --gpu [--shard k/n] [--isolate] [model_type ...]
+    python tools/survey.py --gpu [--shard k/n] [--isolate] [--no-cudnn-sdpa] [model_type ...]
 
 One line per architecture:
 
@@ -356,12 +356,17 @@ def main(argv: list[str]) -> None:
         shard, argv = tuple(int(v) for v in argv[1].split("/")), argv[2:]
     if argv[:1] == ["--isolate"]:  # each architecture in a process of its own
         isolate, argv = True, argv[1:]
+    if argv[:1] == ["--no-cudnn-sdpa"]:  # SDPA's cuDNN backend off (torch's default on
+        # Hopper): whether a GPU result depends on it
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        argv = argv[1:]
     types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                            if t not in coverage.SKIP)
     types = types[shard[0]::shard[1]]
     if isolate:
         import subprocess
-        mode = [k for k, v in modes.items() if v is run]
+        mode = [k for k, v in modes.items() if v is run] + \
+            ([] if torch.backends.cuda.cudnn_sdp_enabled() else ["--no-cudnn-sdpa"])
         for t in types:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), *mode, t],
                                   capture_output=True, text=True)
