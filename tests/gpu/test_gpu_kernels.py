@@ -1289,8 +1289,8 @@ def test_architectures_one_after_another_in_one_process_on_gpu():
     """tools/survey.py --gpu's check on a sequence of architectures in one process, as its
     shard 9 of 12 ran them on the H200 (2026-12-04): there the first two passed and from
     glm4_moe on five of seven training steps' gradients were wrong (140x to 4e5x eager's
-    error, NaN for granitemoe), while each of them alone, in a fresh process, was within
-    the bar.
+    error, NaN for granitemoe), while glm4_moe and granitemoe alone, in a fresh process,
+    were within the bar.
     What a process keeps between models (the route table's prepared launches, compiled
     kernels, QuACK's plans, the allocator's reused memory) must not change a result."""
     import sys
