@@ -25,18 +25,18 @@ forward + backward at 1.147x (Qwen3-30B-A3B shape), 1.099x (gpt-oss-20b) and 1.0
 (Mixtral-8x7B) of torch.compile's (with their backward as rules: 0.89x and 0.96x): they
 are fused, from their own training threshold of routed rows (patterns/routed_experts).
 
-So each GEMM-fusing family says whether it pays in a training step
-(``PAYS_IN_TRAINING`` in its pattern module); a match whose GEMMs compute a gradient is left
-to eager's ops under Inductor when its family does not, with the reason (code
-``training.does_not_pay``). ``options.fuse_in_training`` overrides (True: every family,
-with a warning once per family the policy would leave in a CUDA training graph, as
-README's known limits says why; False: none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's
-memory request (the logits never written): it is kept whatever its family says. Graphs
-without gradients (inference) and CPU graphs (the reference path: no speed to win or
-lose) are not affected. A graph is told by whether its fused GEMMs' outputs require grad
-where dynamo traced them, so a forward run with gradients enabled counts as training:
-inference belongs under torch.no_grad() or torch.inference_mode() (generate() and serving
-stacks do so), where every family fuses by size alone.
+So each GEMM-fusing family says whether it pays in a training step (``PAYS_IN_TRAINING``
+in its pattern module); a match whose GEMMs compute a gradient is left to eager's ops
+under Inductor when its family does not, with the reason (code ``training.does_not_pay``).
+``options.fuse_in_training`` overrides (True: every family, with a warning once per family
+the policy would leave in a CUDA training graph, as README's known limits says why; False:
+none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's memory
+request (the logits never written): it is kept whatever its family says. Graphs without
+gradients (inference) and CPU graphs (the reference path: no speed to win or lose) are not
+affected. A graph is told by whether its fused GEMMs' outputs require grad where dynamo
+traced them, so a forward run with gradients enabled counts as training: inference belongs
+under torch.no_grad() or torch.inference_mode() (generate() and serving stacks do so),
+where every family fuses by size alone.
 """
 
 from __future__ import annotations
