@@ -64,6 +64,9 @@ def test_survey_gpu_check_judges_kernels_against_float64_and_names_top_k_flips()
     one_off = eager.clone()
     one_off[17] = 0.6
     assert survey._flipped(one_off, eager).nonzero().flatten().tolist() == [17]
-    assert not survey._flipped(eager * 3, eager).any()
+    assert not survey._flipped(eager * 3, eager).any()  # every token worse: judged
+    eager_off = eager.clone()
+    eager_off[5] = 0.4  # eager's own rounding flipped token 5 against the exact model
+    assert survey._flipped(one_off, eager_off).nonzero().flatten().tolist() == [5, 17]
     assert survey.check_gpu("llama", device="cuda").endswith("skipped (no CUDA device)") \
         or torch.cuda.is_available()

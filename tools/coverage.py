@@ -66,8 +66,9 @@ GPU_WIDTHS = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_siz
                   qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
 
 
-def build(model_type: str, widths: dict | None = None):
-    """``model_type``'s tiny config (TINY, ``widths`` over it), float32, train mode."""
+def build(model_type: str, widths: dict | None = None, seed: int = 0):
+    """``model_type``'s tiny config (TINY, ``widths`` over it), float32, train mode, its
+    weights drawn from ``seed``."""
     import transformers as tf
     cfg = tf.AutoConfig.for_model(model_type)
     tiny = {**TINY, **(widths or {})}
@@ -89,7 +90,7 @@ def build(model_type: str, widths: dict | None = None):
                     pass
         if isinstance(getattr(c, "layer_types", None), list):
             c.layer_types = c.layer_types[:getattr(c, "num_hidden_layers", 2)]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg)
     size = sum(p.numel() for p in model.parameters())
     if size > 20_000_000:

@@ -123,8 +123,7 @@ def check_bf16(model_type: str) -> str:
         return fast
 
     def build(seed):
-        torch.manual_seed(seed)
-        return coverage.build(model_type)
+        return coverage.build(model_type, seed=seed)
     try:
         res = numerics.low_precision_errors(build, {"input_ids": ids, "use_cache": False},
                                             rewrite, seeds=(0, 1, 2))
@@ -143,11 +142,13 @@ def _token_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 
 
 def _flipped(ours: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
-    """The tokens whose logits error is 4x eager's worst token's: where a top-k router
-    chose other experts than eager did (a near-tie that another rounding order resolves
-    the other way, as any reordering of bf16 sums can, Inductor's too), unlike a
-    systematic error, which moves every token."""
-    return ours > 4 * eager.max()
+    """The tokens whose logits error, ours or eager's, is 10x eager's median token's:
+    where a top-k router chose other experts than the exact model did (a near-tie that
+    another rounding order resolves the other way, as any reordering of bf16 sums can,
+    Inductor's and eager's own too), unlike a systematic error, which moves every token.
+    (bf16 tokens that keep their experts stay within 2x of the median.)"""
+    bar = 10 * eager.median()
+    return (ours > bar) | (eager > bar)
 
 
 def check_gpu(model_type: str, device: str = "cuda") -> str:
@@ -195,8 +196,7 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
     flips = []
     for seed in (0, 1, 2):
         try:
-            torch.manual_seed(seed)
-            base = coverage.build(model_type, coverage.GPU_WIDTHS).eval()
+            base = coverage.build(model_type, coverage.GPU_WIDTHS, seed=seed).eval()
             truth, eager = exact_copy(base), copy.deepcopy(base).to(device, torch.bfloat16)
             with torch.no_grad():
                 want = truth(ids, use_cache=False).logits
@@ -227,9 +227,11 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
         out.loss.backward()
         loss[name], logits[name] = out.loss.item(), out.logits.detach()
         grads[name] = {n: p.grad for n, p in params.named_parameters() if p.grad is not None}
-    step_flips = int(_flipped(_token_errors(logits["ours"], logits["truth"]),
-                              _token_errors(logits["eager"], logits["truth"])).sum()) \
-        if routed else 0
+    # tokens only ours flipped in the step (one eager flipped too weighs on both sides)
+    ours_tokens = _token_errors(logits["ours"], logits["truth"])
+    eager_tokens = _token_errors(logits["eager"], logits["truth"])
+    step_flips = int((_flipped(ours_tokens, eager_tokens)
+                      & ~_flipped(eager_tokens, eager_tokens)).sum()) if routed else 0
     missing = sorted(set(grads["truth"]) - set(grads["ours"]))
     flat = {k: torch.cat([g[n].double().flatten() for n in grads["truth"] if n in g])
             for k, g in grads.items()}
@@ -245,15 +247,18 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
     for (key, impl, why), v in ran.items():
         if impl == "reference" and v > 0:
             fallbacks[f"{key.split('#')[0]}: {why}"] += v
+    step_ok = loss_err["ours"] <= limit * loss_err["eager"] + 1e-4 and grad_ratio <= limit
     bad = [what for what, fine in (
         ("logits", logits_ratio <= limit or flip_only),
         ("loss", step_flips or loss_err["ours"] <= limit * loss_err["eager"] + 1e-4),
         ("gradients", step_flips or grad_ratio <= limit),
         ("a gradient missing", not missing)) if not fine]
     flag = "ok" if not bad else "WORSE THAN EAGER: " + ", ".join(bad)
-    if not bad and (flip_only or step_flips):
+    if not bad and (logits_ratio > limit or not step_ok):  # a flip changed the verdict
         flag = (f"ok, TOP-K FLIP on {max(flips)} of {ids.numel()} tokens at eval (the "
-                f"others' logits {unflipped:.2f}), {step_flips} in the training step")
+                f"others' logits {unflipped:.2f})" + (
+                    f", on {step_flips} in the training step (its loss and gradients not "
+                    "judged)" if step_flips else ""))
     return (f"{model_type}: {device} bf16 {flag} | {fast.report.count(pattern=None)} rewrites, "
             f"{kernels} kernel calls | rewritten / eager error against "
             f"{str(truth.dtype)[6:]}: logits {logits_ratio:.2f} (eager {median['eager']:.1e}), "
