@@ -151,6 +151,15 @@ def _flipped(ours: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
     return (ours > bar) | (eager > bar)
 
 
+def _step_excused(flips: int, tokens: int, grad_ratio: float, loss_err: float) -> bool:
+    """Whether a training step whose own forward flipped ``flips`` tokens (and eager's
+    did not) goes unjudged: a few tokens (2% at most) routed elsewhere move the router's
+    and experts' gradients by a few times eager's error (2-4x seen), never to a NaN or to
+    orders of magnitude; past that it is judged, flip or not (the check fails closed)."""
+    finite = grad_ratio == grad_ratio and loss_err == loss_err and grad_ratio < float("inf")
+    return 0 < flips <= 0.02 * tokens and finite and grad_ratio <= 10
+
+
 def check_gpu(model_type: str, device: str = "cuda") -> str:
     """The generated kernels on one architecture: bf16 on ``device`` at the GPU widths
     (coverage.GPU_WIDTHS), every size fused (min_fused_rows=0) and every family in
@@ -164,7 +173,8 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
     A model with a router whose logits miss the bar on a few tokens only (2% at most,
     _flipped) while the other tokens are within it had a top-k choice flip, not an error
     of the pass: the line says TOP-K FLIP instead of judging, and a training step whose
-    own forward flipped a token has its loss and gradients listed, not judged."""
+    own forward flipped a few tokens has its loss and gradients listed, not judged, while
+    they stay finite and within 10x eager's error (_step_excused)."""
     import coda_rewrite
     from coda_rewrite import numerics
     from coda_rewrite.kernels import ops
@@ -247,18 +257,20 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
     for (key, impl, why), v in ran.items():
         if impl == "reference" and v > 0:
             fallbacks[f"{key.split('#')[0]}: {why}"] += v
+    # a loss is one scalar, one draw of the rounding: judged with a floor (DESIGN.md)
     step_ok = loss_err["ours"] <= limit * loss_err["eager"] + 1e-4 and grad_ratio <= limit
+    excused = _step_excused(step_flips, ids.numel(), grad_ratio, loss_err["ours"])
     bad = [what for what, fine in (
         ("logits", logits_ratio <= limit or flip_only),
-        ("loss", step_flips or loss_err["ours"] <= limit * loss_err["eager"] + 1e-4),
-        ("gradients", step_flips or grad_ratio <= limit),
+        ("loss", excused or loss_err["ours"] <= limit * loss_err["eager"] + 1e-4),
+        ("gradients", excused or grad_ratio <= limit),
         ("a gradient missing", not missing)) if not fine]
     flag = "ok" if not bad else "WORSE THAN EAGER: " + ", ".join(bad)
     if not bad and (logits_ratio > limit or not step_ok):  # a flip changed the verdict
         flag = (f"ok, TOP-K FLIP on {max(flips)} of {ids.numel()} tokens at eval (the "
                 f"others' logits {unflipped:.2f})" + (
                     f", on {step_flips} in the training step (its loss and gradients not "
-                    "judged)" if step_flips else ""))
+                    "judged)" if excused else ""))
     return (f"{model_type}: {device} bf16 {flag} | {fast.report.count(pattern=None)} rewrites, "
             f"{kernels} kernel calls | rewritten / eager error against "
             f"{str(truth.dtype)[6:]}: logits {logits_ratio:.2f} (eager {median['eager']:.1e}), "
@@ -357,14 +369,16 @@ def main(argv: list[str]) -> None:
     run = modes.get(argv[0], check) if argv else check
     argv = argv[1:] if run is not check else argv
     shard, isolate = (0, 1), False
-    if argv[:1] == ["--shard"]:  # k/n: every n-th architecture from the k-th (parallel runs)
-        shard, argv = tuple(int(v) for v in argv[1].split("/")), argv[2:]
-    if argv[:1] == ["--isolate"]:  # each architecture in a process of its own
-        isolate, argv = True, argv[1:]
-    if argv[:1] == ["--no-cudnn-sdpa"]:  # SDPA's cuDNN backend off (torch's default on
-        # Hopper): whether a GPU result depends on it
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        argv = argv[1:]
+    while argv[:1] and argv[0].startswith("--"):  # the options, in any order
+        option, argv = argv[0], argv[1:]
+        if option == "--shard":  # k/n: every n-th architecture from the k-th
+            shard, argv = tuple(int(v) for v in argv[0].split("/")), argv[1:]
+        elif option == "--isolate":  # each architecture in a process of its own
+            isolate = True
+        elif option == "--no-cudnn-sdpa":  # SDPA's cuDNN backend off (torch's default
+            torch.backends.cuda.enable_cudnn_sdp(False)  # on Hopper): does a result
+        else:  # depend on it?
+            raise SystemExit(f"survey.py: unknown option {option}")
     types = argv or sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                            if t not in coverage.SKIP)
     types = types[shard[0]::shard[1]]
