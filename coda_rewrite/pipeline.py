@@ -7,7 +7,10 @@ training_policy.py: where a fusion does not pay, it is left, with the reason), a
 that raises (it costs the rewrite, never the compile, and is recorded as the pass's own
 bug; a graph surgery that raises after changing the graph undoes every rewrite of that
 graph), the nodes rewrites replace (a later match may name them: Context.current),
-graphs eager rejects, and activation-checkpointed regions (rewritten inside).
+graphs eager rejects, and activation-checkpointed regions (rewritten inside). After the
+families, one change that is not a rewrite: SDPA outputs in graphs that may train on CUDA
+hand their gradient to SDPA's backward in one layout (attention_grad_layout.py: a PyTorch
+bug gives wrong gradients otherwise).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 
 import torch.fx as fx
 
-from . import canonical, size_policy, training_policy
+from . import attention_grad_layout, canonical, size_policy, training_policy
 from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
@@ -36,9 +39,11 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         sub = _rewrite_one(region, options, records)
         texts = (texts[0] + f"\n# checkpointed region {name}\n" + sub[0],
                  texts[1] + f"\n# checkpointed region {name} (recomputed in the backward)\n"
-                 + sub[1])
+                 + sub[1], texts[2] + sub[2])
+    guards = [f"{attention_grad_layout.REPORT_LINE}: {texts[2]} SDPA call(s)"] \
+        if texts[2] else []
     return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0,
-                       *_rank(), min_fused_rows=options.min_fused_rows)
+                       *_rank(), min_fused_rows=options.min_fused_rows, guards=guards)
 
 
 def _rank() -> tuple[int | None, int | None]:
@@ -76,7 +81,8 @@ def _checkpointed_regions(gm: fx.GraphModule, records: list[MatchRecord]):
 
 
 def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord]):
-    """Rewrite one graph in place; returns (canonical text, rewritten code)."""
+    """Rewrite one graph in place; returns (canonical text, rewritten code, SDPA calls
+    whose output gradient is re-laid: attention_grad_layout.py)."""
     graph = gm.graph
     canonical_text = canonical.render(graph)
     raising = canonical.gemm_eager_rejects(graph)
@@ -86,7 +92,7 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
             code="graph.eager_raises", reason=(
                 f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
                 "force: eager raises there, so the graph is left exactly as captured")))
-        return canonical_text, gm.code
+        return canonical_text, gm.code, 0
     pristine = copy.deepcopy(graph)  # nodes copied, their meta shared: cheap
     first = len(records)
     try:
@@ -102,8 +108,11 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
             "graph", "", REJECTED, kind=RejectionKind.INTERNAL_ERROR, code="internal_error",
             reason=(f"graph surgery raised ({type(e).__name__}: {e}); every rewrite of this "
                     "graph is undone: it runs exactly as captured")))
+    # not a rewrite: a PyTorch bug kept away from every graph that may train on CUDA,
+    # rewritten or not (attention_grad_layout.py)
+    guarded = attention_grad_layout.guard(gm.graph)
     gm.recompile()
-    return canonical_text, gm.code
+    return canonical_text, gm.code, guarded
 
 
 def _undone(records: list[MatchRecord], error: Exception) -> None:

@@ -110,6 +110,9 @@ class GraphReport:
     world_size: int | None = None
     # options.min_fused_rows as this graph was rewritten with (None: each family's own)
     min_fused_rows: int | None = None
+    # what the pass did to the graph that is not a rewrite (a guard against a PyTorch
+    # bug: attention_grad_layout.py), one line each
+    guards: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -141,6 +144,7 @@ class GraphReport:
                        "rsqrt, scale) or LayerNorm with a GEMM reading its output was found "
                        "in this graph")
         out += [r.render(i) for i, r in enumerate(self.records)]
+        out += [f"guard: {line}" for line in self.guards]
         if self.programs:
             out.append("\nepilogue programs:")
             out += [p.pretty() for p in self.programs.values()]

@@ -28,9 +28,8 @@ are fused, from their own training threshold of routed rows (patterns/routed_exp
 So each GEMM-fusing family says whether it pays in a training step (``PAYS_IN_TRAINING``
 in its pattern module); a match whose GEMMs compute a gradient is left to eager's ops
 under Inductor when its family does not, with the reason (code ``training.does_not_pay``).
-``options.fuse_in_training`` overrides (True: every family, with a warning once per family
-the policy would leave in a CUDA training graph, as README's known limits says why; False:
-none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's memory
+``options.fuse_in_training`` overrides (True: every family, each checked on the GPU in
+training by ``tools/survey.py --gpu``; False: none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's memory
 request (the logits never written): it is kept whatever its family says. Graphs without
 gradients (inference) and CPU graphs (the reference path: no speed to win or lose) are not
 affected. A graph is told by whether its fused GEMMs' outputs require grad where dynamo
@@ -41,8 +40,6 @@ where every family fuses by size alone.
 
 from __future__ import annotations
 
-import warnings
-
 from . import canonical
 from .size_policy import gemms_of
 
@@ -52,8 +49,6 @@ def not_paying_in_training(family, match, options) -> str:
     if not getattr(family, "FUSES_GEMMS", False):
         return ""
     if options.fuse_in_training is True:
-        if not family.PAYS_IN_TRAINING and computes_gradients(match):
-            _warn_unverified(family.NAME)
         return ""
     asked = getattr(family, "asked_for_in_training", None)
     if options.fuse_in_training is None and (family.PAYS_IN_TRAINING or
@@ -76,14 +71,3 @@ def computes_gradients(match) -> bool:
     to the families' own choice)."""
     outs = [canonical.meta(n) for n in gemms_of(match)]
     return any(g is not None and g.device.type == "cuda" and g.requires_grad for g in outs)
-
-
-def _warn_unverified(name: str) -> None:
-    """Once per family (Python's warning registry): a family the policy would leave, fused
-    in a CUDA training graph because options.fuse_in_training=True asked for it, is not
-    verified on the GPU (README, known limits: wrong gradients seen on the H200 after other
-    models had run in the process, cause not yet found). Said, not silent."""
-    warnings.warn(f"coda_rewrite: options.fuse_in_training=True fuses {name} in a CUDA "
-                  "training graph; README's known limits: wrong gradients were seen on the "
-                  "H200 with every family fused in training, cause not yet found",
-                  RuntimeWarning, stacklevel=2)

@@ -1300,3 +1300,42 @@ def test_architectures_one_after_another_in_one_process_on_gpu():
                                            "jais2", "qwen2_moe", "solar_open")]
     bad = [line for line in lines if ": cuda bf16 ok" not in line]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["optimize", "backend"])
+def test_attention_grad_layout_graphs_sharing_a_cache_entry_on_gpu(inductor):
+    """Two rewritten graphs whose SDPA calls have the same q, k, v (shapes and strides),
+    the first a differential-attention output (its gradient [b, h, s, d] contiguous),
+    the second the common one: PyTorch's cuDNN attention backward would run the second
+    on the graph it built for the first's dO layout (measured without the guard: 1.4
+    relative error, or NaN). With attention_grad_layout both hand it one layout; each
+    step's gradients are within 3x of eager bf16's error against float32 (eager's own
+    bf16 step on SDPA's math backend: an eager cuDNN call on the same q, k, v would share
+    the cache entry and, for the differential model, hand it another dO layout)."""
+    from test_attention_grad_layout import Attention
+    from coda_rewrite.backend import CodaBackend
+    from coda_rewrite.options import Options
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq = 80 if inductor else 96  # a cuDNN cache entry of this test's own per variant
+    x = torch.randn(2, seq, 128, device=DEV)
+
+    def grads(model, dtype, run=None):
+        inp = x.to(dtype).detach().clone().requires_grad_(True)
+        (model if run is None else run)(inp).float().square().mean().backward()
+        return torch.cat([inp.grad.flatten().double()]
+                         + [p.grad.flatten().double() for p in model.parameters()])
+
+    for differential in (True, False):
+        torch.manual_seed(0)
+        base = Attention(dim=128, heads=4, differential=differential).to(DEV)
+        truth = grads(copy.deepcopy(base), torch.float32)
+        ours = copy.deepcopy(base).to(torch.bfloat16)
+        torch._dynamo.reset()
+        run = torch.compile(ours, backend=CodaBackend(Options(inductor=True))) if inductor \
+            else coda_rewrite.optimize(ours)
+        got = grads(ours, torch.bfloat16, run)
+        with sdpa_kernel(SDPBackend.MATH):
+            eager = grads(copy.deepcopy(base).to(torch.bfloat16), torch.bfloat16)
+        assert rel_err(got, truth) <= 3 * max(rel_err(eager, truth), 1e-3), \
+            (differential, rel_err(got, truth), rel_err(eager, truth))
