@@ -75,5 +75,7 @@ def test_survey_gpu_check_judges_kernels_against_float64_and_names_top_k_flips()
     assert not survey._step_excused(1, 256, float("nan"), 1e-5)
     assert not survey._step_excused(40, 256, 2.0, 1e-5)
     assert not survey._step_excused(0, 256, 2.0, 1e-5)
+    assert survey._kept_ratio(0.0, 0.0) == float("inf")  # no token left: judged, no raise
+    assert survey._kept_ratio(1e-3, 2e-3) == 0.5
     if not torch.cuda.is_available():
         assert survey.check_gpu("llama").endswith("skipped (no CUDA device)")
