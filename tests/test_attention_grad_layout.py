@@ -168,19 +168,21 @@ def test_relaid_layout_reaches_the_backward_op_under_inductor(everywhere, monkey
             seen.extend(tuple(n.args[0].meta["val"].stride()) for n in graph.nodes
                         if "scaled_dot_product" in str(n.target) and "backward" in str(n.target))
 
-    monkeypatch.setattr(config, "post_grad_custom_post_pass", Spy())
-    monkeypatch.setattr(config, "fx_graph_cache", False)
     x = torch.randn(2, 16, 64)
     s, h, d = 16, 4, 16
-    for guarded, want in ((True, (s * h * d, d, h * d, 1)), (False, (h * s * d, s * d, d, 1))):
-        if not guarded:
-            monkeypatch.setattr(guard, "at_risk", lambda node: False)
-        seen.clear()
-        torch._dynamo.reset()
-        model = torch.compile(Attention(differential=True),
-                              backend=CodaBackend(Options(inductor=True)))
-        model(x).sum().backward()
-        assert seen == [want], (guarded, seen)
+    # config.patch, not monkeypatch: undoing a monkeypatched Inductor setting deletes it
+    # (ConfigModule.__delattr__ hides it), and every later compile in the process fails
+    with config.patch(post_grad_custom_post_pass=Spy(), fx_graph_cache=False):
+        for guarded, want in ((True, (s * h * d, d, h * d, 1)),
+                              (False, (h * s * d, s * d, d, 1))):
+            if not guarded:
+                monkeypatch.setattr(guard, "at_risk", lambda node: False)
+            seen.clear()
+            torch._dynamo.reset()
+            model = torch.compile(Attention(differential=True),
+                                  backend=CodaBackend(Options(inductor=True)))
+            model(x).sum().backward()
+            assert seen == [want], (guarded, seen)
 
 
 def test_optimize_places_the_guard(everywhere):

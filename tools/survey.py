@@ -151,6 +151,19 @@ def _flipped(ours: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
     return (ours > bar) | (eager > bar)
 
 
+def _exact_copy(model, ids, device=None):
+    """(a copy of ``model`` in float64, or float32 where an op has no float64 kernel, as
+    grouped_mm; its eval logits on ``ids``)."""
+    for dtype in (torch.float64, torch.float32):
+        try:
+            truth = copy.deepcopy(model).to(device=device, dtype=dtype)
+            with torch.no_grad():
+                return truth, truth(ids, use_cache=False).logits
+        except RuntimeError:
+            if dtype is torch.float32:
+                raise
+
+
 def _kept_ratio(ours: float, eager: float) -> float:
     """Our error over eager's on the tokens no flip took; inf where no token is left (every
     token far off, as Doge's capture makes them): nothing is excused, the logits are judged
@@ -198,25 +211,14 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
         torch._dynamo.reset()
         return coda_rewrite.optimize(model, min_fused_rows=0, fuse_in_training=True)
 
-    def exact_copy(model):
-        for dtype in (torch.float64, torch.float32):
-            try:
-                truth = copy.deepcopy(model).to(device, dtype)
-                with torch.no_grad():
-                    truth(ids, use_cache=False)
-                return truth
-            except RuntimeError:
-                if dtype is torch.float32:
-                    raise
-
     errors = collections.defaultdict(list)  # eval logits against the exact copy, per seed
     flips = []
     for seed in (0, 1, 2):
         try:
             base = coverage.build(model_type, coverage.GPU_WIDTHS, seed=seed).eval()
-            truth, eager = exact_copy(base), copy.deepcopy(base).to(device, torch.bfloat16)
+            truth, want = _exact_copy(base, ids, device)
+            eager = copy.deepcopy(base).to(device, torch.bfloat16)
             with torch.no_grad():
-                want = truth(ids, use_cache=False).logits
                 low = eager(ids, use_cache=False).logits
         except Exception as e:  # eager itself fails at these widths or dtypes
             return f"{model_type}: skipped on {device} ({type(e).__name__})"
@@ -312,15 +314,8 @@ def check_fp8(model_type: str) -> str:
             eager = model(ids, use_cache=False).logits
             captured = rel_err(torch.compile(copy.deepcopy(model), backend="eager")(
                 ids, use_cache=False).logits, eager)
-        for exact in (torch.float64, torch.float32):  # grouped_mm has no float64 path
-            try:
-                truth = copy.deepcopy(model).to(exact)
-                with torch.no_grad():
-                    want = truth(ids, use_cache=False).logits
-                break
-            except RuntimeError:
-                if exact is torch.float32:
-                    raise
+        truth, want = _exact_copy(model, ids)
+        exact = want.dtype
     except Exception as e:  # the tiny config does not run in eager
         return f"{model_type}: skipped in fp8 ({type(e).__name__})"
     if captured > 1e-2:  # a different computation, not a rounding (bf16: ~5e-3)
