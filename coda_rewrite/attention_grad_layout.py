@@ -8,7 +8,8 @@ same q, k, v and another dO layout runs the cached graph, which reads dO with th
 call's strides: wrong gradients, no error. Measured on the H200 (torch 2.11.0+cu130,
 2026-12-04): a second call with dO contiguous [b, h, s, d] after one with dO [b, s, h, d]
 returns dq, dk, dv 1.4 (relative) from the math backend's (2.9e-3 when it is the first
-call); a padded dO after a dense one, 1.2; the other way, NaN. PyTorch later keys the
+call); a padded dO after a dense one, 1.2; the other way, NaN (tools/cudnn_dO_layout.py
+checks an installed PyTorch). PyTorch later keys the
 cache on dO's strides too (pytorch/pytorch#191576); the releases this project supports
 include ones without it.
 
