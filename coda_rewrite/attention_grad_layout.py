@@ -37,12 +37,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .canonical import meta
+from .canonical import SDPA, meta
 from .codegen.layouts import real
 from .kernels import ops
 
-SDPA = {torch._C._nn.scaled_dot_product_attention,
-        torch.nn.functional.scaled_dot_product_attention}
+# what the guard wraps: SDPA as dynamo records it, and the aten op a graph may call itself
+GUARDED = SDPA | {torch.ops.aten.scaled_dot_product_attention.default}
 
 REPORT_LINE = ("attention backward: each SDPA output's gradient is handed to SDPA's "
                "backward as dense [b, s, h, d], 16-byte aligned, re-laid where it is not "
@@ -57,11 +57,9 @@ def canonical_grad(grad: torch.Tensor) -> torch.Tensor | None:
     compared: no address depends on them."""
     if grad.dim() != 4:
         return None
-    b, h, s, d = grad.shape
-    want = (s * h * d, d, h * d, 1)
-    dense = all(n == 1 or st == w for st, w, n in zip(grad.stride(), want, grad.shape))
-    aligned = grad.storage_offset() * grad.element_size() % 16 == 0 and (
-        not real([grad]) or grad.data_ptr() % 16 == 0)
+    dense = grad.transpose(1, 2).is_contiguous()  # PyTorch's check skips size-1 dims
+    aligned = grad.data_ptr() % 16 == 0 if real([grad]) else \
+        grad.storage_offset() * grad.element_size() % 16 == 0  # traced: no pointer yet
     if dense and aligned:
         return None
     if real([grad]):
@@ -93,7 +91,7 @@ def guard(graph: fx.Graph) -> int:
     """Route each at-risk SDPA output through keep_grad_layout; returns how many."""
     count = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA or not at_risk(node):
+        if node.op != "call_function" or node.target not in GUARDED or not at_risk(node):
             continue
         users = list(node.users)
         with graph.inserting_after(node):

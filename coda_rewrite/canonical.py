@@ -46,6 +46,10 @@ def meta(node: Any) -> torch.Tensor | None:
 
 
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+# SDPA as dynamo records it (the attention family, RoPE's escape analysis and the
+# attention-backward guard all look for these)
+SDPA = {torch._C._nn.scaled_dot_product_attention,
+        torch.nn.functional.scaled_dot_product_attention}
 _BINARY = {
     operator.add: "add", torch.add: "add", "add": "add",
     operator.sub: "sub", torch.sub: "sub", "sub": "sub",

@@ -29,8 +29,9 @@ So each GEMM-fusing family says whether it pays in a training step (``PAYS_IN_TR
 in its pattern module); a match whose GEMMs compute a gradient is left to eager's ops
 under Inductor when its family does not, with the reason (code ``training.does_not_pay``).
 ``options.fuse_in_training`` overrides (True: every family, each checked on the GPU in
-training by ``tools/survey.py --gpu``; False: none). The cross-entropy rewrite with ``materialize_logits=False`` is the user's memory
-request (the logits never written): it is kept whatever its family says. Graphs without
+training by ``tools/survey.py --gpu``; False: none). The cross-entropy rewrite with
+``materialize_logits=False`` is the user's memory request (the logits never written): it
+is kept whatever its family says. Graphs without
 gradients (inference) and CPU graphs (the reference path: no speed to win or lose) are not
 affected. A graph is told by whether its fused GEMMs' outputs require grad where dynamo
 traced them, so a forward run with gradients enabled counts as training: inference belongs

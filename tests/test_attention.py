@@ -13,6 +13,7 @@ from packaging.version import Version
 
 import coda_rewrite
 from coda_rewrite.numerics import rel_err
+from coda_rewrite import canonical
 from coda_rewrite.patterns import attention
 
 from conftest import (decode_matches_eager, grads_match, hf_model, module_step_matches_eager,
@@ -32,7 +33,7 @@ def _sdpa_calls(model, *args, **kwargs):
     with torch.no_grad():
         torch.compile(model, backend=capture)(*args, **kwargs)
     return [n for g in graphs for n in g.graph.nodes
-            if n.op == "call_function" and n.target in attention._SDPA]
+            if n.op == "call_function" and n.target in canonical.SDPA]
 
 
 @pytest.mark.parametrize("family,kw", CASES, ids=lambda c: str(c))

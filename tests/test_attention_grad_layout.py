@@ -222,3 +222,24 @@ def test_every_reader_and_the_graph_output_get_the_guarded_value(everywhere):
     assert code.count("_keep_grad_layout(") == 1 and graph.guards, code
     assert "= keep_grad_layout.transpose(1, 2)" in code and \
         "return (keep_grad_layout, " in code, code
+
+
+class EverySpelling(nn.Module):
+    """SDPA as F.scaled_dot_product_attention, torch._C._nn's and the aten op a graph may
+    call itself, and an attention written out (matmul, softmax: no SDPA backward, left)."""
+
+    def forward(self, q, k, v):
+        a = F.scaled_dot_product_attention(q, k, v)
+        b = torch._C._nn.scaled_dot_product_attention(q, k, v)
+        c = torch.ops.aten.scaled_dot_product_attention.default(q, k, v)
+        d = torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+        return a + b + c + d
+
+
+def test_every_sdpa_spelling_is_guarded_and_nothing_else(everywhere):
+    gm = torch.fx.symbolic_trace(EverySpelling())
+    assert guard.guard(gm.graph) == 3
+    gm.recompile()
+    assert gm.code.count("keep_grad_layout(") == 3
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    torch.testing.assert_close(gm(q, k, v), EverySpelling()(q, k, v))

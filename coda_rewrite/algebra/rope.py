@@ -35,6 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..canonical import SDPA as _SDPA
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts
@@ -44,8 +45,6 @@ from . import statements
 from .decision import Decision, Proof, Rejection, Why
 from .witness import _Unreplayable, _size, exact, guarded, verdict
 
-_SDPA = {torch._C._nn.scaled_dot_product_attention,
-         torch.nn.functional.scaled_dot_product_attention}
 _SHAPE = {"view", "reshape", "expand", "unsqueeze", "contiguous", "clone", "detach",
           torch.reshape, torch.unsqueeze, torch.clone, torch.detach}
 _CAT = {torch.cat, torch.concat, torch.concatenate}

@@ -25,14 +25,12 @@ import torch.fx as fx
 
 from ..algebra import mask as mask_prover
 from ..algebra.decision import Decision, Proof, Rejection
-from ..canonical import meta
+from ..canonical import SDPA, meta
 from ..capture import describe, model_path
 from ..graph_utils import erase_if_dead
 from .family import Context, Decided
 
 NAME = "attention_inputs"
-_SDPA = {torch._C._nn.scaled_dot_product_attention,
-         torch.nn.functional.scaled_dot_product_attention}
 
 
 @dataclasses.dataclass
@@ -150,7 +148,7 @@ def _heads(base) -> int:
 def find(graph: fx.Graph) -> list[AttentionMatch]:
     out = []
     for n in graph.nodes:
-        if n.op != "call_function" or n.target not in _SDPA:
+        if n.op != "call_function" or n.target not in SDPA:
             continue
         a = _sdpa_args(n)
         q, k, v = a["query"], a["key"], a["value"]
