@@ -10,9 +10,13 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
 
     graph call      what a graph optimize() runs calls under no_grad: fused_linear on the
                     model's [batch, tokens, K] activations (flatten, launch, outputs back
-                    to the model's shapes): the whole cost of one match
-    direct          the same without the reshapes (kernels/ops.execute: route lookup by
-                    tensor metadata, then the prepared launch)
+                    to the model's shapes): a match whose input and results no other
+                    fused call hands it or reads
+    chained         fused_linear on the op's 2-D form: a call that reads another fused
+                    call's result and hands its own on (row_chains.py), what most of a
+                    Llama layer's matches cost
+    direct          the same without fused_linear's checks (kernels/ops.execute: the
+                    route by tensor metadata, then the prepared launch)
     launch          the prepared launch alone (quack_path.Launch: allocations, QuACK's
                     planned GEMM launch, the finaliser)
     op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
@@ -22,7 +26,8 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
     F.linear        cuBLAS at the same (M, N, K)
 
 and per whole layer (1 x 64 tokens, no_grad): host µs per forward under eager,
-torch.compile, optimize() and backend="coda".
+torch.compile, optimize() (also with cache_relayouts=True, the serving recipe: no weight
+re-layout per call) and backend="coda".
 """
 
 from __future__ import annotations
@@ -46,18 +51,31 @@ CALLS = 100
 
 def host_us(fn, calls: int = CALLS, repeats: int = 5) -> float:
     """Median over repeats of the host µs per call, the GPU busy all along."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    seen = []
-    for _ in range(repeats):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of the loop
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    return interleaved({"": fn}, calls, repeats)[""]
+
+
+def interleaved(fns: dict, calls: int = CALLS, rounds: int = 7) -> dict:
+    """Host µs per call of each variant: the median over rounds, every round running each
+    variant's calls once (the order turned every round), the GPU busy all along. A host
+    that slows down for a while slows every variant of that round alike, so differences
+    between variants (a fused call over F.linear) hold where the absolute figures
+    move."""
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-        seen.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(seen)
+    torch.cuda.synchronize()
+    seen = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of the loop
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            seen[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()  # the launch queue empty again: it never fills
+    return {name: statistics.median(v) for name, v in seen.items()}
 
 
 def captured_calls(model, x):
@@ -79,8 +97,9 @@ def captured_calls(model, x):
 
 def per_program(calls) -> list[tuple[str, str, float]]:
     rows = []
-    print(f"{'program':<34} {'family':<18} {'M,N,K':<16} {'graph':>7} {'direct':>7} "
-          f"{'launch':>7} {'nograd':>7} {'op':>7} {'op,grad':>8} {'F.linear':>9}  µs/call")
+    print(f"{'program':<34} {'family':<18} {'M,N,K':<16} {'graph':>7} {'chained':>7} "
+          f"{'direct':>7} {'launch':>7} {'nograd':>7} {'op':>7} {'op,grad':>8} "
+          f"{'F.linear':>9}  µs/call")
     for program, (a, b, operands) in calls.items():
         prog = parse(program)
         if not prog.gemm:
@@ -93,21 +112,29 @@ def per_program(calls) -> list[tuple[str, str, float]]:
         with torch.no_grad():
             ops.execute(program, a, b, operands)
             route = ops._routes[(program, quack_path.metadata_key(a, b, operands))]
-            graph = host_us(lambda: ops.fused_linear(program, x, b, *lifted))
-            direct = host_us(lambda: ops.execute(program, a, b, operands))
-            launch = host_us(lambda: route(a, b, operands)) \
-                if isinstance(route, quack_path.Launch) else float("nan")
-            nograd = host_us(lambda: ops.gemm_epilogue_nograd(program, a, b, operands))
-            op = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands))
-            linear = host_us(lambda: torch.nn.functional.linear(x, b))
+            fns = {
+                "graph": lambda: ops.fused_linear(program, x, b, *lifted),
+                "chained": lambda: ops.fused_linear(program, a, b, *operands),
+                "direct": lambda: ops.execute(program, a, b, operands),
+                "nograd": lambda: ops.gemm_epilogue_nograd(program, a, b, operands),
+                "op": lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands),
+                "linear": lambda: torch.nn.functional.linear(x, b)}
+            if isinstance(route, quack_path.Launch):
+                fns["launch"] = lambda: route(a, b, operands)
+            t = interleaved(fns)
+        graph, chained, direct, nograd, op, linear = (
+            t[k] for k in ("graph", "chained", "direct", "nograd", "op", "linear"))
+        launch = t.get("launch", float("nan"))
         try:  # an inference-only program (no saved pre-activation) has no backward
             grad = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a_g, b_g, operands))
         except Exception:
             grad = float("nan")
         shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
-        print(f"{prog.key:<34} {prog.family:<18} {shape:<16} {graph:7.1f} {direct:7.1f} "
-              f"{launch:7.1f} {nograd:7.1f} {op:7.1f} {grad:8.1f} {linear:9.1f}")
-        for variant, us in (("graph call", graph), ("direct", direct), ("launch", launch),
+        print(f"{prog.key:<34} {prog.family:<18} {shape:<16} {graph:7.1f} {chained:7.1f} "
+              f"{direct:7.1f} {launch:7.1f} {nograd:7.1f} {op:7.1f} {grad:8.1f} "
+              f"{linear:9.1f}")
+        for variant, us in (("graph call", graph), ("chained", chained), ("direct", direct),
+                            ("launch", launch),
                             ("op, nograd", nograd), ("op", op), ("op, grad", grad),
                             ("F.linear", linear)):
             rows.append((f"{prog.family} {variant}", "host us/call", us))
@@ -143,13 +170,15 @@ def per_layer(model, x) -> list[tuple[str, str, float]]:
     fused = {"min_fused_rows": 0}  # M = 64 is below the default: fuse to measure it
     variants = {"eager": model, "torch.compile": torch.compile(model),
                 "optimize()": coda_rewrite.optimize(model, **fused),
+                "optimize(), kept": coda_rewrite.optimize(model, cache_relayouts=True,
+                                                          **fused),
                 'backend="coda"': torch.compile(model, backend="coda", options=fused)}
     rows = []
     with torch.no_grad():
-        for name, m in variants.items():
-            us = host_us(lambda: m(x), calls=20)
-            print(f"layer forward, 1 x {x.shape[1]} tokens, {name:<16} {us:8.1f} µs host")
-            rows.append((f"layer {name}", "host us/forward", us))
+        t = interleaved({name: (lambda m=m: m(x)) for name, m in variants.items()}, calls=20)
+    for name, us in t.items():
+        print(f"layer forward, 1 x {x.shape[1]} tokens, {name:<16} {us:8.1f} µs host")
+        rows.append((f"layer {name}", "host us/forward", us))
     return rows
 
 

@@ -24,6 +24,14 @@ CHUNK = {torch.chunk, "chunk"}
 FUSED_LINEAR_MARK = "_coda_fused_linear"
 
 
+# Every function the rewritten graph calls on the model's [*lead, K] activations that
+# flattens them to the op's 2-D form and reshapes its results back (kernels/ops.py,
+# kernels/relayout.py) carries this attribute: the index of its first program operand
+# (the x it flattens is argument 1; fused_rowwise has none: its first tile operand).
+# row_chains.py hands such calls each other their results in the 2-D form.
+ROW_CALL_MARK = "_coda_row_call"
+
+
 def fused_linear_call(node) -> bool:
     """``node`` calls kernels/ops.fused_linear (program, x, weight, *operands)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and \

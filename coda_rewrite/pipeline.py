@@ -10,7 +10,9 @@ graph), the nodes rewrites replace (a later match may name them: Context.current
 graphs eager rejects, and activation-checkpointed regions (rewritten inside). After the
 families, one change that is not a rewrite: SDPA outputs in graphs that may train on CUDA
 hand their gradient to SDPA's backward in one layout (attention_grad_layout.py: a PyTorch
-bug gives wrong gradients otherwise).
+bug gives wrong gradients otherwise); and in graphs that run as Python (not handed to
+Inductor), fused calls hand each other their results in the op's 2-D form (row_chains.py:
+host time, no change of value).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 import torch.fx as fx
 
-from . import attention_grad_layout, canonical, size_policy, training_policy
+from . import attention_grad_layout, canonical, row_chains, size_policy, training_policy
 from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
@@ -39,11 +41,13 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         sub = _rewrite_one(region, options, records)
         texts = (texts[0] + f"\n# checkpointed region {name}\n" + sub[0],
                  texts[1] + f"\n# checkpointed region {name} (recomputed in the backward)\n"
-                 + sub[1], texts[2] + sub[2])
+                 + sub[1], texts[2] + sub[2], texts[3] + sub[3])
     guards = [f"{attention_grad_layout.REPORT_LINE}: {texts[2]} SDPA call(s)"] \
         if texts[2] else []
+    host_path = [f"{row_chains.REPORT_LINE}: {texts[3]} input(s)"] if texts[3] else []
     return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0,
-                       *_rank(), min_fused_rows=options.min_fused_rows, guards=guards)
+                       *_rank(), min_fused_rows=options.min_fused_rows, guards=guards,
+                       host_path=host_path)
 
 
 def _rank() -> tuple[int | None, int | None]:
@@ -82,7 +86,8 @@ def _checkpointed_regions(gm: fx.GraphModule, records: list[MatchRecord]):
 
 def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord]):
     """Rewrite one graph in place; returns (canonical text, rewritten code, SDPA calls
-    whose output gradient is re-laid: attention_grad_layout.py)."""
+    whose output gradient is re-laid: attention_grad_layout.py, fused-call inputs that
+    come without a reshape: row_chains.py)."""
     graph = gm.graph
     canonical_text = canonical.render(graph)
     raising = canonical.gemm_eager_rejects(graph)
@@ -92,7 +97,7 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
             code="graph.eager_raises", reason=(
                 f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
                 "force: eager raises there, so the graph is left exactly as captured")))
-        return canonical_text, gm.code, 0
+        return canonical_text, gm.code, 0, 0
     pristine = copy.deepcopy(graph)  # nodes copied, their meta shared: cheap
     first = len(records)
     try:
@@ -111,8 +116,28 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
     # not a rewrite: a PyTorch bug kept away from every graph that may train on CUDA,
     # rewritten or not (attention_grad_layout.py)
     guarded = attention_grad_layout.guard(gm.graph)
+    fed = 0 if options.inductor else _chain_rows(gm, records)
     gm.recompile()
-    return canonical_text, gm.code, guarded
+    return canonical_text, gm.code, guarded, fed
+
+
+def _chain_rows(gm: fx.GraphModule, records: list[MatchRecord]) -> int:
+    """row_chains.chain on a graph that runs as Python (under Inductor a reshape costs
+    no host time). A host-time saving, not a rewrite: if it raises, the graph goes back to
+    what the families made, and the report says so."""
+    before = copy.deepcopy(gm.graph)
+    try:
+        fed = row_chains.chain(gm.graph)
+        gm.graph.lint()
+        return fed
+    except Exception as e:
+        gm.graph = before
+        records.append(MatchRecord(
+            "graph", "", REJECTED, kind=RejectionKind.INTERNAL_ERROR,
+            code="internal_error.row_chains", reason=(
+                f"handing fused calls 2-D results raised ({type(e).__name__}: {e}); the "
+                "rewrites stand, each call reshapes its own inputs and results")))
+        return 0
 
 
 def _undone(records: list[MatchRecord], error: Exception) -> None:

@@ -113,6 +113,8 @@ class GraphReport:
     # what the pass did to the graph that is not a rewrite (a guard against a PyTorch
     # bug: attention_grad_layout.py), one line each
     guards: list[str] = dataclasses.field(default_factory=list)
+    # what the pass did for host time alone (row_chains.py), one line each
+    host_path: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -145,6 +147,7 @@ class GraphReport:
                        "in this graph")
         out += [r.render(i) for i, r in enumerate(self.records)]
         out += [f"guard: {line}" for line in self.guards]
+        out += [f"host path: {line}" for line in self.host_path]
         if self.programs:
             out.append("\nepilogue programs:")
             out += [p.pretty() for p in self.programs.values()]

@@ -796,3 +796,102 @@ def test_an_fp8_fast_accumulation_config_reaches_the_compiled_gemm(tmp_path, fas
     assert out.returncode == 0, out.stderr[-3000:]
     name = "128 x 128 tiles, cluster 1, cooperative" + (", fast FP8 accumulation" * fast)
     assert out.stdout.split("\n")[-2] == f"{name} {fast} [{not fast}]", out.stdout
+
+
+def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
+    """execute's fast path (ops._last_route): a call in a class the program launched in
+    recently skips the key; another shape, stride, dtype, a gradient, or a pointer off
+    16 bytes goes the full way (a new class, decided again); a replaced route table is
+    never bypassed."""
+    import torch
+    from coda_rewrite.kernels import ops, quack_path
+
+    class Stub(quack_path.Launch):  # a launch without a GPU: the reference's result
+        def __init__(self, ks):
+            self.ks = ks
+
+        def __call__(self, a, b, operands):
+            return ops._run_reference(self.ks.program, a, b, operands)
+
+    decided = []
+
+    def select(prog, program, a, b, operands):
+        decided.append(quack_path.metadata_key(a, b, operands))
+        return (generate(prog), None), None
+    monkeypatch.setattr(ops, "_routes", {})
+    monkeypatch.setattr(ops, "_last", {})
+    monkeypatch.setattr(quack_path, "select", select)
+    monkeypatch.setattr(quack_path, "prepare", lambda ks, module, a, b, operands: Stub(ks))
+    prog = rowscale_bias().to_text()
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    r, bias = torch.randn(4), torch.randn(6, dtype=torch.bfloat16)
+    want = ops.execute(prog, a, b, [r, bias])
+    assert len(decided) == 1 and len(ops._last[prog]) == 1
+    key_built = []
+    real_route_of = ops.route_of
+    monkeypatch.setattr(ops, "route_of",
+                        lambda key, decide: key_built.append(key) or real_route_of(key, decide))
+    again = ops.execute(prog, a.clone(), b, [r, bias])       # same class: no key built
+    assert not key_built and len(decided) == 1 and torch.equal(again[0], want[0])
+    big = torch.randn(64, 8, dtype=torch.bfloat16)
+    offset = big[8:12]                                       # another offset, 16-byte aligned
+    assert offset.data_ptr() % 16 == 0
+    ops.execute(prog, offset, b, [r, bias])
+    assert not key_built
+    others = [(a.t().contiguous().t(), b, r, bias),          # strides
+              (a.float(), b.float(), r, bias.float()),        # dtypes
+              (big.view(-1)[1:33].view(4, 8), b, r, bias)]    # a pointer 2 bytes off
+    for x, w, rr, bb in others:
+        ops.execute(prog, x, w, [rr, bb])
+    assert len(key_built) == 3 and len(decided) == 4
+    with torch.enable_grad():                                 # requires_grad: a miss (the
+        ops.execute(prog, a.requires_grad_(), b, [r, bias])  # key's class, routed as is)
+    a.requires_grad_(False)
+    assert len(key_built) == 4 and len(decided) == 4
+    ops.execute(prog, torch.randn(5, 8, dtype=torch.bfloat16), b, [torch.randn(5), bias])
+    assert len(key_built) == 5 and len(decided) == 5
+    assert len(ops._last[prog]) == ops._LAST_CLASSES         # the oldest class dropped
+    monkeypatch.setattr(ops, "_routes", {})                  # a new table: decided again
+    ops.execute(prog, a, b, [r, bias])
+    assert len(decided) == 6 and len(ops._last[prog]) == 1
+
+
+def test_fused_linear_goes_straight_to_the_launch_only_where_autograd_has_nothing(monkeypatch):
+    """fused_linear's fast path: a 2-D call in a class remembered with no tensor that
+    requires grad skips _linear; a class remembered from tensors that require grad (the
+    op's call inside its autograd.Function) never serves fused_linear, whose autograd
+    must record the call; a 3-D input is not the remembered (flattened) class."""
+    import torch
+    from coda_rewrite.kernels import ops, quack_path
+
+    class Stub(quack_path.Launch):
+        def __init__(self, ks):
+            self.ks = ks
+
+        def __call__(self, a, b, operands):
+            return ops._run_reference(self.ks.program, a, b, list(operands))
+
+    monkeypatch.setattr(ops, "_routes", {})
+    monkeypatch.setattr(ops, "_last", {})
+    monkeypatch.setattr(quack_path, "select",
+                        lambda prog, program, a, b, operands: ((generate(prog), None), None))
+    monkeypatch.setattr(quack_path, "prepare", lambda ks, module, a, b, operands: Stub(ks))
+    slow = []
+    real_linear = ops._linear
+    monkeypatch.setattr(ops, "_linear", lambda *args: slow.append(1) or real_linear(*args))
+    prog = rowscale_bias().to_text()
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    r, bias = torch.randn(4), torch.randn(6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ops.fused_linear(prog, a, b, r, bias)
+        assert len(slow) == 1
+        got = ops.fused_linear(prog, a.clone(), b, r, bias)
+        assert len(slow) == 1 and isinstance(got, tuple) and torch.equal(got[0], want[0])
+        ops.fused_linear(prog, a.reshape(2, 2, 8), b, r.reshape(2, 2, 1), bias)
+        assert len(slow) == 2
+    w = b.clone().requires_grad_()
+    with torch.no_grad():  # the class with a weight that requires grad, remembered by execute
+        ops.execute(prog, a, w, [r, bias])
+    assert any(not entry[3] for entry in ops._last[prog])
+    out = ops.fused_linear(prog, a, w, r, bias)  # grad mode: autograd records the call
+    assert len(slow) == 3 and out[0].grad_fn is not None

@@ -144,6 +144,35 @@ def test_the_op_is_the_gemm_on_the_kept_weights():
         out[0].sum().backward()
 
 
+def test_the_graph_calls_the_ops_kernel_as_a_function_where_it_may(monkeypatch):
+    """fused_linear_relaid with real tensors and no gradient to record calls the op's
+    kernel directly (the op boundary is host time a decode step pays); a traced call
+    (fake tensors) goes through the op, whose fake gives the shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from coda_rewrite.patterns.rope import rope_program
+
+    lay = ((0, 16, 2, 8, 8), (0, 8, 1, 8, 8), (0, 8, 0, 0, 0))
+    ws = [torch.randn(n, 12).requires_grad_() for n in (16, 8, 8)]
+    x = torch.randn(1, 5, 12, dtype=torch.bfloat16)
+    prog = rope_program(False, False, False, torch.bfloat16).to_text()
+    pos, freq = torch.arange(5.0), layouts.rope_frequencies(torch.rand(4), lay)
+    spec = relayout.spec_of(lay)
+    direct = []
+    real = relayout.gemm_relaid
+    monkeypatch.setattr(relayout, "gemm_relaid",
+                        lambda *args: direct.append(1) or real(*args))
+    with torch.no_grad():
+        got = relayout.fused_linear_relaid(prog, x, "rope_segments", spec, ws, pos, freq)
+        want = torch.ops.coda.gemm_relaid(prog, x[0], "rope_segments", spec, ws, [pos, freq])
+    assert direct == [1] and torch.equal(got[0][0], want[0])
+    direct.clear()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        fake = relayout.fused_linear_relaid(prog, mode.from_tensor(x), "rope_segments", spec,
+                                            [mode.from_tensor(w) for w in ws],
+                                            mode.from_tensor(pos), mode.from_tensor(freq))
+    assert not direct and fake[0].shape == got[0].shape
+
+
 def test_bias_on_q_only_trains_with_the_option_set():
     """q has a bias, k and v do not: the fused bias (zeros for k and v) passes its
     gradient to q's."""

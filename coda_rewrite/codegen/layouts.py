@@ -5,7 +5,8 @@ layout contracts (codegen/quack_source.py) describe, so the code generator, the 
 and the legality witnesses (algebra/) share one definition. Plain torch, no state: a
 value kept between calls is the runtime's (kernels/).
 
-    leading dims        flatten_operands / unflatten_outputs / rows_like
+    leading dims        flatten_operands / unflatten_outputs / rows_like; as_rows /
+                        as_row_vector / lead_of / from_rows (row_chains.py)
     the norm's chain    fold_scale (a per-feature factor into W), distribute_bias (a shift)
     LayerNorm           layernorm_statistics (r, μ), layernorm_weights (W', s, b')
     gated pairs         interleave_rows, interleave_halves
@@ -62,11 +63,35 @@ def flatten_operands(prog, operands):
 
 
 def unflatten_outputs(prog, outs, lead):
-    """Tile outputs back to [*lead, N], per-row ones to [*lead, 1]."""
+    """Tile outputs back to [*lead, N], per-row ones to [*lead, 1] (a 2-D call's, lead
+    (M,), come back as the op gave them: [M, N] and [M])."""
     lead = tuple(lead)
-    return tuple(o if len(lead) == 1 else o.reshape(lead + (o.shape[-1],))
-                 if spec.kind in (Kind.TILE, Kind.PAIR) else o.reshape(lead + (1,))
+    return tuple(from_rows(o, lead, spec.kind == Kind.PER_ROW)
                  for spec, o in zip(prog.outputs, outs))
+
+
+def from_rows(o: torch.Tensor, lead: tuple, per_row: bool) -> torch.Tensor:
+    """One output of the op's 2-D form ([M, N], or [M] per row) as [*lead, N] or
+    [*lead, 1]; unflatten_outputs per output, and what row_chains.py inserts where a
+    value leaves a chain of fused calls."""
+    if len(lead) == 1:
+        return o
+    return o.reshape(tuple(lead) + ((1,) if per_row else (o.shape[-1],)))
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[*lead, K] as the op's [M, K] (row_chains.py: a chain's first input)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def as_row_vector(r: torch.Tensor) -> torch.Tensor:
+    """A per-row value [*lead, 1] as the op's [M] (row_chains.py)."""
+    return r if r.dim() == 1 else r.reshape(-1)
+
+
+def lead_of(x: torch.Tensor) -> torch.Size:
+    """x's leading dims: the shape a chain's results go back to (row_chains.py)."""
+    return x.shape[:-1]
 
 
 def fused_linear_reference(program: str, x: torch.Tensor, weight: torch.Tensor,

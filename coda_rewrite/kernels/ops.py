@@ -13,7 +13,10 @@ Autograd: kernels/backward/ (a rule per family). The backward runs its GEMMs on 
 The graph does not call the op directly but ``fused_linear`` / ``fused_rowwise`` below:
 they flatten leading dims to the op's 2-D contract and give per-row results back a
 trailing dim of 1, so the row selections that sit between a norm and its GEMM (Hugging
-Face's ``logits_to_keep`` slice) apply to them unchanged.
+Face's ``logits_to_keep`` slice) apply to them unchanged. Given the op's 2-D form they
+give it back (row_chains.py chains them so), and where nothing traces and no gradient
+is recorded they call the kernel path as a function: a call in a metadata class its
+program launched in recently reaches the launch through one C++ check (_last_route).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from ..codegen import layouts, reference
 from ..codegen.program import Kind, parse
-from ..graph_utils import FUSED_LINEAR_MARK
+from ..graph_utils import FUSED_LINEAR_MARK, ROW_CALL_MARK
 from . import backward, quack_path, sharding
 
 # (program key, implementation, reason) -> calls. Read it with runtime_summary().
@@ -116,7 +119,12 @@ def _fresh(outs, inputs):
 def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run a program: the generated kernel where its layout contract holds, else the
     reference. The route (and, for a kernel, its prepared launch) is decided once per
-    program and tensor-metadata class (quack_path.metadata_key) and reused."""
+    program and tensor-metadata class (quack_path.metadata_key) and reused; a call in
+    the class the program last ran in finds it through _last_route, in one C++ check."""
+    route = _last_route(program, a, b, operands)
+    if route is not None:
+        count(route.ks.program.key, "kernel", "generated QuACK epilogue")
+        return route(a, b, operands)
     prog = parse(program)
 
     def decide():
@@ -126,6 +134,7 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
     if isinstance(route, str):
         count_reference(prog.key, route, (a if a is not None else operands[0]).device)
         return _fresh(_run_reference(prog, a, b, operands), [a, b, *operands])
+    _remember(program, a, b, operands, route)
     _count(prog, "kernel", "generated QuACK epilogue")
     return route(a, b, operands)  # fresh buffers, never an input
 
@@ -146,8 +155,61 @@ def route_of(key: tuple, decide):
         with _lock:
             if len(_routes) >= _MAX_ROUTES:  # e.g. a server seeing every prompt length
                 _routes.clear()
+                _last.clear()
             _routes[key] = route
     return route
+
+
+# program text -> [(guard, route, the table it came from, no tensor requires grad)]: the
+# metadata classes each program last launched in (a few: one program text can serve
+# several GEMMs of a layer). Building metadata_key reads six attributes of every tensor
+# from Python (3-4 µs for a q/k/v GEMM's five tensors on a 2-core CPU, about twice that
+# on the H200's host), per call. Dynamo's TensorGuards checks sizes, strides, dtype,
+# device, requires_grad and dispatch keys of all of them in one C++ call (0.45 µs); the
+# pointers' 16-byte alignment is read here. A storage offset reaches a launch only
+# through its tensor's data pointer, so the pointer's alignment is what a launch assumes
+# of it. Kernel routes only: a reference route is the first call's own path. fused_linear
+# looks here first too: a call already in the op's form (row_chains.py) with nothing for
+# autograd to record goes straight to its launch.
+_last: dict[str, list] = {}
+_LAST_CLASSES = 4
+
+
+def _last_route(program, a, b, operands, grad_free: bool = False):
+    """The route of the class ``program`` last ran (a, b, operands) in, if any; with
+    ``grad_free``, only a class with no tensor that requires grad."""
+    classes = _last.get(program)
+    if classes is None or a is None or b is None:
+        return None
+    for guard, route, table, no_grad in classes:
+        if table is _routes and (no_grad or not grad_free) and guard.check(a, b, *operands):
+            bits = a.data_ptr() | b.data_ptr()
+            for t in operands:
+                bits |= t.data_ptr()
+            return None if bits & 15 else route
+    return None
+
+
+def _remember(program, a, b, operands, route) -> None:
+    """Keep ``route`` among the program's last classes, where one C++ check finds it
+    again: real tensors (a traced one, fake or functional, has no pointer), every
+    pointer aligned, the launch a program's (another op's route has no ``ks``)."""
+    tensors = (a, b, *operands)
+    if _TensorGuards is None or not isinstance(route, quack_path.Launch) or \
+            any(type(t) not in _PLAIN for t in tensors) or \
+            any(t.data_ptr() & 15 for t in tensors):
+        return
+    guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                          dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    no_grad = not any(t.requires_grad for t in tensors)
+    classes = [c for c in _last.get(program, ()) if c[2] is _routes]
+    _last[program] = [(guard, route, _routes, no_grad)] + classes[:_LAST_CLASSES - 1]
+
+
+try:  # dynamo's C++ tensor check (torch >= 2.1); without it every call builds the key
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover
+    _TensorGuards = None
 
 
 # The op is defined through torch.library's low-level API rather than
@@ -326,16 +388,30 @@ def gemm_with_grad(program, a, b, operands) -> tuple[torch.Tensor, ...]:
 def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
                  *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``program`` over ``x @ weight.T`` (nn.Linear layout), x of any leading shape.
-    Tile outputs come back as [*lead, N], per-row outputs as [*lead, 1]."""
+    Tile outputs come back as [*lead, N], per-row outputs as [*lead, 1]; with a 2-D x
+    (lead (M,)) they stay in the op's form, [M, N] and [M] (row_chains.py)."""
+    if not torch._C._are_functorch_transforms_active():
+        # a call in a class this program last launched in: already in the op's 2-D form
+        # (the class's shapes are the flattened ones), real tensors (a functorch wrapper
+        # or a traced tensor fails the guard's dispatch-key check), and nothing for
+        # autograd to record: grad mode off, or a class with no tensor that requires grad
+        # (the guard checks requires_grad)
+        route = _last_route(program, x, weight, operands,
+                            grad_free=torch.is_grad_enabled())
+        if route is not None:
+            count(route.ks.program.key, "kernel", "generated QuACK epilogue")
+            return tuple(route(x, weight, operands))
     return _linear(gemm_epilogue, program, x, weight, operands)
 
 
 setattr(fused_linear, FUSED_LINEAR_MARK, True)
+setattr(fused_linear, ROW_CALL_MARK, 3)
 
 
 def _linear(run, program, x, weight, operands):
     prog = parse(program)
-    a, ops = x.reshape(-1, x.shape[-1]), layouts.flatten_operands(prog, operands)
+    a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    ops = layouts.flatten_operands(prog, operands)
     if run is gemm_epilogue and _direct(a, weight, ops):
         run = _direct_call
     elif run is gemm_epilogue:
@@ -387,3 +463,6 @@ def fused_rowwise(program: str, *operands: torch.Tensor) -> tuple[torch.Tensor, 
     lead = tile.shape[:-1]
     outs = reference.run_program(prog, None, None, layouts.flatten_operands(prog, operands))
     return layouts.unflatten_outputs(prog, outs, lead)
+
+
+setattr(fused_rowwise, ROW_CALL_MARK, 1)

@@ -33,6 +33,7 @@ import collections
 import torch
 
 from ..codegen import layouts
+from ..graph_utils import ROW_CALL_MARK
 from . import ops, versioned
 
 # kind -> the re-layout function (the spec's decoded layout, then the sources)
@@ -112,9 +113,17 @@ torch.library.register_fake("coda::gemm_relaid", _fake_relaid("gemm_relaid"))
 
 def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
                         sources: list[torch.Tensor], *operands: torch.Tensor):
-    """``ops.fused_linear`` over the kept re-layout of ``sources`` (nn.Linear layout)."""
-    return ops._linear(lambda text, a, _, flat: torch.ops.coda.gemm_relaid(
-        text, a, kind, spec, sources, flat), program, x, None, operands)
+    """``ops.fused_linear`` over the kept re-layout of ``sources`` (nn.Linear layout).
+    Real tensors and no gradient to record: the op's kernel called as a function, as
+    ops.fused_linear does (the op boundary costs more host time than the launch)."""
+    def run(text, a, _, flat):
+        if ops._direct(a, sources[0], [*sources[1:], *flat]):
+            return gemm_relaid(text, a, kind, spec, sources, flat)
+        return torch.ops.coda.gemm_relaid(text, a, kind, spec, sources, flat)
+    return ops._linear(run, program, x, None, operands)
+
+
+setattr(fused_linear_relaid, ROW_CALL_MARK, 5)
 
 
 # ---- training: the re-layout made again in the backward, never saved --------------------
@@ -212,6 +221,9 @@ def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
         text, a, kind, spec, len(sources), *sources, *flat), program, x, None, operands)
 
 
+setattr(fused_linear_recomputed, ROW_CALL_MARK, 5)
+
+
 # ---- a LayerNorm's folded weights (patterns/layernorm.py), kept inside the GEMM op -----
 #
 # The GEMM that reads z in place of LN(z) multiplies by W' = W∘γ, and its epilogue reads
@@ -277,5 +289,12 @@ def fused_linear_layernorm_kept(program: str, x: torch.Tensor, weight: torch.Ten
     (``operands``: r and μ; s and b' come from the fold)."""
     parts = fold_parts(bias, gamma, beta)
     rest = [t for t in (bias, gamma, beta) if t is not None]
-    return ops._linear(lambda text, a, _, flat: torch.ops.coda.gemm_layernorm_kept(
-        text, a, parts, weight, rest, flat), program, x, None, operands)
+
+    def run(text, a, _, flat):  # the op's kernel as a function where it may be (above)
+        if ops._direct(a, weight, [*rest, *flat]):
+            return gemm_layernorm_kept(text, a, parts, weight, rest, flat)
+        return torch.ops.coda.gemm_layernorm_kept(text, a, parts, weight, rest, flat)
+    return ops._linear(run, program, x, None, operands)
+
+
+setattr(fused_linear_layernorm_kept, ROW_CALL_MARK, 6)
