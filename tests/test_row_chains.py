@@ -240,3 +240,28 @@ def test_operands_no_fused_call_made_are_flattened_in_the_graph():
     want, got, fed, chained = _run_both(gm, (x, gamma, w1, torch.rand(2, 3, 1)))
     assert fed == 1 and torch.equal(want[0], got[0]) and want[0].shape == got[0].shape
     assert sum(n.target is layouts.as_row_vector for n in chained.graph.nodes) == 1
+
+
+@pytest.mark.parametrize("family", ["plain", "llama"])
+def test_a_training_step_gives_the_same_gradients_chained_or_not(family, monkeypatch):
+    """optimize() with gradients (every family fused in training): the loss and every
+    parameter's gradient through the chained graph are the unchained graph's, bit for
+    bit (autograd reshapes the gradients back as the calls did)."""
+    from conftest import build, loss_of
+    model = build(family).to(bf)
+    ids = tokens(2, 16)
+
+    def step(m):
+        fast = coda_rewrite.optimize(m)
+        loss = loss_of(fast, family, ids)
+        loss.backward()
+        return loss, {n: p.grad for n, p in m.named_parameters()}, fast.report
+    twin = copy.deepcopy(model)
+    loss, grads, report = step(model)
+    torch._dynamo.reset()
+    monkeypatch.setattr(row_chains, "chain", lambda graph: 0)
+    loss2, grads2, report2 = step(twin)
+    assert any(g.host_path for g in report.graphs) and not any(g.host_path for g in report2.graphs)
+    assert torch.equal(loss, loss2)
+    for name, g in grads.items():
+        assert g is not None and torch.equal(g, grads2[name]), name
