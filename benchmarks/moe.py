@@ -110,7 +110,7 @@ def sweep(names, configs):
             base(x)
             for cfg in configs:
                 grouped.GROUPED_TILES = cfg
-                ops._routes.clear()
+                ops.forget_routes()
                 try:
                     coda(x)  # plans this config's launches
                 except Exception as e:

@@ -798,20 +798,18 @@ def test_an_fp8_fast_accumulation_config_reaches_the_compiled_gemm(tmp_path, fas
     assert out.stdout.split("\n")[-2] == f"{name} {fast} [{not fast}]", out.stdout
 
 
-def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
-    """execute's fast path (ops._last_route): a call in a class the program launched in
-    recently skips the key; another shape, stride, dtype, a gradient, or a pointer off
-    16 bytes goes the full way (a new class, decided again); a replaced route table is
-    never bypassed."""
-    import torch
+def _stub_launches(monkeypatch) -> list:
+    """Kernel routes without a GPU: every program selects its generated kernel, whose
+    "launch" runs the reference; empty route tables. Returns the list each decision
+    appends its metadata key to."""
     from coda_rewrite.kernels import ops, quack_path
 
-    class Stub(quack_path.Launch):  # a launch without a GPU: the reference's result
+    class Stub(quack_path.Launch):
         def __init__(self, ks):
             self.ks = ks
 
         def __call__(self, a, b, operands):
-            return ops._run_reference(self.ks.program, a, b, operands)
+            return ops._run_reference(self.ks.program, a, b, list(operands))
 
     decided = []
 
@@ -822,6 +820,18 @@ def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
     monkeypatch.setattr(ops, "_last", {})
     monkeypatch.setattr(quack_path, "select", select)
     monkeypatch.setattr(quack_path, "prepare", lambda ks, module, a, b, operands: Stub(ks))
+    return decided
+
+
+def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
+    """execute's fast path (ops._last_route): a call in a class the program launched in
+    recently skips the key; another shape, stride, dtype, a gradient, or a pointer off
+    16 bytes goes the full way (a new class, decided again); a replaced route table is
+    never bypassed."""
+    import torch
+    from coda_rewrite.kernels import ops
+
+    decided = _stub_launches(monkeypatch)
     prog = rowscale_bias().to_text()
     a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
     r, bias = torch.randn(4), torch.randn(6, dtype=torch.bfloat16)
@@ -857,25 +867,15 @@ def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
 
 
 def test_fused_linear_goes_straight_to_the_launch_only_where_autograd_has_nothing(monkeypatch):
-    """fused_linear's fast path: a 2-D call in a class remembered with no tensor that
-    requires grad skips _linear; a class remembered from tensors that require grad (the
-    op's call inside its autograd.Function) never serves fused_linear, whose autograd
-    must record the call; a 3-D input is not the remembered (flattened) class."""
+    """fused_linear's fast path: a 2-D call in a remembered class skips _linear where
+    autograd has nothing to record (grad mode off, or no tensor requires grad); a class
+    remembered from tensors that require grad (the op's call inside its
+    autograd.Function) never serves fused_linear in grad mode, whose autograd must
+    record the call; a 3-D input is not the remembered (flattened) class."""
     import torch
-    from coda_rewrite.kernels import ops, quack_path
+    from coda_rewrite.kernels import ops
 
-    class Stub(quack_path.Launch):
-        def __init__(self, ks):
-            self.ks = ks
-
-        def __call__(self, a, b, operands):
-            return ops._run_reference(self.ks.program, a, b, list(operands))
-
-    monkeypatch.setattr(ops, "_routes", {})
-    monkeypatch.setattr(ops, "_last", {})
-    monkeypatch.setattr(quack_path, "select",
-                        lambda prog, program, a, b, operands: ((generate(prog), None), None))
-    monkeypatch.setattr(quack_path, "prepare", lambda ks, module, a, b, operands: Stub(ks))
+    _stub_launches(monkeypatch)
     slow = []
     real_linear = ops._linear
     monkeypatch.setattr(ops, "_linear", lambda *args: slow.append(1) or real_linear(*args))
@@ -895,3 +895,27 @@ def test_fused_linear_goes_straight_to_the_launch_only_where_autograd_has_nothin
     assert any(not entry[3] for entry in ops._last[prog])
     out = ops.fused_linear(prog, a, w, r, bias)  # grad mode: autograd records the call
     assert len(slow) == 3 and out[0].grad_fn is not None
+    ops.fused_linear(prog, a, b, r, bias)         # grad mode, nothing requires grad: fast
+    assert len(slow) == 3
+    with torch.no_grad():                         # no grad mode: the class with w serves
+        ops.fused_linear(prog, a, w, r, bias)
+    assert len(slow) == 3
+
+
+def test_forgetting_routes_drops_the_fast_paths_classes_too(monkeypatch):
+    """ops.forget_routes (and the table's bound): no call finds a dropped launch through
+    the fast path afterwards."""
+    import torch
+    from coda_rewrite.kernels import ops
+
+    decided = _stub_launches(monkeypatch)
+    prog = rowscale_bias().to_text()
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    args = [torch.randn(4), torch.randn(6, dtype=torch.bfloat16)]
+    ops.execute(prog, a, b, args)
+    ops.execute(prog, a, b, args)
+    assert len(decided) == 1
+    ops.forget_routes()
+    assert not ops._routes and not ops._last
+    ops.execute(prog, a, b, args)
+    assert len(decided) == 2

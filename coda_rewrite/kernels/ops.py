@@ -154,10 +154,21 @@ def route_of(key: tuple, decide):
         route = decide()
         with _lock:
             if len(_routes) >= _MAX_ROUTES:  # e.g. a server seeing every prompt length
-                _routes.clear()
-                _last.clear()
+                _forget()
             _routes[key] = route
     return route
+
+
+def forget_routes() -> None:
+    """Drop every decided route and prepared launch: each class decides again on its
+    next call (a benchmark that changes a tile config between runs)."""
+    with _lock:
+        _forget()
+
+
+def _forget() -> None:
+    _routes.clear()
+    _last.clear()  # the fast path's classes point at the routes dropped
 
 
 # program text -> [(guard, route, the table it came from, no tensor requires grad)]: the
