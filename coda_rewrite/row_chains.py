@@ -20,9 +20,9 @@ sends straight to its launch (its fast path).
 
 Each value is the same elements in the same order (both reshapes are C order, and the
 reshape back of a reshape is the reshape), in the same storage, so what reads or
-updates it in place sees what it saw; a value something updates in place is left out
-all the same (a metadata change in place, unsqueeze_, would change what the next call
-sees), and so is a call a user reads other than by index (no result to swap).
+updates it in place sees what it saw; a value something updates in place (itself or a
+view of it) is left out all the same (_updated_in_place), and so is a call a user reads
+other than by index (no result to swap).
 
 A chain joins a result to a slot of its own kind only: a tile (or pair) result to the x or
 a tile operand of the next call, a per-row result to a per-row operand.
@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from .codegen import layouts
 from .codegen.program import Kind, parse
-from .graph_utils import ROW_CALL_MARK, mutated_value
+from .graph_utils import ROW_CALL_MARK, memory_sharers, mutated_value
 
 REPORT_LINE = "fused calls fed another's 2-D result, no reshape between them"
 
@@ -116,10 +116,19 @@ def chain(graph: fx.Graph) -> int:
             with graph.inserting_after(item):
                 back = graph.call_function(layouts.from_rows, (item, lead, per_row))
             item.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-            if not any(mutated_value(u) is back for u in back.users):
+            if not _updated_in_place(back):
                 flat[back] = (item, "per_row" if per_row else "tile", lead)
     _drop_unread(graph)
     return fed
+
+
+def _updated_in_place(value: fx.Node) -> bool:
+    """Whether anything updates ``value``, or memory it shares (a view of it), in place:
+    such a value stays out of the chain (a reshape back that copied would not pass the
+    update on to the calls reading the 2-D result; a metadata update, unsqueeze_, would
+    change the lead the next call sees)."""
+    shared = memory_sharers({value})
+    return any(mutated_value(u) in shared for n in shared for u in n.users)
 
 
 def _worth_it(prog, results) -> bool:

@@ -832,6 +832,7 @@ def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
     from coda_rewrite.kernels import ops
 
     decided = _stub_launches(monkeypatch)
+    monkeypatch.setattr(ops, "_LAST_CLASSES", 4)
     prog = rowscale_bias().to_text()
     a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
     r, bias = torch.randn(4), torch.randn(6, dtype=torch.bfloat16)
@@ -900,6 +901,10 @@ def test_fused_linear_goes_straight_to_the_launch_only_where_autograd_has_nothin
     with torch.no_grad():                         # no grad mode: the class with w serves
         ops.fused_linear(prog, a, w, r, bias)
     assert len(slow) == 3
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode, torch.no_grad():  # traced: the guard's dispatch keys
+        fake = ops.fused_linear(prog, *(mode.from_tensor(t) for t in (a, b, r, bias)))
+    assert len(slow) == 4 and fake[0].shape == want[0].shape
 
 
 def test_forgetting_routes_drops_the_fast_paths_classes_too(monkeypatch):

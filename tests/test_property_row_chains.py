@@ -1,6 +1,6 @@
 """row_chains.py under hypothesis: random chains of fused calls (a norm without a GEMM,
 row-scaled and residual GEMMs) on random leading shapes, values read between them by
-graph ops, updated in place (values and metadata) or returned: the chained graph gives
+graph ops, updated in place (values, through a view, and metadata) or returned: the chained graph gives
 every output with the same shape, strides and bits as the unchained one."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ STEP = st.one_of(
     st.tuples(st.just("norm"), PICK),
     st.tuples(st.just("rowscale"), PICK, PICK),
     st.tuples(st.just("residual"), PICK, PICK),
-    st.tuples(st.sampled_from(["mul_", "unsqueeze_", "add", "read"]), PICK),
+    st.tuples(st.sampled_from(["mul_", "unsqueeze_", "view_mul_", "add", "read"]), PICK),
 )
 
 
@@ -60,11 +60,13 @@ def _build(steps) -> tuple[fx.GraphModule, int]:
                 _residual_program(), tiles[step[1] % len(tiles)], weight(),
                 tiles[step[2] % len(tiles)]))
             tiles.append(g.call_function(operator.getitem, (call, 0)))
-        elif kind in ("mul_", "unsqueeze_"):
+        elif kind in ("mul_", "unsqueeze_", "view_mul_"):
             pool = rows + tiles  # the newest tile last
-            if pool:
-                v = pool[step[1] % len(pool)]
-                g.call_method(kind, (v, 2.0) if kind == "mul_" else (v, 0))
+            v = pool[step[1] % len(pool)]
+            if kind == "view_mul_":  # through a view: the first column
+                v = g.call_function(operator.getitem, (v, (Ellipsis, slice(0, 1))))
+            g.call_method("unsqueeze_" if kind == "unsqueeze_" else "mul_",
+                          (v, 0) if kind == "unsqueeze_" else (v, 2.0))
         elif kind == "add":
             extra.append(g.call_function(operator.add, (tiles[step[1] % len(tiles)], 1.0)))
         elif kind == "read":

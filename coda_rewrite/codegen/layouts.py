@@ -52,14 +52,9 @@ def real(tensors) -> bool:
 def flatten_operands(prog, operands):
     """The op's 2-D contract: tile operands [M, N], per-row operands [M] (a tensor already
     in that form passes as it is: a view per call is host time a decode step pays)."""
-    flat = []
-    for spec, t in zip(prog.operands, operands):
-        if spec.kind == Kind.TILE and t.dim() != 2:
-            t = t.reshape(-1, t.shape[-1])
-        elif spec.kind == Kind.PER_ROW and t.dim() != 1:
-            t = t.reshape(-1)
-        flat.append(t)
-    return flat
+    return [as_rows(t) if spec.kind == Kind.TILE else
+            as_row_vector(t) if spec.kind == Kind.PER_ROW else t
+            for spec, t in zip(prog.operands, operands)]
 
 
 def unflatten_outputs(prog, outs, lead):
@@ -80,12 +75,12 @@ def from_rows(o: torch.Tensor, lead: tuple, per_row: bool) -> torch.Tensor:
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[*lead, K] as the op's [M, K] (row_chains.py: a chain's first input)."""
+    """[*lead, K] as the op's [M, K] (a tensor already 2-D passes as it is)."""
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 def as_row_vector(r: torch.Tensor) -> torch.Tensor:
-    """A per-row value [*lead, 1] as the op's [M] (row_chains.py)."""
+    """A per-row value [*lead, 1] as the op's [M] (one already 1-D passes as it is)."""
     return r if r.dim() == 1 else r.reshape(-1)
 
 
@@ -99,8 +94,7 @@ def fused_linear_reference(program: str, x: torch.Tensor, weight: torch.Tensor,
     """kernels/ops.fused_linear through the reference interpreter, with no op (and no
     runtime counters): what the legality witnesses run."""
     prog = parse(program)
-    outs = reference.run_program(prog, x.reshape(-1, x.shape[-1]), weight,
-                                 flatten_operands(prog, operands))
+    outs = reference.run_program(prog, as_rows(x), weight, flatten_operands(prog, operands))
     return unflatten_outputs(prog, outs, x.shape[:-1])
 
 

@@ -121,10 +121,9 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
     reference. The route (and, for a kernel, its prepared launch) is decided once per
     program and tensor-metadata class (quack_path.metadata_key) and reused; a call in
     the class the program last ran in finds it through _last_route, in one C++ check."""
-    route = _last_route(program, a, b, operands)
-    if route is not None:
-        count(route.ks.program.key, "kernel", "generated QuACK epilogue")
-        return route(a, b, operands)
+    outs = _run_known(program, a, b, operands)
+    if outs is not None:
+        return outs
     prog = parse(program)
 
     def decide():
@@ -183,7 +182,7 @@ def _forget() -> None:
 # looks here first too: a call already in the op's form (row_chains.py) with nothing for
 # autograd to record goes straight to its launch.
 _last: dict[str, list] = {}
-_LAST_CLASSES = 4
+_LAST_CLASSES = 8
 
 
 def _last_route(program, a, b, operands, grad_free: bool = False):
@@ -201,6 +200,15 @@ def _last_route(program, a, b, operands, grad_free: bool = False):
     return None
 
 
+def _run_known(program, a, b, operands, grad_free: bool = False):
+    """The launch's outputs where the call is in a class _last_route knows, else None."""
+    route = _last_route(program, a, b, operands, grad_free)
+    if route is None:
+        return None
+    count(route.ks.program.key, "kernel", "generated QuACK epilogue")
+    return route(a, b, operands)
+
+
 def _remember(program, a, b, operands, route) -> None:
     """Keep ``route`` among the program's last classes, where one C++ check finds it
     again: real tensors (a traced one, fake or functional, has no pointer), every
@@ -210,8 +218,11 @@ def _remember(program, a, b, operands, route) -> None:
             any(type(t) not in _PLAIN for t in tensors) or \
             any(t.data_ptr() & 15 for t in tensors):
         return
-    guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                          dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    try:
+        guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except Exception:  # a PyTorch whose private guard API differs: the key path serves
+        return
     no_grad = not any(t.requires_grad for t in tensors)
     classes = [c for c in _last.get(program, ()) if c[2] is _routes]
     _last[program] = [(guard, route, _routes, no_grad)] + classes[:_LAST_CLASSES - 1]
@@ -407,11 +418,9 @@ def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
         # or a traced tensor fails the guard's dispatch-key check), and nothing for
         # autograd to record: grad mode off, or a class with no tensor that requires grad
         # (the guard checks requires_grad)
-        route = _last_route(program, x, weight, operands,
-                            grad_free=torch.is_grad_enabled())
-        if route is not None:
-            count(route.ks.program.key, "kernel", "generated QuACK epilogue")
-            return tuple(route(x, weight, operands))
+        outs = _run_known(program, x, weight, operands, grad_free=torch.is_grad_enabled())
+        if outs is not None:
+            return tuple(outs)
     return _linear(gemm_epilogue, program, x, weight, operands)
 
 
@@ -421,8 +430,7 @@ setattr(fused_linear, ROW_CALL_MARK, 3)
 
 def _linear(run, program, x, weight, operands):
     prog = parse(program)
-    a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    ops = layouts.flatten_operands(prog, operands)
+    a, ops = layouts.as_rows(x), layouts.flatten_operands(prog, operands)
     if run is gemm_epilogue and _direct(a, weight, ops):
         run = _direct_call
     elif run is gemm_epilogue:
