@@ -23,7 +23,8 @@ import time
 
 import torch.fx as fx
 
-from . import attention_grad_layout, canonical, row_chains, size_policy, training_policy
+from . import (attention_grad_layout, canonical, deferred_rstd, row_chains, size_policy,
+               training_policy)
 from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
@@ -41,10 +42,12 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         sub = _rewrite_one(region, options, records)
         texts = (texts[0] + f"\n# checkpointed region {name}\n" + sub[0],
                  texts[1] + f"\n# checkpointed region {name} (recomputed in the backward)\n"
-                 + sub[1], texts[2] + sub[2], texts[3] + sub[3])
+                 + sub[1], texts[2] + sub[2], texts[3] + sub[3], texts[4] + sub[4])
     guards = [f"{attention_grad_layout.REPORT_LINE}: {texts[2]} SDPA call(s)"] \
         if texts[2] else []
     host_path = [f"{row_chains.REPORT_LINE}: {texts[3]} input(s)"] if texts[3] else []
+    if texts[4]:
+        host_path.append(f"{deferred_rstd.REPORT_LINE}: {texts[4]} norm(s)")
     return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0,
                        *_rank(), min_fused_rows=options.min_fused_rows, guards=guards,
                        host_path=host_path)
@@ -97,7 +100,7 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
             code="graph.eager_raises", reason=(
                 f"{describe(raising)} multiplies {_dtypes(raising)} with no autocast in "
                 "force: eager raises there, so the graph is left exactly as captured")))
-        return canonical_text, gm.code, 0, 0
+        return canonical_text, gm.code, 0, 0, 0
     pristine = copy.deepcopy(graph)  # nodes copied, their meta shared: cheap
     first = len(records)
     try:
@@ -116,27 +119,34 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
     # not a rewrite: a PyTorch bug kept away from every graph that may train on CUDA,
     # rewritten or not (attention_grad_layout.py)
     guarded = attention_grad_layout.guard(gm.graph)
-    fed = 0 if options.inductor else _chain_rows(gm, records)
+    deferred = fed = 0
+    if not options.inductor:  # host-path changes for graphs that run as Python
+        deferred = _host_step(gm, records, deferred_rstd.defer, "deferred_rstd", (
+            "handing norm partials to the consumers' GEMMs raised", "each norm keeps its "
+            "finaliser kernel"))
+        fed = _host_step(gm, records, row_chains.chain, "row_chains", (
+            "handing fused calls 2-D results raised", "each call reshapes its own inputs "
+            "and results"))
     gm.recompile()
-    return canonical_text, gm.code, guarded, fed
+    return canonical_text, gm.code, guarded, fed, deferred
 
 
-def _chain_rows(gm: fx.GraphModule, records: list[MatchRecord]) -> int:
-    """row_chains.chain on a graph that runs as Python (under Inductor a reshape costs
-    no host time). A host-time saving, not a rewrite: if it raises, the graph goes back to
-    what the families made, and the report says so."""
+def _host_step(gm: fx.GraphModule, records: list[MatchRecord], step, name: str,
+               what: tuple[str, str]) -> int:
+    """A host-time step over a graph that runs as Python (deferred_rstd.defer,
+    row_chains.chain): not a rewrite, no value changes. If it raises, the graph goes back
+    to what it was before the step, and the report says so."""
     before = copy.deepcopy(gm.graph)
     try:
-        fed = row_chains.chain(gm.graph)
+        count = step(gm.graph)
         gm.graph.lint()
-        return fed
+        return count
     except Exception as e:
         gm.graph = before
         records.append(MatchRecord(
             "graph", "", REJECTED, kind=RejectionKind.INTERNAL_ERROR,
-            code="internal_error.row_chains", reason=(
-                f"handing fused calls 2-D results raised ({type(e).__name__}: {e}); the "
-                "rewrites stand, each call reshapes its own inputs and results")))
+            code=f"internal_error.{name}", reason=(
+                f"{what[0]} ({type(e).__name__}: {e}); the rewrites stand, {what[1]}")))
         return 0
 
 

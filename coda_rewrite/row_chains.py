@@ -25,7 +25,8 @@ view of it) is left out all the same (_updated_in_place), and so is a call a use
 other than by index (no result to swap).
 
 A chain joins a result to a slot of its own kind only: a tile (or pair) result to the x or
-a tile operand of the next call, a per-row result to a per-row operand.
+a tile operand of the next call, a per-row result to a per-row operand, a norm's row
+partials (deferred_rstd.py) to a row-partials operand.
 """
 
 from __future__ import annotations
@@ -59,16 +60,23 @@ def _results(call: fx.Node) -> list[tuple[int, fx.Node]] | None:
     return out
 
 
+def _slot_kind(kind: Kind) -> str:
+    """What a value of this kind fills: "per_row", "row_partials" (a norm's partials,
+    deferred_rstd.py), or "tile" (tiles and pairs)."""
+    return kind.value if kind in (Kind.PER_ROW, Kind.ROW_PARTIALS) else "tile"
+
+
 def _slots(call: fx.Node, first: int):
-    """(argument index, what it takes: "tile" or "per_row") of every slot a chained value
-    may fill: x (argument 1; fused_rowwise has none) and the program's tile and per-row
-    operands."""
+    """(argument index, what it takes: _slot_kind) of every slot a chained value may
+    fill: x (argument 1; fused_rowwise has none) and the program's tile, per-row and
+    row-partials operands."""
     prog = parse(call.args[0])
     if first > 1:
         yield 1, "tile"
     for i, spec in enumerate(prog.operands):
-        if spec.kind in (Kind.TILE, Kind.PER_ROW) and first + i < len(call.args):
-            yield first + i, "per_row" if spec.kind == Kind.PER_ROW else "tile"
+        if spec.kind in (Kind.TILE, Kind.PER_ROW, Kind.ROW_PARTIALS) and \
+                first + i < len(call.args):
+            yield first + i, _slot_kind(spec.kind)
 
 
 def _x(call: fx.Node, first: int) -> int:
@@ -112,12 +120,12 @@ def chain(graph: fx.Graph) -> int:
                         (args[at],))
         call.args = tuple(args)
         for index, item in results:
-            per_row = prog.outputs[index].kind == Kind.PER_ROW
+            kind = _slot_kind(prog.outputs[index].kind)
             with graph.inserting_after(item):
-                back = graph.call_function(layouts.from_rows, (item, lead, per_row))
+                back = graph.call_function(layouts.from_rows, (item, lead, kind == "per_row"))
             item.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
             if not _updated_in_place(back):
-                flat[back] = (item, "per_row" if per_row else "tile", lead)
+                flat[back] = (item, kind, lead)
     _drop_unread(graph)
     return fed
 
@@ -136,7 +144,7 @@ def _worth_it(prog, results) -> bool:
     result goes on to a fused call's slot of its kind (else the reshape out and the
     reshapes back are the ones the call makes itself)."""
     for index, item in results:
-        kind = "per_row" if prog.outputs[index].kind == Kind.PER_ROW else "tile"
+        kind = _slot_kind(prog.outputs[index].kind)
         for user in item.users:
             first = _row_call(user)
             if first is not None and any(user.args[at] is item and takes == kind

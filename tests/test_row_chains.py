@@ -195,7 +195,7 @@ def test_a_rewritten_llama_gives_the_same_logits_chained_or_not(which, monkeypat
     monkeypatch.setattr(row_chains, "chain", lambda graph: 0)
     unchained = rewrite_graph(plain, opts)
     assert report.host_path and report.host_path[0].startswith(row_chains.REPORT_LINE)
-    assert not unchained.host_path
+    assert not any(line.startswith(row_chains.REPORT_LINE) for line in unchained.host_path)
     with torch.no_grad():
         for a, b in zip(plain(*example), chained(*example)):
             if isinstance(a, torch.Tensor):
@@ -225,7 +225,8 @@ def test_a_raising_chain_leaves_the_rewrites_and_says_so(monkeypatch):
     rewrite_graph(unchained, Options(min_fused_rows=0, inductor=False))
     monkeypatch.setattr(row_chains, "chain", half_then_raise)
     report = rewrite_graph(gm, Options(min_fused_rows=0, inductor=False))
-    assert report.rewritten and _reshapes(gm) == 0 and not report.host_path
+    assert report.rewritten and _reshapes(gm) == 0
+    assert not any(line.startswith(row_chains.REPORT_LINE) for line in report.host_path)
     assert any(r.code == "internal_error.row_chains" for r in report.records)
     with torch.no_grad():  # the rewritten graph as the families made it, bit for bit
         assert torch.equal(gm(*example)[0], unchained(*example)[0])

@@ -50,16 +50,18 @@ def real(tensors) -> bool:
 # ---- leading dims ------------------------------------------------------------------------
 
 def flatten_operands(prog, operands):
-    """The op's 2-D contract: tile operands [M, N], per-row operands [M] (a tensor already
-    in that form passes as it is: a view per call is host time a decode step pays)."""
-    return [as_rows(t) if spec.kind == Kind.TILE else
+    """The op's 2-D contract: tile operands [M, N] (row partials [M, T]), per-row operands
+    [M] (a tensor already in that form passes as it is: a view per call is host time a
+    decode step pays)."""
+    return [as_rows(t) if spec.kind in (Kind.TILE, Kind.ROW_PARTIALS) else
             as_row_vector(t) if spec.kind == Kind.PER_ROW else t
             for spec, t in zip(prog.operands, operands)]
 
 
 def unflatten_outputs(prog, outs, lead):
-    """Tile outputs back to [*lead, N], per-row ones to [*lead, 1] (a 2-D call's, lead
-    (M,), come back as the op gave them: [M, N] and [M])."""
+    """Tile outputs back to [*lead, N], per-row ones to [*lead, 1], row partials to
+    [*lead, T] (a 2-D call's, lead (M,), come back as the op gave them: [M, N], [M] and
+    [M, T])."""
     lead = tuple(lead)
     return tuple(from_rows(o, lead, spec.kind == Kind.PER_ROW)
                  for spec, o in zip(prog.outputs, outs))

@@ -31,6 +31,7 @@ class Kind(str, enum.Enum):
     SCALAR = "scalar"
     PAIR = "pair"
     COS_SIN = "cos_sin"
+    ROW_PARTIALS = "row_partials"
 
 
 ACC = "acc"  # the accumulator's reserved value name
@@ -38,6 +39,7 @@ ACC = "acc"  # the accumulator's reserved value name
 ELEMENTWISE_CLASS, PAIRWISE_CLASS, ROTARY_CLASS, STATEFUL_CLASS, REDUCTION_CLASS = (
     "elementwise", "pairwise", "rotary", "stateful", "reduction")
 GROUPED_CLASS = "grouped"  # a statistic over groups of adjacent columns, inside a tile
+PARTIALS_CLASS = "partials"  # a per-row value from another GEMM's unmerged row partials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,13 @@ def head_rstd(x: torch.Tensor, width, eps) -> torch.Tensor:
     return r.expand(m, n // w, w).reshape(m, n)
 
 
+def rstd_of_partials(partials: torch.Tensor, d, eps) -> torch.Tensor:
+    """``rstd_partials(P, d, eps)``: rsqrt(Σ_t P[i, t] / d + eps) per row, P [M, T] the
+    per-tile partials of a row sum (any T: the kernel's tiles, or one column). A norm's
+    row scale r, read by the GEMM that applies it from its producer's raw partials."""
+    return torch.rsqrt(partials.sum(dim=1, keepdim=True) / d + eps)
+
+
 def _select_column(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x[i, idx[i]], 0 where the index is outside the row (an ignored target)."""
     idx = idx.long()
@@ -211,6 +220,10 @@ _SPECS = {
     # its sum of squares folded in the accumulator prepass, deterministically
     "head_rstd": dict(klass=GROUPED_CLASS, arity=(3,),
                       reference=lambda a, ins, cd: head_rstd(*a)),
+    # a norm's row scale from a ROW_PARTIALS operand: rstd_partials(P, d, eps) (literal
+    # d and eps); QuACK's ColVecLoad with the fold in front (kernels/epi_ops.py)
+    "rstd_partials": dict(klass=PARTIALS_CLASS, arity=(3,),
+                          reference=lambda a, ins, cd: rstd_of_partials(*a)),
     # stateful row reductions (online across tiles)
     "row_logsumexp": dict(klass=STATEFUL_CLASS, arity=(1,),
                           reference=lambda a, ins, cd: torch.logsumexp(a[0], 1, keepdim=True)),
@@ -262,7 +275,18 @@ def kind_of(program, ins, kinds: list[tuple[Kind, bool]]) -> tuple[Kind, bool]:
         raise ProgramError(f"{name}: {ins.op} takes {' or '.join(map(str, op.arity))} args")
     if any(k == Kind.COS_SIN for k, _ in kinds) and ins.op != "rope_table":
         raise ProgramError(f"{name}: a cos_sin table is read by rope_table only")
+    if any(k == Kind.ROW_PARTIALS for k, _ in kinds) != (op.klass == PARTIALS_CLASS):
+        raise ProgramError(f"{name}: row partials are read by rstd_partials only, and it "
+                           "reads nothing else")
     operand_kind = {o.name: o.kind for o in program.operands}
+    if op.klass == PARTIALS_CLASS:
+        d, eps = ins.args[1:]
+        if operand_kind.get(ins.args[0]) != Kind.ROW_PARTIALS or isinstance(d, str) or \
+                isinstance(eps, str) or not d > 0 or not eps >= 0:
+            raise ProgramError(f"{name}: {ins.op} reads a row_partials operand with a "
+                               "literal d > 0 and eps >= 0")
+        # the whole row's partials are an operand: known before the tile, not final
+        return Kind.PER_ROW, False
     if op.klass == ELEMENTWISE_CLASS:
         if ins.op == "cast" and not ins.dtype:
             raise ProgramError(f"{name}: cast needs a dtype")

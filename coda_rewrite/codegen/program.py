@@ -25,6 +25,10 @@ Value kinds (what a value varies along; they broadcast like [M, N], [M, 1], [1, 
                  read at column j mod head_dim: (cos, sin)
                  of pair p at (2p, 2p+1); only ``rope_table``
                  reads it
+    ROW_PARTIALS per row i, the unmerged per-tile partials   a norm producer's sum of
+                 P[i, t] of a row sum ([M, T] float32, any    squares, handed on
+                 T): an output of a ``row_sum`` value, an
+                 operand only ``rstd_partials`` reads
 
 The primitive classes of DESIGN.md, and where each lives here:
 
@@ -63,6 +67,10 @@ The primitive classes of DESIGN.md, and where each lives here:
                             QuACK's HeadRstd, folded in the accumulator prepass). Its
                             argument is computed from the accumulator and vectors only
                             (the prepass sees no tile operand).
+    5'' deferred statistic  ``rstd_partials(P, d, eps)`` = rsqrt(Σ_t P[i, t] / d + eps): a
+                            norm's row scale r from a ROW_PARTIALS operand, its producer's
+                            raw per-tile partials (deferred_rstd.py): per row, known before
+                            the tile (the whole row is in the operand), so not final.
     6 stateful reduction    ``row_logsumexp`` keeps a per-row online (max, sum-exp) state,
                             merged across tiles by the proved LSE merge
                             (algebra/statements.py); ``select_column(x, idx)`` picks
@@ -84,8 +92,9 @@ import hashlib
 import json
 from typing import Union
 
-from .op_table import (ACC, ELEMENTWISE_CLASS, GROUPED_CLASS, PAIRWISE_CLASS, REDUCTION_CLASS,
-                       ROTARY_CLASS, STATEFUL_CLASS, Kind, ProgramError, kind_of, of_class)
+from .op_table import (ACC, ELEMENTWISE_CLASS, GROUPED_CLASS, PAIRWISE_CLASS, PARTIALS_CLASS,
+                       REDUCTION_CLASS, ROTARY_CLASS, STATEFUL_CLASS, Kind, ProgramError,
+                       kind_of, of_class)
 
 Arg = Union[str, float]  # a value name, or a literal constant
 
@@ -98,6 +107,7 @@ ROTARY = {n: op.arity for n, op in of_class(ROTARY_CLASS).items()}
 STATEFUL = {n: op.arity[0] for n, op in of_class(STATEFUL_CLASS).items()}
 REDUCTIONS = {n: op.combine for n, op in of_class(REDUCTION_CLASS).items()}
 GROUPED = {n: op.arity for n, op in of_class(GROUPED_CLASS).items()}
+PARTIALS = {n: op.arity for n, op in of_class(PARTIALS_CLASS).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +127,7 @@ class Instr:
 @dataclasses.dataclass(frozen=True)
 class Output:
     value: str
-    kind: Kind  # TILE or PER_ROW
+    kind: Kind  # TILE, PAIR, PER_ROW, or ROW_PARTIALS (a row_sum's unmerged partials)
     dtype: str  # storage dtype, e.g. "bfloat16"
 
 
@@ -127,7 +137,7 @@ class EpilogueProgram:
     gemm: bool
     operands: tuple[Operand, ...]
     body: tuple[Instr, ...]
-    outputs: tuple[Output, ...]
+    outputs: tuple[Output, ...]  # kinds TILE, PAIR, PER_ROW, ROW_PARTIALS
     # The rewrite family that built the program ("rowscale", "residual_rmsnorm", "gated",
     # "rope", "cross_entropy"): the backward dispatches on it (kernels/backward/). Empty
     # for a program no family built (the general backward rule).
@@ -170,6 +180,7 @@ class EpilogueProgram:
                 raise ProgramError(
                     f"{self.name}: {ins.out!r} mixes a whole-row reduction into a tile value "
                     "(not tile-local: the row is complete only after every tile is done)")
+        sums = {i.out for i in self.body if i.op == "row_sum"}
         for o in self.outputs:
             k, final = kind_of_arg(o.value)
             if o.kind == Kind.TILE and final:
@@ -179,8 +190,13 @@ class EpilogueProgram:
             if o.kind == Kind.PAIR and k != Kind.PAIR or k == Kind.PAIR and o.kind != Kind.PAIR:
                 raise ProgramError(f"{self.name}: output {o.value!r} is a {k.value}, "
                                    f"declared {o.kind.value}")
-            if o.kind not in (Kind.TILE, Kind.PER_ROW, Kind.PAIR):
-                raise ProgramError(f"{self.name}: outputs are tiles, pairs or per-row vectors")
+            if o.kind == Kind.ROW_PARTIALS and (
+                    o.value not in sums or o.dtype != "float32"):
+                raise ProgramError(f"{self.name}: a row_partials output is a row_sum's value, "
+                                   "stored as float32")
+            if o.kind not in (Kind.TILE, Kind.PER_ROW, Kind.PAIR, Kind.ROW_PARTIALS):
+                raise ProgramError(f"{self.name}: outputs are tiles, pairs, per-row vectors "
+                                   "or row partials")
         return env
 
     @functools.cached_property
@@ -308,7 +324,7 @@ class ProgramBuilder:
 
     def __getattr__(self, op: str):
         if op in ELEMENTWISE or op in REDUCTIONS or op in PAIRWISE or op in STATEFUL \
-                or op in ROTARY or op in GROUPED:
+                or op in ROTARY or op in GROUPED or op in PARTIALS:
             return functools.partial(self.emit, op)
         raise AttributeError(op)
 

@@ -20,12 +20,16 @@ new kernel code. The program splits in two stages:
                product, so the fold is one FMA and the product is never rounded);
                a group statistic (head_rstd: a QK-norm's per-head rstd) is QuACK's
                HeadRstd, fed by a generated accumulator prepass that recomputes its
-               argument from acc and vectors, its value read like an operand.
+               argument from acc and vectors, its value read like an operand;
+               a norm's row scale from its producer's raw partials (rstd_partials of
+               a ROW_PARTIALS operand) is kernels/epi_ops.RstdOfPartials, a ColVecLoad
+               that folds the partials first, its value read like an operand.
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
                the norm's rstd is QuACK's rms_final_reduce, one kernel over the raw
                per-tile partials (norm_row_stage); any other stage is a few per-row
                torch ops on the GPU after the kernel, run by the reference interpreter
-               so there is one definition of them.
+               so there is one definition of them. A reduction output of kind
+               ROW_PARTIALS has no stage: the raw partials are the output.
 
 Operands bind to QuACK by kind, always pinned with ``ops=`` (QuACK infers the kind from
 shapes and cannot when M == N). Mind QuACK's names: a per-row vector is a *column*
@@ -40,8 +44,8 @@ import hashlib
 import re
 
 from .op_table import ELEMENTWISE_CLASS, OPS
-from .program import (ACC, GROUPED, PAIRWISE, REDUCTIONS, ROTARY, STATEFUL, EpilogueProgram,
-                      Instr, Kind)
+from .program import (ACC, GROUPED, PAIRWISE, PARTIALS, REDUCTIONS, ROTARY, STATEFUL,
+                      EpilogueProgram, Instr, Kind)
 
 GENERATOR_VERSION = "4"
 
@@ -84,7 +88,8 @@ class LayoutContract:
                  f"  weight permutation: {self.weight_permutation}"]
         for b in self.operands:
             shape = {Kind.TILE: "[M, N]", Kind.PER_ROW: "[M]", Kind.PER_FEATURE: "[N]",
-                     Kind.SCALAR: "[]", Kind.COS_SIN: "[M, hd]"}[b.kind]
+                     Kind.SCALAR: "[]", Kind.COS_SIN: "[M, hd]",
+                     Kind.ROW_PARTIALS: "[M, T]"}[b.kind]
             lines.append(f"  {b.name:<10} {shape:<7} {b.kind.value:<11} -> {b.quack_op}")
         for value, out in self.tile_outputs:
             shape = "[M, N/2]" if out in self.pair_outputs else "[M, N]"
@@ -215,9 +220,13 @@ def generate(program: EpilogueProgram) -> KernelSource:
             continue
         op = {Kind.TILE: "TileLoad", Kind.PER_ROW: "ColVecLoad",
               Kind.PER_FEATURE: "RowVecLoad", Kind.SCALAR: "Scalar",
-              Kind.COS_SIN: "rotary_cos_sin_load"}[o.kind]
+              Kind.COS_SIN: "rotary_cos_sin_load",
+              Kind.ROW_PARTIALS: "RstdOfPartials"}[o.kind]
         param = f"o_{o.name}"  # prefixed: no clash with imports or the C operand
-        bindings.append(Binding(o.name, o.kind, param, f'{op}("{param}")'))
+        pin = f'{op}("{param}")'
+        if o.kind == Kind.ROW_PARTIALS:  # the op folds them: 1/d and eps are its own
+            pin = _rstd_of_partials_pin(program, o.name, param)
+        bindings.append(Binding(o.name, o.kind, param, pin))
     names = {b.name: b.param for b in bindings}
 
     def _arg(a) -> str:
@@ -323,6 +332,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
                    f"{o}_x1 * {o}_sin + {o}_x2 * {o}_cos)")
         elif i.op in GROUPED:
             rhs = group_sinks[i.out]
+        elif i.op in PARTIALS:  # RstdOfPartials' value port is r itself
+            rhs = _arg(i.args[0])
         elif i.op in _LOWER:
             rhs = _LOWER[i.op].format(*args)
         else:
@@ -385,6 +396,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
         # the rope_posfreq epilogues; quack-kernels is pinned, and CI compiles this)
         *(["from quack.epilogue.rotary import _angle_turns, _sincos_turns"] if angles else []),
         *(["from quack.epilogue.rotary import rotary_cos_sin_load"] if table else []),
+        *(["from coda_rewrite.kernels.epi_ops import RstdOfPartials"]
+          if any(o.kind == Kind.ROW_PARTIALS for o in program.operands) else []),
         "",
         *(["from quack.activation import tanh as tanh_approx", ""]
           if any(i.op == "tanh" for i in program.body) else []),
@@ -433,10 +446,26 @@ def generate(program: EpilogueProgram) -> KernelSource:
             f"{i.out}: rsqrt(mean({i.args[0]}²) + {float(i.args[2]):g}) per row and group of "
             f"{int(i.args[1])} columns (QuACK's HeadRstd '{group_sinks[i.out]}', from the "
             f"accumulator prepass); {int(i.args[1])} must divide the tile width and N"
-            for i in grouped))
+            for i in grouped) + tuple(
+            f"out {o.value:<6} [M, T]   row partials: reduce '{sink}''s per-tile partials "
+            "as the kernel leaves them, unmerged (T = N-tiles; the reader folds them)"
+            for o in program.outputs if o.kind == Kind.ROW_PARTIALS
+            for r in reductions if r.value == o.value for sink in [r.sink]))
     return KernelSource(program, f"coda_epi_{program.name}_{digest}", source, contract,
                         row_stage, norm_row_stage(row_stage, reductions, program.outputs),
                         tuple((group_sinks[g.out], int(g.args[1])) for g in grouped))
+
+
+def _rstd_of_partials_pin(program: EpilogueProgram, name: str, param: str) -> str:
+    """The RstdOfPartials op of a ROW_PARTIALS operand: the one rstd_partials reading it
+    gives 1/d and eps (two readers with other constants would need two ops)."""
+    reads = {(float(i.args[1]), float(i.args[2])) for i in program.body
+             if i.op in PARTIALS and i.args[0] == name}
+    if len(reads) != 1:
+        raise Unlowerable(f"row partials {name!r} are read by {len(reads)} different "
+                          "rstd_partials (one is lowerable)")
+    ((d, eps),) = reads
+    return f'RstdOfPartials("{param}", inv_d={1.0 / d!r}, eps={eps!r})'
 
 
 def norm_row_stage(stage, reductions, outputs) -> tuple | None:

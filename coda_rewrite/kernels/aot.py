@@ -68,9 +68,11 @@ def compile_program(text: str, m: int = 256, k: int = 256, n: int = 256,
     by_name = {}
     for spec in prog.operands:
         shape = {Kind.TILE: (m, n), Kind.PER_ROW: (m,), Kind.PER_FEATURE: (n,),
-                 Kind.SCALAR: (), Kind.COS_SIN: (m, 128)}[spec.kind]  # head_dim 128
+                 Kind.SCALAR: (), Kind.COS_SIN: (m, 128),  # head_dim 128
+                 Kind.ROW_PARTIALS: (m, 3)}[spec.kind]
         by_name[spec.name] = torch.randn(shape, dtype=torch.float32 if spec.kind in (
-            Kind.PER_ROW, Kind.SCALAR) or spec.name in prog.rotation_operands else dt)
+            Kind.PER_ROW, Kind.SCALAR, Kind.ROW_PARTIALS) or
+            spec.name in prog.rotation_operands else dt)
         if spec.kind == Kind.SCALAR:  # passed by pointer, as the runtime does
             by_name[spec.name] = by_name[spec.name].reshape(1)
         if spec.name in prog.index_operands:

@@ -305,6 +305,11 @@ def _fake(program, a, b, operands):
     m, n = reference.problem_size(prog, a, b, operands)
     like = a if a is not None else operands[0]
     shapes = {Kind.TILE: (m, n), Kind.PAIR: (m, n // 2), Kind.PER_ROW: (m,)}
+    if any(o.kind == Kind.ROW_PARTIALS for o in prog.outputs):
+        # how many partials a row gets is the launch's tile config (or 1 on the reference
+        # route): deferred_rstd.py hands them on only in graphs that run as Python
+        raise NotImplementedError(f"{prog.key}: row partials have no traced shape; a "
+                                  "graph that is traced keeps the norm's finaliser")
     return [like.new_empty(shapes[o.kind], dtype=reference.dtype_from_name(o.dtype))
             for o in prog.outputs]
 

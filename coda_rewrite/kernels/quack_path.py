@@ -206,6 +206,12 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
             if t.numel() != 1:
                 return f"scalar operand {spec.name} has {t.numel()} elements"
             continue
+        if spec.kind == Kind.ROW_PARTIALS:  # read element by element (epi_ops.py)
+            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[0] != m or \
+                    t.shape[1] < 1 or t.stride(-1) != 1:
+                return (f"row partials {spec.name}: {t.dtype} {tuple(t.shape)}, expected "
+                        f"float32 [{m}, T] with unit stride along T")
+            continue
         if t.dtype not in _STORE_DTYPES:
             return f"operand {spec.name} is {t.dtype}"
         want = {Kind.TILE: (m, n), Kind.PER_ROW: (m,), Kind.PER_FEATURE: (n,)}[spec.kind]
@@ -544,7 +550,7 @@ class Launch:
     needs) and the finaliser (benchmarks/host_overhead.py measures it against F.linear)."""
 
     __slots__ = ("ks", "planned", "c_index", "kwargs", "outs", "sinks", "m", "n",
-                 "device", "out_dtypes", "row_rstd", "norm", "config", "results")
+                 "device", "out_dtypes", "row_rstd", "norm", "config", "results", "unfolded")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
@@ -579,6 +585,7 @@ class Launch:
                                    f"[{self.m}, tiles]")
             self.norm = (sink, (self.m, shape[-1]), scale, eps)
             self.row_rstd = _row_rstd_kernel(shape)
+        self.unfolded = not self.sinks
         self.results = self._result_sources()
         first = ks.module_name not in _seen
         if first:
@@ -590,20 +597,27 @@ class Launch:
 
     def _result_sources(self):
         """Where each program output comes from when no per-row stage runs but the norm's
-        (None otherwise): a kernel output buffer by name, or the norm's rstd."""
+        (None otherwise): a kernel output buffer by name, the norm's rstd (None), or a
+        reduction's raw partials, unmerged (a ROW_PARTIALS output: ("partials", sink))."""
         ks = self.ks
         if ks.row_stage and ks.norm_stage is None:
             return None
         tile = dict(ks.contract.tile_outputs)
+        sink_of = {r.value: r.sink for r in ks.contract.reductions}
         sources = []
         for o in ks.program.outputs:
             if o.value in tile:
                 sources.append(tile[o.value])
+            elif o.kind == Kind.ROW_PARTIALS and o.value in sink_of:
+                sources.append(("partials", sink_of[o.value]))
             elif ks.norm_stage is not None and o.value == ks.norm_stage[1] and \
                     self.out_dtypes[o.value] == torch.float32:
                 sources.append(None)
             else:
                 return None
+        # every reduction handed on unmerged: nothing to fold after the kernel
+        partial_sinks = {s[1] for s in sources if isinstance(s, tuple)}
+        self.unfolded = all(r.sink in partial_sinks for r, _ in self.sinks)
         return sources
 
     def _c(self, operands):
@@ -640,8 +654,9 @@ class Launch:
             if self.results is not None:
                 return [rstd if s is None else out[s] for s in self.results]
             return self._outputs(out, {self.ks.norm_stage[1]: rstd.view(self.m, 1)})
-        if self.results is not None and not self.sinks:
-            return [out[s] for s in self.results]
+        if self.results is not None and self.unfolded:
+            return [scratch[s[1]].view(self.m, -1) if isinstance(s, tuple) else out[s]
+                    for s in self.results]
         return self._outputs(out, self._fold(a, operands, scratch))
 
     def _fold(self, a, operands, scratch) -> dict:

@@ -1339,3 +1339,57 @@ def test_attention_grad_layout_graphs_sharing_a_cache_entry_on_gpu(inductor):
             eager = grads(copy.deepcopy(base).to(torch.bfloat16), torch.bfloat16)
         assert rel_err(got, truth) <= 3 * max(rel_err(eager, truth), 1e-3), \
             (differential, rel_err(got, truth), rel_err(eager, truth))
+
+
+@pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 640), (8, 4096, 1024),
+                                   (4096, 1024, 2048)], ids=lambda s: "x".join(map(str, s)))
+def test_norm_partials_handed_to_the_consumer_on_gpu(shape):
+    """deferred_rstd.py on the kernels: the producer is one launch (no finaliser) and
+    hands on its [M, T] partials; the consumer forms r from them (epi_ops.RstdOfPartials)
+    and gives what it gave with the finaliser's r, to a bf16 rounding, no further from
+    float64."""
+    from coda_rewrite import deferred_rstd
+    m, k, n = shape
+    g = torch.Generator(device=DEV).manual_seed(7)
+    a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(384, n, device=DEV, dtype=torch.bfloat16, generator=g) * n ** -0.5
+    prog, consumer = residual_rmsnorm(), rowscale_bias()
+    producer, _, d, eps = deferred_rstd._row_scale(prog)
+    reader = deferred_rstd._reading_partials(consumer, ["r"], d, eps)
+    operands = _operands(prog, m, n, 3)
+    bias = _operands(consumer, m, 384, 4)[1]
+    before = (_kernel_calls(producer.key), _kernel_calls(reader.key))
+    z, h2, r = ops.gemm_epilogue(prog.to_text(), a, b, operands)
+    z2, h22, partials = ops.gemm_epilogue(producer.to_text(), a, b, operands)
+    assert torch.equal(z, z2) and torch.equal(h2, h22)
+    assert partials.dtype == torch.float32 and partials.shape[0] == m and partials.shape[1] > 1
+    y_old = ops.gemm_epilogue(consumer.to_text(), h2, w, [r, bias])[0]
+    y_new = ops.gemm_epilogue(reader.to_text(), h2, w, [partials, bias])[0]
+    assert (_kernel_calls(producer.key), _kernel_calls(reader.key)) == \
+        (before[0] + 1, before[1] + 1), ops.runtime_summary()
+    r64 = torch.rsqrt(z.double().square().sum(1, keepdim=True) / d + eps)
+    y64 = r64 * (h2.double() @ w.double().t()) + bias.double()
+    assert (y_new.double() - y_old.double()).abs().max() <= \
+        2 ** -7 * y_old.double().abs().max()
+    assert rel_err(y_new, y64) <= 1.05 * rel_err(y_old, y64) + 1e-6
+    assert len(_cuda_kernels(lambda: ops.gemm_epilogue(producer.to_text(), a, b,
+                                                        operands))) == 1
+
+
+def test_small_llama_defers_its_norms_on_gpu():
+    """optimize() under no_grad on the GPU: the norms are deferred (the report says so),
+    the fused GEMMs ran, and the logits are within the numerics policy of eager."""
+    from coda_rewrite import deferred_rstd
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    model = _llama(0).to(DEV, torch.bfloat16).eval()
+    torch._dynamo.reset()
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        got, want = fast(ids).logits, model(ids).logits
+        ref = copy.deepcopy(model).double()(ids).logits
+    lines = [ln for gr in fast.report.graphs for ln in gr.host_path
+             if ln.startswith(deferred_rstd.REPORT_LINE)]
+    assert lines and int(lines[0].rsplit(": ", 1)[1].split()[0]) >= 3, lines
+    assert _kernel_calls("rowscale#") > 0 or _kernel_calls("rowscale_") > 0
+    assert rel_err(got, ref) <= 1.25 * rel_err(want, ref) + 1e-6

@@ -1,0 +1,82 @@
+"""QuACK epilogue ops this project adds (imported by generated kernel modules).
+
+RstdOfPartials: a norm's row scale read by the GEMM that applies it, from the producer's
+raw per-tile partials, so the norm needs no kernel of its own between the two GEMMs.
+
+The norm producer (patterns/residual_rmsnorm.py) writes z, h2 = z ⊙ γ and, per row and
+N-tile t of its GEMM, the partial sum of squares P[i, t] = Σ_{j in t} z[i, j]²
+(QuACK's ColVecReduce sink, [M, T] float32, the row's tiles contiguous). The row scale
+r[i] = rsqrt(Σ_t P[i, t] / d + eps) was one more kernel (QuACK's rms_final_reduce) and
+one more buffer per producer call: on the H200 ~5 µs of host time to launch and, at a
+few hundred rows, a few µs of GPU time between two GEMMs (BENCHMARKS.md, sixth and
+sixteenth sessions). Here each consumer CTA folds the partials of its own tile_m rows
+once, before its epilogue, into the shared-memory row vector a ColVecLoad would have
+filled; everything after that is ColVecLoad's (the broadcast over N, the per-subtile
+register copy).
+
+Cost: T = ceil(N_producer / tile_n) float32 loads per row and CTA (11 at N = 2048,
+tile_n 192), read from L2 by the first warps of the epilogue while the mainloop's last
+stages drain. Numerics: the partials are added in tile order in float32, then
+r = rsqrt(s · (1/d) + eps) with the fast-math rsqrt (about 1 ulp of float32), as
+rms_final_reduce does; the float64 reference sums the same partials.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+from quack.compile_utils import make_fake_tensor
+from quack.epilogue.ops import ColVecLoad
+
+# bumped whenever begin() changes: QuACK's persistent kernel cache keys an op by its
+# type, name and config_key, not by its code
+_CODE_VERSION = 1
+
+
+class RstdOfPartials(ColVecLoad):
+    """r[i] = rsqrt(Σ_t P[i, t] · inv_d + eps) for the CTA's rows, P the [M, T] float32
+    partials of a norm producer's sum of squares; the fn reads r per element like a
+    ColVecLoad operand. No swapped form (QuACK refuses a swap_ab plan with it)."""
+
+    def __init__(self, name: str, inv_d: float, eps: float):
+        super().__init__(name)
+        self.inv_d = float(inv_d)
+        self.eps = float(eps)
+
+    def config_key(self):
+        return (_CODE_VERSION, self.inv_d, self.eps)
+
+    def host_fake_arg(self, key, fctx):
+        dtype, ndim = key
+        if ndim != 2 or fctx.swapped or fctx.batched or fctx.varlen_m:
+            raise ValueError(f"{self.name}: RstdOfPartials takes 2-D [M, tiles] partials of "
+                             "a dense, unswapped, unbatched GEMM")
+        return make_fake_tensor(dtype, (fctx.m, cute.sym_int()), leading_dim=1,
+                                divisibility=1)
+
+    @cute.jit
+    def begin(self, gemm, param, smem_tensor, ctx):
+        tile_m = ctx.tile_M
+        row0 = ctx.tile_coord_mnkl[0] * tile_m
+        rows = cute.size(param, mode=[0])
+        tiles = cute.size(param, mode=[1])
+        for i in cutlass.range(ctx.tidx, tile_m, ctx.num_epi_threads):
+            total = Float32(0.0)
+            if row0 + i < rows:
+                for t in cutlass.range(tiles):
+                    total += param[row0 + i, t]
+            smem_tensor[i] = cute.math.rsqrt(total * Float32(self.inv_d) + Float32(self.eps),
+                                             fastmath=True)
+        # ColVecLoad's broadcast of the row vector over the tile's columns
+        tDsV = ctx.partition_for_epilogue_fn(
+            cute.make_tensor(
+                smem_tensor.iterator,
+                cute.make_layout((ctx.tile_M, ctx.tile_N), stride=self._broadcast_stride()),
+            )
+        )
+        if const_expr(ctx.tiled_copy_t2r is not None):
+            tDsV = ctx.tiled_copy_r2s.retile(tDsV)
+        tDsV_sub = cute.group_modes(tDsV, 3, cute.rank(tDsV))[None, None, None, 0]
+        tDrV_cvt = cute.make_rmem_tensor(tDsV_sub.layout, gemm.acc_dtype)
+        return [tDsV, tDrV_cvt]

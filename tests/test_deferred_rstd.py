@@ -1,0 +1,313 @@
+"""deferred_rstd.py: a norm producer hands its consumers its raw partials and each
+consumer's GEMM forms r; the IR's ROW_PARTIALS kind and rstd_partials op, their
+reference, their lowering, and where the pass must not apply."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import coda_rewrite
+from coda_rewrite import deferred_rstd, row_chains
+from coda_rewrite.codegen import reference
+from coda_rewrite.codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder, parse
+from coda_rewrite.codegen.op_table import ProgramError
+from coda_rewrite.codegen.quack_source import Unlowerable, generate
+from coda_rewrite.kernels import ops
+from coda_rewrite.options import Options
+from coda_rewrite.pipeline import rewrite_graph
+
+from conftest import build, hf_model, loss_of, plain_llama, tokens
+
+bf = torch.bfloat16
+
+
+def _producer(d: float = 64.0, eps: float = 1e-6) -> EpilogueProgram:
+    """residual_rmsnorm's shape: z = acc + residual, h2 = z·γ, r = rsqrt(Σz²/d + eps)."""
+    p = ProgramBuilder("residual_rmsnorm", gemm=True, family="residual_rmsnorm")
+    z = p.add(ACC, p.operand("residual", Kind.TILE), name="z")
+    h2 = p.mul(z, p.operand("gamma", Kind.PER_FEATURE), name="h2")
+    r = p.rsqrt(p.add(p.div(p.row_sum(p.square(z), name="ss"), d), eps), name="r")
+    p.output(z, Kind.TILE, "bfloat16")
+    p.output(h2, Kind.TILE, "bfloat16")
+    p.output(r, Kind.PER_ROW, "float32")
+    return p.build()
+
+
+def _consumer() -> EpilogueProgram:
+    p = ProgramBuilder("rowscale", gemm=True, family="rowscale")
+    p.output(p.scaled_acc(True, False), Kind.TILE, "bfloat16")
+    return p.build()
+
+
+# ---- the IR --------------------------------------------------------------------------
+
+def test_the_pass_rewrites_programs_into_valid_ir():
+    producer, r_index, d, eps = deferred_rstd._row_scale(_producer())
+    assert (r_index, d, eps) == (2, 64.0, 1e-6)
+    assert [o.kind for o in producer.outputs] == [Kind.TILE, Kind.TILE, Kind.ROW_PARTIALS]
+    assert [i.op for i in producer.body] == ["add", "mul", "square", "row_sum"]
+    consumer = deferred_rstd._reading_partials(_consumer(), ["r"], d, eps)
+    assert consumer.operands[0].kind == Kind.ROW_PARTIALS
+    assert consumer.body[0].op == "rstd_partials"
+    assert consumer.value_kinds()["r"] == (Kind.PER_ROW, False)  # known before the tile
+    assert parse(consumer.to_text()) == consumer
+
+
+@pytest.mark.parametrize("case", ["partials_in_a_product", "rstd_of_a_per_row_operand",
+                                  "operand_d", "zero_d", "partials_output_of_non_sum",
+                                  "partials_output_as_bf16"])
+def test_the_ir_refuses_misuse_of_row_partials(case):
+    p = ProgramBuilder("bad", gemm=True)
+    if case == "partials_in_a_product":
+        p.output(p.mul(ACC, p.operand("P", Kind.ROW_PARTIALS)), Kind.TILE, "bfloat16")
+    elif case == "rstd_of_a_per_row_operand":
+        r = p.rstd_partials(p.operand("P", Kind.PER_ROW), 8.0, 1e-6)
+        p.output(p.mul(ACC, r), Kind.TILE, "bfloat16")
+    elif case in ("operand_d", "zero_d"):
+        P = p.operand("P", Kind.ROW_PARTIALS)
+        d = p.operand("d", Kind.SCALAR) if case == "operand_d" else 0.0
+        p.output(p.mul(ACC, p.rstd_partials(P, d, 1e-6)), Kind.TILE, "bfloat16")
+    else:
+        v = p.row_max(ACC) if case == "partials_output_of_non_sum" else p.row_sum(ACC)
+        p.output(ACC, Kind.TILE, "bfloat16")
+        p.output(v, Kind.ROW_PARTIALS,
+                 "bfloat16" if case == "partials_output_as_bf16" else "float32")
+    with pytest.raises(ProgramError):
+        p.build()
+
+
+# ---- reference and lowering ------------------------------------------------------------
+
+@pytest.mark.parametrize("tiles", [1, 3, 11])
+def test_the_reference_forms_r_from_any_number_of_partials(tiles):
+    """The consumer reading partials gives exactly the consumer given
+    r = rsqrt(Σ_t P / d + eps) (computed the same way), for one merged column or many."""
+    torch.manual_seed(0)
+    m, k, n = 12, 32, 16
+    a, b = torch.randn(m, k, dtype=bf), torch.randn(n, k, dtype=bf)
+    partials = torch.rand(m, tiles) * 50
+    r = torch.rsqrt(partials.sum(1) / 64.0 + 1e-6)
+    deferred = deferred_rstd._reading_partials(_consumer(), ["r"], 64.0, 1e-6)
+    got = reference.run_program(deferred, a, b, [partials])[0]
+    want = reference.run_program(_consumer(), a, b, [r])[0]
+    assert torch.equal(got, want)
+
+
+def test_the_producer_hands_on_its_sum_of_squares_and_the_chain_gives_the_old_values():
+    """Producer then consumer on the reference route: [M, 1] partials, and the
+    consumer's result is the one r from the finaliser gives, bit for bit."""
+    torch.manual_seed(1)
+    m, k, n = 10, 32, 64
+    a, w0, w1 = (torch.randn(m, k, dtype=bf), torch.randn(n, k, dtype=bf),
+                 torch.randn(24, n, dtype=bf))
+    residual, gamma = torch.randn(m, n, dtype=bf), torch.randn(n, dtype=bf)
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    z, h2, ss = reference.run_program(producer, a, w0, [residual, gamma])
+    z0, h20, r0 = reference.run_program(_producer(), a, w0, [residual, gamma])
+    assert ss.shape == (m, 1) and ss.dtype == torch.float32
+    assert torch.equal(z, z0) and torch.equal(h2, h20)
+    deferred = deferred_rstd._reading_partials(_consumer(), ["r"], 64.0, 1e-6)
+    got = reference.run_program(deferred, h2, w1, [ss])[0]
+    want = reference.run_program(_consumer(), h20, w1, [r0])[0]
+    assert torch.equal(got, want)
+
+
+def test_the_consumer_lowers_to_rstd_of_partials_and_the_producer_to_its_raw_sink():
+    consumer = deferred_rstd._reading_partials(_consumer(), ["r"], 64.0, 1e-6)
+    ks = generate(consumer)
+    assert 'RstdOfPartials("o_r_partials", inv_d=0.015625, eps=1e-06)' in ks.source
+    assert "from coda_rewrite.kernels.epi_ops import RstdOfPartials" in ks.source
+    assert not ks.row_stage
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    pks = generate(producer)
+    assert not pks.row_stage and pks.norm_stage is None  # no finaliser
+    assert "row partials" in pks.contract.render()
+    # the producer's kernel is the one it had: only the finaliser went
+    assert pks.source == generate(_producer()).source
+
+
+def test_two_readers_with_different_constants_do_not_lower():
+    p = ProgramBuilder("two", gemm=True)
+    P = p.operand("P", Kind.ROW_PARTIALS)
+    r1, r2 = p.rstd_partials(P, 8.0, 1e-6), p.rstd_partials(P, 8.0, 1e-5)
+    p.output(p.mul(p.mul(ACC, r1), r2), Kind.TILE, "bfloat16")
+    with pytest.raises(Unlowerable):
+        generate(p.build())
+
+
+def test_row_partials_have_no_traced_shape():
+    """Their width is the launch's tile config: the op's fake refuses them, so a traced
+    graph never carries them (the pass runs only on graphs that run as Python)."""
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    a = torch.empty(4, 8, dtype=bf)
+    with pytest.raises(NotImplementedError, match="row partials"):
+        ops._fake(producer.to_text(), a, torch.empty(64, 8, dtype=bf),
+                  [torch.empty(4, 64, dtype=bf), torch.empty(64, dtype=bf)])
+
+
+def test_the_contract_checks_row_partials_operands():
+    from coda_rewrite.kernels.quack_path import contract_violation
+    consumer = deferred_rstd._reading_partials(_consumer(), ["r"], 64.0, 1e-6)
+    a, b = torch.empty(16, 64, dtype=bf), torch.empty(32, 64, dtype=bf)
+    assert contract_violation(consumer, a, b, [torch.empty(16, 3)]) is None
+    for bad in (torch.empty(16, 3, dtype=bf), torch.empty(16), torch.empty(8, 3),
+                torch.empty(3, 16).t()):
+        assert "row partials" in contract_violation(consumer, a, b, [bad])
+
+
+# ---- the pass in the pipeline -----------------------------------------------------------
+
+def _captured(model, *args):
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*args)
+    return seen
+
+
+def _deferred(report) -> int:
+    lines = [ln for ln in report.host_path if ln.startswith(deferred_rstd.REPORT_LINE)]
+    return int(lines[0].rsplit(": ", 1)[1].split()[0]) if lines else 0
+
+
+def _both(model, ids, monkeypatch, options=None):
+    """(report, report without the pass, outputs with it, outputs without, the rewritten
+    graph module), the same captured graph rewritten twice."""
+    (gm, example), = _captured(model, ids)
+    opts = options or Options(min_fused_rows=0, inductor=False)
+    with_pass, without = copy.deepcopy(gm), copy.deepcopy(gm)
+    report = rewrite_graph(with_pass, opts)
+    with monkeypatch.context() as mp:
+        mp.setattr(deferred_rstd, "defer", lambda graph: 0)
+        plain = rewrite_graph(without, opts)
+    with torch.no_grad():
+        return report, plain, with_pass(*example), without(*example), with_pass
+
+
+def _programs(gm) -> list[EpilogueProgram]:
+    from coda_rewrite.graph_utils import ROW_CALL_MARK
+    return [parse(n.args[0]) for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, ROW_CALL_MARK, None)]
+
+
+@pytest.mark.parametrize("which", ["plain", "llama", "qwen2", "mistral"])
+def test_inference_graphs_defer_every_layer_and_give_the_same_values(which, monkeypatch):
+    """Each norm whose producer is a GEMM and whose r only fused GEMMs read (per layer
+    the post-attention norm, and the next layer's input norm) is deferred; the outputs
+    are the graph's without the pass, bit for bit (reference route on the CPU)."""
+    model = (plain_llama() if which == "plain" else hf_model(which)).to(bf).eval()
+    report, plain, got, want, gm = _both(model, tokens(2, 16), monkeypatch)
+    assert _deferred(report) >= 3 and _deferred(plain) == 0
+    for g, w in zip(got, want):
+        if isinstance(g, torch.Tensor):
+            assert g.shape == w.shape and torch.equal(g, w)
+    programs = _programs(gm)
+    readers = [p for p in programs if any(i.op == "rstd_partials" for i in p.body)]
+    handing = [p for p in programs if any(o.kind == Kind.ROW_PARTIALS for o in p.outputs)]
+    assert len(handing) == _deferred(report) and len(readers) >= len(handing)
+
+
+def test_a_training_graph_keeps_the_finaliser(monkeypatch):
+    """With gradients the families' backward rules read r: no deferral, and the step's
+    loss and gradients are those without the pass."""
+    model = build("plain").to(bf)
+    ids = tokens(2, 16)
+    fast = coda_rewrite.optimize(model, fuse_in_training=True)
+    loss_of(fast, "plain", ids).backward()
+    assert all(_deferred(g) == 0 for g in fast.report.graphs)
+    assert any(g.rewritten for g in fast.report.graphs)
+
+
+def test_a_norm_whose_rstd_is_also_returned_keeps_its_finaliser(monkeypatch):
+    """A reader of r that is not a fused GEMM (here the graph's output) keeps that
+    producer's finaliser: all or nothing per producer; the others are still deferred."""
+    import operator
+
+    from coda_rewrite.graph_utils import ROW_CALL_MARK
+    model = plain_llama().to(bf).eval()
+    (gm, example), = _captured(model, tokens(2, 16))
+    monkeypatch.setattr(deferred_rstd, "defer", lambda graph: 0)
+    monkeypatch.setattr(row_chains, "chain", lambda graph: 0)
+    rewrite_graph(gm, Options(min_fused_rows=0, inductor=False))
+    monkeypatch.undo()
+    producers = [n for n in gm.graph.nodes if getattr(n.target, ROW_CALL_MARK, 0) >= 2
+                 and deferred_rstd._row_scale(parse(n.args[0])) is not None]
+    assert len(producers) >= 2
+    leaked, text = producers[0], producers[0].args[0]
+    r_index = deferred_rstd._row_scale(parse(text))[1]
+    r_item = next(u for u in leaked.users if u.args[1] == r_index)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = (tuple(out.args[0]) + (r_item,),)
+    assert deferred_rstd.defer(gm.graph) == len(producers) - 1
+    gm.graph.lint()
+    gm.recompile()
+    assert leaked.args[0] == text  # kept its r and its finaliser
+    assert all(u.target is operator.getitem for u in leaked.users)
+    with torch.no_grad():
+        r = gm(*example)[-1]
+    assert r.dtype == torch.float32 and r.shape[-1] == 1
+
+
+def test_a_qk_norm_consumer_keeps_the_finaliser(monkeypatch):
+    """Qwen3's q/k/v GEMM folds its per-head norm in an accumulator prepass that reads r:
+    no partials there (not lowerable), so that producer keeps its finaliser; the values
+    are the same either way."""
+    model = hf_model("qwen3").to(bf).eval()
+    report, plain, got, want, gm = _both(model, tokens(2, 16), monkeypatch)
+    for g, w in zip(got, want):
+        if isinstance(g, torch.Tensor):
+            assert torch.equal(g, w)
+    qk = [p for p in _programs(gm) if any(i.op == "head_rstd" for i in p.body)]
+    assert qk and all(o.kind != Kind.ROW_PARTIALS for p in qk for o in p.operands)
+
+
+def test_float32_models_keep_the_finaliser(monkeypatch):
+    model = plain_llama().eval()
+    report, *_ = _both(model, tokens(2, 16), monkeypatch)
+    assert report.rewritten and _deferred(report) == 0
+
+
+def test_graphs_for_inductor_are_not_deferred():
+    model = plain_llama().to(bf).eval()
+    (gm, _), = _captured(model, tokens(2, 16))
+    report = rewrite_graph(gm, Options(min_fused_rows=0, inductor=True))
+    assert report.rewritten and _deferred(report) == 0
+    assert "rstd_partials" not in gm.code
+
+
+@pytest.mark.provokes_pass_bug
+def test_a_raising_pass_leaves_the_graph_as_it_was_and_says_so(monkeypatch):
+    model = plain_llama().to(bf).eval()
+    (gm, example), = _captured(model, tokens(2, 16))
+    real = deferred_rstd.defer
+
+    def half_then_raise(graph):
+        real(graph)
+        raise RuntimeError("provoked")
+    kept = copy.deepcopy(gm)
+    monkeypatch.setattr(deferred_rstd, "defer", lambda graph: 0)
+    rewrite_graph(kept, Options(min_fused_rows=0, inductor=False))
+    monkeypatch.setattr(deferred_rstd, "defer", half_then_raise)
+    report = rewrite_graph(gm, Options(min_fused_rows=0, inductor=False))
+    assert report.rewritten and _deferred(report) == 0 and "rstd_partials" not in gm.code
+    assert any(r.code == "internal_error.deferred_rstd" for r in report.records)
+    with torch.no_grad():
+        assert torch.equal(gm(*example)[0], kept(*example)[0])
+
+
+def test_optimize_under_no_grad_matches_eager_and_says_what_it_did():
+    model = hf_model("llama").to(bf).eval()
+    ids = tokens(2, 16)
+    fast = coda_rewrite.optimize(model)
+    with torch.no_grad():
+        got, want = fast(ids).logits, model(ids).logits
+        ref = copy.deepcopy(model).double()(ids).logits
+    assert (got.double() - ref).abs().max() <= 1.25 * (want.double() - ref).abs().max() + 1e-6
+    deferred = [g for g in fast.report.graphs if _deferred(g)]
+    assert deferred and f"host path: {deferred_rstd.REPORT_LINE}" in deferred[0].render()
