@@ -28,14 +28,20 @@ is exactly that r (float32, from a 16-bit model), read only by fused calls as a 
 program operand, whose rewritten programs lower to kernels (a QK-norm's accumulator
 prepass cannot read r from partials: such a consumer keeps the finaliser); in a graph
 that computes no gradient (the families' backward rules read r as an operand), with no
-tensor-parallel shards (a partials operand has no placement rule), and only in graphs that run as
-Python: how many partials a row gets is the launch's tile config, a shape no trace can
-know (ops._fake refuses it).
+tensor-parallel shards (a partials operand has no placement rule), and only in graphs
+nothing traces (optimize()'s, not Inductor's, not cudagraphs=True's, which AOTAutograd
+traces: the pipeline decides): how many partials a row gets is the launch's tile config,
+a shape no trace can know (ops._fake refuses it). Where a producer's tiles leave more
+than quack_path.READER_FOLDS_PARTIALS per row, its launch sums them to one column first
+(the consumers' fold costs GPU time that grows with their number).
+
+Measured on the H200 (BENCHMARKS.md, twenty-sixth session; benchmarks/deferred_rstd.py):
+a producer and one consumer at the 1B and 8B widths, 64–4096 rows, 0.93–1.01x the
+finaliser's GPU time, and 7–20 µs less host time a pair (but +12 µs where the producer's
+launch sums the partials).
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.fx as fx
@@ -43,7 +49,7 @@ import torch.fx as fx
 from .canonical import meta
 from .codegen.program import EpilogueProgram, Instr, Kind, Operand, Output, parse
 from .codegen.quack_source import Unlowerable, generate
-from .graph_utils import ROW_CALL_MARK
+from .graph_utils import indexed_results, row_call
 from .kernels import sharding
 
 REPORT_LINE = ("norm row scales formed in their consumers' GEMMs from the producer's "
@@ -58,14 +64,14 @@ def defer(graph: fx.Graph) -> int:
         return 0
     done = 0
     for call in list(graph.nodes):
-        first = _row_call(call)
+        first = row_call(call)
         if first is None or first < 2:  # fused_rowwise: no GEMM, its finaliser is torch ops
             continue
         found = _row_scale(parse(call.args[0]))
         if found is None:
             continue
         producer, r_index, d, eps = found
-        items = _results(call)
+        items = indexed_results(call)
         if items is None or _sharded(call):
             continue
         readers = [u for idx, item in items if idx == r_index for u in item.users]
@@ -78,23 +84,6 @@ def defer(graph: fx.Graph) -> int:
             user.args = (text,) + user.args[1:]
         done += 1
     return done
-
-
-def _row_call(node) -> int | None:
-    if isinstance(node, fx.Node) and node.op == "call_function":
-        return getattr(node.target, ROW_CALL_MARK, None)
-    return None
-
-
-def _results(call: fx.Node) -> list[tuple[int, fx.Node]] | None:
-    """(index, getitem node) of every use of ``call``; None if a use is anything else."""
-    out = []
-    for user in call.users:
-        if user.op != "call_function" or user.target is not operator.getitem or \
-                not isinstance(user.args[1], int):
-            return None
-        out.append((user.args[1], user))
-    return out
 
 
 def _computes_no_gradient(graph: fx.Graph) -> bool:
@@ -163,7 +152,7 @@ def _consumers(readers, r_items, d: float, eps: float) -> dict | None:
     for user in readers:
         if user in out:
             continue
-        first = _row_call(user)
+        first = row_call(user)
         if first is None:
             return None
         prog = parse(user.args[0])

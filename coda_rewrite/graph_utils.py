@@ -32,6 +32,24 @@ FUSED_LINEAR_MARK = "_coda_fused_linear"
 ROW_CALL_MARK = "_coda_row_call"
 
 
+def row_call(node) -> int | None:
+    """The index of the first program operand of a fused row call, or None."""
+    if isinstance(node, fx.Node) and node.op == "call_function":
+        return getattr(node.target, ROW_CALL_MARK, None)
+    return None
+
+
+def indexed_results(call: fx.Node) -> list[tuple[int, fx.Node]] | None:
+    """(index, getitem node) of every use of ``call``; None if a use is anything else."""
+    out = []
+    for user in call.users:
+        if user.op != "call_function" or user.target is not operator.getitem or \
+                not isinstance(user.args[1], int):
+            return None
+        out.append((user.args[1], user))
+    return out
+
+
 def fused_linear_call(node) -> bool:
     """``node`` calls kernels/ops.fused_linear (program, x, weight, *operands)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and \

@@ -11,8 +11,10 @@ graphs eager rejects, and activation-checkpointed regions (rewritten inside). Af
 families, one change that is not a rewrite: SDPA outputs in graphs that may train on CUDA
 hand their gradient to SDPA's backward in one layout (attention_grad_layout.py: a PyTorch
 bug gives wrong gradients otherwise); and in graphs that run as Python (not handed to
-Inductor), fused calls hand each other their results in the op's 2-D form (row_chains.py:
-host time, no change of value).
+Inductor), a norm producer hands its consumers its raw partials where nothing traces the
+graph and it computes no gradient (deferred_rstd.py: no finaliser kernel), and fused calls
+hand each other their results in the op's 2-D form (row_chains.py). Both are host time,
+no change of value.
 """
 
 from __future__ import annotations
@@ -121,9 +123,10 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
     guarded = attention_grad_layout.guard(gm.graph)
     deferred = fed = 0
     if not options.inductor:  # host-path changes for graphs that run as Python
-        deferred = _host_step(gm, records, deferred_rstd.defer, "deferred_rstd", (
-            "handing norm partials to the consumers' GEMMs raised", "each norm keeps its "
-            "finaliser kernel"))
+        if not options.cudagraphs:  # AOTAutograd traces those: partials have no shape
+            deferred = _host_step(gm, records, deferred_rstd.defer, "deferred_rstd", (
+                "handing norm partials to the consumers' GEMMs raised", "each norm keeps "
+                "its finaliser kernel"))
         fed = _host_step(gm, records, row_chains.chain, "row_chains", (
             "handing fused calls 2-D results raised", "each call reshapes its own inputs "
             "and results"))

@@ -31,33 +31,13 @@ partials (deferred_rstd.py) to a row-partials operand.
 
 from __future__ import annotations
 
-import operator
-
 import torch.fx as fx
 
 from .codegen import layouts
 from .codegen.program import Kind, parse
-from .graph_utils import ROW_CALL_MARK, memory_sharers, mutated_value
+from .graph_utils import indexed_results, memory_sharers, mutated_value, row_call
 
 REPORT_LINE = "fused calls fed another's 2-D result, no reshape between them"
-
-
-def _row_call(node) -> int | None:
-    """The index of the first program operand of a fused row call, or None."""
-    if isinstance(node, fx.Node) and node.op == "call_function":
-        return getattr(node.target, ROW_CALL_MARK, None)
-    return None
-
-
-def _results(call: fx.Node) -> list[tuple[int, fx.Node]] | None:
-    """(index, getitem node) of every use of ``call``; None if a use is anything else."""
-    out = []
-    for user in call.users:
-        if user.op != "call_function" or user.target is not operator.getitem or \
-                not isinstance(user.args[1], int):
-            return None
-        out.append((user.args[1], user))
-    return out
 
 
 def _slot_kind(kind: Kind) -> str:
@@ -95,8 +75,8 @@ def chain(graph: fx.Graph) -> int:
     flat: dict[fx.Node, tuple[fx.Node, str, fx.Node]] = {}
     fed = 0
     for call in list(graph.nodes):
-        first = _row_call(call)
-        results = _results(call) if first is not None else None
+        first = row_call(call)
+        results = indexed_results(call) if first is not None else None
         if not results:
             continue
         prog = parse(call.args[0])
@@ -146,7 +126,7 @@ def _worth_it(prog, results) -> bool:
     for index, item in results:
         kind = _slot_kind(prog.outputs[index].kind)
         for user in item.users:
-            first = _row_call(user)
+            first = row_call(user)
             if first is not None and any(user.args[at] is item and takes == kind
                                          for at, takes in _slots(user, first)):
                 return True

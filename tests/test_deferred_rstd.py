@@ -273,10 +273,15 @@ def test_float32_models_keep_the_finaliser(monkeypatch):
     assert report.rewritten and _deferred(report) == 0
 
 
-def test_graphs_for_inductor_are_not_deferred():
+@pytest.mark.parametrize("traced", ["inductor", "cudagraphs"])
+def test_graphs_something_traces_are_not_deferred(traced):
+    """Inductor's graphs, and optimize(cudagraphs=True)'s (AOTAutograd traces them before
+    the cudagraph trees): a traced call has no shape for the partials."""
     model = plain_llama().to(bf).eval()
     (gm, _), = _captured(model, tokens(2, 16))
-    report = rewrite_graph(gm, Options(min_fused_rows=0, inductor=True))
+    opts = Options(min_fused_rows=0, inductor=traced == "inductor",
+                   cudagraphs=traced == "cudagraphs")
+    report = rewrite_graph(gm, opts)
     assert report.rewritten and _deferred(report) == 0
     assert "rstd_partials" not in gm.code
 
@@ -311,3 +316,17 @@ def test_optimize_under_no_grad_matches_eager_and_says_what_it_did():
     assert (got.double() - ref).abs().max() <= 1.25 * (want.double() - ref).abs().max() + 1e-6
     deferred = [g for g in fast.report.graphs if _deferred(g)]
     assert deferred and f"host path: {deferred_rstd.REPORT_LINE}" in deferred[0].render()
+
+
+def test_many_partials_are_summed_by_the_producer_launch():
+    """Past READER_FOLDS_PARTIALS the producer's launch hands on one column (the same row
+    sums), at or below it the kernel's partials as they are."""
+    from coda_rewrite.kernels import quack_path
+    launch = quack_path.Launch.__new__(quack_path.Launch)
+    launch.m = 6
+    cap = quack_path.READER_FOLDS_PARTIALS
+    few, many = torch.rand(6 * cap), torch.rand(6 * (cap + 1))
+    assert launch._partials(few).shape == (6, cap)
+    summed = launch._partials(many)
+    assert summed.shape == (6, 1)
+    assert torch.equal(summed, many.view(6, -1).sum(1, keepdim=True))

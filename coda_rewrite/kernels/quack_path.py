@@ -655,9 +655,19 @@ class Launch:
                 return [rstd if s is None else out[s] for s in self.results]
             return self._outputs(out, {self.ks.norm_stage[1]: rstd.view(self.m, 1)})
         if self.results is not None and self.unfolded:
-            return [scratch[s[1]].view(self.m, -1) if isinstance(s, tuple) else out[s]
+            return [self._partials(scratch[s[1]]) if isinstance(s, tuple) else out[s]
                     for s in self.results]
         return self._outputs(out, self._fold(a, operands, scratch))
+
+    def _partials(self, sink: torch.Tensor) -> torch.Tensor:
+        """A ROW_PARTIALS output: the sink's [M, T] partials as the kernel left them, or,
+        past READER_FOLDS_PARTIALS of them, summed here to one column (the same row sums
+        in another grouping): each reading CTA folds its rows' partials before its
+        epilogue, a cost that grows with T (kernels/epi_ops.py)."""
+        partials = sink.view(self.m, -1)
+        if partials.shape[1] > READER_FOLDS_PARTIALS:
+            return partials.sum(1, keepdim=True)
+        return partials
 
     def _fold(self, a, operands, scratch) -> dict:
         """The reductions' per-row values from their per-tile partials, and the per-row
@@ -687,6 +697,16 @@ class Launch:
         env.update({value: out[name] for value, name in ks.contract.tile_outputs})
         return [env[o.value].reshape(m).to(self.out_dtypes[o.value])
                 if o.kind == Kind.PER_ROW else env[o.value] for o in ks.program.outputs]
+
+
+# The most per-tile partials a ROW_PARTIALS reader folds itself (deferred_rstd.py). On the
+# H200 (BENCHMARKS.md, twenty-sixth session) a consumer's fold at 256 rows costs within
+# 0.7 µs of reading r up to T = 16, +2.4-4.2 µs at T = 32, +4.5-8.6 at T = 64 (the 8B
+# producer's 64-wide tiles at 129-256 rows); the finaliser it replaces costs 1.3-1.8 µs
+# of GPU time and ~8 µs of host. At 32 the producer-consumer pair ran at parity on the
+# GPU (0.98-1.01x) for that host saving; past it the producer's launch sums its partials
+# to one column (one small kernel, as the finaliser was, but a torch op's host time).
+READER_FOLDS_PARTIALS = 32
 
 
 def run_gemm_epi_plan(*args, **kwargs):
