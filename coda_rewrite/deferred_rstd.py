@@ -97,8 +97,11 @@ def _computes_no_gradient(graph: fx.Graph) -> bool:
 
 
 def _sharded(call: fx.Node) -> bool:
-    """Whether an input of the call is a DTensor shard (tensor parallelism)."""
-    return any(isinstance(a, fx.Node) and sharding.is_dtensor(meta(a)) for a in call.args[1:])
+    """Whether an input of the call is a DTensor shard (tensor parallelism), the weights a
+    re-layout call takes as a list included."""
+    found = []
+    fx.node.map_arg(call.args[1:], lambda n: found.append(sharding.is_dtensor(meta(n))) or n)
+    return any(found)
 
 
 def _row_scale(prog: EpilogueProgram):

@@ -330,3 +330,16 @@ def test_many_partials_are_summed_by_the_producer_launch():
     summed = launch._partials(many)
     assert summed.shape == (6, 1)
     assert torch.equal(summed, many.view(6, -1).sum(1, keepdim=True))
+
+
+def test_a_call_on_tensor_parallel_shards_is_left(monkeypatch):
+    """A DTensor among a call's inputs, the weights a re-layout call takes as a list
+    included, keeps its producer's finaliser (a partials operand has no placement rule)."""
+    import torch.fx as fx
+    g = fx.Graph()
+    x, w0, w1 = (g.placeholder(n) for n in ("x", "w0", "w1"))
+    relaid = g.call_function(torch.add, ("program", x, "kind", "spec", [w0, w1]))
+    plain = g.call_function(torch.add, ("program", x, w0))
+    monkeypatch.setattr(deferred_rstd, "meta", lambda node: "shard" if node is w1 else None)
+    monkeypatch.setattr(deferred_rstd.sharding, "is_dtensor", lambda m: m == "shard")
+    assert deferred_rstd._sharded(relaid) and not deferred_rstd._sharded(plain)
