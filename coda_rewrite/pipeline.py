@@ -30,7 +30,8 @@ from . import (attention_grad_layout, canonical, deferred_rstd, row_chains, size
 from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
-from .graph_utils import NotPlaceable
+from .codegen.program import parse
+from .graph_utils import NotPlaceable, row_call
 from .options import Options
 from .patterns.family import Context, NoMatch
 from .patterns.registry import FAMILIES
@@ -52,7 +53,16 @@ def rewrite_graph(gm: fx.GraphModule, options: Options, index: int = 0) -> Graph
         host_path.append(f"{deferred_rstd.REPORT_LINE}: {texts[4]} norm(s)")
     return GraphReport(index, records, texts[0], texts[1], time.perf_counter() - t0,
                        *_rank(), min_fused_rows=options.min_fused_rows, guards=guards,
-                       host_path=host_path)
+                       host_path=host_path, host_programs=_unrecorded_programs(gm, records))
+
+
+def _unrecorded_programs(gm: fx.GraphModule, records: list[MatchRecord]):
+    """The programs the graph's fused calls run that no record holds (what a host step
+    rewrote them into), so the report and the dump show every program that runs."""
+    recorded = {p.to_text() for r in records for p in r.programs}
+    texts = {n.args[0] for m in gm.modules() if isinstance(m, fx.GraphModule)
+             for n in m.graph.nodes if row_call(n) is not None}
+    return [parse(t) for t in sorted(texts - recorded)]
 
 
 def _rank() -> tuple[int | None, int | None]:

@@ -113,8 +113,11 @@ class GraphReport:
     # what the pass did to the graph that is not a rewrite (a guard against a PyTorch
     # bug: attention_grad_layout.py), one line each
     guards: list[str] = dataclasses.field(default_factory=list)
-    # what the pass did for host time alone (row_chains.py), one line each
+    # what the pass did for host time alone (row_chains.py, deferred_rstd.py), one line each
     host_path: list[str] = dataclasses.field(default_factory=list)
+    # programs the graph runs that no rewrite's record holds: the host steps' rewrites of
+    # them (deferred_rstd.py), shown and dumped with the rest
+    host_programs: list[EpilogueProgram] = dataclasses.field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -126,7 +129,8 @@ class GraphReport:
 
     @property
     def programs(self) -> dict[str, EpilogueProgram]:
-        return {p.key: p for r in self.records for p in r.programs}
+        return {p.key: p for p in [pr for r in self.records for pr in r.programs] +
+                self.host_programs}
 
     def summary(self) -> str:
         by_pattern: dict[str, list[int]] = {}

@@ -316,6 +316,12 @@ def test_optimize_under_no_grad_matches_eager_and_says_what_it_did():
     assert (got.double() - ref).abs().max() <= 1.25 * (want.double() - ref).abs().max() + 1e-6
     deferred = [g for g in fast.report.graphs if _deferred(g)]
     assert deferred and f"host path: {deferred_rstd.REPORT_LINE}" in deferred[0].render()
+    # the report shows the programs that run, the host step's rewrites of them included:
+    # their math, their kernels, and the code names them by key (no raw program text)
+    text = deferred[0].render()
+    assert "rstd_partials(r_partials" in text and "row_partials" in text
+    assert "RstdOfPartials" in "".join(report_kernels(deferred[0]))
+    assert '{"body"' not in text
 
 
 def test_many_partials_are_summed_by_the_producer_launch():
@@ -343,3 +349,8 @@ def test_a_call_on_tensor_parallel_shards_is_left(monkeypatch):
     monkeypatch.setattr(deferred_rstd, "meta", lambda node: "shard" if node is w1 else None)
     monkeypatch.setattr(deferred_rstd.sharding, "is_dtensor", lambda m: m == "shard")
     assert deferred_rstd._sharded(relaid) and not deferred_rstd._sharded(plain)
+
+
+def report_kernels(graph_report) -> list[str]:
+    from coda_rewrite.report import kernel_text
+    return [kernel_text(p) for p in graph_report.programs.values()]
