@@ -161,7 +161,8 @@ def _consumers(readers, r_items, d: float, eps: float) -> dict | None:
         prog = parse(user.args[0])
         slots = user.args[first:]
         names = [spec.name for spec, a in zip(prog.operands, slots) if a in r_items]
-        at = [i for i, a in enumerate(user.args) if a in r_items]
+        at = []  # every place r is passed, inside a list argument too
+        fx.node.map_arg(user.args, lambda n: at.append(n) if n in r_items else None)
         if not names or len(at) != len(names) or any(
                 spec.kind != Kind.PER_ROW for spec, a in zip(prog.operands, slots)
                 if a in r_items) or _sharded(user):

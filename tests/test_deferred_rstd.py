@@ -354,3 +354,23 @@ def test_a_call_on_tensor_parallel_shards_is_left(monkeypatch):
 def report_kernels(graph_report) -> list[str]:
     from coda_rewrite.report import kernel_text
     return [kernel_text(p) for p in graph_report.programs.values()]
+
+
+def test_r_passed_inside_a_list_argument_keeps_the_finaliser():
+    """A reader that takes r other than as a per-row program operand, here inside a list
+    argument of a fused call, is not a consumer the pass can rewrite: all or nothing."""
+    import operator
+
+    import torch.fx as fx
+    g = fx.Graph()
+    x, w, res, gamma = (g.placeholder(n) for n in ("x", "w", "res", "gamma"))
+    call = g.call_function(ops.fused_linear, (_producer().to_text(), x, w, res, gamma))
+    r = g.call_function(operator.getitem, (call, 2))
+    h2 = g.call_function(operator.getitem, (call, 1))
+    # a row call (first operand at 5) whose r rides in the list, not in an operand slot
+    from coda_rewrite.kernels.relayout import fused_linear_relaid
+    user = g.call_function(fused_linear_relaid, (_consumer().to_text(), h2, "kind", "spec",
+                                                 [w, r], r))
+    user2 = g.call_function(ops.fused_linear, (_consumer().to_text(), h2, w, r))
+    assert deferred_rstd._consumers([user], {r}, 64.0, 1e-6) is None
+    assert deferred_rstd._consumers([user2], {r}, 64.0, 1e-6) is not None
