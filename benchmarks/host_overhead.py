@@ -22,8 +22,11 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
     op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
                     Inductor calls (no autograd formula)
     op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
-    op, grad        the op with inputs that require grad (autograd records the node)
-    F.linear        cuBLAS at the same (M, N, K)
+    graph, grad     a graph call whose input and weight require grad, in grad mode: what
+                    optimize()'s training forward calls (ops.FusedGemm records the node;
+                    an Inductor training graph calls the formula-less op: "op, nograd")
+    F.linear        cuBLAS at the same (M, N, K); "F.linear, grad" with inputs that
+                    require grad, in grad mode
 
 and per whole layer (1 x 64 tokens, no_grad): host µs per forward under eager,
 torch.compile, optimize() (also with cache_relayouts=True, the serving recipe: no weight
@@ -98,8 +101,8 @@ def captured_calls(model, x):
 def per_program(calls) -> list[tuple[str, str, float]]:
     rows = []
     print(f"{'program':<34} {'family':<18} {'M,N,K':<16} {'graph':>7} {'chained':>7} "
-          f"{'direct':>7} {'launch':>7} {'nograd':>7} {'op':>7} {'op,grad':>8} "
-          f"{'F.linear':>9}  µs/call")
+          f"{'direct':>7} {'launch':>7} {'nograd':>7} {'op':>7} {'grad':>7} "
+          f"{'F.linear':>9} {'lin,grad':>8}  µs/call")
     for program, (a, b, operands) in calls.items():
         prog = parse(program)
         if not prog.gemm:
@@ -125,18 +128,21 @@ def per_program(calls) -> list[tuple[str, str, float]]:
         graph, chained, direct, nograd, op, linear = (
             t[k] for k in ("graph", "chained", "direct", "nograd", "op", "linear"))
         launch = t.get("launch", float("nan"))
+        x_g = a_g.reshape(1, *a.shape)
         try:  # an inference-only program (no saved pre-activation) has no backward
-            grad = host_us(lambda: torch.ops.coda.gemm_epilogue(program, a_g, b_g, operands))
+            g = interleaved({"grad": lambda: ops.fused_linear(program, x_g, b_g, *lifted),
+                             "linear": lambda: torch.nn.functional.linear(x_g, b_g)})
+            grad, linear_grad = g["grad"], g["linear"]
         except Exception:
-            grad = float("nan")
+            grad = linear_grad = float("nan")
         shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
         print(f"{prog.key:<34} {prog.family:<18} {shape:<16} {graph:7.1f} {chained:7.1f} "
-              f"{direct:7.1f} {launch:7.1f} {nograd:7.1f} {op:7.1f} {grad:8.1f} "
-              f"{linear:9.1f}")
+              f"{direct:7.1f} {launch:7.1f} {nograd:7.1f} {op:7.1f} {grad:7.1f} "
+              f"{linear:9.1f} {linear_grad:8.1f}")
         for variant, us in (("graph call", graph), ("chained", chained), ("direct", direct),
                             ("launch", launch),
-                            ("op, nograd", nograd), ("op", op), ("op, grad", grad),
-                            ("F.linear", linear)):
+                            ("op, nograd", nograd), ("op", op), ("graph, grad", grad),
+                            ("F.linear", linear), ("F.linear, grad", linear_grad)):
             rows.append((f"{prog.family} {variant}", "host us/call", us))
         if isinstance(route, quack_path.Launch) and route.norm is not None:
             rows += launch_parts(route, a, b, operands)

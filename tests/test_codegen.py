@@ -907,6 +907,54 @@ def test_fused_linear_goes_straight_to_the_launch_only_where_autograd_has_nothin
     assert len(slow) == 4 and fake[0].shape == want[0].shape
 
 
+def test_a_call_in_the_models_shapes_finds_its_launch_through_one_check(monkeypatch):
+    """fused_linear at a chain's edge ([*lead, K] in, tile outputs [*lead, N] and per-row
+    ones [*lead, 1] out): a call in a class a flattened call launched in skips _linear and
+    gives the reference's results in the model's shapes; another lead with the same rows,
+    a layout the flattening copies, a pointer off 16 bytes and a weight that requires grad
+    in grad mode are other classes (the full way: autograd records the last);
+    forget_routes drops the classes."""
+    import torch
+    from coda_rewrite.codegen import layouts
+    from coda_rewrite.kernels import ops
+
+    _stub_launches(monkeypatch)
+    slow = []
+    real_linear = ops._linear
+    monkeypatch.setattr(ops, "_linear", lambda *args: slow.append(1) or real_linear(*args))
+    prog = activations_and_two_tiles().to_text()
+    bf = torch.bfloat16
+    x, w = torch.randn(2, 4, 16, dtype=bf), torch.randn(12, 16, dtype=bf)
+    rest = [torch.randn(2, 4, 1), torch.randn(2, 4, 12, dtype=bf),
+            torch.randn(2, 4, 12, dtype=bf)]                  # r, res, gate
+
+    def check(x, w, rest, calls):
+        with torch.no_grad():
+            want = layouts.fused_linear_reference(prog, x, w, *rest)
+            for _ in range(2):
+                got = ops.fused_linear(prog, x, w, *rest)
+                assert isinstance(got, tuple) and len(got) == len(want)
+                for g, e in zip(got, want):
+                    assert g.shape == e.shape and torch.equal(g, e)
+        assert len(slow) == calls, (len(slow), calls)
+
+    check(x, w, rest, 1)                                       # the second call: fast
+    check(x.clone(), w, [t.clone() for t in rest], 1)          # same class, new tensors
+    check(x.reshape(1, 8, 16), w, [t.reshape(1, 8, -1) for t in rest], 2)  # another lead
+    x_t = torch.randn(16, 2, 4, dtype=bf).permute(1, 2, 0)     # flattening copies it
+    check(x_t, w, rest, 3)
+    big = torch.randn(2 * 4 * 16 + 1, dtype=bf)
+    off = big[1:].view(2, 4, 16)                               # a pointer 2 bytes off
+    check(off, w, rest, 5)                                     # slow both times
+    w_g = w.clone().requires_grad_()
+    check(x, w_g, rest, 6)                                     # remembered under no_grad
+    out = ops.fused_linear(prog, x, w_g, *rest)                # grad mode: recorded
+    assert len(slow) == 7 and out[0].grad_fn is not None
+    ops.forget_routes()
+    assert not ops._last
+    check(x, w, rest, 8)
+
+
 def test_forgetting_routes_drops_the_fast_paths_classes_too(monkeypatch):
     """ops.forget_routes (and the table's bound): no call finds a dropped launch through
     the fast path afterwards."""
@@ -924,3 +972,49 @@ def test_forgetting_routes_drops_the_fast_paths_classes_too(monkeypatch):
     assert not ops._routes and not ops._last
     ops.execute(prog, a, b, args)
     assert len(decided) == 2
+
+
+class _Product(torch.autograd.Function):
+    """x·y with its backward, in the setup_context style of the project's Functions."""
+    applied = 0
+
+    @staticmethod
+    def forward(x, y):
+        return x * y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y, g * x
+
+
+def test_record_is_function_apply_and_leaves_traced_calls_to_it(monkeypatch):
+    """ops.record: the same outputs, graph and gradients as Function.apply on real
+    tensors (autograd's C++ apply entered directly); a call under a functorch transform,
+    on fake tensors or under dynamo goes through Function.apply itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from coda_rewrite.kernels import ops
+
+    real_apply = _Product.apply.__func__
+    seen = []
+    monkeypatch.setattr(_Product, "apply", classmethod(
+        lambda cls, *args: seen.append(1) or real_apply(cls, *args)))
+    x, y = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    got = ops.record(_Product, x, y)
+    assert not seen and type(got.grad_fn).__name__ == "_ProductBackward"
+    got.sum().backward()
+    assert torch.equal(x.grad, y.detach()) and torch.equal(y.grad, x.detach())
+    assert torch.equal(ops.record(_Product, x, y.detach()), x * y) and not seen
+    dx = torch.func.grad(lambda t: ops.record(_Product, t, y.detach()).sum())(x.detach())
+    assert torch.equal(dx, y.detach()) and seen                    # the transform's path
+    before = len(seen)
+    with FakeTensorMode() as mode:
+        ops.record(_Product, mode.from_tensor(x), mode.from_tensor(y))
+    assert len(seen) == before + 1
+    compiled = torch.compile(lambda a, b: ops.record(_Product, a, b), backend="eager",
+                             fullgraph=True)
+    assert torch.equal(compiled(x.detach(), y.detach()), x.detach() * y.detach())

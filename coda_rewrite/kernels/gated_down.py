@@ -69,6 +69,6 @@ def gated_down_linear(op: str, y: torch.Tensor, p: torch.Tensor, weight: torch.T
     """``F.linear(y, weight, bias)`` for the rewritten graph, y and p of any leading
     shape (flattened to the op's 2-D contract and back)."""
     lead = y.shape[:-1]
-    out = GatedDown.apply(op, y.reshape(-1, y.shape[-1]), p.reshape(-1, p.shape[-1]),
-                          weight, bias)
+    out = ops.record(GatedDown, op, y.reshape(-1, y.shape[-1]),
+                     p.reshape(-1, p.shape[-1]), weight, bias)
     return out.reshape(*lead, weight.shape[0])

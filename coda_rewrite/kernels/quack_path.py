@@ -491,7 +491,7 @@ class Planned:
         self.split_buffers = (sem.shape, ws.shape)
 
     def new_scratch(self) -> dict:
-        return {name: torch.empty(shape, device=self.device, dtype=dtype)
+        return {name: torch.empty(*shape, device=self.device, dtype=dtype)
                 for name, (shape, dtype) in self.scratch.items()}
 
     def launch(self, a, b_kn, d, c, values: dict) -> None:
@@ -632,7 +632,7 @@ class Launch:
         return values
 
     def _alloc(self) -> dict:
-        return {name: torch.empty(shape, device=self.device, dtype=dtype)
+        return {name: torch.empty(*shape, device=self.device, dtype=dtype)
                 for name, shape, dtype in self.outs}
 
     def __call__(self, a, b, operands) -> list[torch.Tensor]:
@@ -650,7 +650,7 @@ class Launch:
         if self.norm is not None:  # the norm's rstd: one QuACK kernel, no torch ops
             sink, shape, scale, eps = self.norm
             rstd = torch.empty(self.m, device=self.device, dtype=torch.float32)
-            self.row_rstd(scratch[sink].view(shape), rstd, scale, eps)
+            self.row_rstd(scratch[sink].view(*shape), rstd, scale, eps)
             if self.results is not None:
                 return [rstd if s is None else out[s] for s in self.results]
             return self._outputs(out, {self.ks.norm_stage[1]: rstd.view(self.m, 1)})

@@ -217,8 +217,9 @@ def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
     if any(sharding.is_dtensor(s) for s in sources):
         w = _KINDS[kind](_layout(spec), *sources)
         return ops.fused_linear(program, x, w.to(x.dtype), *operands)
-    return ops._linear(lambda text, a, _, flat: RelaidRecomputed.apply(
-        text, a, kind, spec, len(sources), *sources, *flat), program, x, None, operands)
+    return ops._linear(lambda text, a, _, flat: ops.record(
+        RelaidRecomputed, text, a, kind, spec, len(sources), *sources, *flat),
+        program, x, None, operands)
 
 
 setattr(fused_linear_recomputed, ROW_CALL_MARK, 5)
