@@ -168,8 +168,11 @@ class RelaidRecomputed(torch.autograd.Function):
 
     @staticmethod
     def forward(program, a, kind, spec, n_src, *tensors):
-        return tuple(torch.ops.coda.gemm_relaid_recomputed(
-            program, a, kind, spec, list(tensors[:n_src]), list(tensors[n_src:])))
+        # grad mode is off in here: real tensors need no op boundary (ops.FusedGemm)
+        run = gemm_relaid_recomputed if ops._direct(a, tensors[0], tensors[1:]) else \
+            torch.ops.coda.gemm_relaid_recomputed
+        return tuple(run(program, a, kind, spec, list(tensors[:n_src]),
+                         list(tensors[n_src:])))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
