@@ -934,8 +934,9 @@ def test_a_call_in_the_models_shapes_finds_its_launch_through_one_check(monkeypa
             for _ in range(2):
                 got = ops.fused_linear(prog, x, w, *rest)
                 assert isinstance(got, tuple) and len(got) == len(want)
-                for g, e in zip(got, want):
-                    assert g.shape == e.shape and torch.equal(g, e)
+                for g, e in zip(got, want):  # NaN where the reference's sqrt has one
+                    assert g.shape == e.shape
+                    torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
         assert len(slow) == calls, (len(slow), calls)
 
     check(x, w, rest, 1)                                       # the second call: fast
