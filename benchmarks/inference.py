@@ -11,12 +11,13 @@ both compiles; optimize(cudagraphs=True)). Medians over rounds with their spread
 
 small_m: where fused GEMMs stop paying (options.min_fused_rows), from CUDA graphs.
 
-decode: a Hugging Face Llama at Llama-3.2-1B widths (4 layers), greedy generate() of 64
-tokens after a 32-token prompt over a static KV cache, batch 1 and 8: eager, generate()'s
-own compile of the decode step (Hugging Face's recipe: mode="reduce-overhead") with
-Inductor and with backend="coda"; tokens/s (median of $CODA_DECODE_ROUNDS alternating
-rounds, default 5; before, each variant's runs came one after another, so the 3% gap
-measured at batch 8 may be drift) and how many tokens agree with eager.
+decode: a Hugging Face Llama at Llama-3.2-1B widths (4 layers), greedy generate() of
+$CODA_DECODE_TOKENS (default 64) tokens after a 32-token prompt over a static KV cache,
+batch 1 and 8: eager, generate()'s own compile of the decode step (Hugging Face's recipe:
+mode="reduce-overhead") with Inductor and with backend="coda"; tokens/s (median of
+$CODA_DECODE_ROUNDS alternating rounds, default 5; before, each variant's runs came one
+after another, so the 3% gap measured at batch 8 may be drift) and how many tokens agree
+with eager. Then backend="coda" with every GEMM fused, in rounds of its own.
 
 qwen3: a Hugging Face Qwen3 at Qwen3-8B widths (QK-norm), 2 layers, the forward at 2 x
 2048 and 1 x 256 tokens: eager, torch.compile, backend="coda".
@@ -142,18 +143,22 @@ def decode() -> list:
         "torch.compile, reduce-overhead": {"compile_config": tf.CompileConfig()},
         'backend="coda", reduce-overhead': {"compile_config": tf.CompileConfig(
             backend="coda")},
-        'backend="coda", every GEMM fused': {"compile_config": tf.CompileConfig(
-            backend=CodaBackend(Options(min_fused_rows=0, cudagraphs=True)),
-            mode="default")},
     }
+    # not the default configuration, so timed after the bar's variants, in rounds of its
+    # own: alternated with the other compiled variants it ran 23-36 tokens/s (its CUDA
+    # graphs recorded again each round, most likely), alone 571-640 (2026-12-01)
+    fused = {'backend="coda", every GEMM fused': {"compile_config": tf.CompileConfig(
+        backend=CodaBackend(Options(min_fused_rows=0, cudagraphs=True)), mode="default")}}
     rows = []
     rounds = int(os.environ.get("CODA_DECODE_ROUNDS", "5"))
+    tokens = int(os.environ.get("CODA_DECODE_TOKENS", "64"))
     for batch in (1, 8):
         prompt = torch.randint(0, cfg.vocab_size, (batch, 32), device="cuda")
-        kw = dict(max_new_tokens=64, do_sample=False, cache_implementation="static",
-                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                  cache_implementation="static", attention_mask=torch.ones_like(prompt),
+                  pad_token_id=0)
         torch._dynamo.reset()
-        outs, seen = {}, {name: [] for name in variants}
+        outs, seen = {}, {name: [] for name in {**variants, **fused}}
 
         def run(how):
             torch.cuda.synchronize()
@@ -172,11 +177,15 @@ def decode() -> list:
             for i in range(rounds):
                 for name in (names if i % 2 == 0 else names[::-1]):
                     seen[name].append(run(variants[name])[1])
+            for name, how in fused.items():
+                for _ in range(2):
+                    outs[name] = run(how)[0]
+                seen[name] = [run(how)[1] for _ in range(rounds)]
         want = outs["eager"]
         for name, ts in seen.items():
             agree = (outs[name][:, 32:] == want[:, 32:]).float().mean().item()
             med = statistics.median(ts)
-            tps = batch * 64 / med
+            tps = batch * tokens / med
             print(f"decode batch {batch} {name:<34} {tps:8.1f} tokens/s "
                   f"(spread {(max(ts) - min(ts)) / med:.1%} over {len(ts)} alternating "
                   f"rounds), {agree:.0%} tokens as eager", flush=True)
