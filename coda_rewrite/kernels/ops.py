@@ -16,7 +16,9 @@ trailing dim of 1, so the row selections that sit between a norm and its GEMM (H
 Face's ``logits_to_keep`` slice) apply to them unchanged. Given the op's 2-D form they
 give it back (row_chains.py chains them so), and where nothing traces and no gradient
 is recorded they call the kernel path as a function: a call in a metadata class its
-program launched in recently reaches the launch through one C++ check (_last_route).
+program launched in recently, in the op's form or the model's shapes, reaches the launch
+through one C++ check (_last_route). Where autograd records the call, ``record`` enters
+its C++ apply without Function.apply's per-call Python layer.
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ def _run_known(program, a, b, operands, grad_free: bool = False):
 # function of the metadata the guard checks (a view where the strides allow one, else a
 # contiguous copy, which is aligned), so the class's flattened call is always the one
 # the launch was prepared for. Measured on the 2-core CPU (stub launch): 11.1 µs a call
-# through _linear, 5.6 here (three reshapes of ~0.8 µs each); the op's 2-D form, 2.1.
+# through _linear, 6.2 here (three reshapes of ~0.8 µs each); the op's 2-D form, 2.1.
 class _EdgeRoute:
     """A program's launch called on the model's shapes of one metadata class."""
     __slots__ = ("launch", "ks", "rows", "operand_shapes", "out_shapes")
@@ -487,7 +489,7 @@ def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor,
     (lead (M,)) they stay in the op's form, [M, N] and [M] (row_chains.py)."""
     if not torch._C._are_functorch_transforms_active():
         # a call in a class this program last launched in (in the op's 2-D form, or in
-        # the model's shapes: _run_known_edge), real tensors (a functorch wrapper or a
+        # the model's shapes: _EdgeRoute), real tensors (a functorch wrapper or a
         # traced tensor fails the guard's dispatch-key check), and nothing for autograd
         # to record: grad mode off, or a class with no tensor that requires grad (the
         # guard checks requires_grad)
