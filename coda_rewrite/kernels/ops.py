@@ -512,10 +512,9 @@ setattr(fused_linear, ROW_CALL_MARK, 3)
 def _linear(run, program, x, weight, operands):
     prog = parse(program)
     a, ops = layouts.as_rows(x), layouts.flatten_operands(prog, operands)
-    if run is gemm_epilogue and _direct(a, weight, ops):
-        run = _direct_call
-    elif run is gemm_epilogue:
-        run = gemm_with_grad if _needs_grad(a, weight, ops) else gemm_epilogue_nograd
+    if run is gemm_epilogue:
+        run = gemm_with_grad if _needs_grad(a, weight, ops) else \
+            _direct_call if _real(a, weight, ops) else gemm_epilogue_nograd
     if sharding.is_dtensor(weight):  # tensor parallelism: each rank runs on its shards
         outs = sharding.run_sharded(run, program, prog, a, weight, ops)
     else:
@@ -531,14 +530,19 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _direct(a, b, operands) -> bool:
-    """True where the op boundary buys nothing: real tensors (not traced: dynamo,
-    AOTAutograd and Inductor see fake or functional tensors and need the op; no functorch
-    transform) and no gradient to record. The torch.library dispatch costs tens of µs of host time
-    per call, more than the kernel launch itself at decode sizes."""
+    """True where the op boundary buys nothing: real tensors (_real) and no gradient to
+    record (no functorch transform either). The torch.library dispatch costs tens of µs
+    of host time per call, more than the kernel launch itself at decode sizes."""
+    return _real(a, b, operands) and not _needs_grad(a, b, operands)
+
+
+def _real(a, b, operands) -> bool:
+    """Plain tensors outside a trace: dynamo, AOTAutograd and Inductor see fake or
+    functional tensors and need the op."""
     if type(a) not in _PLAIN or type(b) not in _PLAIN or \
             any(type(t) not in _PLAIN for t in operands):
         return False
-    return not torch.compiler.is_compiling() and not _needs_grad(a, b, operands)
+    return not torch.compiler.is_compiling()
 
 
 def _needs_grad(a, b, operands) -> bool:
