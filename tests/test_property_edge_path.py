@@ -1,13 +1,16 @@
 """ops.fused_linear's calls in the model's shapes under hypothesis (kernels/ops._EdgeRoute):
 random leading shapes, inputs and operands in other layouts (permuted, padded rows,
-sliced at an offset, 16-byte aligned or not), calls of several classes interleaved and repeated, a
-weight that requires grad. Every call gives the reference's outputs, bit for bit (NaN where
-the reference has NaN: a square root of a negative sum), in the
-model's shapes, whichever path served it, and a class is served only by a launch made
-for it. Kernel routes are stubbed (test_codegen._stub_launches: the reference behind a
-launch's interface), so the fast paths run here as they do on the GPU."""
+sliced at an offset, 16-byte aligned or not), calls of several classes interleaved and
+repeated, a weight that requires grad, calls under inference_mode on its tensors. Every
+call gives the reference's outputs, bit for bit (NaN where the reference has NaN: a
+square root of a negative sum), in the model's shapes, whichever path served it, and a
+class is served only by a launch made for it. Kernel routes are stubbed
+(test_codegen._stub_launches: the reference behind a launch's interface), so the fast
+paths run here as they do on the GPU."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -72,6 +75,7 @@ call = st.fixed_dictionaries({
     "x": st.sampled_from(LAYOUTS),
     "tiles": st.sampled_from(LAYOUTS),
     "seed": st.integers(0, 2**16),
+    "inference_mode": st.booleans(),  # its tensors made, and the call made, inside it
 })
 
 
@@ -104,14 +108,19 @@ def test_calls_in_the_models_shapes_give_the_references_results(name, calls, ord
                    lambda ks, module, a, b, operands: _StrictStub(ks, a, b, operands))
         for i in [0, *order, 0]:
             spec = calls[i % len(calls)]
-            x, w, rest = _arguments(program, spec, weight)
+            inference = spec["inference_mode"]
+            # (inference_mode(False) would switch grad mode on: PyTorch's semantics)
+            mode = torch.inference_mode if inference else contextlib.nullcontext
+            with mode():
+                x, w, rest = _arguments(program, spec, weight)
             with torch.no_grad():
                 want = layouts.fused_linear_reference(program, x, w, *rest)
-            with torch.set_grad_enabled(grad_mode):
+            with torch.set_grad_enabled(grad_mode), mode():
                 got = ops.fused_linear(program, x, w, *rest)
             assert len(got) == len(want)
             for g, e in zip(got, want):
                 assert g.shape == e.shape, (spec, i)
                 torch.testing.assert_close(g.detach(), e, rtol=0, atol=0, equal_nan=True)
                 # autograd records the call exactly where it could ask for a gradient
-                assert (g.grad_fn is not None) == (grad_mode and weight_requires_grad)
+                recorded = grad_mode and weight_requires_grad and not inference
+                assert (g.grad_fn is not None) == recorded
