@@ -473,9 +473,8 @@ def record(function: type[torch.autograd.Function], *args):
     fused GEMM that autograd records in a graph that runs as Python, optimize()'s
     training forward). A traced call (dynamo, AOTAutograd: fake or functional tensors)
     or one under a transform takes Function.apply, which they recognise."""
-    if torch.compiler.is_compiling() or unwrap_dead_wrappers is None or \
-            torch._C._are_functorch_transforms_active() or \
-            any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in args):
+    if unwrap_dead_wrappers is None or torch._C._are_functorch_transforms_active() or \
+            not layouts.real([t for t in args if isinstance(t, torch.Tensor)]):
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
 
@@ -537,12 +536,9 @@ def _direct(a, b, operands) -> bool:
 
 
 def _real(a, b, operands) -> bool:
-    """Plain tensors outside a trace: dynamo, AOTAutograd and Inductor see fake or
-    functional tensors and need the op."""
-    if type(a) not in _PLAIN or type(b) not in _PLAIN or \
-            any(type(t) not in _PLAIN for t in operands):
-        return False
-    return not torch.compiler.is_compiling()
+    """Plain tensors outside a trace (layouts.real; a missing a or b is not one):
+    dynamo, AOTAutograd and Inductor see fake or functional tensors and need the op."""
+    return layouts.real((a, b, *operands))
 
 
 def _needs_grad(a, b, operands) -> bool:
