@@ -3,8 +3,9 @@
     y = (x / sqrt(mean(x², last dim) + eps)) ⊙ scale(w)
 
 Hugging Face's decomposed ``LlamaRMSNorm`` (and Qwen2, Mistral), Gemma's ``(1 + w)``,
-``x / sqrt(...)``, ``torch.nn.RMSNorm`` and ``F.rms_norm``; a run-time eps (dynamo's
-``dynamic=True``). A computation that looks like it but is not (no keepdim, another dim)
+``x / sqrt(...)``, ``torch.nn.RMSNorm`` and ``F.rms_norm``; T5's, which squares
+``x.to(float32)`` and multiplies the uncast x back (_same_value); a run-time eps
+(dynamo's ``dynamic=True``). A computation that looks like it but is not (no keepdim, another dim)
 is a NearMiss with the reason, for the report.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .algebra.decision import Why
@@ -48,6 +50,50 @@ def _strip_casts(node: Any) -> Any:
     while isinstance(node, fx.Node) and canon_name(node) == "cast":
         node = node.args[0]
     return node
+
+
+# Casts that keep every value: a float widened to a type that holds all of its values
+_EXACT_WIDENING = {
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float64), (torch.bfloat16, torch.float64),
+    (torch.float32, torch.float64)}
+
+
+def _exact_casts(node: Any, x: fx.Node) -> bool:
+    """Every cast from x to ``node`` keeps every value (the same dtype, or a widening)."""
+    while node is not x:
+        if not isinstance(node, fx.Node) or canon_name(node) != "cast":
+            return False
+        src, dst = meta(node.args[0]), meta(node)
+        if src is None or dst is None or (
+                src.dtype != dst.dtype and (src.dtype, dst.dtype) not in _EXACT_WIDENING):
+            return False
+        node = node.args[0]
+    return True
+
+
+def _same_value(xm: Any, xf: fx.Node, x: fx.Node, rs: fx.Node, y: fx.Node) -> bool:
+    """Whether ``y = xm · rs`` (or xm / rs) is the value xf · rs would be: xm is xf, or
+    both reach x through casts that keep every value, and y comes out in the dtype xf ·
+    rs would. T5's RMSNorm (and CPM-Ant's, IDEFICS', Kosmos-2.5's) squares
+    ``x.to(float32)`` but multiplies the uncast x back: a bf16 x times a float32 rsqrt
+    is promoted to float32, exactly the float32 x the mean squared."""
+    if xm is xf:
+        return True
+    mx, mf, mr, my = meta(xm), meta(xf), meta(rs), meta(y)
+    if _strip_casts(xm) is not x or None in (mx, mf, mr, my) or \
+            not (_exact_casts(xm, x) and _exact_casts(xf, x)):
+        return False
+    return my.dtype == torch.promote_types(mf.dtype, mr.dtype)
+
+
+def _casts_between(node: Any, x: fx.Node, skip: Any) -> list[fx.Node]:
+    """The casts from x to ``node`` (x first), none if ``node`` is ``skip``."""
+    path: list[fx.Node] = []
+    while node is not skip and node is not x and isinstance(node, fx.Node):
+        path.append(node)
+        node = node.args[0]
+    return path[::-1]
 
 
 def _is_last_dim(dims: tuple[int, ...], ndim: int) -> bool:
@@ -147,20 +193,25 @@ def _recognise_decomposed(rs: fx.Node) -> RmsNorm | NearMiss | None:
     dim = mx.shape[-1]
     if not isinstance(dim, int):
         return NearMiss(rs, Why("feature dim is symbolic", "rmsnorm.symbolic_dim"))
-    # the normalised value: xf * rsqrt(...) or xf / sqrt(...)
-    y = None
+    # the normalised value: xf * rsqrt(...) or xf / sqrt(...), where the xf multiplied
+    # back may be another node of the same value (_same_value: T5's spelling)
+    y = xm = None
     for u in rs.users:
         cu = canon(u)
         if cu is None:
             continue
-        if c.name == "rsqrt" and cu.name == "mul" and set(cu.args) == {xf, rs}:
-            y = u
-        if c.name == "sqrt" and cu.name == "div" and cu.args == (xf, rs):
-            y = u
+        if c.name == "rsqrt" and cu.name == "mul" and rs in cu.args and len(cu.args) == 2:
+            other = cu.args[1] if cu.args[0] is rs else cu.args[0]
+            if _same_value(other, xf, x, rs, u):
+                y, xm = u, other
+        if c.name == "sqrt" and cu.name == "div" and cu.args[1] is rs and \
+                _same_value(cu.args[0], xf, x, rs, u):
+            y, xm = u, cu.args[0]
     if y is None:
         return NearMiss(rs, Why("rsqrt(mean(x²) + eps) is not multiplied back onto x",
                                 "rmsnorm.not_multiplied_back"))
-    nodes = [n for n in (xf,) if n is not x] + [sq, ms, den, rs, y]
+    nodes = [n for n in (xf,) if n is not x] + _casts_between(xm, x, skip=xf) + \
+        [sq, ms, den, rs, y]
     out, weight, offset = _extend_forward(y, dim, nodes)
     return RmsNorm(x, out, weight, offset, _eps(eps), dim, tuple(nodes), "decomposed")
 

@@ -126,6 +126,93 @@ def test_gemma_scale_offset_is_rewritten():
     assert "gamma + 1.0" in str(fast.report)
 
 
+def t5_rms(x, g, eps=1e-6):
+    """T5's RMSNorm (also CPM-Ant's, IDEFICS', Kosmos-2.5's): the mean squares
+    x.to(float32), the product multiplies the uncast x back."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(variance + eps)
+    if g.dtype in (torch.float16, torch.bfloat16):
+        y = y.to(g.dtype)
+    return g * y
+
+
+def twice_cast_rms(x, g, eps=1e-6):
+    """Two casts of x, one squared, one multiplied back."""
+    return g * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+                ).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [t5_rms, twice_cast_rms])
+def test_the_input_multiplied_back_uncast_is_the_same_norm(norm, dtype):
+    """x and x.to(float32) hold the same values: squaring one and multiplying the other
+    back is the norm (a bf16 x times the float32 rsqrt is promoted to float32)."""
+    def body(self, x, res):
+        return self.w1(norm(self.w0(x) + res, self.g))
+
+    torch.manual_seed(0)
+    model = Block(body).to(dtype)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(2, 6, D, generator=g) for _ in range(2))
+    fast = coda_rewrite.optimize(model)
+    got = fast(x.to(dtype), res.to(dtype))
+    assert fast.report.count() == 1, str(fast.report)
+    want, want64 = ref(x.to(dtype), res.to(dtype)), ref64(x.double(), res.double())
+    if dtype == torch.float32:
+        assert rel_err(got, want) <= 1e-5
+    else:  # no worse than eager against float64 (a 10% margin for one draw)
+        assert rel_err(got.double(), want64) <= 1.1 * rel_err(want.double(), want64)
+
+
+@pytest.mark.parametrize("back", ["narrowed", "round_trip", "half_to_bf16", "other"])
+def test_a_value_multiplied_back_that_is_not_the_squared_one_is_not_the_norm(back):
+    """Look-alikes of T5's spelling: what is multiplied back reaches x through a cast
+    that rounds (to bf16, or a round trip through it; fp16 to bf16 loses range and
+    precision both ways), or is another value of x's shape."""
+    def body(self, x, res):
+        z = self.w0(x) + res
+        zm = {"narrowed": lambda: z.to(torch.bfloat16),
+              "round_trip": lambda: z.to(torch.bfloat16).to(torch.float32),
+              "half_to_bf16": lambda: z.half().to(torch.bfloat16).float(),
+              "other": lambda: z + 1e-3}[back]()
+        if back == "half_to_bf16":
+            z = z.half().float()
+        y = zm * torch.rsqrt(z.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.w1((self.g * y).to(self.w1.weight.dtype))
+
+    report, got, want = run(body)
+    assert report.count() == 0, str(report)
+    assert "rmsnorm.not_multiplied_back" in codes(report)
+    same(got, want)
+
+
+def test_t5_norms_are_rewritten():
+    """T5 (gated GELU, v1.1 / Flan-T5): every pre-norm a GEMM reads, encoder and decoder;
+    the logits and a training step's gradients as eager's."""
+    import transformers as tf
+    cfg = tf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                      num_heads=4, decoder_start_token_id=0, feed_forward_proj="gated-gelu",
+                      dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(cfg)
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model)
+    loss = fast(input_ids=ids, decoder_input_ids=ids, labels=ids).loss
+    want = ref(input_ids=ids, decoder_input_ids=ids, labels=ids).loss
+    loss.backward()
+    want.backward()
+    # encoder: 2 x (attention, MLP) norms; decoder: 2 x (self-attention, cross-attention,
+    # MLP) norms: 10 read by GEMMs. The two final norms are read through a dropout (the
+    # row scale is not carried across one), and are left with that reason.
+    assert fast.report.count() == 10, str(fast.report)
+    assert codes(fast.report, "residual_rmsnorm_gemm") == {"row_scale.op_between"}
+    assert rel_err(loss, want) <= 1e-5
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
+
+
 # ---- bad input -----------------------------------------------------------------------
 
 def test_mixed_dtypes_cast_between_norm_and_gemm():
