@@ -15,9 +15,10 @@ decode: a Hugging Face Llama at Llama-3.2-1B widths (4 layers), greedy generate(
 $CODA_DECODE_TOKENS (default 64) tokens after a 32-token prompt over a static KV cache,
 batch 1 and 8: eager, generate()'s own compile of the decode step (Hugging Face's recipe:
 mode="reduce-overhead") with Inductor and with backend="coda"; tokens/s (median of
-$CODA_DECODE_ROUNDS alternating rounds, default 5; before, each variant's runs came one
-after another, so the 3% gap measured at batch 8 may be drift) and how many tokens agree
-with eager. Then backend="coda" with every GEMM fused, in rounds of its own.
+$CODA_DECODE_ROUNDS alternating rounds, default 5, with backend="coda" with every GEMM
+fused among them, each variant on its own copy of the model), each variant's speed over
+torch.compile's paired by round (median and range), and how many tokens agree with
+eager.
 
 qwen3: a Hugging Face Qwen3 at Qwen3-8B widths (QK-norm), 2 layers, the forward at 2 x
 2048 and 1 x 256 tokens: eager, torch.compile, backend="coda".
@@ -30,6 +31,7 @@ cache_relayouts=True (the LayerNorm + GELU in the up projection's epilogue).
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import sys
@@ -143,12 +145,18 @@ def decode() -> list:
         "torch.compile, reduce-overhead": {"compile_config": tf.CompileConfig()},
         'backend="coda", reduce-overhead': {"compile_config": tf.CompileConfig(
             backend="coda")},
+        'backend="coda", every GEMM fused': {"compile_config": tf.CompileConfig(
+            backend=CodaBackend(Options(min_fused_rows=0, cudagraphs=True)),
+            mode="default")},
     }
-    # not the default configuration, so timed after the bar's variants, in rounds of its
-    # own: alternated with the other compiled variants it ran 23-36 tokens/s (its CUDA
-    # graphs recorded again each round, most likely), alone 571-640 (2026-12-01)
-    fused = {'backend="coda", every GEMM fused': {"compile_config": tf.CompileConfig(
-        backend=CodaBackend(Options(min_fused_rows=0, cudagraphs=True)), mode="default")}}
+    # One copy of the model per variant. generate() keeps one compiled decode step per
+    # model and wraps a new torch.compile whenever the compile config differs from the
+    # last call's (PreTrainedModel.get_compiled_call), so variants alternating on one
+    # model re-wrapped theirs every round: the every-GEMM-fused variant ran 23-36 tokens/s
+    # alternated and 571-640 alone (2026-12-01), and the others' spreads were 15-56%
+    # (2026-12-04). With a model each, every variant keeps its compiled step.
+    models = {name: model if i == 0 else copy.deepcopy(model)
+              for i, name in enumerate(variants)}
     rows = []
     rounds = int(os.environ.get("CODA_DECODE_ROUNDS", "5"))
     tokens = int(os.environ.get("CODA_DECODE_TOKENS", "64"))
@@ -158,37 +166,38 @@ def decode() -> list:
                   cache_implementation="static", attention_mask=torch.ones_like(prompt),
                   pad_token_id=0)
         torch._dynamo.reset()
-        outs, seen = {}, {name: [] for name in {**variants, **fused}}
+        outs, seen = {}, {name: [] for name in variants}
 
-        def run(how):
+        def run(name):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model.generate(prompt, **kw, **how)
+            out = models[name].generate(prompt, **kw, **variants[name])
             torch.cuda.synchronize()
             return out, time.perf_counter() - t0
         with torch.no_grad():
-            for name, how in variants.items():  # compile + record each variant once
+            for name in variants:  # compile + record each variant once
                 for _ in range(2):
-                    outs[name] = run(how)[0]
+                    outs[name] = run(name)[0]
             # variants in alternating rounds (the order reversed every other round): a
-            # drift of the clocks or the host's load lands on every variant alike; the
-            # compiled decode steps stay cached (dynamo keys its entries by backend)
+            # drift of the clocks or the host's load lands on every variant alike
             names = list(variants)
             for i in range(rounds):
                 for name in (names if i % 2 == 0 else names[::-1]):
-                    seen[name].append(run(variants[name])[1])
-            for name, how in fused.items():
-                for _ in range(2):
-                    outs[name] = run(how)[0]
-                seen[name] = [run(how)[1] for _ in range(rounds)]
+                    seen[name].append(run(name)[1])
         want = outs["eager"]
+        base = seen["torch.compile, reduce-overhead"]
         for name, ts in seen.items():
             agree = (outs[name][:, 32:] == want[:, 32:]).float().mean().item()
             med = statistics.median(ts)
             tps = batch * tokens / med
+            # the same round's torch.compile time over this variant's: paired, so a slow
+            # round slows both sides of its ratio
+            ratios = sorted(b / t for b, t in zip(base, ts))
             print(f"decode batch {batch} {name:<34} {tps:8.1f} tokens/s "
                   f"(spread {(max(ts) - min(ts)) / med:.1%} over {len(ts)} alternating "
-                  f"rounds), {agree:.0%} tokens as eager", flush=True)
+                  f"rounds), {statistics.median(ratios):.3f}x torch.compile by round "
+                  f"({ratios[0]:.3f}-{ratios[-1]:.3f}), {agree:.0%} tokens as eager",
+                  flush=True)
             rows.append((f"decode b{batch} {name}", "tokens/s", tps))
     return rows
 

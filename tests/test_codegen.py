@@ -22,6 +22,7 @@ from coda_rewrite.patterns import routed_experts
 from coda_rewrite.kernels.quack_path import contract_violation
 from coda_rewrite.patterns.layernorm import centred_program
 
+from coda_rewrite.numerics import rel_err
 from conftest import ROOT, hf_model, plain_llama, tokens
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -954,6 +955,108 @@ def test_a_call_in_the_models_shapes_finds_its_launch_through_one_check(monkeypa
     ops.forget_routes()
     assert not ops._last
     check(x, w, rest, 8)
+
+
+def test_a_recorded_call_in_a_class_seen_before_records_the_launch_itself(monkeypatch):
+    """fused_linear where autograd records (grad mode, a tensor that requires grad): the
+    first call of a class goes the full way (_linear, FusedGemm); the next ones in that
+    class record ops.KnownGemm around the launch it ran, in the op's 2-D form and in the
+    model's shapes, with the same outputs and gradients, the weight's asked for exactly
+    when it requires grad. Which tensors require grad is part of the class; a pointer off
+    16 bytes and no_grad take the other paths; forget_routes drops the classes."""
+    import torch
+    from coda_rewrite.kernels import ops
+
+    _stub_launches(monkeypatch)
+    slow = []
+    real_linear = ops._linear
+    monkeypatch.setattr(ops, "_linear", lambda *args: slow.append(1) or real_linear(*args))
+    prog = rowscale_bias().to_text()
+    g = torch.Generator().manual_seed(0)
+    x2, w = torch.randn(6, 8, generator=g), torch.randn(4, 8, generator=g)
+    r2, bias = torch.randn(6, generator=g), torch.randn(4, generator=g)
+    seed = torch.randn(6, 4, generator=g)
+
+    def grads(x, w, r, bias, wants):
+        leaves = [t.detach().clone().requires_grad_(want)
+                  for t, want in zip((x, w, r, bias), wants)]
+        (out,) = ops.fused_linear(prog, *leaves)
+        (out * seed.reshape(out.shape)).sum().backward()
+        node = out.grad_fn  # the fused node, under the model shapes' view
+        while type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):
+            node = node.next_functions[0][0]
+        return out, [t.grad for t in leaves], type(node).__name__
+
+    cases = [((x2, w, r2, bias), (True, True, False, False)),           # 2-D: in a chain
+             ((x2, w, r2, bias), (False, True, False, True)),           # another class
+             ((x2, w, r2, bias), (True, False, True, False)),           # no weight grad
+             ((x2.reshape(2, 3, 8), w, r2.reshape(2, 3, 1), bias),      # a chain's edge
+              (True, True, True, False))]
+    for args, wants in cases:
+        before = len(slow)
+        want_out, want_grads, _ = grads(*args, wants)                   # the full way
+        got_out, got_grads, node = grads(*args, wants)                  # the launch's
+        assert len(slow) == before + 1, (wants, len(slow) - before)
+        assert node == "KnownGemmBackward" and got_out.shape == want_out.shape
+        assert torch.equal(got_out, want_out)
+        for want_g, got_g, wanted in zip(want_grads, got_grads, wants):
+            assert (got_g is None) == (not wanted)
+            assert got_g is None or torch.equal(got_g, want_g)
+    big = torch.randn(6 * 8 + 1, requires_grad=True)
+    off = big[1:].view(6, 8)                                            # 4 bytes off
+    before = len(slow)
+    for _ in range(2):
+        (out,) = ops.fused_linear(prog, off, w.requires_grad_(), r2, bias)
+        assert out.grad_fn is not None
+    assert len(slow) == before + 2
+    with torch.no_grad():                                               # nothing recorded
+        (out,) = ops.fused_linear(prog, x2, w.requires_grad_(), r2, bias)
+    assert out.grad_fn is None
+    ops.forget_routes()
+    before = len(slow)
+    grads(x2, w, r2, bias, (True, True, False, False))
+    assert len(slow) == before + 1
+
+
+def test_a_training_step_records_the_launches_it_ran_before(monkeypatch):
+    """optimize()'s training forward with every lowerable program on a (stub) kernel
+    route: after the first call of each metadata class, fused calls are recorded around
+    their launches (ops.KnownGemm: chains' 2-D calls and their edges), and both steps'
+    losses and gradients are eager's."""
+    import copy
+    from coda_rewrite.kernels import ops, quack_path
+
+    _stub_launches(monkeypatch)
+
+    def select(prog, program, a, b, operands):
+        try:
+            return (generate(prog), None), None
+        except Unlowerable as e:  # the reference route, as the real select says
+            return None, str(e)
+    monkeypatch.setattr(quack_path, "select", select)
+    known, full = [], []
+    real_apply, real_full = ops._apply_known, ops.gemm_with_grad
+    monkeypatch.setattr(ops, "_apply_known", lambda *args: known.append(1) or
+                        real_apply(*args))
+    monkeypatch.setattr(ops, "gemm_with_grad", lambda *args: full.append(1) or
+                        real_full(*args))
+    model = hf_model("llama", layers=2).train()
+    ref = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(model)
+    ids = tokens()
+    for step in range(2):
+        known.clear()
+        full.clear()
+        loss, want = (m(ids, labels=ids).loss for m in (fast, ref))
+        loss.backward()
+        want.backward()
+        assert rel_err(loss, want) <= 1e-5
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, q.grad) <= 1e-4, (step, name)
+            p.grad = q.grad = None
+        # the first step's first call of each class goes the full way (a second layer's
+        # call in that class is already known); the second step's every call is known
+        assert known and bool(full) == (step == 0), (step, len(known), len(full))
 
 
 def test_forgetting_routes_drops_the_fast_paths_classes_too(monkeypatch):
