@@ -155,9 +155,9 @@ def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
     out = route._alloc()
     scratch = route.planned.new_scratch()
     values = {**route._operands(operands), **scratch, **out}
-    sink, shape, scale, eps = route.norm
+    sink, rows, scale, eps = route.norm
     rstd = torch.empty(route.m, device=a.device, dtype=torch.float32)
-    partials = scratch[sink].view(shape)
+    partials = scratch[sink] if rows is None else scratch[sink].view(rows)
     with torch.no_grad():
         parts = {
             "torch.empty (one buffer)": host_us(

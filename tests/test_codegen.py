@@ -720,16 +720,19 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
         return launch
 
     m, n, tiles = 5, 48, 3
-    norm = launch_of(residual_rmsnorm(), m, n, {"red0_ss": (torch.Size([m, tiles]),
-                                                            torch.float32)},
-                     ("red0_ss", (m, tiles), 0.5, 0.25))
     a, b = torch.zeros(m, 8), torch.zeros(n, 8)
-    z, h2, r = norm(a, b, [])
-    assert calls[-1] == ["D", "out1_h2", "red0_ss"]
-    assert z.shape == h2.shape == (m, n) and (z == 1).all() and (h2 == 2).all()
-    assert r.shape == (m,) and r.dtype == torch.float32
-    assert torch.equal(r, torch.full((m,), 3.0 * tiles * 0.5 + 0.25))
-    assert all(t._base is None for t in (z, h2, r))
+    # QuACK's partials for a 2-D problem are [M, T] already (no view); a batched
+    # problem's [1, M, T] are viewed as [M, T]
+    for scratch_shape, rows in (((m, tiles), None), ((1, m, tiles), (m, tiles))):
+        norm = launch_of(residual_rmsnorm(), m, n, {"red0_ss": (torch.Size(scratch_shape),
+                                                                torch.float32)},
+                         ("red0_ss", rows, 0.5, 0.25))
+        z, h2, r = norm(a, b, [])
+        assert calls[-1] == ["D", "out1_h2", "red0_ss"]
+        assert z.shape == h2.shape == (m, n) and (z == 1).all() and (h2 == 2).all()
+        assert r.shape == (m,) and r.dtype == torch.float32
+        assert torch.equal(r, torch.full((m,), 3.0 * tiles * 0.5 + 0.25))
+        assert all(t._base is None for t in (z, h2, r))
     plain = launch_of(rowscale_bias(), m, n, {}, None)
     (y,) = plain(a, b, [torch.ones(m), torch.ones(n)])
     assert y.shape == (m, n) and y.dtype == torch.bfloat16 and (y == 1).all()

@@ -583,7 +583,10 @@ class Launch:
                 raise RuntimeError(f"norm producer {prog.key}: QuACK planned partials "
                                    f"{name} {tuple(shape)} {dtype}, expected {sink}, float32 "
                                    f"[{self.m}, tiles]")
-            self.norm = (sink, (self.m, shape[-1]), scale, eps)
+            # the [M, T] view the finaliser reads, None where QuACK's buffer is one (a
+            # 2-D problem's: a view per call is host time for nothing)
+            rows = (self.m, shape[-1])
+            self.norm = (sink, None if tuple(shape) == rows else rows, scale, eps)
             self.row_rstd = _row_rstd_kernel(shape)
         self.unfolded = not self.sinks
         self.results = self._result_sources()
@@ -648,9 +651,10 @@ class Launch:
             planned.epi_plan.run(a, b.t(), self._c(operands), out=out, scratch=scratch,
                                  **self._operands(operands))
         if self.norm is not None:  # the norm's rstd: one QuACK kernel, no torch ops
-            sink, shape, scale, eps = self.norm
+            sink, rows, scale, eps = self.norm
             rstd = torch.empty(self.m, device=self.device, dtype=torch.float32)
-            self.row_rstd(scratch[sink].view(*shape), rstd, scale, eps)
+            partials = scratch[sink] if rows is None else scratch[sink].view(*rows)
+            self.row_rstd(partials, rstd, scale, eps)
             if self.results is not None:
                 return [rstd if s is None else out[s] for s in self.results]
             return self._outputs(out, {self.ks.norm_stage[1]: rstd.view(self.m, 1)})
@@ -664,7 +668,7 @@ class Launch:
         past READER_FOLDS_PARTIALS of them, summed here to one column (the same row sums
         in another grouping): each reading CTA folds its rows' partials before its
         epilogue, a cost that grows with T (kernels/epi_ops.py)."""
-        partials = sink.view(self.m, -1)
+        partials = sink if sink.dim() == 2 else sink.view(self.m, -1)
         if partials.shape[1] > READER_FOLDS_PARTIALS:
             return partials.sum(1, keepdim=True)
         return partials
