@@ -215,6 +215,17 @@ def canon(node: fx.Node) -> COp | None:
     return None
 
 
+def inactive_dropout(node: Any) -> bool:
+    """F.dropout(x, p, training=False), or with p = 0, not in place: the identity."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or \
+            node.target is not torch.nn.functional.dropout:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
+    return not inplace and (training is False or p == 0)
+
+
 def canon_name(node: Any) -> str | None:
     c = canon(node) if isinstance(node, fx.Node) else None
     return c.name if c else None

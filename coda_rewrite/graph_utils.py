@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .canonical import canon, meta, under_autocast
+from .canonical import canon, canon_name, meta, under_autocast
 from .capture import describe
 
 # A matrix product however spelled (``@``, torch.matmul, a batched bmm).
@@ -127,6 +127,69 @@ def _viewlike(u: fx.Node) -> bool:
             (u.target is operator.getitem and not _copying_index(u)) or
             getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
         or (u.op == "call_function" and u.target is getattr)
+
+
+# Ops whose result never requires grad, whatever the grad mode: a detach, and factories
+# shaped like their input
+_NEVER_RECORDED = {"detach", "zeros_like", "ones_like", "empty_like", "full_like",
+                   "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones",
+                   "new_empty", "new_full", "new_tensor"}
+
+
+def recorded(node: fx.Node) -> bool | None:
+    """Whether autograd recorded ``node`` when dynamo traced it, as its traced values tell:
+    True where a tensor input requires grad and its floating result does too, False
+    where one does and its result does not (the node ran in a torch.no_grad() region
+    inside the graph), None where nothing tells (no input requires grad, a result that is
+    not a float tensor, an op that never records: a detach, a *_like factory; a view or
+    a cast, whose result requires grad under no_grad too)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    out = meta(node)
+    if out is None or not out.is_floating_point():
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name in _NEVER_RECORDED or _viewlike(node) or canon_name(node) == "cast":
+        return None  # a view, or a cast that may return its input, requires grad as its
+        #              input does in either mode
+    if not any(meta(a) is not None and meta(a).requires_grad for a in node.all_input_nodes):
+        return None
+    return bool(out.requires_grad)
+
+
+def grad_modes_mixed(nodes) -> tuple[fx.Node, fx.Node] | None:
+    """(a node autograd recorded, one it did not) among ``nodes``, or None: a match whose
+    nodes straddle a torch.no_grad() region of the graph (Hugging Face's rotary embedding
+    is one, a model's own ``with torch.no_grad():`` another). A rewrite computes a match's
+    values in one place, so in one grad mode: the gradient would change (seen: a norm
+    under no_grad whose row scale, deferred into a GEMM outside it, carried a gradient to
+    the residual stream that eager does not)."""
+    seen: dict[bool, fx.Node] = {}
+    for n in nodes:
+        r = recorded(n)
+        if r is not None:
+            seen.setdefault(r, n)
+    return (seen[True], seen[False]) if len(seen) == 2 else None
+
+
+def gradient_read(value: fx.Node) -> bool:
+    """Whether a gradient can reach ``value``: some path from it to the graph's output
+    runs through results that require grad (a result that is not a tensor, or an update
+    in place, is assumed to pass one). False where every path ends in a detach or in a
+    result that needs no gradient: eager's autograd then never gives the GEMM that made
+    ``value`` a gradient through it (its weight's .grad stays None)."""
+    todo, seen = [value], {value}
+    while todo:
+        node = todo.pop()
+        for u in node.users:
+            if u.op == "output" or mutated_value(u) is not None:
+                return True
+            m = meta(u)
+            if (m is not None and not m.requires_grad) or u in seen:
+                continue
+            seen.add(u)
+            todo.append(u)
+    return False
 
 
 def aliases(values: set[fx.Node]) -> set[fx.Node]:

@@ -1644,3 +1644,57 @@ def test_a_second_derivative_through_a_fused_gemm_raises():
     got = torch.autograd.grad(fast(inputs_embeds=x, labels=ids).loss, x)[0]
     want = torch.autograd.grad(ref(inputs_embeds=x, labels=ids).loss, x)[0]
     assert rel_err(got, want) <= 1e-6  # the epilogue's angles are float-float float32
+
+
+class _DetachedMember(torch.nn.Module):
+    """q/k/v -> rotation -> SDPA, with one member read through a detach."""
+
+    def __init__(self, where: str, dim: int = 64, heads: int = 4, kv: int = 2):
+        super().__init__()
+        from coda_rewrite.models import rope_table
+        self.where, self.heads, self.kv = where, heads, kv
+        self.norm = torch.nn.RMSNorm(dim)
+        self.wq = torch.nn.Linear(dim, dim, bias=False)
+        self.wk, self.wv = (torch.nn.Linear(dim, dim // heads * kv, bias=False)
+                            for _ in range(2))
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+        self.register_buffer("freqs", rope_table(dim // heads, 64, 10000.0),
+                             persistent=False)
+
+    def forward(self, x):
+        from coda_rewrite.models import apply_rope
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q, k, v = self.wq(h), self.wk(h), self.wv(h)
+        q = q.detach() if self.where == "q" else q
+        v = v.detach() if self.where == "v" else v
+        q, k, v = (t.view(b, s, -1, q.shape[-1] // self.heads) for t in (q, k, v))
+        q, k = apply_rope(q, self.freqs[:s]), apply_rope(k, self.freqs[:s])
+        q = q.detach() if self.where == "q_rotated" else q
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=True)
+        return x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("where", ["q", "v", "q_rotated", "none"])
+def test_a_member_read_through_a_detach_keeps_its_own_gemm_in_training(where):
+    """One fused q/k/v weight gives every member's weight a gradient: a member eager
+    never differentiates (read through a detach) would get zeros where eager leaves
+    .grad None, which AdamW's weight decay and moments then treat as a step. Such a
+    member keeps its own GEMM (a rotated one its rotation, with the reason); the others
+    are fused, and every gradient is eager's, None where eager's is."""
+    torch.manual_seed(0)
+    model = _DetachedMember(where)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 16, 64)
+    fast = coda_rewrite.optimize(model, fuse_in_training=True, min_fused_rows=0)
+    cot = torch.randn(2, 16, 64)
+    (fast(x) * cot).sum().backward()
+    (ref(x) * cot).sum().backward()
+    assert len(rope_records(fast.report)) == 1, str(fast.report)
+    left = {"q_rotated": {"rope.member_not_differentiated"}}.get(where, set())
+    assert codes(fast.report, "rope") == left
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert q.grad is None or rel_err(p.grad, q.grad) <= 1e-5, name

@@ -55,10 +55,15 @@ def replay_chain(chain, norm, z, row_value, like, call):
 
 def _consumer_condition(c, norm) -> Why | None:
     """Why one consumer GEMM cannot take the centred deferral, or None."""
-    bad = next((why for kind, why in row_scale.chain_kinds(c, norm) if kind == "reject"),
-               None)
+    kinds = row_scale.chain_kinds(c, norm)
+    bad = next((why for kind, why in kinds if kind == "reject"), None)
     if bad is not None:
         return bad
+    if any(kind == "detach" for kind, _ in kinds) and \
+            (norm.weight is not None or norm.bias is not None):
+        return Why(f"a detach between the LayerNorm and {describe(c.linear)}: γ and β, "
+                   "folded into the GEMM's weights, would get the gradient the detach "
+                   "stops", "layernorm.detach")
     mx = meta(c.chain[-1] if c.chain else norm.output)
     if mx is None or mx.shape[-1] != norm.dim:
         return Why(f"{describe(c.linear)} does not contract over the {norm.dim} normalised "

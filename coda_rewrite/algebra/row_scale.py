@@ -33,7 +33,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..canonical import canon, meta
+from ..canonical import canon, inactive_dropout, meta
 from ..capture import describe
 from ..codegen import layouts, reference
 from ..graph_utils import in_place_update_of
@@ -47,7 +47,7 @@ from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailabl
 # ---- side condition (b): ops between the norm and its GEMM ----------------------------
 
 _VIEWLIKE = {"view", "reshape", "flatten"}
-_IDENTITY = {"contiguous", "clone", "detach"}
+_IDENTITY = {"contiguous", "clone"}
 _ROW_PERMUTES = {"roll", "flip", "index_select"}
 
 
@@ -76,8 +76,10 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
     """Classify an op between the norm and the GEMM (``src`` is its input on the path):
 
         index / permute   selects or reorders rows: applied to r the same way
+        detach            stops the gradient: applied to r too (eager's GEMM input, r·h,
+                          carries none; with only h2 detached, r would pass one to z)
         reshape           keeps the last dim: r follows the leading dims
-        cast, identity    h2 only
+        cast, identity    h2 only (identity: contiguous, clone, an inactive dropout)
         scale             × a per-feature vector: folded into the GEMM's weights
         shift             + a per-feature vector: distributed as the epilogue's bias b·Wᵀ
         reject            anything else, with why
@@ -92,7 +94,9 @@ def chain_op(node: fx.Node, src: fx.Node, d: int) -> tuple[str, str]:
         return ("reject", why) if why is not None else ("index", "")
     if name == "cast":
         return "cast", ""
-    if name in _IDENTITY and len(node.args) == 1:
+    if name == "detach" and len(node.args) == 1:
+        return "detach", ""
+    if (name in _IDENTITY and len(node.args) == 1) or inactive_dropout(node):
         return "identity", ""
     if name == "getitem":
         if index_keeps_last_dim(node.args[1], ms.dim()):
@@ -151,8 +155,11 @@ def replay_chain(chain, head: fx.Node, d: int, h2, r, like, call):
         kind, why = chain_op(node, src, d)
         if kind == "reject":
             raise ValueError(why)
-        if kind in ("index", "permute"):
+        if kind in ("index", "permute", "detach"):
             h2, r = like(node, src, h2), like(node, src, r)
+            if kind == "detach":  # a factor or shift from before it gets no gradient
+                scale, shift = (None if t is None else call(torch.detach, t)
+                                for t in (scale, shift))
         elif kind == "reshape":
             h2 = like(node, src, h2)
             r = call(layouts.rows_like, r, h2)

@@ -38,7 +38,7 @@ import torch.fx as fx
 from .. import patterns
 from ..algebra import row_scale, sharding
 from ..algebra.decision import Why
-from ..canonical import canon, meta
+from ..canonical import canon, inactive_dropout, meta
 from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import ACC, EpilogueProgram, Kind, ProgramBuilder
@@ -217,7 +217,7 @@ def _through_scale_and_identity(node):
         # elsewhere (a returned sublayer output) would need the GEMM a second time
         if not isinstance(src, fx.Node) or len(src.users) != 1 or len(node.users) != 1:
             break
-        if _inactive_dropout(node):
+        if inactive_dropout(node):
             pass
         else:
             c = canon(node)
@@ -233,16 +233,6 @@ def _through_scale_and_identity(node):
         between.append(node)
         node = src
     return node, scale, tuple(reversed(between))
-
-
-def _inactive_dropout(node: fx.Node) -> bool:
-    """F.dropout(x, p, training=False) or with p = 0: the identity."""
-    if node.op != "call_function" or node.target is not torch.nn.functional.dropout:
-        return False
-    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
-    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
-    return not inplace and (training is False or p == 0)
 
 
 def _sharded_gemm_behind(node) -> Why | None:

@@ -95,8 +95,8 @@ from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, calls, chunk_half, copy_meta,
-                           erase_if_dead, fused_linear_call, hoist_before, results,
-                           same_meta, same_value, shared_call, through_casts)
+                           erase_if_dead, fused_linear_call, gradient_read, hoist_before,
+                           results, same_meta, same_value, shared_call, through_casts)
 from ..kernels import ops, versioned
 from ..rmsnorm_idiom import RmsNorm, find_rms_norms
 from .family import Context, Decided
@@ -1505,8 +1505,33 @@ def find(graph: fx.Graph) -> list[Match | NoMatch]:
     rotated = {(r.proj.out, r.columns) for r in found}
     for g in groups:
         # v joins at frequency 0 (angles) or under a 0 "rotate" flag (a table)
-        out.append(Match(g, _passthrough_candidates(g, graph, rotated)))
+        passthrough = _passthrough_candidates(g, graph, rotated)
+        g, passthrough, left = _members_differentiated_alike(g, passthrough)
+        out += left
+        if g:
+            out.append(Match(g, passthrough))
     return out
+
+
+def _members_differentiated_alike(group: list[Rotated], passthrough: list[Passthrough]):
+    """(the rotated members, the passthrough ones, NoMatches for those left): in a graph
+    that differentiates the GEMM, a member no reader differentiates (read through a
+    detach) is left out while another is: one fused weight's gradient would give that
+    member's weight a zero gradient where eager gives none (.grad None, which an
+    optimizer's weight decay and moments skip). Members read alike stay together."""
+    value = {id(m): m.out if m.rotates else m.column_node for m in (*group, *passthrough)}
+    needs = [m for m in (*group, *passthrough) if meta(value[id(m)]) is not None and
+             meta(value[id(m)]).requires_grad]
+    dropped = {id(m) for m in needs if not gradient_read(value[id(m)])}
+    if not dropped or len(dropped) == len(needs):
+        return group, passthrough, []
+    left = [NoMatch(value[id(m)], Why(
+        f"{describe(value[id(m)])} is read only through a detach while the GEMM's other "
+        "members are differentiated: one fused weight would give its weight a zero "
+        "gradient where eager gives none", "rope.member_not_differentiated"))
+        for m in group if id(m) in dropped]
+    return ([m for m in group if id(m) not in dropped],
+            [m for m in passthrough if id(m) not in dropped], left)
 
 
 # ---- the program ----------------------------------------------------------------------------
