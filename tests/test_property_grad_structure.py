@@ -1,5 +1,6 @@
 """What autograd sees, under hypothesis: a TorchTitan-style decoder layer (norm -> q/k/v
-with RoPE -> SDPA -> o_proj + residual -> norm -> gated MLP -> LM head + loss) with
+with RoPE -> SDPA -> o_proj + residual -> norm -> gated MLP -> LM head + loss; RMSNorm or
+LayerNorm) with
 detaches, per-feature factors and torch.no_grad() / enable_grad blocks placed at random
 among the places the families read through. A training step through optimize(), every
 family on at every size: the loss and every gradient are eager's, and a gradient eager
@@ -36,7 +37,8 @@ class Layer(nn.Module):
     def __init__(self, case: dict):
         super().__init__()
         self.case = case
-        self.n1, self.n2, self.nf = nn.RMSNorm(D), nn.RMSNorm(D), nn.RMSNorm(D)
+        norm = nn.RMSNorm if case["norm"] == "rms" else nn.LayerNorm
+        self.n1, self.n2, self.nf = norm(D), norm(D), norm(D)
         self.wq = nn.Linear(D, D, bias=False)
         self.wk, self.wv = (nn.Linear(D, D // H * KV, bias=False) for _ in range(2))
         self.wo = nn.Linear(D, D, bias=False)
@@ -92,6 +94,7 @@ class Layer(nn.Module):
 
 
 cases = st.fixed_dictionaries({
+    "norm": st.sampled_from(["rms", "layer"]),
     "places": st.dictionaries(st.sampled_from(PLACES),
                               st.sampled_from(["detach", "scale", "scale then detach"]),
                               max_size=3),
