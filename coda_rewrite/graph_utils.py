@@ -142,17 +142,24 @@ def recorded(node: fx.Node) -> bool | None:
     where one does and its result does not (the node ran in a torch.no_grad() region
     inside the graph), None where nothing tells (no input requires grad, a result that is
     not a float tensor, an op that never records: a detach, a *_like factory; a view or
-    a cast, whose result requires grad under no_grad too)."""
+    a cast, whose result requires grad under no_grad too). A result of a multi-output op
+    (getitem of a fused call an earlier rewrite made) is read against that op's inputs."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return None
     out = meta(node)
     if out is None or not out.is_floating_point():
         return None
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if name in _NEVER_RECORDED or _viewlike(node) or canon_name(node) == "cast":
-        return None  # a view, or a cast that may return its input, requires grad as its
-        #              input does in either mode
-    if not any(meta(a) is not None and meta(a).requires_grad for a in node.all_input_nodes):
+    inputs = node.all_input_nodes
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            meta(node.args[0]) is None:  # one result of a multi-output op (a fused call)
+        inputs = node.args[0].all_input_nodes
+    else:
+        name = node.target if node.op == "call_method" else \
+            getattr(node.target, "__name__", "")
+        if name in _NEVER_RECORDED or _viewlike(node) or canon_name(node) == "cast":
+            return None  # a view, or a cast that may return its input, requires grad as
+            #              its input does in either mode
+    if not any(meta(a) is not None and meta(a).requires_grad for a in inputs):
         return None
     return bool(out.requires_grad)
 

@@ -479,3 +479,42 @@ def test_hidden_state_updated_between_the_gemm_and_the_loss_is_refused():
     torch.manual_seed(0)
     left_as_eager(Head(), (torch.randn(16, 32), torch.randint(0, 64, (16,))),
                   "lm_head_cross_entropy", "cross_entropy.in_place")
+
+
+class _AuxLossUnderNoGrad(torch.nn.Module):
+    """norm -> LM head -> the loss, and the same loss again under torch.no_grad() (a
+    metric), read from the same logits."""
+
+    def __init__(self, dim: int = 64, vocab: int = 256):
+        super().__init__()
+        self.w0 = torch.nn.Linear(dim, dim, bias=False)
+        self.norm = torch.nn.RMSNorm(dim)
+        self.out = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x, labels):
+        logits = self.out(self.norm(self.w0(x) + x))
+        flat = logits.flatten(0, 1).float()
+        with torch.no_grad():
+            metric = torch.nn.functional.cross_entropy(flat, labels.flatten())
+        return torch.nn.functional.cross_entropy(flat, labels.flatten()) + metric
+
+
+def test_a_loss_under_no_grad_is_not_the_one_fused_with_the_head():
+    """A metric computed under torch.no_grad() from the training logits: fusing the head
+    with that loss (the first in graph order) gave a training loss without a graph
+    (no grad_fn: backward raised). The match straddles the no_grad block
+    (grad_mode.mixed, read through the norm's fused call an earlier rewrite made); the
+    training loss is the one fused, and the loss and gradients are eager's."""
+    torch.manual_seed(0)
+    model = _AuxLossUnderNoGrad()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 16, 64)
+    labels = torch.randint(0, 256, (2, 16))
+    fast = coda_rewrite.optimize(model, fuse_in_training=True, min_fused_rows=0)
+    loss, want = fast(x, labels), ref(x, labels)
+    assert loss.requires_grad and rel_err(loss, want) <= 1e-5
+    assert "grad_mode.mixed" in codes(fast.report, "lm_head_cross_entropy"), str(fast.report)
+    loss.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-4, name
