@@ -179,6 +179,38 @@ def grad_modes_mixed(nodes) -> tuple[fx.Node, fx.Node] | None:
     return (seen[True], seen[False]) if len(seen) == 2 else None
 
 
+def grad_mode_changed_along(nodes, graph: fx.Graph) -> tuple[fx.Node, fx.Node] | None:
+    """(a node autograd recorded, a node of ``nodes`` downstream of it that runs in
+    another grad mode), or None. The grad mode of each node is read from the graph's
+    ``_set_grad_enabled`` calls (dynamo traces a ``with torch.no_grad():`` block into
+    them), starting from the mode the pass runs in. A rewrite computes a match in one
+    place: where a value the match replaces was computed under no_grad from a tensor that
+    requires grad, and a node the match names reads it in grad mode (the loss after a
+    no_grad LM head, the place the fused call goes), the fused call would record what
+    eager did not. grad_modes_mixed sees only nodes whose own traced values tell; this
+    sees the readers that do not (a loss whose input needs no gradient)."""
+    mode, modes = torch.is_grad_enabled(), {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and \
+                n.args and isinstance(n.args[0], bool):
+            mode = n.args[0]
+        modes[n] = mode
+    named = {n for n in nodes if n.op in ("call_function", "call_method", "call_module")}
+    for e in named:
+        if recorded(e) is None:
+            continue
+        todo, seen = [e], {e}
+        while todo:
+            for u in todo.pop().users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u in named and modes.get(u, modes[e]) != modes[e]:
+                    return e, u
+                todo.append(u)
+    return None
+
+
 def gradient_read(value: fx.Node) -> bool:
     """Whether a gradient can reach ``value``: some path from it to the graph's output
     runs through results that require grad (a result that is not a tensor, or an update

@@ -31,7 +31,7 @@ from .algebra import locality, sharding
 from .algebra.decision import RejectionKind
 from .capture import describe, model_path
 from .codegen.program import parse
-from .graph_utils import NotPlaceable, grad_modes_mixed, row_call
+from .graph_utils import NotPlaceable, grad_mode_changed_along, grad_modes_mixed, row_call
 from .options import Options
 from .patterns.family import Context, NoMatch
 from .patterns.registry import FAMILIES
@@ -233,11 +233,12 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
                               "has it no more", "stale")
                 continue
             _show(record, family.describe_match(m))
-        mixed = grad_modes_mixed(_nodes_named(m))
+        named = list(_nodes_named(m))
+        mixed = grad_modes_mixed(named) or grad_mode_changed_along(named, graph)
         if mixed is not None:
             record.reject(RejectionKind.CONDITION, (
-                f"{describe(mixed[0])} is recorded by autograd and {describe(mixed[1])} is "
-                "not (a torch.no_grad() region inside the graph): the rewrite would compute "
+                f"{describe(mixed[0])} and {describe(mixed[1])} run in different grad modes "
+                "(a torch.no_grad() region inside the graph): the rewrite would compute "
                 "both in one grad mode, and the gradient would change"), "grad_mode.mixed")
             continue
         small = size_policy.too_few_rows(family, m, context.options.min_fused_rows)

@@ -117,6 +117,7 @@ def test_gradients_are_eagers_whatever_autograd_is_told(case):
     fast = coda_rewrite.optimize(model, fuse_in_training=True, min_fused_rows=0)
     loss, want = fast(tokens, labels), ref(tokens, labels)
     assert rel_err(loss, want) <= 1e-5
+    assert loss.requires_grad == want.requires_grad  # a loss that lost its graph, or not
     if not want.requires_grad:  # everything upstream of the loss detached or no_grad
         return
     loss.backward()

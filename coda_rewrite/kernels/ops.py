@@ -258,14 +258,16 @@ class _EdgeRoute(_Reshaped):
         return self.unflatten(self.launch(a, weight, flat))
 
 
-def _remember_edge(program, x, weight, operands, a, flat, outs) -> None:
-    """After a direct call in the model's shapes (x, operands; flattened a, flat; its
-    results outs, in the model's shapes): its class, with the launch the flattened call
-    ran if it ran one (kept by execute among the program's 2-D classes)."""
+def _remember_reshaped(route: type[_Reshaped], kind: str, program, x, weight, operands,
+                       a, flat, outs) -> None:
+    """After a call on real tensors (x, operands as the caller gave them; a, flat as the
+    op's; outs as returned): its class under (``kind``, program), as a ``route`` around
+    the launch the flattened call ran, if it ran one (execute keeps it among the
+    program's 2-D classes)."""
     launch = _last_route(program, a, weight, flat)
     if launch is not None:
-        _remember(("edge", program), x, weight, operands,
-                  _EdgeRoute(launch, x, a, operands, flat, outs))
+        _remember((kind, program), x, weight, operands,
+                  route(launch, x, a, operands, flat, outs))
 
 
 # A call that autograd records (optimize()'s training forward: grad mode on, a tensor
@@ -285,16 +287,6 @@ class _RecordedRoute(_Reshaped):
         a, flat = self.flatten(x, operands)
         count(self.ks.program.key, "kernel", "generated QuACK epilogue")
         return self.unflatten(_apply_known(self.launch, program, a, weight, *flat))
-
-
-def _remember_recorded(program, x, weight, operands, a, flat, outs) -> None:
-    """After a recorded call on real tensors (x, operands as the caller gave them; a,
-    flat as the op's; outs as returned): its class, with the launch its forward ran if it
-    ran one (execute keeps it among the program's 2-D classes)."""
-    launch = _last_route(program, a, weight, flat)
-    if launch is not None:
-        _remember(("recorded", program), x, weight, operands,
-                  _RecordedRoute(launch, x, a, operands, flat, outs))
 
 
 def _remember(program, a, b, operands, route) -> None:
@@ -598,11 +590,13 @@ def _linear(run, program, x, weight, operands):
         outs = run(program, a, weight, ops)
         if run is _direct_call and x.dim() != 2:
             outs = layouts.unflatten_outputs(prog, outs, x.shape[:-1])
-            _remember_edge(program, x, weight, operands, a, ops, outs)
+            _remember_reshaped(_EdgeRoute, "edge", program, x, weight, operands, a,
+                               ops, outs)
             return outs
         if run is gemm_with_grad and not torch._C._are_functorch_transforms_active():
             outs = layouts.unflatten_outputs(prog, outs, x.shape[:-1])
-            _remember_recorded(program, x, weight, operands, a, ops, outs)
+            _remember_reshaped(_RecordedRoute, "recorded", program, x, weight,
+                               operands, a, ops, outs)
             return outs
     return layouts.unflatten_outputs(prog, outs, x.shape[:-1])
 
