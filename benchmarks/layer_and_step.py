@@ -97,7 +97,8 @@ def step():
     """The 1B training step: every requested variant compiled and warmed up first, then
     timed in alternating rounds (the order reversed every other round; $CODA_STEP_ROUNDS
     rounds of $CODA_STEP_STEPS steps, default 3 × 3): median ms/step with the spread
-    between rounds; then each variant's peak memory, kernel split and what it fused.
+    between rounds and, for each variant, the first variant's speed over its own paired
+    by round (median and range); then each variant's peak memory, kernel split and what it fused.
     Shape: $CODA_STEP_SHAPE, batch x tokens (default 2x4096; CODA's own benchmark shape is
     4x8192). Liger patches the model's modules, so it runs after the rounds, alone."""
     import statistics
@@ -214,9 +215,17 @@ def step():
         ms = statistics.median(ts)
         spread = (max(ts) - min(ts)) / ms
         rows.append((name, ms, mem, losses[name], first[name], split, spread))
-        print(f"step {name}: {ms:.1f} ms (spread {spread:.1%} over {len(ts)} rounds), peak "
-              f"{mem:.0f} MiB, loss {losses[name]:.4f}, first call {first[name]:.0f} s | "
-              f"{split} | {fused[name]}", flush=True)
+        # the first variant's time over this one's in the same round: paired, so a round
+        # the host or the clocks slowed moves both sides of its ratio (the spread between
+        # rounds is a range, which grows with the rounds: it cannot tell a 1.5% saving)
+        base = times[alternating[0]]
+        ratios = sorted(b / t for b, t in zip(base, ts))
+        paired = (f"{statistics.median(ratios):.3f}x {alternating[0]} by round "
+                  f"({ratios[0]:.3f}-{ratios[-1]:.3f})" if len(ts) == len(base) else "")
+        print(f"step {name}: {ms:.1f} ms (spread {spread:.1%} over {len(ts)} rounds"
+              f"{', ' + paired if paired else ''}), peak {mem:.0f} MiB, loss "
+              f"{losses[name]:.4f}, first call {first[name]:.0f} s | {split} | "
+              f"{fused[name]}", flush=True)
     for name in alternating:
         report(name)
     if "Liger 0.8.5" in names:  # alone, after the others: it patches the model
