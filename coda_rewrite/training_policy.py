@@ -12,7 +12,9 @@ and 0.7 GiB, and with its angles read from one table (seventeenth session) still
 of kernel time over the gated MLP's step (Inductor's unfused rotation rides on the q/k
 copies attention needs anyway); the LM head + loss (logits written) 0.5 ms and 1.8 GiB,
 and since its softmax gradient is one traced pass 2.3 ms less kernel time for the same
-memory: left, for the memory (the bf16 logits kept); the gated MLP with its backward in
+memory: left, for the memory (the bf16 logits kept), and 7 rounds paired (twenty-ninth
+session) ran it at 1.000x the step without it, 0.961–1.057, the same kernel time; the
+gated MLP with its backward in
 the down projection's dgrad GEMM (kernels/gated_down.py) 1.2 ms (+0.9%, inside the
 2.0–3.2% spread between rounds) and −2.0 GiB, against +2.8 ms and no memory saved with
 its backward as graph ops. So the gated MLP is fused in training where its down

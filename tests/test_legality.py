@@ -281,6 +281,69 @@ def test_what_only_the_gradient_or_nothing_sees_between_the_norm_and_its_gemm(no
             assert rel_err(p.grad, q.grad) <= 1e-5, name
 
 
+@pytest.mark.provokes_pass_bug
+@pytest.mark.parametrize("between", ["detach", "scale_then_detach"])
+def test_the_gradient_replay_refuses_what_the_forward_witness_cannot_see(monkeypatch,
+                                                                         between):
+    """The row scale's witness replays the gradients too where the match trains: with the
+    detach bug above put back (the detach applied to h2 and not to the deferred r: the
+    forward exact, every gradient upstream off), the rewrite is refused as the pass's own
+    bug and the model trains as eager; the forward witness alone passed it."""
+    from coda_rewrite.algebra import row_scale
+
+    real = row_scale.replay_chain
+
+    def old_bug(chain, head, d, h2, r, like, call):
+        kept = {"r": r}
+
+        def like_keeping_r(node, src, x):  # the detach reaches h2 only
+            if x is kept["r"] and row_scale.chain_op(node, src, d)[0] == "detach":
+                return x
+            out = like(node, src, x)
+            if x is kept["r"]:
+                kept["r"] = out
+            return out
+
+        return real(chain, head, d, h2, r, like_keeping_r, call)
+
+    monkeypatch.setattr(row_scale, "replay_chain", old_bug)
+    torch.manual_seed(0)
+    model = NormThenGemm("rms", between)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(2, 6, D, generator=g), torch.randn(2, 6, D, generator=g)
+    fast = coda_rewrite.optimize(model, fuse_in_training=True)
+    fast(x, res).sum().backward()
+    ref(x, res).sum().backward()
+    (rec,) = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"]
+    assert rec.status != "rewritten" and rec.code == "witness.gradients_disagree", \
+        str(fast.report)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+def test_a_training_match_states_its_gradient_replay():
+    """What the report shows for a norm whose GEMMs train: the forward replay and the
+    gradients' (an inference graph has the forward's alone)."""
+    def body(self, x, res):
+        return self.w1(rms(self.w0(x) + res, self.g))
+
+    torch.manual_seed(0)
+    model = Block(body)
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(2, 6, D, generator=g), torch.randn(2, 6, D, generator=g)
+    trains = coda_rewrite.optimize(copy.deepcopy(model), fuse_in_training=True)
+    trains(x, res).sum().backward()
+    with torch.no_grad():
+        infers = coda_rewrite.optimize(copy.deepcopy(model))
+        infers(x, res)
+    assert trains.report.count() == 1 == infers.report.count()
+    assert "gradient replay on the gradients to the 5 inputs" in str(trains.report)
+    assert "gradient replay" not in str(infers.report)
+
+
 class GradModeRegion(nn.Module):
     """z = x·W0ᵀ + res -> norm -> W1 (and a gated MLP), one part under torch.no_grad()."""
 

@@ -45,9 +45,10 @@ class Proof:
 class Why(str):
     """A reason as text for the report, with a stable code for programs and tests:
     ``"<family>.<condition>"`` (``"row_scale.feature_index"``, ``"rope.unrotated_read"``,
-    ``"mask.window"``), ``"witness.unavailable"`` / ``"witness.disagrees"``, and the
-    pipeline's own ``"disabled"``, ``"internal_error"``, ``"not_placeable"``,
-    ``"graph.eager_raises"``. Code reads the code, never the words."""
+    ``"mask.window"``), ``"witness.unavailable"`` / ``"witness.disagrees"`` /
+    ``"witness.gradients_disagree"``, and the pipeline's own ``"disabled"``,
+    ``"internal_error"``, ``"not_placeable"``, ``"graph.eager_raises"``. Code reads the
+    code, never the words."""
     code: str
 
     def __new__(cls, text: str, code: str) -> "Why":

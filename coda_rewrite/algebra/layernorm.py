@@ -39,7 +39,8 @@ from ..graph_utils import in_place_update_of
 from ..numerics import rel_err
 from . import row_scale, sharding, statements
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
-from .witness import _MAX_ELEMS, exact, _eval, _prod, _size, _value, guarded
+from .witness import (LEAVES, MATH, _MAX_ELEMS, _eval, _prod, _size, _value, exact, gradient_error,
+                      guarded_with_gradients, verdict)
 
 
 def has_shift(consumer, norm) -> bool:
@@ -156,8 +157,12 @@ def decide(match, programs: dict, activations: dict, graph: fx.Graph
     leads = [[min(s, 3) for s in lead_full]]
     if lead_full != leads[0] and _prod(lead_full) * match.norm.dim <= _MAX_ELEMS:
         leads.append(lead_full)
+    trains = any(meta(c.linear) is not None and meta(c.linear).requires_grad
+                 for c in match.consumers)
     for lead in leads:
-        seen = guarded(lambda m: _witness(m, programs, activations, lead), match)
+        seen = guarded_with_gradients(
+            lambda m, gradients=False: _witness(m, programs, activations, lead, gradients),
+            match, trains)
         if not (isinstance(seen, Rejection) and seen.code == "witness.unavailable"):
             break
     if isinstance(seen, Rejection):
@@ -167,22 +172,30 @@ def decide(match, programs: dict, activations: dict, graph: fx.Graph
 
 # ---- witness: the matched nodes against the rewrite, in float64 -------------------------
 
-def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
+def _witness(match, programs, activations, lead: list[int],
+             gradients: bool = False) -> str | Rejection:
     """The norm and each consumer (chain and GEMM) evaluated as captured, against the
     statistics, the folded weights and the program, on random float64 rows whose mean
     is far from 0 (so the correction μ·s matters). A 16-bit graph runs in float64 too,
     exact math on both sides: the norm's own casts (Cohere's float32 statistic and the
     cast back) are replayed as identities, and the casts between the norm and a GEMM that
     check's (d) lets through are identities in the model; what rounding does is (d)'s
-    and the numerics tests' to judge, not the witness's."""
+    and the numerics tests' to judge, not the witness's. With ``gradients`` (a match whose
+    GEMMs train), every input is a leaf and the gradients of both sides to each are
+    compared instead (witness.gradient_error): a fold or a statistic that gives a
+    gradient eager's graph does not (across a detach) is right in value and wrong there."""
     norm = match.norm
     d = norm.dim
     g = torch.Generator().manual_seed(4321)
+    leaves: list[torch.Tensor] = []
 
     def rand(*shape, base=0.0):
-        return base + torch.randn(*shape, generator=g, dtype=torch.float64)
+        t = base + torch.randn(*shape, generator=g, dtype=torch.float64)
+        if gradients:
+            leaves.append(t.requires_grad_())
+        return t
 
-    env: dict = {"__gen__": g, norm.input: rand(*lead, d, base=3.0)}
+    env: dict = {"__gen__": g, MATH: gradients, norm.input: rand(*lead, d, base=3.0)}
     if norm.weight is not None:
         env[norm.weight] = rand(d, base=1.0) * 0.5
     if norm.bias is not None:
@@ -198,7 +211,7 @@ def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
         env[node] = _value(node.args[0], env) if canon_name(node) == "cast" else \
             _eval(node, env)
     r, mu = layouts.layernorm_statistics(env[norm.input], norm.eps)
-    names, errs = [], []
+    names, errs, gots, wants = [], [], [], []
     for c in match.consumers:
         if c.weight not in env:  # a weight two GEMMs share keeps its first value
             env[c.weight] = rand(min(_size(meta(c.weight).shape[0]), 8), d)
@@ -221,7 +234,7 @@ def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
         _, muc, _, _ = replay_chain(c.chain, norm, env[norm.input], mu, like, call)
         w_fold, s, b_fold = layouts.layernorm_weights(
             env[c.weight], env.get(c.bias), env.get(norm.weight), env.get(norm.bias),
-            _value(scale, env), _value(shift, env))
+            _value(scale, env), _value(shift, env), s_detached=not gradients)
         ops = [rc.reshape(-1), muc.reshape(-1), s, *([b_fold] if b_fold is not None else [])]
         prog = parse(exact(programs[c.linear].to_text()))  # float64 outputs: no rounding
         if len(prog.operands) != len(ops):
@@ -230,6 +243,13 @@ def _witness(match, programs, activations, lead: list[int]) -> str | Rejection:
         (got,) = reference.run_program(prog, zc.reshape(-1, d), w_fold, ops)
         names.append(c.linear.name)
         errs.append(rel_err(got.double().reshape(want.shape), want.double()))
+        gots.append(got.reshape(want.shape))
+        wants.append(want)
+    if gradients:
+        leaves += env.get(LEAVES, [])
+        return verdict(gradient_error(gots, wants, leaves),
+                       f"the gradients to the {len(leaves)} inputs, rows {lead}", match.path,
+                       tol=1e-9, gradients=True)
     tol = 1e-9  # exact math in float64 on both sides (the outputs too)
     shown = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs))
     if not all(e <= tol for e in errs):  # NaN fails too

@@ -41,6 +41,7 @@ from ..numerics import rel_err
 from . import sharding, statements
 from . import witness as witness_mod
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
+from .isolated import off_thread
 from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailable
 
 
@@ -349,35 +350,79 @@ def witness(match, programs, consumers) -> str | Rejection:
     last_err = ""
     for lead, native in attempts:
         try:
-            return _witness(match, programs, consumers, lead, native)
+            seen = _witness(match, programs, consumers, lead, native)
         except _Unreplayable as e:
             return unavailable(str(e), match.path)
         except (RuntimeError, IndexError, ValueError, TypeError) as e:  # an op that raises
-            last_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            last_err = _first_line(e)
+            continue
+        if isinstance(seen, Rejection) or not _trains(match, consumers):
+            return seen
+        return _gradient_witness(match, programs, consumers, lead, seen)
     return unavailable(f"the matched nodes raise on the replay's inputs: {last_err}",
                        match.path)
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _trains(match, consumers) -> bool:
+    """Whether autograd records the match's results where dynamo traced them."""
+    outs = [c.linear for c in consumers] + ([match.producer.add] if match.producer else [])
+    return any(meta(n) is not None and meta(n).requires_grad for n in outs)
+
+
+def _gradient_witness(match, programs, consumers, lead, seen: str) -> str | Rejection:
+    """The forward witness ``seen``, and in a training graph the same replay's gradients.
+
+    The forward replay cannot see a rewrite whose values are right and whose gradients
+    are not: a detach between the norm and a GEMM that the rewrite applied to h2 but not
+    to the deferred r (found by tests/test_legality.py; chain_op's "detach" now covers
+    it) gave exact logits and every upstream gradient 12% off. So a match that trains is
+    replayed once more with every input a float64 leaf, every cast the identity and the
+    programs' outputs unrounded (the dataflow's derivative, not its roundings), and the
+    gradients of both sides to every leaf must agree. On a fresh thread: the pass may run
+    under the caller's no_grad, inference mode or saved-tensor hooks (isolated.py).
+    Fails closed like the forward."""
+    try:
+        grads = off_thread(_witness, match, programs, consumers, lead, False, True)
+    except _Unreplayable as e:
+        return unavailable(str(e), match.path)
+    except (RuntimeError, IndexError, ValueError, TypeError) as e:
+        return unavailable(f"the gradient replay raises: {_first_line(e)}", match.path)
+    return grads if isinstance(grads, Rejection) else f"{seen}; {grads}"
 
 
 def _small_first_row(*tensors) -> None:
     """Scale the first row of the norm's inputs by 1e-2 (mean(z²) ≈ 1e-4), where an eps
     other than the graph's changes the norm by more than the replay's tolerance; on rows
     of unit size a wrong eps hides under bf16's (an eps=None norm's once did)."""
-    for t in tensors:
-        t.view(-1, t.shape[-1])[0] *= 1e-2
+    with torch.no_grad():  # a gradient replay's leaves are scaled before any use
+        for t in tensors:
+            t.view(-1, t.shape[-1])[0] *= 1e-2
 
 
-def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
+def _witness(match, programs, consumers, lead, native: bool,
+             gradients: bool = False) -> str | Rejection:
+    """The replay on rows ``lead``: in float64 where the graph has float32 (``native``:
+    in the graph's dtypes); with ``gradients``, every input a float64 leaf, casts the
+    identity, and the gradients compared (_gradient_witness)."""
     norm, prod = match.norm, match.producer
     d = norm.dim
     g = torch.Generator().manual_seed(1234)
+    leaves: list[torch.Tensor] = []
 
     def rand(node, *shape, base=0.0):
         dtype = meta(node).dtype
-        if not native and dtype == torch.float32:
+        if gradients or (not native and dtype == torch.float32):
             dtype = torch.float64
-        return (base + torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+        t = (base + torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+        if gradients:
+            leaves.append(t.requires_grad_())
+        return t
 
-    env: dict = {"__gen__": g}
+    env: dict = {"__gen__": g, witness_mod.MATH: gradients}
     ops_in, reference_outs, rewritten_outs, names = [], [], [], []
     if norm.weight is not None:
         env[norm.weight] = rand(norm.weight, d, base=1.0) * 0.5
@@ -413,7 +458,10 @@ def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
     for n in norm.nodes:
         env[n] = _eval(n, env)
 
-    outs = reference.run_program(programs.norm, *ops_in)
+    def program(p):  # unrounded outputs where the gradients are compared
+        return witness_mod.exact_program(p) if gradients else p
+
+    outs = reference.run_program(program(programs.norm), *ops_in)
     if prod is not None:
         z, h2, r = outs
         reference_outs.append(env[prod.add])
@@ -447,12 +495,18 @@ def _witness(match, programs, consumers, lead, native: bool) -> str | Rejection:
         if shift is not None:
             bias = layouts.distribute_bias(_value(shift, env), env[c.weight], bias)
         ops = [rc.reshape(-1), *([bias] if bias is not None else [])]
-        (out,) = reference.run_program(programs.consumers[c.linear],
+        (out,) = reference.run_program(program(programs.consumers[c.linear]),
                                        hc.reshape(-1, d), weight, ops)
         reference_outs.append(ref)
         rewritten_outs.append(out.reshape(ref.shape))
         names.append(c.linear.name)
 
+    if gradients:
+        leaves += env.get(witness_mod.LEAVES, [])
+        err = witness_mod.gradient_error(rewritten_outs, reference_outs, leaves)
+        what = (f"the gradients to the {len(leaves)} inputs in exact arithmetic, rows "
+                f"{lead}")
+        return witness_mod.verdict(err, what, match.path, gradients=True)
     low_precision = any(m is not None and m.dtype in (torch.float16, torch.bfloat16)
                         for m in map(meta, [norm.input, norm.output, *norm.nodes,
                                             *(c.linear for c in consumers)]))

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..canonical import canon, default_rms_eps, meta
+from ..canonical import canon, canon_name, default_rms_eps, meta
 from ..codegen import layouts, reference
 from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
@@ -29,6 +29,8 @@ from .decision import Rejection, RejectionKind
 from .isolated import off_thread
 
 _MAX_ELEMS = 1 << 16
+MATH = "__math__"  # an env key: every cast replayed as the identity (a gradient replay)
+LEAVES = "__leaves__"  # an env key: the graph inputs a gradient replay invented, as leaves
 
 
 class _Unreplayable(Exception):
@@ -46,6 +48,10 @@ def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
     if sharding.boundary_op(node) is not None:
         # a DTensor layout op the match crosses is the identity on the global value
         # (side condition (e), checked before the witness runs); the replay is global
+        return arg(node.args[0])
+    if env.get(MATH) and canon_name(node) == "cast":
+        # the gradient replay computes the dataflow's derivative in float64 throughout: a
+        # cast rounds the value, and its derivative is the identity
         return arg(node.args[0])
     if _identity_cast(node):
         # ``.to(torch.bfloat16)`` of a bfloat16 value does nothing in the model; replayed
@@ -89,6 +95,9 @@ def _random_like(n: fx.Node, env: dict) -> torch.Tensor:
         raise _Unreplayable(f"{n.name} is a graph input the witness cannot invent")
     shape = [_size(s) for s in m.shape]
     t = torch.rand(shape, generator=env["__gen__"], dtype=torch.float64) + 0.5
+    if env.get(MATH):  # a gradient replay: one more input whose gradient is compared
+        env.setdefault(LEAVES, []).append(t.requires_grad_())
+        return t
     return t if m.dtype == torch.float32 else t.to(m.dtype)
 
 
@@ -117,9 +126,36 @@ def _size(s) -> int:
 
 def exact(program_text: str) -> str:
     """The program with float64 outputs: a replay compares math, not roundings."""
-    prog = parse(program_text)
+    return exact_program(parse(program_text)).to_text()
+
+
+def exact_program(prog):
+    """``exact`` on a parsed program."""
     return dataclasses.replace(prog, outputs=tuple(
-        dataclasses.replace(o, dtype="float64") for o in prog.outputs)).to_text()
+        dataclasses.replace(o, dtype="float64") for o in prog.outputs))
+
+
+def gradient_error(outs, refs, leaves, seed: int = 7) -> float:
+    """How far the gradients of Σ outs·R (R random, one per output) to ``leaves`` are
+    from those of Σ refs·R: the largest over the leaves of ‖g − g_ref‖ over ‖g_ref‖,
+    where a gradient autograd never reaches counts as zero. A leaf whose reference
+    gradient is exactly zero (a path a detach cuts) is judged against the largest
+    gradient's norm, so a rewrite that lets a gradient through where eager's graph
+    does not shows as an error of order one, and rounding at float64's as none."""
+    gen = torch.Generator().manual_seed(seed)
+    cotangents = [torch.randn(r.shape, generator=gen, dtype=torch.float64) for r in refs]
+
+    def grads(values):
+        total = sum((v.double() * c).sum() for v, c in zip(values, cotangents))
+        if not total.requires_grad:
+            return [torch.zeros_like(t) for t in leaves]
+        seen = torch.autograd.grad(total, leaves, allow_unused=True, retain_graph=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(seen, leaves)]
+
+    got, want = grads(outs), grads(refs)
+    floor = 1e-9 * max([float(g.norm()) for g in want] + [1e-300])
+    return max([float((a - b).norm()) / max(float(b.norm()), floor)
+                for a, b in zip(got, want)] + [0.0])
 
 
 def eval_nodes(nodes, env: dict) -> None:
@@ -167,12 +203,21 @@ def guarded_with_gradients(replay, match, gradients: bool) -> str | Rejection:
     return grads if isinstance(grads, Rejection) else f"{seen}; {grads}"
 
 
-def verdict(err: float, what: str, path: str, tol: float = 1e-6) -> str | Rejection:
-    """The witness line, or a checker-bug rejection when the replay disagrees."""
+def verdict(err: float, what: str, path: str, tol: float = 1e-6,
+            gradients: bool = False) -> str | Rejection:
+    """The witness line, or a checker-bug rejection when the replay disagrees
+    (``gradients``: a gradient replay's, whose values agreed)."""
     if not err <= tol:  # NaN fails too
+        if gradients:
+            return Rejection(f"checker bug: the gradient replay disagrees ({err:.1e} on "
+                             f"{what}; tol {tol:g}): the rewrite's values are eager's and "
+                             "its gradients are not; not applied", path,
+                             RejectionKind.WITNESS_DISAGREES, "witness.gradients_disagree")
         return Rejection(f"checker bug: the float64 witness disagrees ({err:.1e}; tol "
                          f"{tol:g}); the rewrite is not applied", path,
                          RejectionKind.WITNESS_DISAGREES, "witness.disagrees")
+    if gradients:
+        return f"gradient replay on {what}: rel. error {err:.1e} (tol {tol:g})"
     return f"replay in float64 on {what}: rel. error {err:.1e} (tol {tol:g})"
 
 
