@@ -282,16 +282,23 @@ def test_what_only_the_gradient_or_nothing_sees_between_the_norm_and_its_gemm(no
 
 
 @pytest.mark.provokes_pass_bug
+@pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("between", ["detach", "scale_then_detach"])
 def test_the_gradient_replay_refuses_what_the_forward_witness_cannot_see(monkeypatch,
-                                                                         between):
-    """The row scale's witness replays the gradients too where the match trains: with the
-    detach bug above put back (the detach applied to h2 and not to the deferred r: the
-    forward exact, every gradient upstream off), the rewrite is refused as the pass's own
+                                                                         norm, between):
+    """A norm's witness replays the gradients too where the match trains. With the detach
+    bug above put back (RMSNorm: the detach applied to h2 and not to the deferred r;
+    LayerNorm: γ and β folded across the detach, layernorm.detach dropped), the forward
+    is exact and every gradient upstream is off: the rewrite is refused as the pass's own
     bug and the model trains as eager; the forward witness alone passed it."""
+    from coda_rewrite.algebra import layernorm as layernorm_algebra
     from coda_rewrite.algebra import row_scale
 
-    real = row_scale.replay_chain
+    real, condition = row_scale.replay_chain, layernorm_algebra._consumer_condition
+
+    def without_the_detach_rule(c, n):
+        why = condition(c, n)
+        return None if why is not None and why.code == "layernorm.detach" else why
 
     def old_bug(chain, head, d, h2, r, like, call):
         kept = {"r": r}
@@ -306,16 +313,20 @@ def test_the_gradient_replay_refuses_what_the_forward_witness_cannot_see(monkeyp
 
         return real(chain, head, d, h2, r, like_keeping_r, call)
 
-    monkeypatch.setattr(row_scale, "replay_chain", old_bug)
+    if norm == "rms":
+        monkeypatch.setattr(row_scale, "replay_chain", old_bug)
+    else:
+        monkeypatch.setattr(layernorm_algebra, "_consumer_condition", without_the_detach_rule)
     torch.manual_seed(0)
-    model = NormThenGemm("rms", between)
+    model = NormThenGemm(norm, between)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     x, res = torch.randn(2, 6, D, generator=g), torch.randn(2, 6, D, generator=g)
     fast = coda_rewrite.optimize(model, fuse_in_training=True)
     fast(x, res).sum().backward()
     ref(x, res).sum().backward()
-    (rec,) = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"]
+    pattern = "residual_rmsnorm_gemm" if norm == "rms" else "layernorm_gemm"
+    (rec,) = [r for r in fast.report.records if r.pattern == pattern]
     assert rec.status != "rewritten" and rec.code == "witness.gradients_disagree", \
         str(fast.report)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
