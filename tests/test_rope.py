@@ -1698,3 +1698,26 @@ def test_a_member_read_through_a_detach_keeps_its_own_gemm_in_training(where):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         assert q.grad is None or rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_gradient_replay_refuses_a_fold_that_loses_a_gradient(monkeypatch):
+    """RoPE's witness replays the gradients where the match trains: a re-layout that
+    detached the biases it packs (the forward exact, the q/k/v biases without a gradient
+    through the fused GEMM) is refused as the pass's own bug, and the step is eager's."""
+    real = layouts.rope_segments
+
+    def detaching_biases(lay, *tensors):
+        return real(lay, *(t.detach() if t is not None and t.dim() == 1 else t
+                           for t in tensors))
+
+    monkeypatch.setattr(layouts, "rope_segments", detaching_biases)
+    model = hf_model("qwen2", layers=1).train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model, fuse_in_training=True)
+    fast(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    (rec,) = [r for r in fast.report.records if r.pattern == "rope"]
+    assert rec.status != "rewritten" and rec.code == "witness.gradients_disagree", str(rec)
+    grads_match(model, ref, tol=1e-5)

@@ -43,7 +43,7 @@ from ..graph_utils import MATMUL, mutated_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .witness import _Unreplayable, _size, exact, guarded, verdict
+from .witness import _Unreplayable, _size, exact, gradient_error, guarded_with_gradients, verdict
 
 _SHAPE = {"view", "reshape", "expand", "unsqueeze", "contiguous", "clone", "detach",
           torch.reshape, torch.unsqueeze, torch.clone, torch.detach}
@@ -506,14 +506,19 @@ def decide(m, program) -> Decision:
         held.append("the kernel reads those angles as one (cos, sin) table made from them "
                     "(float64 angle reduced mod one turn, cos and sin rounded once to "
                     "float32): a training graph, whose backward reads the same table")
-    replay = functools.partial(_replay, program=program)
+    trains = any(meta(n) is not None and meta(n).requires_grad
+                 for n in [m.proj.out] + [r.out for r in m.rotated])
+
+    def replay(match, gradients: bool = False, key_order: bool = False):
+        return _replay(match, program, key_order, gradients)
+
     norm = [] if m.head_norm is None else [statements.prove_head_norm_permutation()] + (
         [statements.prove_head_norm_through_rotation()] if m.head_norm[2] else [])
     if m.form in ("pairs", "interleaved"):  # already adjacent pairs: nothing is permuted
         rotation = statements.prove_complex_rotation() if m.form == "pairs" else \
             statements.prove_pair_rotation()
         facts = statements.prove_rotation_facts()
-        seen = guarded(replay, m)
+        seen = guarded_with_gradients(replay, m, trains)
         if isinstance(seen, Rejection):
             return seen
         return Proof("  ;".join(p.statement for p in (rotation, facts, *norm)),
@@ -541,9 +546,8 @@ def decide(m, program) -> Decision:
         held.append("v joins the GEMM " + ("with frequency 0" if recomputes_angles(m, program)
                                           else "under a 0 rotate flag") + ": " + ", ".join(
             describe(s.column_node) for s in m.passthrough))
-    if region.key_writes:
-        replay = functools.partial(_replay, program=program, key_order=True)
-    seen = guarded(replay, m)
+    seen = guarded_with_gradients(
+        functools.partial(replay, key_order=bool(region.key_writes)), m, trains)
     if isinstance(seen, Rejection):
         return seen
     return Proof(
@@ -588,11 +592,15 @@ def rotated_spans(m) -> tuple:
                  for s in m.segments)
 
 
-def _replay(m, program, key_order: bool = False) -> str | Rejection:
+def _replay(m, program, key_order: bool = False, gradients: bool = False
+            ) -> str | Rejection:
     """The matched rotations on random float64 inputs (one short sequence, the model's
     heads), eager's nodes against the fused program + un-permutation. ``key_order``
     (multi-head latent attention): also q·k of the fused query against a key whose
-    rotated part has layouts.rope_permute's order, against eager's q·k."""
+    rotated part has layouts.rope_permute's order, against eager's q·k. ``gradients``
+    (a match that trains): the inputs, weights, biases and QK-norm weights are leaves,
+    and the gradients of both sides to each are compared instead (a detach among the
+    rotation's nodes is right in value and wrong there)."""
     gen = torch.Generator().manual_seed(2718)
     seq = min(_size(meta(m.proj.x).shape[1]), 5)
     k = min(_size(meta(m.proj.x).shape[-1]), 16)
@@ -642,6 +650,9 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
     norm_weights = {r.norm.idiom.weight: torch.randn(r.head_dim, generator=gen,
                                                      dtype=torch.float64)
                     for r in m.rotated if r.norm is not None and r.norm.idiom.weight is not None}
+    leaves = [t.requires_grad_() for t in (x, r, *weights.values(), *biases.values(),
+                                           *norm_weights.values())
+              if t is not None and gradients]
     want = []
     for rot in m.rotated:
         env = {}
@@ -714,7 +725,7 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         operands += [layouts.rope_positions(pos[None, None, :], x),
                      layouts.rope_frequencies(inv.float(), lay)]
     fused = layouts.fused_linear_reference(exact(program.to_text()), x, w, *operands)[0]
-    err, at = 0.0, 0
+    err, at, gots, refs = 0.0, 0, [], []
     for rot, ref in zip(m.rotated, want):
         got = fused[..., at:at + rot.n_heads * rot.head_dim].unflatten(
             -1, (rot.n_heads, rot.head_dim))
@@ -726,11 +737,19 @@ def _replay(m, program, key_order: bool = False) -> str | Rejection:
         if rot.form == "half":
             got = layouts.rope_unpermute(got, rot.head_dim, rot.rotary_dim, rot.rotary_offset)
         err = max(err, rel_err(got, ref))
+        gots.append(got)
+        refs.append(ref)
         at += rot.n_heads * rot.head_dim
     for s in m.passthrough:
         n = s.columns[1] - s.columns[0]
         err = max(err, rel_err(fused[..., at:at + n], columns(s)))
+        gots.append(fused[..., at:at + n])
+        refs.append(columns(s))
         at += n
+    if gradients:
+        return verdict(gradient_error(gots, refs, leaves),
+                       f"the gradients to the {len(leaves)} inputs, 1 × {seq} tokens",
+                       m.path, gradients=True)
     return verdict(err, f"1 × {seq} tokens, {len(m.segments)} segments", m.path)
 
 
