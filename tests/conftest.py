@@ -215,6 +215,24 @@ def grads_match(model, ref, tol: float = 1e-4) -> None:
         assert rel_err(p.grad, q.grad) <= tol, (name, rel_err(p.grad, q.grad))
 
 
+def refused_by_gradient_replay(family: str, pattern: str) -> None:
+    """One training step of a one-layer ``family`` through optimize(fuse_in_training=True):
+    the ``pattern`` match refused as witness.gradients_disagree (a test that put a
+    gradient bug in, forward exact), and every gradient eager's."""
+    import copy
+
+    import coda_rewrite
+    model = hf_model(family, layers=1).train()
+    ref = copy.deepcopy(model)
+    ids = tokens()
+    fast = coda_rewrite.optimize(model, fuse_in_training=True)
+    fast(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    (rec,) = [r for r in fast.report.records if r.pattern == pattern]
+    assert rec.status != "rewritten" and rec.code == "witness.gradients_disagree", str(rec)
+    grads_match(model, ref, tol=1e-5)
+
+
 def step_matches_eager(family: str, layers: int = 2, model=None, **options):
     """One training forward + backward of ``family`` (``model``: this one, built with
     config overrides, instead of build(family)) through optimize(**options) against

@@ -282,3 +282,18 @@ def test_clamped_swiglu_mlp(case, training):
         g0 = torch.autograd.grad((want * r).sum(), [x, *model.parameters()])
         for a, b in zip(g1, g0):
             assert rel_err(a, b) <= 1e-10
+
+
+@pytest.mark.provokes_pass_bug
+def test_the_gradient_replay_refuses_an_interleave_that_loses_a_gradient(monkeypatch):
+    """The gated pair's witness replays the gradients where the match trains: an
+    interleave of the gate and up weights that detached the up weight (the forward exact,
+    W_up without a gradient through the fused GEMM) is refused as the pass's own bug, and
+    the step is eager's."""
+    from coda_rewrite.codegen import layouts
+    from conftest import refused_by_gradient_replay
+
+    real = layouts.interleave_rows
+    monkeypatch.setattr(layouts, "interleave_rows",
+                        lambda gate, up: real(gate, None if up is None else up.detach()))
+    refused_by_gradient_replay("llama", "gated_mlp")

@@ -32,7 +32,8 @@ from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
 from .isolated import off_thread
-from .witness import _size, eval_nodes, exact, guarded, verdict
+from .witness import (MATH, _size, eval_nodes, exact, gradient_error, guarded,
+                      guarded_with_gradients, verdict)
 
 
 def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
@@ -142,40 +143,54 @@ def decide(m, program) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_gated_interleave()
-    seen = guarded(lambda m: _replay(m, program), m)
+    product = meta(m.mul)
+    seen = guarded_with_gradients(
+        lambda m, gradients=False: _replay(m, program, gradients), m,
+        product is not None and product.requires_grad)
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)
 
 
-def _replay(m, program) -> str | Rejection:
+def _replay(m, program, gradients: bool = False) -> str | Rejection:
     """The matched nodes on random float64 inputs (small shapes) against the fused
-    program, through the reference, on the same inputs."""
-    env, lead, w_int, b_int = _random_inputs(m)
+    program, through the reference, on the same inputs; with ``gradients`` (a match that
+    trains), the inputs, row scale, weights and biases are leaves, casts identities, and
+    the gradients of both sides to each are compared instead."""
+    leaves: list[torch.Tensor] | None = [] if gradients else None
+    env, lead, w_int, b_int = _random_inputs(m, leaves)
     g, u = m.gate, m.up
     eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
                 *m.clamps, m.act, m.mul], env)
     operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
     fused = layouts.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
                                        *operands)[0]
+    if leaves is not None:
+        return verdict(gradient_error([fused], [env[m.mul]], leaves),
+                       f"the gradients to the {len(leaves)} inputs, rows {lead}", m.path,
+                       gradients=True)
     return verdict(rel_err(fused, env[m.mul]), f"rows {lead}", m.path)
 
 
-def _random_inputs(m):
+def _random_inputs(m, leaves: list | None = None):
     """(env, leading shape, W_int, b_int): random float64 values for the projections'
-    input, row scale, weights and biases, at small shapes."""
+    input, row scale, weights and biases, at small shapes; each a leaf appended to
+    ``leaves`` where given (a gradient replay, whose casts are identities)."""
     gen = torch.Generator().manual_seed(4321)
 
     def rand(*shape, positive=False):
         t = torch.randn(*shape, generator=gen, dtype=torch.float64)
-        return t.abs() + 0.5 if positive else t
+        t = t.abs() + 0.5 if positive else t
+        if leaves is not None:
+            leaves.append(t.requires_grad_())
+        return t
 
     g, u = m.gate, m.up
     out_shape = meta(g.out).shape  # the GEMM output (rewritten nodes may lack meta)
     lead = [min(_size(s), 3) for s in out_shape[:-1]]
     k = min(_contracted(g), 16)
     n = min(_size(out_shape[-1]) // (2 if m.packed else 1), 6)
-    env: dict = {"__gen__": gen}
+    env: dict = {"__gen__": gen, MATH: leaves is not None}
     env[g.x] = env[u.x] = rand(*lead, k)
     if g.r is not None:
         env[g.r] = env[u.r] = rand(*lead, 1, positive=True)
