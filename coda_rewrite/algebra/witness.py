@@ -7,6 +7,16 @@ rewrite's programs through the reference interpreter on the same inputs. A disag
 means the checker or a pattern is wrong: the rewrite is rejected and reported as a
 checker bug (RejectionKind.WITNESS_DISAGREES), never applied.
 
+Values can agree where gradients do not: a detach between a norm and its GEMM that the
+rewrite applied to h2 and not to the deferred r gave exact logits and every upstream
+gradient 12% off. So where a match trains, the families whose replay can make its inputs
+leaves (the norms, RoPE, the gated pair, the experts) replay it once more for the
+gradients: every input a float64 leaf (MATH: casts as identities, the programs' outputs
+unrounded), the gradients of Σ out·R on both sides to every leaf compared
+(gradient_error; code ``witness.gradients_disagree``). On a fresh thread (isolated.py).
+What this replay cannot see has side conditions of its own: a torch.no_grad() block
+(grad_mode.mixed), a zero gradient where eager's is None (rope.member_not_differentiated).
+
 The witness fails closed: a replay that cannot run (a graph input it cannot invent, an
 op that raises on the replay's inputs, as eager's F.linear does on mixed dtypes) refuses
 the rewrite (RejectionKind.WITNESS_UNAVAILABLE), with the reason. Nothing is applied on
