@@ -195,6 +195,8 @@ def grad_mode_changed_along(nodes, graph: fx.Graph) -> tuple[fx.Node, fx.Node] |
                 n.args and isinstance(n.args[0], bool):
             mode = n.args[0]
         modes[n] = mode
+    if len(set(modes.values())) < 2:  # one mode throughout (most graphs): nothing to walk
+        return None
     named = {n for n in nodes if n.op in ("call_function", "call_method", "call_module")}
     for e in named:
         if recorded(e) is None:

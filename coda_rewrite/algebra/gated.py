@@ -146,7 +146,7 @@ def decide(m, program) -> Decision:
     product = meta(m.mul)
     seen = guarded_with_gradients(
         lambda m, gradients=False: _replay(m, program, gradients), m,
-        product is not None and product.requires_grad)
+        product is None or product.requires_grad)  # unknown counts as training: replay
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)

@@ -157,7 +157,7 @@ def decide(match, programs: dict, activations: dict, graph: fx.Graph
     leads = [[min(s, 3) for s in lead_full]]
     if lead_full != leads[0] and _prod(lead_full) * match.norm.dim <= _MAX_ELEMS:
         leads.append(lead_full)
-    trains = any(meta(c.linear) is not None and meta(c.linear).requires_grad
+    trains = any(meta(c.linear) is None or meta(c.linear).requires_grad  # unknown: replay
                  for c in match.consumers)
     for lead in leads:
         seen = guarded_with_gradients(

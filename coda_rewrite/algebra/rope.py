@@ -506,8 +506,9 @@ def decide(m, program) -> Decision:
         held.append("the kernel reads those angles as one (cos, sin) table made from them "
                     "(float64 angle reduced mod one turn, cos and sin rounded once to "
                     "float32): a training graph, whose backward reads the same table")
-    trains = any(meta(n) is not None and meta(n).requires_grad
-                 for n in [m.proj.out] + [r.out for r in m.rotated])
+    # the rotations' outputs are the model's own nodes (the projection's may be an earlier
+    # rewrite's call, without a traced value); unknown counts as training: replay
+    trains = any(meta(r.out) is None or meta(r.out).requires_grad for r in m.rotated)
 
     def replay(match, gradients: bool = False, key_order: bool = False):
         return _replay(match, program, key_order, gradients)

@@ -368,9 +368,10 @@ def _first_line(e: Exception) -> str:
 
 
 def _trains(match, consumers) -> bool:
-    """Whether autograd records the match's results where dynamo traced them."""
+    """Whether autograd records the match's results where dynamo traced them (a result
+    without a traced value counts as recorded: the gradient replay then runs)."""
     outs = [c.linear for c in consumers] + ([match.producer.add] if match.producer else [])
-    return any(meta(n) is not None and meta(n).requires_grad for n in outs)
+    return any(meta(n) is None or meta(n).requires_grad for n in outs)
 
 
 def _gradient_witness(match, programs, consumers, lead, seen: str) -> str | Rejection:
