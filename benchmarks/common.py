@@ -88,6 +88,8 @@ def bench_rounds(fns: dict, rounds: int = 3) -> dict:
 
 def classify(name: str) -> str:
     n = name.lower()
+    if "nccl" in n:  # NCCL's collectives (the two-GPU step: all-gathers, reduce-scatters)
+        return "collective"
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
         return "attention"
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "matmul", "sm90_",
@@ -97,7 +99,9 @@ def classify(name: str) -> str:
 
 
 def kernel_split(fn) -> str:
-    """GPU kernel time of one call of ``fn``, split into GEMM / attention / other."""
+    """GPU kernel time of one call of ``fn``, split into GEMM / attention / other (and
+    the collectives, where there are any: a collective's kernel time includes its wait
+    for the other rank, so it is an upper bound on the communication)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -109,7 +113,8 @@ def kernel_split(fn) -> str:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             tot[classify(e.name)] += e.device_time_total
     s = sum(tot.values())
-    return " | ".join(f"{k} {tot[k] / 1e3:.1f} ms" for k in ("gemm", "attention", "other")) \
+    kinds = ("gemm", "attention", "other") + (("collective",) if tot["collective"] else ())
+    return " | ".join(f"{k} {tot[k] / 1e3:.1f} ms" for k in kinds) \
         + f" | total {s / 1e3:.1f} ms"
 
 

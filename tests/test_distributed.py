@@ -159,3 +159,25 @@ def test_column_parallel_gemms_with_biases():
         assert res["err"] <= 1e-5 and res["x_grad"] <= 1e-4 and res["grad_err"] <= 1e-4, res
         (norm,) = [r for r in res["records"] if r[1] == "residual_rmsnorm_gemm"]
         assert norm[2] == "rewritten", norm
+
+
+def test_the_two_gpu_benchmark_dry_run():
+    """benchmarks/distributed_step.py (the two-GPU step of issue #22) on two gloo processes
+    with a tiny config: FSDP2 per layer and tensor + sequence parallelism on Hugging
+    Face's Llama, each variant's loss and gathered gradients against float64, and the
+    rewrites backend="coda" made under each wrapping (a run that rewrote nothing would
+    time torch.compile against itself)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "benchmarks"))
+    import distributed_step
+    results = distributed_step.run_on_two_ranks(["fsdp2", "tp"], cpu=True)
+    for res in results:
+        for wrapping in ("fsdp2", "tp"):
+            for variant, (loss_err, grad_err) in res[wrapping]["numerics"].items():
+                assert loss_err <= 1e-5 and grad_err <= 1e-4, (wrapping, variant, grad_err)
+            fused = res[wrapping]["fused"]['backend="coda"']
+            done = {p for (p, status), _ in fused.items() if status == "rewritten"}
+            assert {"residual_rmsnorm_gemm", "gated_mlp"} <= done, (wrapping, fused)
+            assert all(len(ts) == 1 for ts in res[wrapping]["times"].values())
