@@ -532,3 +532,41 @@ def test_the_stale_check_sees_every_node_a_match_names(monkeypatch, family, fp8)
     for m in matches:
         missed = set(_every_node_reachable(m)) - set(pipeline._nodes_named(m))
         assert not missed, (type(m), missed)
+
+
+def test_inputs_in_any_memory_layout():
+    """The model's input as eager accepts it in any layout: a slice of a longer sequence,
+    batch-major strides, every other token, every other feature, one sequence expanded
+    over the batch (stride 0), an offset into its storage; each after the others through
+    the same optimized model (its graphs guard on strides: a layout seen before must not
+    reuse another's flattening), under no_grad and in training."""
+    model = hf_model("llama").eval()
+    ref = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(model)
+    ids = torch.randint(3, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        emb = ref.model.embed_tokens(ids)
+    layouts = {"slice": emb[:, :16],
+               "batch-major": emb.transpose(0, 1).contiguous().transpose(0, 1)[:, :16],
+               "every other token": emb[:, ::2],
+               "every other feature": torch.cat([emb, emb], -1)[..., ::2][:, :16],
+               "expanded": emb[:1, :16].expand(2, -1, -1),
+               "offset": emb[:, 3:19]}
+    with torch.no_grad():
+        for name, x in [*layouts.items(), *reversed(layouts.items())]:
+            got, want = fast(inputs_embeds=x).logits, ref(inputs_embeds=x).logits
+            assert rel_err(got, want) <= 1e-5, name
+    model.train()
+    ref.train()
+    trained = coda_rewrite.optimize(model, fuse_in_training=True)
+    for name, x in layouts.items():
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        labels = ids[:, :x.shape[1]]
+        loss = trained(inputs_embeds=a.transpose(0, 1).contiguous().transpose(0, 1),
+                       labels=labels).loss
+        want = ref(inputs_embeds=b, labels=labels).loss
+        loss.backward()
+        want.backward()
+        assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), name
+        assert rel_err(a.grad, b.grad) <= 1e-4, name
+    assert fast.report.count() and trained.report.count()
