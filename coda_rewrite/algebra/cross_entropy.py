@@ -1,5 +1,7 @@
 """Legality of an LM head → cross-entropy rewrite: the identity, the side conditions on
-the matched graph, and a float64 replay of the matched nodes against the rewrite.
+the matched graph, and a float64 replay of the matched nodes against the rewrite (where
+the loss trains, of the gradients too, the program differentiated by the backward rule
+training runs: witness.run_program).
 
 Identity: F.cross_entropy(y, t)_i = log Σ_j exp(y[i, j]) − y[i, t_i] for a row whose
 target is a class index, 0 for an ignored row; the log-sum-exp is merged from per-tile
@@ -27,7 +29,8 @@ from ..graph_utils import mutated_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .witness import _size, eval_nodes, exact, guarded, verdict
+from .witness import (LEAVES, MATH, _size, eval_nodes, exact, fused_linear, gradient_error,
+                      guarded_with_gradients, verdict)
 
 
 def describe_map(logits_map: tuple) -> str:
@@ -97,7 +100,9 @@ def decide(m, program, materialise: bool) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     merge = statements.prove_lse_merge()
-    seen = guarded(lambda m: _replay(m, program), m)
+    trains = meta(m.ce) is None or meta(m.ce).requires_grad  # untraced: replayed (closed)
+    seen = guarded_with_gradients(
+        lambda m, gradients=False: _replay(m, program, gradients), m, trains)
     if isinstance(seen, Rejection):
         return seen
     mapped = ()
@@ -118,19 +123,27 @@ def decide(m, program, materialise: bool) -> Decision:
         seen)
 
 
-def _replay(m, program) -> str | Rejection:
+def _replay(m, program, gradients: bool = False) -> str | Rejection:
     """The matched nodes (GEMM, chain, loss) on random float64 inputs with every third
-    target ignored, against the rewrite's program and reduction on the same inputs."""
+    target ignored, against the rewrite's program and reduction on the same inputs. With
+    ``gradients`` (a loss that trains): x, the weight, the bias and the row scale are
+    leaves, casts identities, and the gradients of the loss (and of the logits where the
+    model reads them) to each are compared, the program differentiated by the rule
+    training runs (witness.run_program)."""
     gen = torch.Generator().manual_seed(97)
     p = m.proj
     out_shape = meta(p.out).shape
     lead = [min(_size(s), 3) for s in out_shape[:-1]]
     vocab = _size(out_shape[-1])  # the real vocab: views in the chain may spell it out
     k = 8
-    env: dict = {"__gen__": gen}
+    env: dict = {"__gen__": gen, MATH: gradients}
+    leaves: list[torch.Tensor] = []
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        if gradients:
+            leaves.append(t.requires_grad_())
+        return t
 
     env[p.x] = rand(*lead, k)
     env[p.weight] = rand(vocab, k)
@@ -150,9 +163,19 @@ def _replay(m, program) -> str | Rejection:
     targets = layouts.row_targets(t, x, vocab, dim, start, stop, m.ignore_index)
     operands = ([env[p.r]] if p.r is not None else []) + \
         ([env[p.bias]] if p.bias is not None else []) + [targets]
-    outs = layouts.fused_linear_reference(exact(program.to_text()), x, env[p.weight], *operands)
+    outs = fused_linear(exact(program.to_text()), x, env[p.weight], *operands,
+                        gradients=gradients)
     ours = layouts.cross_entropy_from_rows(outs[-2], targets, m.ignore_index, m.reduction, x,
-                                       dim, start, stop, torch.float64)
+                                           dim, start, stop, torch.float64)
     eager = env[m.ce]
+    if gradients:
+        gots, refs = [ours.reshape(eager.shape)], [eager]
+        if len(outs) == 3 and m.logits_readers:  # the logits the model reads: dlogits too
+            gots.append(outs[0].reshape(env[m.logits].shape))
+            refs.append(env[m.logits])
+        leaves += env.get(LEAVES, [])
+        return verdict(gradient_error(gots, refs, leaves),
+                       f"the gradients to the {len(leaves)} inputs, rows {lead}", m.path,
+                       gradients=True)
     return verdict(rel_err(ours.reshape(eager.shape), eager.double()),
                    f"rows {lead}, every third target ignored", m.path)

@@ -32,7 +32,7 @@ from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
 from .isolated import off_thread
-from .witness import (MATH, _size, eval_nodes, exact, gradient_error, guarded,
+from .witness import (MATH, _size, eval_nodes, exact, fused_linear, gradient_error, guarded,
                       guarded_with_gradients, verdict)
 
 
@@ -163,8 +163,8 @@ def _replay(m, program, gradients: bool = False) -> str | Rejection:
     eval_nodes([*g.nodes, *u.nodes, *([m.gate_value, m.up_value] if m.packed else []),
                 *m.clamps, m.act, m.mul], env)
     operands = ([env[g.r]] if g.r is not None else []) + ([b_int] if b_int is not None else [])
-    fused = layouts.fused_linear_reference(exact(program.to_text()), env[g.x], w_int,
-                                       *operands)[0]
+    fused = fused_linear(exact(program.to_text()), env[g.x], w_int, *operands,
+                         gradients=gradients)[0]
     if leaves is not None:
         return verdict(gradient_error([fused], [env[m.mul]], leaves),
                        f"the gradients to the {len(leaves)} inputs, rows {lead}", m.path,

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..canonical import canon_name, meta
 from ..capture import describe
-from ..codegen import layouts, reference
+from ..codegen import layouts
 from ..codegen.program import parse
 from ..layernorm_idiom import exact_upcast
 from ..graph_utils import in_place_update_of
@@ -40,7 +40,7 @@ from ..numerics import rel_err
 from . import row_scale, sharding, statements
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
 from .witness import (LEAVES, MATH, _MAX_ELEMS, _eval, _prod, _size, _value, exact, gradient_error,
-                      guarded_with_gradients, verdict)
+                      guarded_with_gradients, run_program, verdict)
 
 
 def has_shift(consumer, norm) -> bool:
@@ -234,13 +234,13 @@ def _witness(match, programs, activations, lead: list[int],
         _, muc, _, _ = replay_chain(c.chain, norm, env[norm.input], mu, like, call)
         w_fold, s, b_fold = layouts.layernorm_weights(
             env[c.weight], env.get(c.bias), env.get(norm.weight), env.get(norm.bias),
-            _value(scale, env), _value(shift, env), s_detached=not gradients)
+            _value(scale, env), _value(shift, env))
         ops = [rc.reshape(-1), muc.reshape(-1), s, *([b_fold] if b_fold is not None else [])]
         prog = parse(exact(programs[c.linear].to_text()))  # float64 outputs: no rounding
         if len(prog.operands) != len(ops):
             raise ValueError(f"{prog.key} reads {len(prog.operands)} operands, the "
                              f"rewrite builds {len(ops)}")
-        (got,) = reference.run_program(prog, zc.reshape(-1, d), w_fold, ops)
+        (got,) = run_program(prog, zc.reshape(-1, d), w_fold, ops, gradients)
         names.append(c.linear.name)
         errs.append(rel_err(got.double().reshape(want.shape), want.double()))
         gots.append(got.reshape(want.shape))

@@ -43,7 +43,8 @@ from ..graph_utils import MATMUL, mutated_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .witness import _Unreplayable, _size, exact, gradient_error, guarded_with_gradients, verdict
+from .witness import (_Unreplayable, _size, exact, fused_linear, gradient_error,
+                      guarded_with_gradients, verdict)
 
 _SHAPE = {"view", "reshape", "expand", "unsqueeze", "contiguous", "clone", "detach",
           torch.reshape, torch.unsqueeze, torch.clone, torch.detach}
@@ -725,7 +726,7 @@ def _replay(m, program, key_order: bool = False, gradients: bool = False
             operands.append(layouts.rope_column_scale(scale, lay, x))
         operands += [layouts.rope_positions(pos[None, None, :], x),
                      layouts.rope_frequencies(inv.float(), lay)]
-    fused = layouts.fused_linear_reference(exact(program.to_text()), x, w, *operands)[0]
+    fused = fused_linear(exact(program.to_text()), x, w, *operands, gradients=gradients)[0]
     err, at, gots, refs = 0.0, 0, [], []
     for rot, ref in zip(m.rotated, want):
         got = fused[..., at:at + rot.n_heads * rot.head_dim].unflatten(

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from ..canonical import canon, inactive_dropout, meta
 from ..capture import describe
-from ..codegen import layouts, reference
+from ..codegen import layouts
 from ..graph_utils import in_place_update_of
 from ..numerics import rel_err
 from . import sharding, statements
@@ -462,7 +462,7 @@ def _witness(match, programs, consumers, lead, native: bool,
     def program(p):  # unrounded outputs where the gradients are compared
         return witness_mod.exact_program(p) if gradients else p
 
-    outs = reference.run_program(program(programs.norm), *ops_in)
+    outs = witness_mod.run_program(program(programs.norm), *ops_in, gradients)
     if prod is not None:
         z, h2, r = outs
         reference_outs.append(env[prod.add])
@@ -496,8 +496,8 @@ def _witness(match, programs, consumers, lead, native: bool,
         if shift is not None:
             bias = layouts.distribute_bias(_value(shift, env), env[c.weight], bias)
         ops = [rc.reshape(-1), *([bias] if bias is not None else [])]
-        (out,) = reference.run_program(program(programs.consumers[c.linear]),
-                                       hc.reshape(-1, d), weight, ops)
+        (out,) = witness_mod.run_program(program(programs.consumers[c.linear]),
+                                         hc.reshape(-1, d), weight, ops, gradients)
         reference_outs.append(ref)
         rewritten_outs.append(out.reshape(ref.shape))
         names.append(c.linear.name)

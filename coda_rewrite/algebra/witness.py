@@ -10,10 +10,15 @@ checker bug (RejectionKind.WITNESS_DISAGREES), never applied.
 Values can agree where gradients do not: a detach between a norm and its GEMM that the
 rewrite applied to h2 and not to the deferred r gave exact logits and every upstream
 gradient 12% off. So where a match trains, the families whose replay can make its inputs
-leaves (the norms, RoPE, the gated pair, the experts) replay it once more for the
-gradients: every input a float64 leaf (MATH: casts as identities, the programs' outputs
-unrounded), the gradients of Σ out·R on both sides to every leaf compared
-(gradient_error; code ``witness.gradients_disagree``). On a fresh thread (isolated.py).
+leaves (the norms, RoPE, the gated pair, the LM head + loss, the experts) replay it once
+more for the gradients: every input a float64 leaf (MATH: casts as identities, the
+programs' outputs unrounded), the gradients of Σ out·R on both sides to every leaf
+compared (gradient_error; code ``witness.gradients_disagree``). On a fresh thread
+(isolated.py).
+A program with a GEMM is differentiated there by its family's backward rule, through the
+op's own autograd glue (kernels/ops.RuleReplayGemm: the reference's forward, the rule
+training runs as its backward), so one replay checks the rewrite's math and the rule on
+the match's own program (autograd through the reference would check the math alone).
 What this replay cannot see has side conditions of its own: a torch.no_grad() block
 (grad_mode.mixed), a zero gradient where eager's is None (rope.member_not_differentiated).
 
@@ -34,6 +39,9 @@ from ..canonical import canon, canon_name, default_rms_eps, meta
 from ..codegen import layouts, reference
 from ..codegen.program import parse
 from ..graph_utils import fused_linear_call
+# the one edge from the legality layer to the runtime: the gradient replay differentiates
+# the fused GEMM with the backward training runs (tests/test_structure.py names it)
+from ..kernels.ops import RuleReplayGemm
 from . import sharding
 from .decision import Rejection, RejectionKind
 from .isolated import off_thread
@@ -145,6 +153,28 @@ def exact_program(prog):
         dataclasses.replace(o, dtype="float64") for o in prog.outputs))
 
 
+def run_program(prog, a, b, operands, gradients: bool = False) -> list[torch.Tensor]:
+    """reference.run_program; in a gradient replay (``gradients``) a program with a GEMM
+    runs through kernels/ops.RuleReplayGemm: the same values, and as their backward the
+    family's rule, what training runs (no GEMM: the row-wise programs are graph ops in
+    training too, differentiated by autograd). So the replay checks the rule on the
+    match's own program (its operands, biases, offsets, maps, targets) as well as the
+    rewrite's math."""
+    if not gradients or not prog.gemm:
+        return reference.run_program(prog, a, b, operands)
+    return list(RuleReplayGemm.apply(prog.to_text(), a, b, *operands))
+
+
+def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor, *operands,
+                 gradients: bool = False) -> tuple[torch.Tensor, ...]:
+    """layouts.fused_linear_reference (kernels/ops.fused_linear's shapes, no op), through
+    ``run_program(..., gradients)``."""
+    prog = parse(program)
+    outs = run_program(prog, layouts.as_rows(x), weight,
+                       layouts.flatten_operands(prog, operands), gradients)
+    return layouts.unflatten_outputs(prog, outs, x.shape[:-1])
+
+
 def gradient_error(outs, refs, leaves, seed: int = 7) -> float:
     """How far the gradients of Σ outs·R (R random, one per output) to ``leaves`` are
     from those of Σ refs·R: the largest over the leaves of ‖g − g_ref‖ over ‖g_ref‖,
@@ -177,8 +207,9 @@ def eval_nodes(nodes, env: dict) -> None:
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     for node in sorted(set(nodes), key=order.__getitem__):
         if fused_linear_call(node):
-            env[node] = layouts.fused_linear_reference(
-                exact(node.args[0]), *(_value(a, env) for a in node.args[1:]))
+            env[node] = fused_linear(exact(node.args[0]), *(_value(a, env)
+                                                            for a in node.args[1:]),
+                                     gradients=bool(env.get(MATH)))
         else:
             env[node] = _eval(node, env)
 

@@ -180,7 +180,7 @@ def layernorm_statistics(z: torch.Tensor, eps: float) -> tuple[torch.Tensor, tor
 
 def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
                       gamma: torch.Tensor | None, beta: torch.Tensor | None,
-                      scale=None, shift=None, s_detached: bool = True):
+                      scale=None, shift=None):
     """(W', s, b') for a GEMM reading LN(z)·scale + shift (scale, shift: what stands
     between the norm and the GEMM, composed by row_scale.replay_chain; None where
     nothing does):
@@ -193,9 +193,8 @@ def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
     s is summed from the very values the GEMM multiplies, so z·W'ᵀ − μ·s = (z − μ)·W'ᵀ
     holds for the rounded weights too (each product of two 16-bit values is exact in
     float32). s is detached: the program's backward rule (kernels/backward/centred.py)
-    returns W'’s whole gradient, s's part included, as (r·dy)ᵀ·(z − μ). The witness's
-    gradient replay takes s attached (``s_detached=False``): autograd then computes
-    the dataflow's own derivative, which that rule is proved to equal."""
+    returns W'’s whole gradient, s's part included, as (r·dy)ᵀ·(z − μ) (the witness's
+    gradient replay runs that rule against eager's autograd)."""
     wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
     factor = None
     for f in (gamma, scale):
@@ -208,8 +207,7 @@ def layernorm_weights(weight: torch.Tensor, bias: torch.Tensor | None,
                             else factor)).to(weight.dtype)
     # s is multiplied by μ, of the mean's size: from float32 weights it is summed in
     # float64 (a float32 sum's error would move the output by ~2^-24·|μ|/σ)
-    s = (w_fold.detach() if s_detached else w_fold).to(
-        reference.accumulate_dtype(weight.dtype)).sum(-1)
+    s = w_fold.detach().to(reference.accumulate_dtype(weight.dtype)).sum(-1)
     total_shift = None
     if beta is not None:
         total_shift = beta.to(wide)

@@ -496,6 +496,29 @@ class FusedGemm(torch.autograd.Function):
         return (None, grad_a, grad_b, *grad_ops)
 
 
+class RuleReplayGemm(torch.autograd.Function):
+    """FusedGemm's backward (the family's rule, _backward) over the reference's forward,
+    counted nowhere: what a witness's gradient replay differentiates (algebra/witness.py,
+    run_program). Autograd through the reference checks that the rewrite's math has
+    eager's derivative; through this it checks the rule training runs too, on the match's
+    own program (its biases, offsets, maps and targets), in float64."""
+
+    @staticmethod
+    def forward(program, a, b, *operands):
+        outs = reference.run_program(parse(program), a, b, list(operands))
+        return tuple(_fresh(outs, [a, b, *operands]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        program, a, b, *operands = inputs
+        _setup_context(ctx, (program, a, b, operands), list(output))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _, grad_a, grad_b, grad_ops = _backward(ctx, grads)
+        return (None, grad_a, grad_b, *grad_ops)
+
+
 class KnownGemm(torch.autograd.Function):
     """FusedGemm for a call in a metadata class whose launch is known (_RecordedRoute):
     the forward is the launch itself (fresh buffers, never an input), the backward
