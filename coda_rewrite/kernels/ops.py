@@ -496,8 +496,8 @@ class FusedGemm(torch.autograd.Function):
         return (None, grad_a, grad_b, *grad_ops)
 
 
-class RuleReplayGemm(torch.autograd.Function):
-    """FusedGemm's backward (the family's rule, _backward) over the reference's forward,
+class RuleReplayGemm(FusedGemm):
+    """FusedGemm's context and backward (the family's rule) over the reference's forward,
     counted nowhere: what a witness's gradient replay differentiates (algebra/witness.py,
     run_program). Autograd through the reference checks that the rewrite's math has
     eager's derivative; through this it checks the rule training runs too, on the match's
@@ -507,16 +507,6 @@ class RuleReplayGemm(torch.autograd.Function):
     def forward(program, a, b, *operands):
         outs = reference.run_program(parse(program), a, b, list(operands))
         return tuple(_fresh(outs, [a, b, *operands]))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        program, a, b, *operands = inputs
-        _setup_context(ctx, (program, a, b, operands), list(output))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        _, grad_a, grad_b, grad_ops = _backward(ctx, grads)
-        return (None, grad_a, grad_b, *grad_ops)
 
 
 class KnownGemm(torch.autograd.Function):
