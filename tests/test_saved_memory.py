@@ -50,18 +50,20 @@ def coda(**options):
 
 
 def test_no_fused_family_saves_more_than_eager_or_torch_compile():
-    """Every family fused in training (through Inductor and through optimize()): per
-    decoder layer no more than torch.compile keeps (and so than eager), the rest no more
-    than eager; without the logits (materialize_logits=False) the LM head keeps less than
-    half of what it keeps with them."""
+    """Every family fused in training: through Inductor (backend="coda") per decoder layer
+    no more than torch.compile keeps; through optimize() (the rewritten graph run as it
+    is: no partitioner recomputes its other ops, as in eager) no more than eager; the rest
+    no more than eager either way; without the logits (materialize_logits=False) the LM
+    head keeps less than half of what it keeps with them."""
     eager = saved(lambda m: m)
     compiled = saved(torch.compile)
     fused = saved(coda())
     optimized = saved(lambda m: coda_rewrite.optimize(m, fuse_in_training=True))
     no_logits = saved(coda(materialize_logits=False))
     assert compiled[0] <= eager[0]
-    for name, (layer, rest) in {"backend=coda": fused, "optimize()": optimized,
-                                "materialize_logits=False": no_logits}.items():
-        assert layer <= compiled[0], (name, layer, compiled, eager)
+    for name, (layer, rest), bar in [("backend=coda", fused, compiled[0]),
+                                     ("materialize_logits=False", no_logits, compiled[0]),
+                                     ("optimize()", optimized, eager[0])]:
+        assert layer <= bar, (name, layer, compiled, eager)
         assert rest <= eager[1], (name, rest, eager)
     assert no_logits[1] < fused[1] / 2, (no_logits, fused)
