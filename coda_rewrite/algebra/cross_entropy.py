@@ -29,8 +29,8 @@ from ..graph_utils import mutated_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .witness import (LEAVES, MATH, _size, eval_nodes, exact, fused_linear, gradient_error,
-                      guarded_with_gradients, verdict)
+from .witness import (LEAVES, MATH, _Unreplayable, _size, eval_nodes, exact, fused_linear,
+                      gradient_error, guarded_with_gradients, verdict)
 
 
 def describe_map(logits_map: tuple) -> str:
@@ -171,6 +171,9 @@ def _replay(m, program, gradients: bool = False) -> str | Rejection:
     if gradients:
         gots, refs = [ours.reshape(eager.shape)], [eager]
         if len(outs) == 3 and m.logits_readers:  # the logits the model reads: dlogits too
+            if env.get(m.logits) is None:  # fail closed: a gradient the replay cannot see
+                raise _Unreplayable(f"the logits the model reads ({describe(m.logits)}) "
+                                    "are not among the replayed nodes")
             gots.append(outs[0].reshape(env[m.logits].shape))
             refs.append(env[m.logits])
         leaves += env.get(LEAVES, [])

@@ -167,12 +167,11 @@ def run_program(prog, a, b, operands, gradients: bool = False) -> list[torch.Ten
 
 def fused_linear(program: str, x: torch.Tensor, weight: torch.Tensor, *operands,
                  gradients: bool = False) -> tuple[torch.Tensor, ...]:
-    """layouts.fused_linear_reference (kernels/ops.fused_linear's shapes, no op), through
-    ``run_program(..., gradients)``."""
-    prog = parse(program)
-    outs = run_program(prog, layouts.as_rows(x), weight,
-                       layouts.flatten_operands(prog, operands), gradients)
-    return layouts.unflatten_outputs(prog, outs, x.shape[:-1])
+    """layouts.fused_linear_reference (kernels/ops.fused_linear's shapes, no op), its
+    flattened call through ``run_program(..., gradients)``."""
+    return layouts.fused_linear_reference(
+        program, x, weight, *operands,
+        run=lambda prog, a, b, ops: run_program(prog, a, b, ops, gradients))
 
 
 def gradient_error(outs, refs, leaves, seed: int = 7) -> float:

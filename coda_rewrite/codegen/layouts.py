@@ -92,11 +92,14 @@ def lead_of(x: torch.Tensor) -> torch.Size:
 
 
 def fused_linear_reference(program: str, x: torch.Tensor, weight: torch.Tensor,
-                           *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                           *operands: torch.Tensor,
+                           run=reference.run_program) -> tuple[torch.Tensor, ...]:
     """kernels/ops.fused_linear through the reference interpreter, with no op (and no
-    runtime counters): what the legality witnesses run."""
+    runtime counters): what the legality witnesses run. ``run(prog, a, b, operands)``
+    evaluates the flattened call (the witness's gradient replay passes one whose
+    backward is the family's rule: algebra/witness.run_program)."""
     prog = parse(program)
-    outs = reference.run_program(prog, as_rows(x), weight, flatten_operands(prog, operands))
+    outs = run(prog, as_rows(x), weight, flatten_operands(prog, operands))
     return unflatten_outputs(prog, outs, x.shape[:-1])
 
 
