@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .backend import CodaBackend
+from .backend import CodaBackend, HookGuards
 from .options import Options
 from .patterns import routed_experts
 from .report import Report
@@ -48,7 +48,8 @@ class CodaModule(nn.Module):
 
     A call that ran no rewritten graph at all (dynamo skipped or gave up on the frame)
     warns once and is recorded in the report: an optimized model never runs as eager
-    without saying so.
+    without saying so. Hooks registered on the model's modules after the first call run
+    (the graphs guard them: backend.HookGuards).
     """
 
     def __init__(self, model: nn.Module, compiled, backend: CodaBackend):
@@ -62,7 +63,10 @@ class CodaModule(nn.Module):
     def forward(self, *args, **kwargs):
         # two integer reads around the call: the per-call cost of "never silently eager"
         runs, breaks = self._backend.runs, len(self.report.graph_breaks)
-        out = self._compiled(self._modules["module"], *args, **kwargs)
+        try:
+            out = self._compiled(self._modules["module"], *args, **kwargs)
+        finally:  # a call that compiled switched dynamo's hook guards on: switch back
+            self._backend.hook_guards.restore()
         if self._backend.runs == runs:
             self._ran_uncompiled()
         if len(self.report.graph_breaks) != breaks:  # the backend saw a break compiling
@@ -135,6 +139,7 @@ def optimize(model: nn.Module, example_inputs=None, *, dynamic: bool | None = No
     """
     opts = Options.make(options, inductor=options.get("inductor", False))
     backend = CodaBackend(opts)
+    backend.hook_guards = HookGuards()  # hooks added after this call run (HookGuards)
     compiled = torch.compile(_entry_point(), backend=backend, dynamic=dynamic,
                              fullgraph=fullgraph)
     backend.report.notes += routed_experts.implementation_notes(model)

@@ -35,6 +35,9 @@ class CodaBackend:
         self.report = report if report is not None else Report()
         self.runs = 0  # executions of this backend's graphs: optimize() checks a call ran one
         self._breaks_seen = _graph_breaks()
+        # optimize()'s: guard every module's hooks in the graphs this backend compiles
+        # (HookGuards says why); torch.compile(backend="coda") keeps dynamo's setting
+        self.hook_guards: HookGuards | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
                  options: dict | None = None):
@@ -45,6 +48,8 @@ class CodaBackend:
         return self._compile(gm, example_inputs, opts)
 
     def _compile(self, gm: fx.GraphModule, example_inputs, opts: Options):
+        if self.hook_guards is not None:
+            self.hook_guards.on_compile()
         g = rewrite_graph(gm, opts, index=len(self.report.graphs))
         self.report.add(g, opts.dump_dir)
         # dynamo counts a graph break before it compiles the graph in front of it: the
@@ -71,6 +76,40 @@ class CodaBackend:
         # Inductor's compiled callables carry attributes dynamo reads (boxed calling)
         run.__dict__.update(getattr(fn, "__dict__", {}))
         return run
+
+
+class HookGuards:
+    """Makes the guards of the graphs being compiled check every module's hooks.
+
+    Dynamo by default (``skip_nnmodule_hook_guards``) does not guard a module's empty
+    hook dictionaries: a forward hook registered after the first call, on a module that
+    had none (activation steering, a probe that records outputs), is never run, and
+    the compiled model answers as if it were not there. torch.compile users accept
+    dynamo's semantics; optimize() promises the model's own, so its graphs guard the
+    hooks too, and a hook added later recompiles the graph that runs it (or, past
+    dynamo's recompile limit, runs as eager with optimize()'s warning). Cost: one length
+    check per hook dictionary per call: about 17 µs a Llama decoder layer of host time on
+    a 2-core CPU (BENCHMARKS.md), a few percent of an optimize()d forward's host time
+    (backend="coda" is the spelling for the least host time).
+
+    Dynamo reads the setting when it builds a graph's guards, after the backend
+    compiled the graph, and reads it from its global config: it is switched on while
+    a call compiles (on_compile, from the backend) and put back as the call ends
+    (restore, from optimize()'s module), so the user's other compiles keep theirs."""
+
+    def __init__(self):
+        self._saved: bool | None = None
+
+    def on_compile(self) -> None:
+        import torch._dynamo.config as dynamo_config
+        if self._saved is None:
+            self._saved = dynamo_config.skip_nnmodule_hook_guards
+        dynamo_config.skip_nnmodule_hook_guards = False
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            import torch._dynamo.config as dynamo_config
+            dynamo_config.skip_nnmodule_hook_guards, self._saved = self._saved, None
 
 
 def _graph_breaks() -> collections.Counter:

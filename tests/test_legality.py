@@ -459,7 +459,8 @@ def test_eps_as_0d_tensor_is_read_at_run_time():
 def test_default_eps_is_atens_not_the_input_dtypes(dtype):
     """F.rms_norm / nn.RMSNorm with eps=None take the epsilon of the type ATen computes in
     (float32 for bf16 and fp16), not of the input's (bf16: 2⁻⁷): small rows, where the two
-    give visibly different norms, come out as eager's."""
+    give visibly different norms, come out as eager's. (A float16 norm with a weight is
+    not deferred at all, side condition (f): its output is eager's.)"""
     def body(self, x, res):
         z = self.w0(x) + res
         return self.w1(F.rms_norm(z, (D,), self.g))
@@ -470,7 +471,7 @@ def test_default_eps_is_atens_not_the_input_dtypes(dtype):
     x, res = torch.randn(2, 6, D, dtype=dtype) * 0.02, torch.randn(2, 6, D, dtype=dtype) * 0.02
     fast = coda_rewrite.optimize(model)
     got, want = fast(x, res), ref(x, res)
-    assert fast.report.count() == 1, str(fast.report)
+    assert fast.report.count() == (0 if dtype == torch.float16 else 1), str(fast.report)
     assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 

@@ -288,6 +288,44 @@ def test_a_call_that_runs_no_rewritten_graph_warns_once_and_is_reported():
     assert "2 call(s) ran without any rewritten graph" in str(fast.report)
 
 
+@pytest.mark.parametrize("where, kind", [
+    ("layers.1.input_layernorm", "forward"),     # a rewritten norm's output, steered
+    ("layers.0.mlp.up_proj", "forward"),         # a fused gated GEMM's operand
+    ("layers.0.self_attn", "pre")])              # the attention block's input
+def test_a_hook_added_after_optimize_runs(where, kind):
+    """Dynamo does not guard a module's empty hook dictionaries by default: a hook
+    registered after the first call, on a module that had none, never ran, and the
+    optimized model answered as if it were not there (torch.compile's own models still
+    do). optimize()'s graphs guard them: the hook recompiles the graph, runs, and its
+    removal is seen; the user's dynamo setting is left as it was."""
+    import torch._dynamo.config as dynamo_config
+    setting = dynamo_config.skip_nnmodule_hook_guards
+    model = hf_model("llama").eval()
+    ref = copy.deepcopy(model)
+    fast = coda_rewrite.optimize(model, min_fused_rows=0)
+    ids = tokens(2, 12)
+    with torch.no_grad():
+        fast(ids)
+        handles = []
+        for m in (model, ref):
+            module = m.model.get_submodule(where)
+            handles.append(module.register_forward_hook(lambda mod, i, o: o * 1.5 + 0.25)
+                           if kind == "forward" else
+                           module.register_forward_pre_hook(
+                               lambda mod, args, kwargs: ((args[0] * 0.5,) if args else (),
+                                                          {k: v * 0.5 if k == "hidden_states"
+                                                           else v for k, v in kwargs.items()}),
+                               with_kwargs=True))
+        steered, want = fast(ids).logits, ref(ids).logits
+        for h in handles:
+            h.remove()
+        plain, want_plain = fast(ids).logits, ref(ids).logits
+    assert rel_err(steered, want) <= 1e-5
+    assert rel_err(plain, want_plain) <= 1e-5 and rel_err(want, want_plain) > 1e-2
+    assert fast.report.count(pattern=None) >= 4
+    assert dynamo_config.skip_nnmodule_hook_guards == setting
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_generate_through_optimize_runs_the_rewritten_forward(dynamic):
     """optimize(model).generate() ran the original module: nothing was captured (and
@@ -570,3 +608,94 @@ def test_inputs_in_any_memory_layout():
         assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), name
         assert rel_err(a.grad, b.grad) <= 1e-4, name
     assert fast.report.count() and trained.report.count()
+
+
+@pytest.mark.parametrize("family, patterns", [
+    ("llama", None),                    # every family (the RMSNorm refused: float16_range)
+    ("gpt_neox", ("layernorm_gemm",))])  # LayerNorm deferred: the centred rule
+def test_a_float16_step_under_a_loss_scale_stays_finite_where_eager_s_does(family, patterns):
+    """Float16 training scales the loss (GradScaler: 2¹⁶ to start) and skips a step whose
+    gradients are not finite. The row-scale backward once formed the weight gradient
+    from r·dy: r = 1/rms of the residual stream (about 50 at initialisation) times dy at
+    the loss scale left float16's range where eager's operands (dy, and the normalised
+    row r·a) did not, so the LayerNorm consumers' gradients (and, before float16 RMSNorms
+    were refused, the LM head's) came out infinite, and a GradScaler would have lowered
+    its scale far below eager's. The embeddings are scaled down so that r is large from
+    the first layer on, as a small initialisation makes it."""
+    scale = 2.0 ** 16
+    ids = tokens(2, 12)
+    base = hf_model(family).train()
+    with torch.no_grad():
+        base.get_input_embeddings().weight.mul_(0.5)
+    base = base.to(torch.float16)
+    exact = copy.deepcopy(base).double()
+    exact(ids, labels=ids).loss.backward()
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    fast = coda_rewrite.optimize(model, fuse_in_training=True, min_fused_rows=0,
+                                 **({"patterns": patterns} if patterns else {}))
+    (fast(ids, labels=ids).loss * scale).backward()
+    (ref(ids, labels=ids).loss * scale).backward()
+    assert fast.report.count(pattern=patterns[0] if patterns else None) >= 2, \
+        str(fast.report)
+    for (name, p), (_, q), (_, e) in zip(model.named_parameters(), ref.named_parameters(),
+                                         exact.named_parameters()):
+        if not torch.isfinite(q.grad).all():
+            continue
+        assert torch.isfinite(p.grad).all(), f"{name}: not finite where eager's is"
+        ours, eagers = (rel_err(t.grad.double() / scale, e.grad) for t in (p, q))
+        assert ours <= 1.25 * eagers + 1e-3, (name, ours, eagers)
+
+
+def test_the_row_scale_rules_form_no_float16_value_eager_does_not():
+    """The rules' own level (every family's rule that applies a norm's r: rowscale,
+    gated and RoPE through it, the LM head + loss): r on the activation, never on the
+    loss-scaled gradient. Here dy·r reaches 10⁵ (past float16's 65504), while dy, r·a
+    and the gradients themselves are all inside it."""
+    from coda_rewrite.codegen.program import Kind, ProgramBuilder
+    from coda_rewrite.kernels.backward.common import through_scaled_acc
+    p = ProgramBuilder("rowscale", gemm=True, family="rowscale")
+    p.output(p.scaled_acc(True, False), Kind.TILE, "float16")
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(32, 16, generator=g) * 0.01).half()      # z ⊙ γ: a small stream
+    b = (torch.randn(24, 16, generator=g) * 0.02).half()
+    r = torch.full((32,), 100.0)
+    dy = (torch.randn(32, 24, generator=g) * 1000).clamp(-1000, 1000).half()
+    grad_a, grad_b, (grad_r,) = through_scaled_acc(p.build(), a, b, [r], dy.float())
+    exact = dy.double().t() @ (r.double()[:, None] * a.double())
+    assert torch.isfinite(grad_b).all() and rel_err(grad_b.double(), exact) <= 2e-3
+    assert torch.isfinite(grad_a).all() and torch.isfinite(grad_r).all()
+
+
+@pytest.mark.parametrize("how", ["float16", "bfloat16", "autocast float16"])
+def test_a_massive_activation_in_float16_is_not_deferred(how):
+    """One feature of the residual stream at 2·10⁴ (massive activations of this size are
+    measured in released LLMs) and the norms' weight 4 there: the deferred norm handed
+    its GEMMs h2 = z ⊙ γ = 8·10⁴ in float16, an infinity, and the logits came out NaN
+    where eager's were finite. Under autocast over a float32 model the same happened to
+    a float32 stream at 10⁵, cast to float16 unnormalised. Side condition (f) refuses
+    both (code row_scale.float16_range); bfloat16, with float32's range, stays
+    rewritten."""
+    base = hf_model("llama")
+    with torch.no_grad():
+        base.model.embed_tokens.weight[:, 5] = 1e5 if how == "autocast float16" else 2e4
+        for norm in [base.model.norm] + [n for layer in base.model.layers
+                                         for n in (layer.input_layernorm,
+                                                   layer.post_attention_layernorm)]:
+            norm.weight[5] = 4.0
+    exact = copy.deepcopy(base).double().eval()
+    if how != "autocast float16":
+        base = base.to(getattr(torch, how))
+    model, ref = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
+    fast = coda_rewrite.optimize(model, min_fused_rows=0)
+    ids = tokens(2, 12)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16,
+                                         enabled=how == "autocast float16"):
+        ours, eagers = fast(ids).logits, ref(ids).logits
+    with torch.no_grad():
+        want = exact(ids).logits
+    assert torch.isfinite(eagers).all() and torch.isfinite(ours).all()
+    assert rel_err(ours.double(), want) <= 1.25 * rel_err(eagers.double(), want)
+    refused = [r for r in fast.report.records
+               if getattr(r.decision, "code", "") == "row_scale.float16_range"]
+    assert len(refused) == (0 if how == "bfloat16" else 5), str(fast.report)
+    assert fast.report.count() == (5 if how == "bfloat16" else 0)

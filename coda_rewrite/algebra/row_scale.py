@@ -19,7 +19,12 @@ apply to a matched graph are the side conditions, each checked on the graph:
       would move across that rounding: exact in real arithmetic, not in an fp32 model);
   (e) under tensor parallelism (DTensor), every value r moves through is a complete
       sum on every rank, not split along the features, and the consumer GEMM has a
-      local layout (algebra/sharding.py).
+      local layout (algebra/sharding.py);
+  (f) no GEMM reads the unnormalised row in float16 unless eager holds that very row
+      in float16: h2 = z ⊙ γ (or z) is as large as the residual stream (times γ), where
+      eager's GEMM input r·z·γ is of order γ. A float16 z fits float16 (eager stores
+      it); z ⊙ γ need not, nor a float32 stream cast to float16 by autocast (bfloat16
+      has float32's range).
 
 The factor that must *not* move: one that varies along the contracted dim (a per-feature
 γ, or r when the GEMM contracts over rows). Here γ stays in the producer's epilogue and
@@ -243,6 +248,38 @@ def updated_in_place(match, graph: fx.Graph, consequence: str, code: str) -> Rej
                          + consequence, code), describe(node))
 
 
+def float16_range(norm) -> Rejection | None:
+    """Side condition (f), for the whole match: a weighted norm whose output is float16
+    stores h2 = z ⊙ γ in float16, which overflows where |z·γ| > 65504 though z fits (a
+    massive activation: one feature of the residual stream at 2·10⁴ with γ = 4 there
+    gave NaN logits, eager's finite; tests/test_reliability.py). Refused, not
+    range-checked per call: γ is live and z is data."""
+    out = meta(norm.output)
+    if getattr(norm, "weight", None) is None or out is None or out.dtype != torch.float16:
+        return None
+    return Rejection(Why(
+        "(f) the norm's output is float16 and h2 = z ⊙ γ, the unnormalised row times the "
+        "norm's weight, would be stored in float16 for the GEMM: it can exceed float16's "
+        "range (65504) where eager's normalised row cannot; left to eager's norm",
+        "row_scale.float16_range"), describe(norm.output))
+
+
+def float16_gemm(consumer, norm) -> Why | None:
+    """Side condition (f), per consumer: a GEMM computing in float16 (autocast over a
+    float32 model) would read the unnormalised row cast to float16, z ⊙ γ or a float32
+    z, where eager casts the normalised one (a float32 stream at 10⁵ gave NaN logits
+    under autocast, eager's finite). Fine where the row is a float16 z eager holds too."""
+    gemm, stream = meta(consumer.linear), meta(norm.input)
+    if gemm is None or gemm.dtype != torch.float16:
+        return None
+    if getattr(norm, "weight", None) is None and stream is not None and \
+            stream.dtype == torch.float16:
+        return None
+    return Why(f"(f) {describe(consumer.linear)} computes in float16 (autocast) and would "
+               "read the unnormalised row in float16, which can exceed its range (65504) "
+               "where eager's normalised row cannot", "row_scale.float16_range")
+
+
 def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     """The overall decision for a match and one per consumer GEMM."""
     norm = match.norm
@@ -250,6 +287,9 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
                                "value before that update", "row_scale.in_place")
     if updated is not None:
         return updated, {}
+    too_wide = float16_range(norm)
+    if too_wide is not None:
+        return too_wide, {}
 
     per_consumer: dict[fx.Node, Decision] = {}
     for c in match.consumers:
@@ -270,6 +310,10 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
         if bad is not None:
             per_consumer[c.linear] = Rejection(f"(b) {bad}", describe(c.linear),
                                                code=code_of(bad))
+            continue
+        too_wide = float16_gemm(c, norm)
+        if too_wide is not None:
+            per_consumer[c.linear] = Rejection(too_wide, describe(c.linear))
             continue
         rounding = narrowing_cast(c, norm)
         if rounding is not None:

@@ -24,17 +24,17 @@ what the forward kept, never recomputed:
   elementwise rotation back, then the rowscale rule.
 
 * ``centred`` (a LayerNorm deferred: y = r ⊙ (acc − μ ⊙ s) + bias): the rowscale rule
-  with the centred input c = z − μ in place of z, W'’s whole gradient as (r·dy)ᵀ·c
+  with the centred input c = z − μ in place of z, W'’s whole gradient as dyᵀ·(r·c)
   (centred.py says why s, the row sums of W', is detached in the graph).
 
 * ``lse_target`` (y = r ⊙ acc + bias; z = g(y), a constant map before the loss if any;
   loss = lse(z) − z[t]; lse): dz = softmax(z)·(dloss + dlse) − onehot(t)·dloss
   (+ dlogits), dy = dz·g'(z). In training the forward writes z and the backward forms
-  d_acc in one pass of QuACK's cross-entropy backward kernel ((softmax − onehot)·dloss·r
-  per row, g' applied after it); without written logits one GEMM recomputes them and its
-  epilogue forms r·softmax(z)·dsm·g' (softmax_grad_program: a generated kernel on
+  dy in one pass of QuACK's cross-entropy backward kernel ((softmax − onehot)·dloss per
+  row, g' applied after it); without written logits one GEMM recomputes them and its
+  epilogue forms softmax(z)·dsm·g' (softmax_grad_program: a generated kernel on
   Hopper). Either way it lands once, in the GEMM dtype, and no float32 [rows, vocab]
-  tensor exists; then the two GEMMs.
+  tensor exists; then the two GEMMs, r on their narrow side: (dy·b)·r and dyᵀ·(r·a).
 
 The gradient of an output nothing reads arrives as None (the op does not materialise a
 zero tensor for it: the logits or the gated pre-activation kept for the backward).

@@ -45,7 +45,7 @@ def _centred_vjp(prog, a, b, operands, outputs, grads):
     g = up(dy.to(b.dtype) @ b)                        # G = dy·W'
     centred = up(a) - mu                              # z − μ
     grad_a = (g * r).to(a.dtype)
-    grad_b = wgrad((dy * r).to(a.dtype), centred.to(a.dtype))
+    grad_b = wgrad(dy, centred, r)          # (z − μ)·r: eager's x̂
     grads_by_name = {
         "r": (g * centred).sum(-1).to(by_name["r"].dtype),
         "mu": (-r[:, 0] * (dy.to(by_name["s"].dtype) @ by_name["s"])).to(

@@ -72,9 +72,22 @@ def weight_grad_wanted(wanted):
         _WANT_WEIGHT_GRAD.reset(token)
 
 
-def wgrad(d: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
-    """dᵀ·a, the weight's gradient; None where the weight is frozen."""
-    return d.t() @ a if _WANT_WEIGHT_GRAD.get() else None
+def wgrad(d: torch.Tensor, a: torch.Tensor, r: torch.Tensor | None = None
+          ) -> torch.Tensor | None:
+    """dᵀ·a, the weight's gradient, or dᵀ·(r ⊙ a) under a row scale r (float32/64,
+    [M, 1]); in the operands' dtype; None where the weight is frozen.
+
+    r goes on the activation, never on d: r ⊙ a is the normalised row eager's own weight
+    gradient reads (of order one), while d is at the loss scale and r can be large (1/rms
+    of a residual stream: about 50 at initialisation), so r ⊙ d can leave float16's range
+    where eager's GEMM operands stay inside it (a float16 step under a loss scale of 2¹⁶
+    gave infinite gradients that way). It is also the narrower of the two in every
+    consumer of a norm (K ≤ N: q/k/v, gate/up, the LM head)."""
+    if not _WANT_WEIGHT_GRAD.get():
+        return None
+    if r is not None:
+        d, a = d.to(a.dtype), (up(a) * r).to(a.dtype)
+    return d.t() @ a
 
 
 def gemm_grads(d_acc: torch.Tensor, a, b):
@@ -97,7 +110,7 @@ def through_scaled_acc(prog, a, b, operands, dy):
         r = up(by_name["r"])[:, None]
         g = up(dy.to(b.dtype) @ b)                        # G = dy·b
         grad_a = (g * r).to(a.dtype)
-        grad_b = wgrad((dy * r).to(a.dtype), a)
+        grad_b = wgrad(dy, a, r)
         grads_by_name["r"] = (g * up(a)).sum(-1).to(by_name["r"].dtype)
     else:
         grad_a, grad_b = gemm_grads(dy, a, b)

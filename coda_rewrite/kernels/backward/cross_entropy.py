@@ -3,12 +3,15 @@ dlse) − onehot(t)·dloss (+ dlogits), and dy = dz·g'(y) where a map z = g(y) 
 the loss (a soft-cap, a scale; g' is read off z: map_slope), else z = y.
 
 From stored logits (training, by default) the common case is one pass of QuACK's
-cross-entropy backward kernel, (softmax(z) − onehot(t))·dloss·r per row, a map's g'
+cross-entropy backward kernel, (softmax(z) − onehot(t))·dloss per row, a map's g'
 applied after it; other cases (a gradient arriving at the logits or lse, CPU) form it by
 chunks of rows. When the forward did not write the logits (materialize_logits=False), one
-GEMM recomputes them and its epilogue forms r·softmax(z)·dsm·g' (softmax_grad_program).
-Either way it lands once, in the GEMM dtype, and no float32 [rows, vocab] tensor exists;
-then the two GEMMs."""
+GEMM recomputes them and its epilogue forms softmax(z)·dsm·g' (softmax_grad_program).
+Either way dy lands once, in the GEMM dtype, and no float32 [rows, vocab] tensor exists;
+then the two GEMMs, the row scale r (a norm deferred into the LM head) applied on their
+narrow side: d_acc·b = (dy·b)·r and d_accᵀ·a = dyᵀ·(r·a). dy is eager's own logits
+gradient then, inside float16's range wherever eager's is; r·dy (r = 1/rms, about 50 at
+initialisation) is not under a loss scale of 2¹⁶."""
 
 from __future__ import annotations
 
@@ -66,9 +69,10 @@ def map_slope(logits_map: tuple, z: torch.Tensor) -> torch.Tensor | float:
 def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str,
                          logits_map: tuple = ()) -> EpilogueProgram:
     """The softmax part of the cross-entropy gradient, formed in the epilogue of the GEMM
-    that recomputes the logits: d_acc = exp(z − lse)·dsm·g'(y) (·r), z = g(y), y = acc
+    that recomputes the logits: dy = exp(z − lse)·dsm·g'(y), z = g(y), y = acc
     (·r) (+ b). It is stored once, in the GEMM dtype; no float32 [rows, vocab] tensor
-    exists. (Cached: the backward asks on every call.)"""
+    exists. The row scale stays out of it (the module docstring says why). (Cached: the
+    backward asks on every call.)"""
     from ...codegen.program import ProgramBuilder
     from ...patterns.cross_entropy import apply_logits_map
     p = ProgramBuilder("ce_softmax_grad" if not logits_map else "ce_mapped_softmax_grad",
@@ -84,8 +88,6 @@ def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str,
             scale *= 1.0 if op == "tanh" else c if op == "mul" else 1 / c
         if scale != 1.0:
             d = p.mul(d, scale, name="d_map")
-    if has_r:
-        d = p.mul(d, "r", name="d_r")
     p.output(d, Kind.TILE, dtype)
     return p.build()
 
@@ -107,26 +109,25 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     valid = (target >= 0) & (target < n)
     r = up(by_name["r"]).reshape(m) if "r" in by_name else None
     bias = by_name.get("bias")
-    # d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y) (·r), in the GEMM dtype
+    # dy = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y), in the GEMM dtype
     # traced: fake or functional tensors (torch.compiler.is_compiling() is False while
     # AOTAutograd traces a backward under torch 2.11)
     if with_logits and d_logits is not None and not logits_map and \
             not layouts.real([d_logits]):
-        d_acc = traced_softmax_grad(outputs[0], lse, target, d_loss, dsm, d_logits, r)
-        return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
+        dy = traced_softmax_grad(outputs[0], lse, target, d_loss, dsm, d_logits)
+        return _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse)
     if with_logits and _one_pass_violation(outputs[0], d_lse) is None:
-        # the common training case: softmax(z) − onehot(t), times dloss·r per row, one
+        # the common training case: softmax(z) − onehot(t), times dloss per row, one
         # pass over the stored logits (QuACK's cross-entropy backward kernel); a gradient
         # at the returned logits (AOTAutograd passes one for every differentiable output:
         # zeros, when the loop reads only the loss) and a map's derivative g'(z) after it
-        d_acc = torch.empty_like(outputs[0])
-        scale = d_loss * r if r is not None else d_loss
-        quack_softmax_grad(outputs[0], target, scale.contiguous(), lse.contiguous(), d_acc)
-        finish_one_pass(d_acc, outputs[0], d_logits, r, logits_map)
-        _counted(prog, d_acc)
-        return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
+        dy = torch.empty_like(outputs[0])
+        quack_softmax_grad(outputs[0], target, d_loss.contiguous(), lse.contiguous(), dy)
+        finish_one_pass(dy, outputs[0], d_logits, logits_map)
+        _counted(prog, dy)
+        return _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse)
     if with_logits:  # the forward wrote z: no GEMM recompute, the softmax chunk by chunk
-        d_acc = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        dy = torch.empty(m, n, dtype=a.dtype, device=a.device)
         rows = max(1, _CE_CHUNK_BYTES // (4 * n))
         for s in range(0, m, rows):
             e = min(m, s + rows)
@@ -136,45 +137,41 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
                 d += up(d_logits[s:e])
             if logits_map:
                 d *= map_slope(logits_map, z)
-            if r is not None:
-                d *= r[s:e, None]
-            d_acc[s:e] = d
+            dy[s:e] = d
     else:  # recompute the logits in a GEMM whose epilogue forms the softmax gradient
         bwd = softmax_grad_program(r is not None, bias is not None,
                                    reference.dtype_name(a.dtype), logits_map)
         ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
             ([bias] if bias is not None else []) + [lse, dsm]
-        (d_acc,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
+        (dy,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
     # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0); the
     # target's z is lse − loss, both kept, so g' at the target needs no gather
-    onehot = d_loss * (r if r is not None else 1.0)
+    onehot = d_loss
     if logits_map:
         onehot = onehot * map_slope(logits_map, lse - up(outputs[-2]).reshape(m))
     onehot = torch.where(valid, onehot, zero)
     rows_idx = torch.arange(m, device=a.device)
-    d_acc.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(d_acc.dtype),
-                     accumulate=True)
-    return _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse)
+    dy.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(dy.dtype),
+                  accumulate=True)
+    return _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse)
 
 
-def traced_softmax_grad(z, lse, target, d_loss, dsm, d_logits, r) -> torch.Tensor:
-    """d_acc = (softmax(z)·dsm − onehot(t)·dloss + dlogits)(·r) from the stored logits z,
-    as one expression for a traced backward (AOTAutograd): Inductor makes it one pass
-    that reads z and dlogits and writes d_acc, no float32 [rows, vocab] tensor in memory.
+def traced_softmax_grad(z, lse, target, d_loss, dsm, d_logits) -> torch.Tensor:
+    """dy = softmax(z)·dsm − onehot(t)·dloss + dlogits from the stored logits z, as one
+    expression for a traced backward (AOTAutograd): Inductor makes it one pass that reads
+    z and dlogits and writes dy, no float32 [rows, vocab] tensor in memory.
 
     Why not QuACK's one-pass kernel here: a compiled forward that returns the logits (a
     Hugging Face model does) gets a gradient for them in its backward, zeros when the
     loop reads only the loss (an autograd.Function's missing gradients are materialised),
-    and adding it after the kernel is a second pass over d_acc: on the H200 at 8192 ×
-    128256 the kernel took 1.07 ms and the pass adding dlogits·r 1.8 ms (BENCHMARKS.md,
+    and adding it after the kernel is a second pass over dy: on the H200 at 8192 ×
+    128256 the kernel took 1.07 ms and the pass adding dlogits 1.8 ms (BENCHMARKS.md,
     seventeenth session). One fused pass reads one tensor of that size fewer."""
     d = torch.exp(up(z) - lse[:, None]) * dsm[:, None]
     columns = torch.arange(z.shape[1], device=z.device)
     hit = columns[None, :] == target[:, None]  # an ignored target matches no column
     d = d - torch.where(hit, d_loss[:, None], torch.zeros((), dtype=d.dtype, device=d.device))
     d = d + up(d_logits)
-    if r is not None:
-        d = d * r[:, None]
     return d.to(z.dtype)
 
 
@@ -188,26 +185,26 @@ def quack_softmax_grad(z, target, scale, lse, out) -> None:
     torch.ops.quack.cross_entropy_bwd_out(z, target, scale, lse, out, None, _NO_INDEX)
 
 
-def finish_one_pass(d_acc, z, d_logits, r, logits_map) -> None:
-    """d_acc := (d_acc + dlogits·r)·g'(z) in place, by chunks of rows (one fused pass under
-    Inductor), given d_acc = (softmax(z) − onehot(t))·dloss·r from the one-pass kernel;
+def finish_one_pass(dy, z, d_logits, logits_map) -> None:
+    """dy := (dy + dlogits)·g'(z) in place, by chunks of rows (one fused pass under
+    Inductor), given dy = (softmax(z) − onehot(t))·dloss from the one-pass kernel;
     nothing to do without a gradient at the logits and without a map."""
     if d_logits is None and not logits_map:
         return
-    m, n = d_acc.shape
+    m, n = dy.shape
     rows = max(1, _CE_CHUNK_BYTES // (4 * n))
     for s in range(0, m, rows):
         e = min(m, s + rows)
-        d = up(d_acc[s:e])
+        d = up(dy[s:e])
         if d_logits is not None:
-            d = d + up(d_logits[s:e]) * (r[s:e, None] if r is not None else 1.0)
+            d = d + up(d_logits[s:e])
         if logits_map:
             d = d * map_slope(logits_map, up(z[s:e]))
-        d_acc[s:e] = d
+        dy[s:e] = d
 
 
 def _one_pass_violation(logits, d_lse) -> str | None:
-    """Why QuACK's one-pass kernel cannot form d_acc from these stored logits (None: it
+    """Why QuACK's one-pass kernel cannot form dy from these stored logits (None: it
     can). It computes (softmax(z) − onehot(t))·s per row: no gradient arriving at lse (one
     at the logits and a map's derivative are applied after it: finish_one_pass)."""
     from .. import quack_path
@@ -218,30 +215,33 @@ def _one_pass_violation(logits, d_lse) -> str | None:
     return quack_path.device_violation(logits) or quack_path.quack_available()
 
 
-def _counted(prog, d_acc) -> None:
+def _counted(prog, dy) -> None:
     """Runtime accounting of the one-pass backward kernel (not while tracing: fake or
     functional tensors)."""
-    if layouts.real([d_acc]):
+    if layouts.real([dy]):
         from .. import ops
         ops._count(prog, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
 
 
-def _gemms_and_operand_grads(prog, a, b, d_acc, by_name, r, bias, lse):
-    """grad_a = d_acc·b, grad_b = d_accᵀ·a, and the row scale's and bias's gradients."""
+def _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse):
+    """Given dy at y = r ⊙ acc (+ bias): grad_a = (dy·b)·r, grad_b = dyᵀ·(r·a), and the
+    row scale's and the bias's gradients (no r: grad_a = dy·b, grad_b = dyᵀ·a)."""
     m, n = a.shape[0], b.shape[0]
-    grad_a = d_acc @ b                                   # G = d_acc·b
-    grad_b = wgrad(d_acc, a)
     grads_by_name = {}
-    if r is not None:  # dy/dr = acc: Σ_j dy·acc = Σ_k a·(dy·b) = Σ_k a·G / r
-        grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / r).to(
+    if r is None:
+        grad_a, grad_b = dy @ b, wgrad(dy, a)
+    else:
+        g = dy @ b                                       # G = dy·b, [M, K]
+        grad_a = (up(g) * r[:, None]).to(a.dtype)
+        grad_b = wgrad(dy, a, r[:, None])
+        # dy/dr = acc: Σ_j dy·acc = Σ_k a·(dy·b), a row dot on the narrow side
+        grads_by_name["r"] = (up(g) * up(a)).sum(-1).to(
             by_name["r"].dtype).reshape(by_name["r"].shape)
-    if bias is not None:  # Σ_i dy = Σ_i d_acc / r, by chunks of rows
+    if bias is not None:  # Σ_i dy, by chunks of rows (float32 sums of a 16-bit dy)
         gb = torch.zeros(n, dtype=lse.dtype, device=a.device)
         rows = max(1, _CE_CHUNK_BYTES // (4 * n))
         for s in range(0, m, rows):
-            e = min(m, s + rows)
-            d = up(d_acc[s:e])
-            gb += (d / r[s:e, None] if r is not None else d).sum(0)
+            gb += up(dy[s:min(m, s + rows)]).sum(0)
         grads_by_name["bias"] = gb.to(bias.dtype)
     return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]
 
