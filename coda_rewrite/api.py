@@ -83,8 +83,10 @@ class CodaModule(nn.Module):
             object.__setattr__(self, "_warned", True)
             warnings.warn(
                 "coda_rewrite.optimize(): a call ran without any rewritten graph: dynamo "
-                "did not compile it (a recompile limit reached, a skipped frame, or "
-                "compilation disabled), so the model ran as eager. The report counts "
+                "did not compile it (a recompile limit reached, a skipped frame, "
+                "compilation disabled, or an outer torch.compile tracing the optimized "
+                "model, which compiles it with its own backend: pass backend=\"coda\" "
+                "there instead), so the model ran without the rewrites. The report counts "
                 "such calls.", RuntimeWarning, stacklevel=5)  # the model's caller
 
     def generate(self, *args, **kwargs):

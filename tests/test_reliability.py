@@ -288,6 +288,18 @@ def test_a_call_that_runs_no_rewritten_graph_warns_once_and_is_reported():
     assert "2 call(s) ran without any rewritten graph" in str(fast.report)
 
 
+def test_an_outer_torch_compile_of_an_optimized_model_warns():
+    """torch.compile(optimize(model)) traces the optimized module with the outer
+    backend (dynamo inlines the inner compiled call): no rewrite runs. Not silent: the
+    first call warns and names the spelling that does apply them."""
+    model = hf_model("llama", layers=1).eval()
+    ref = copy.deepcopy(model)
+    fast = torch.compile(coda_rewrite.optimize(model, min_fused_rows=0), backend="eager")
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match='outer torch.compile'):
+        out = fast(tokens(seq=8)).logits
+    assert rel_err(out, ref(tokens(seq=8)).logits) <= 1e-5
+
+
 @pytest.mark.parametrize("where, kind", [
     ("layers.1.input_layernorm", "forward"),     # a rewritten norm's output, steered
     ("layers.0.mlp.up_proj", "forward"),         # a fused gated GEMM's operand
