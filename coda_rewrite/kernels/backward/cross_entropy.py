@@ -102,6 +102,9 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     if d_loss is None and d_lse is None and d_logits is None:
         return None, None, [None] * len(operands)
     lse = up(outputs[-1]).reshape(m)
+    target_z = lse - up(outputs[-2]).reshape(m) if logits_map else None  # z[t] = lse − loss
+    if with_logits and outputs[0].dtype in (torch.bfloat16, torch.float16):
+        lse = lse_of_stored_logits(outputs[0])
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     d_loss = up(d_loss).reshape(m) if d_loss is not None else zero.expand(m)
     dsm = d_loss + (up(d_lse).reshape(m) if d_lse is not None else zero)
@@ -148,12 +151,35 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     # target's z is lse − loss, both kept, so g' at the target needs no gather
     onehot = d_loss
     if logits_map:
-        onehot = onehot * map_slope(logits_map, lse - up(outputs[-2]).reshape(m))
+        onehot = onehot * map_slope(logits_map, target_z)
     onehot = torch.where(valid, onehot, zero)
     rows_idx = torch.arange(m, device=a.device)
     dy.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(dy.dtype),
                   accumulate=True)
     return _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse)
+
+
+def lse_of_stored_logits(z: torch.Tensor) -> torch.Tensor:
+    """log Σ_j exp z[i, j] over the logits as stored (16-bit), float32 [M]: the normaliser
+    of the softmax eager differentiates (its loss upcasts the stored logits).
+
+    The forward's lse comes from the unrounded accumulator, and softmax(stored z) with it
+    does not sum to one: each entry is off by a factor exp(δ_j), δ_j the rounding of z_j
+    (up to |z_j|·2⁻⁹ in bfloat16). Where the softmax saturates (a confident token, logits
+    of 20 or more, as trained models give) the target's p_t − 1, whose true value can be
+    10⁻³, came out off by δ_t ≈ 0.04, and a model with large logits (MiniCPM3's small
+    config) trained at 2.3x eager's gradient error. With this lse the softmax sums to one
+    over the stored logits and the gradient is eager's. By chunks of rows (no float32
+    [rows, vocab] tensor); one expression while traced, which Inductor reduces in one
+    pass."""
+    if not layouts.real([z]):
+        return torch.logsumexp(z.float(), -1)
+    m, n = z.shape
+    out = torch.empty(m, dtype=torch.float32, device=z.device)
+    rows = max(1, _CE_CHUNK_BYTES // (4 * n))
+    for s in range(0, m, rows):
+        out[s:s + rows] = torch.logsumexp(z[s:s + rows].float(), -1)
+    return out
 
 
 def traced_softmax_grad(z, lse, target, d_loss, dsm, d_logits) -> torch.Tensor:
