@@ -684,3 +684,22 @@ def test_the_mask_prover_never_evaluates_what_it_cannot_reproduce():
     node = graph.call_function(torch.zeros, ((4,),), {"dtype": torch.int64})
     node.meta["example_value"] = torch.zeros(4, dtype=torch.int64)
     assert _uniform_constant(node) == 0
+
+
+def test_a_float16_norm_without_weight_is_still_deferred():
+    """Side condition (f)'s look-alike on the allowed side: without a weight, h2 = z, the
+    float16 stream eager itself holds, so no value leaves float16's range that eager's
+    does not (a feature of the stream at 3·10⁴ here)."""
+    def body(self, x, res):
+        z = self.w0(x) + res
+        return self.w1(F.rms_norm(z, (D,)))
+
+    torch.manual_seed(0)
+    model = Block(body).to(torch.float16)
+    ref = copy.deepcopy(model)
+    x, res = torch.randn(2, 6, D, dtype=torch.float16), torch.randn(2, 6, D, dtype=torch.float16)
+    res[..., 3] = 3e4
+    fast = coda_rewrite.optimize(model)
+    got, want = fast(x, res), ref(x, res)
+    assert fast.report.count() == 1, str(fast.report)
+    assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-2
