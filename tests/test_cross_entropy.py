@@ -97,6 +97,8 @@ class Loop(nn.Module):
             logits = logits / self.temperature
         elif self.softcap == "sigmoid":
             logits = torch.sigmoid(logits) * 10.0
+        elif self.softcap == "graph_break":  # the loss in the next graph (GPT-2's, 5.17)
+            torch._dynamo.graph_break()
         shifted = logits[:, :-1, :]
         if self.upcast:
             shifted = shifted.float()
@@ -180,6 +182,7 @@ def test_cross_entropy_module_and_no_upcast():
     (dict(softcap="two_tanh"), "cross_entropy.two_tanh"),
     (dict(softcap="tensor_temperature"), "cross_entropy.map_operand"),
     (dict(softcap="sigmoid"), "cross_entropy.op_before_loss"),
+    (dict(softcap="graph_break"), "cross_entropy.logits_from_outside"),
 ])
 def test_variants_not_in_the_epilogue_stay_exact(kw, code):
     torch.manual_seed(0)

@@ -230,6 +230,10 @@ def _chain_step(node: fx.Node):
         if rows is not None:
             return node.args[0], rows, None
         return Why("an index of the logits other than a slice of rows", "cross_entropy.index")
+    if node.op in ("placeholder", "get_attr"):
+        return Why(f"the logits {describe(node)} are an input of this graph: the GEMM that "
+                   "makes them ran in another one (a graph break between the LM head and "
+                   "the loss, e.g. a warning logged there)", "cross_entropy.logits_from_outside")
     what = canon(node).name if canon(node) is not None else str(node.target)
     return Why(f"{what} between the logits GEMM and the loss is not in the epilogue (a map "
                "it applies is a product or quotient by a constant, or tanh)",
