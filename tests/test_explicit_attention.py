@@ -128,3 +128,33 @@ def test_bfloat16_no_worse_than_eager():
         lambda seed: hf_model("llama", seed=seed, attn_implementation="eager"),
         (tokens(),), coda_rewrite.optimize, seeds=(0, 1, 2))
     assert errs["ok"], errs
+
+
+@pytest.mark.provokes_pass_bug
+def test_a_training_match_carries_a_gradient_replay_that_refuses_other_gradients(monkeypatch):
+    """Where the attention trains, the witness replays the gradients to q, k and v too: the
+    record says so, and a stand-in for SDPA with eager's values and another gradient (v's
+    cut) makes it refuse the rewrite (witness.gradients_disagree), the model left eager."""
+    torch.manual_seed(0)
+    model, x = Explicit().train(), torch.randn(2, 6, 32)
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    fast(x).sum().backward()
+    (rec,) = [r for r in fast.report.records if r.pattern == NAME]
+    assert rec.status == "rewritten" and "gradient replay on the gradients to q, k and v" \
+        in str(rec), str(rec)
+
+    from coda_rewrite.algebra import explicit_attention as legality
+
+    class CutV:  # SDPA's values, no gradient to v
+        def __getattr__(self, name):
+            return getattr(F, name)
+
+        @staticmethod
+        def scaled_dot_product_attention(q, k, v, **kw):
+            return F.scaled_dot_product_attention(q, k, v.detach(), **kw)
+    monkeypatch.setattr(legality, "F", CutV())
+    torch._dynamo.reset()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    got = fast(x)
+    assert codes(fast.report, NAME) == {"witness.gradients_disagree"}, str(fast.report)
+    assert torch.equal(got, model(x))

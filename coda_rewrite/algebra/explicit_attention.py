@@ -5,7 +5,9 @@
 holds by SDPA's definition; what needs checking is the glue: that the matched nodes are
 that formula (which operand is q, the transpose, the scale, the softmax's dim) and that
 nothing else reads what the fused call never writes. The float64 witness replays the
-matched nodes against SDPA on random inputs, an additive mask included.
+matched nodes against SDPA on random inputs, an additive mask included; where the
+attention trains, once more with q, k and v as float64 leaves, comparing the gradients
+of both sides to them (witness.gradient_error: values can agree where gradients do not).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..capture import describe
 from ..numerics import rel_err
 from .decision import Decision, Proof, Rejection, Why
 from .mask import prove_causal
-from .witness import eval_nodes, guarded, verdict
+from .witness import eval_nodes, gradient_error, guarded_with_gradients, verdict
 
 _DROPOUT = {F.dropout, torch.dropout, "dropout"}
 
@@ -71,7 +73,9 @@ def decide(m) -> Decision:
     held, failed = side_conditions(m)
     if failed:
         return Rejection(failed, m.path)
-    seen = guarded(_replay, m)
+    trains = [meta(n) for n in (m.q, m.k, m.v, m.out)]
+    seen = guarded_with_gradients(_replay, m, any(t is None or t.requires_grad
+                                                  for t in trains))  # unknown: replay
     if isinstance(seen, Rejection):
         return seen
     return Proof("softmax((q·kᵀ)·s + m)·v = SDPA(q, k, v, attn_mask=m, scale=s)",
@@ -80,8 +84,10 @@ def decide(m) -> Decision:
                  seen)
 
 
-def _replay(m) -> str | Rejection:
-    """The matched nodes on random float64 q, k, v (and an additive mask) against SDPA."""
+def _replay(m, gradients: bool = False) -> str | Rejection:
+    """The matched nodes on random float64 q, k, v (and an additive mask) against SDPA;
+    with ``gradients``, q, k and v are leaves and the gradients of both sides to them are
+    compared instead."""
     gen = torch.Generator().manual_seed(1618)
     b, h = 1, int(meta(m.q).shape[1])
     sq = min(int(meta(m.q).shape[2]), 5)
@@ -92,8 +98,11 @@ def _replay(m) -> str | Rejection:
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    env = {"__gen__": gen, m.q: rand(b, h, sq, d), m.k: rand(b, h, sk, d),
-           m.v: rand(b, h, sk, dv)}
+    leaves = [rand(b, h, sq, d), rand(b, h, sk, d), rand(b, h, sk, dv)]
+    if gradients:
+        for t in leaves:
+            t.requires_grad_()
+    env = {"__gen__": gen, m.q: leaves[0], m.k: leaves[1], m.v: leaves[2]}
     mask = None
     if m.mask is not None:
         mask = rand(1, 1, sq, sk)
@@ -111,4 +120,8 @@ def _replay(m) -> str | Rejection:
     want = env[m.out]
     got = F.scaled_dot_product_attention(env[m.q], env[m.k], env[m.v], attn_mask=mask,
                                          scale=m.scale)
+    if gradients:
+        return verdict(gradient_error([got], [want], leaves),
+                       f"the gradients to q, k and v, {sq} × {sk} positions", m.path,
+                       tol=1e-5, gradients=True)
     return verdict(rel_err(got, want.double()), f"{sq} × {sk} positions", m.path, tol=1e-5)
