@@ -316,16 +316,23 @@ def test_bfloat16_loss_no_worse_than_eager():
 
 def test_target_out_of_range_fails_as_in_pytorch():
     """PyTorch raises on CPU (a device assert on CUDA); so does the rewrite, never a
-    silent loss."""
+    silent loss: optimize()'s graphs with PyTorch's IndexError and message, a traced
+    graph (backend="coda") with its assert."""
     loop = Loop().eval()
     ids = tokens()
-    bad = ids.clone()
-    bad[0, 3] = 256  # vocab is 256
-    fast = coda_rewrite.optimize(loop)
-    with torch.no_grad(), pytest.raises(IndexError, match="out of bounds"):
-        loop(ids, bad)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="out of range"):
-        fast(ids, bad)
+    for value in (256, -5):  # vocab is 256; -100 is the ignored index
+        bad = ids.clone()
+        bad[0, 3] = value
+        torch._dynamo.reset()
+        fast = coda_rewrite.optimize(copy.deepcopy(loop))
+        with torch.no_grad(), pytest.raises(IndexError, match=f"Target {value} is out of"):
+            loop(ids, bad)
+        with torch.no_grad(), pytest.raises(IndexError, match=f"Target {value} is out of"):
+            fast(ids, bad)
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(loop), backend="coda")
+        with torch.no_grad(), pytest.raises(RuntimeError, match="out of range"):
+            compiled(ids, bad)
 
 
 # ---- the backward rule -----------------------------------------------------------------
