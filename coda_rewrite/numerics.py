@@ -35,7 +35,8 @@ def low_precision_errors(make_model: Callable[[int], nn.Module], inputs: dict | 
                          rewrite: Callable[[nn.Module], nn.Module],
                          dtype=torch.bfloat16, seeds=(0, 1, 2, 3, 4),
                          device="cpu", reference_dtype=torch.float64) -> dict:
-    """Eager-vs-float64 and rewritten-vs-float64 errors of the logits, per seed.
+    """Eager's and the rewritten model's errors of the logits against a float64 copy (or
+    ``reference_dtype``), per seed.
 
     ``make_model(seed)`` builds the float32 model; the float64 reference and the
     ``dtype`` copy are made from it, so all three share weights. ``reference_dtype``:

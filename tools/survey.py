@@ -154,20 +154,19 @@ def check_bf16(model_type: str) -> str:
         return numerics.low_precision_errors(build, {"input_ids": ids, "use_cache": False},
                                              rewrite, seeds=seeds,
                                              reference_dtype=reference_dtype)
-    against = "float64"
+    reference, seeds_note = torch.float64, ""
     try:
         try:
-            res = errors(torch.float64)
+            res = errors(reference)
         except PassRaised:
             raise
         except Exception:  # float64 eager has no kernel for some op (torch._grouped_mm)
-            against = "float32"
-            res = errors(torch.float32)
+            reference = torch.float32
+            res = errors(reference)
         if not res["ok"]:  # three seeds: one routing decision flipped by rounding (a MoE's
             # near-tie) moves a whole seed's error tenfold, either side's; twelve tell
-            against += f", 12 seeds (3 seeds: {res['ratio']:.2f})"
-            res = errors(torch.float64 if against.startswith("float64") else torch.float32,
-                         seeds=tuple(range(12)))
+            seeds_note = f", 12 seeds (3 seeds: {res['ratio']:.2f})"
+            res = errors(reference, seeds=tuple(range(12)))
     except PassRaised as e:
         return (f"{model_type}: RAISES in bf16 through optimize() "
                 f"({type(e.error).__name__}: {str(e.error)[:200]})")
@@ -176,7 +175,8 @@ def check_bf16(model_type: str) -> str:
     rewrites = counts[-1].report.count(pattern=None) if counts else 0
     flag = "ok" if res["ok"] else "WORSE THAN EAGER"
     return (f"{model_type}: bf16 {flag} | {rewrites} rewrites | rewritten / eager error "
-            f"against {against}: {res['ratio']:.2f} (eager {res['eager'][0]:.1e})")
+            f"against {str(reference).removeprefix('torch.')}{seeds_note}: "
+            f"{res['ratio']:.2f} (eager {res['eager'][0]:.1e})")
 
 
 def _token_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

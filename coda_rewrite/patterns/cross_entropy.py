@@ -230,7 +230,7 @@ def _chain_step(node: fx.Node):
         if rows is not None:
             return node.args[0], rows, None
         return Why("an index of the logits other than a slice of rows", "cross_entropy.index")
-    if node.op in ("placeholder", "get_attr"):
+    if node.op == "placeholder":
         return Why(f"the logits {describe(node)} are an input of this graph: the GEMM that "
                    "makes them ran in another one (a graph break between the LM head and "
                    "the loss, e.g. a warning logged there)", "cross_entropy.logits_from_outside")
