@@ -20,7 +20,9 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
     launch          the prepared launch alone (quack_path.Launch: allocations, QuACK's
                     planned GEMM launch, the finaliser)
     op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
-                    Inductor calls (no autograd formula)
+                    Inductor calls (no autograd formula); on optimize()'s program, and
+                    then on each program only Inductor's graph calls (the norm
+                    producer's with its finaliser: inductor_programs)
     op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
     graph, grad     a graph call whose input and weight require grad, in grad mode: what
                     optimize()'s training forward calls (ops.FusedGemm records the node;
@@ -149,6 +151,28 @@ def per_program(calls) -> list[tuple[str, str, float]]:
     return rows
 
 
+def inductor_programs(calls, traced) -> list[tuple[str, str, float]]:
+    """The programs an Inductor graph (backend="coda") calls that optimize()'s graphs do
+    not: the norm producer's, which there computes its rstd with a finaliser kernel
+    (deferred_rstd.py hands the partials on only in graphs nothing traces). Its "op,
+    nograd" above is the partials program's; this is what Inductor's graph pays."""
+    rows = []
+    for program, (a, b, operands) in traced.items():
+        prog = parse(program)
+        if not prog.gemm or program in calls:
+            continue
+        with torch.no_grad():
+            t = interleaved({
+                "nograd": lambda: ops.gemm_epilogue_nograd(program, a, b, operands),
+                "linear": lambda: torch.nn.functional.linear(a.reshape(1, *a.shape), b)})
+        print(f"{prog.key:<34} {prog.family:<18} as an Inductor graph calls it: op, nograd "
+              f"{t['nograd']:.1f} µs, F.linear {t['linear']:.1f}")
+        rows += [(f"{prog.family} op, nograd (Inductor's program)", "host us/call",
+                  t["nograd"]), (f"{prog.family} F.linear (beside it)", "host us/call",
+                                 t["linear"])]
+    return rows
+
+
 def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
     """Where a norm producer's launch spends its host time: the allocations (outputs,
     partials, rstd), QuACK's planned GEMM launch on buffers made once, the rstd kernel."""
@@ -216,7 +240,9 @@ def main():
     if "profile" in sys.argv[1:]:
         return profile(model, x)
     calls = captured_calls(coda_rewrite.optimize(model, min_fused_rows=0), x)
-    rows = per_program(calls) + per_layer(model, x)
+    traced = captured_calls(torch.compile(model, backend="coda",
+                                          options={"min_fused_rows": 0}), x)
+    rows = per_program(calls) + inductor_programs(calls, traced) + per_layer(model, x)
     print("csv:", write_csv("host overhead (M = 64, 8B layer)", rows))
 
 

@@ -63,7 +63,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 GPU_WIDTHS = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=512,
                   moe_intermediate_size=128, shared_expert_intermediate_size=256,
                   n_embd=256, n_inner=512, q_lora_rank=64, kv_lora_rank=64,
-                  qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+                  qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                  # names transformers 5.25's configs add (Ergo's dense first layer and
+                  # shared experts, Inkling2's sliding-window heads and its LM head's
+                  # unpadded vocabulary): left at their full sizes, the model is past
+                  # build()'s size guard at these widths
+                  first_dense_intermediate_size=512, shared_intermediate_size=256,
+                  swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=64,
+                  unpadded_vocab_size=512)
 
 
 def build(model_type: str, widths: dict | None = None, seed: int = 0):
