@@ -361,12 +361,26 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
                                 "other is not", "gated.mixed_sharding"))
     if g is None or u is None:
         if g is None and u is None:
-            return None
+            if _gemm_plus_term(gate_v) and _gemm_plus_term(up_v):
+                return NoMatch(mul, Why(
+                    f"gate {describe(gate_v)} and up {describe(up_v)} are each a GEMM's "
+                    "output plus another term (a low-rank adapter's, as LoRA adds): the "
+                    "pair epilogue has no addend for it", "gated.gemm_plus_term"))
+            return None  # a product of values no GEMM made: not this pattern
         which = "gate" if g is None else "up"
         return NoMatch(mul, Why(
                 f"the {which} operand {describe(gate_v if g is None else up_v)} "
                 "is not a GEMM output", "gated.not_a_gemm"))
     return Match(mul, act, op, g, u, False)
+
+
+def _gemm_plus_term(v: fx.Node) -> bool:
+    """Whether ``v`` is a GEMM's output plus another value (LoRA's base(x) + s·B(A(x)),
+    in either order): a near miss the report names, not a silent non-match."""
+    c = canon(v)
+    return c is not None and c.name == "add" and any(
+        isinstance(a, fx.Node) and projection_of(through_casts(a)[0]) is not None
+        for a in c.args)
 
 
 def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
