@@ -17,11 +17,15 @@ import re
 import torch.fx as fx
 
 _SOURCE_PREFIX = re.compile(r"^L\['self'\]\.?|^L\['[^']*'\]\.?")
+# a submodule reached through its module's dict rather than by attribute: peft's
+# PeftModel and LoraModel forward to their wrapped model by __getattr__, which dynamo
+# records as ``.__dict__['_modules']['base_model']``
+_MODULE_ACCESS = re.compile(r"(?:\.__dict__\['_modules'\]|\._modules)\['([^']*)'\]")
 
 
 def _clean(path: str) -> str:
-    path = _SOURCE_PREFIX.sub("", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+    path = _SOURCE_PREFIX.sub("", _MODULE_ACCESS.sub(r".\1", path))
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("']", "")
 
 
 def model_path(node: fx.Node | None) -> str:
@@ -43,7 +47,9 @@ def placeholder_path(node: fx.Node) -> str:
     m = re.match(r"^[Ll]_self_(.*?)_?$", name)
     if not m:
         return re.sub(r"^[Ll]_(.*?)_?$", r"\1", name)
-    return re.sub(r"_(modules|parameters|buffers)_", ".", "_" + m.group(1) + "_") \
+    inner = "_" + m.group(1).replace("_dict_modules_", "_modules_") + "_"  # (_MODULE_ACCESS)
+    inner = re.sub(r"^_dict_modules_", "_modules_", inner)
+    return re.sub(r"_(modules|parameters|buffers)_", ".", inner) \
         .strip("._").replace("modules_", "")
 
 

@@ -303,21 +303,42 @@ class LoraLinear(nn.Module):
         return result.to(dtype)
 
 
+class Forwarding(nn.Module):
+    """A wrapper that forwards attribute reads to the model it wraps, as peft's PeftModel
+    and LoraModel do (a __getattr__ of its own: dynamo names the wrapped modules through
+    ``__dict__['_modules']``)."""
+
+    def __init__(self, inner: nn.Module, name: str):
+        super().__init__()
+        self.inner_name = name
+        self.add_module(name, inner)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__(self.inner_name), name)
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, self.inner_name)(*args, **kwargs)
+
+
 @pytest.mark.parametrize("fuse_in_training", [None, True])
 def test_lora_adapters_on_every_projection(fuse_in_training):
     """Adapter fine-tuning on every projection of an HF Llama (the base frozen, the
-    adapters trained; the LM head plain): the loss and every adapter gradient eager's, no
-    gradient for a frozen weight, the eval logits eager's; and the report says what the
-    adapters change. Each norm is still deferred into the GEMMs that read it (the base
-    layers and lora_A alike); RoPE and the gated MLP are near misses with their reason
-    (a GEMM's output plus the adapter's term), not silent non-matches."""
+    adapters trained; the LM head plain), wrapped as peft wraps it: the loss and every
+    adapter gradient eager's, no gradient for a frozen weight, the eval logits eager's;
+    and the report says what the adapters change, at the paths peft's model names. Each
+    norm is still deferred into the GEMMs that read it (the base layers and lora_A
+    alike); RoPE and the gated MLP are near misses with their reason (a GEMM's output
+    plus the adapter's term), not silent non-matches."""
     torch.manual_seed(0)
-    model = hf_model("llama", layers=2).requires_grad_(False)
-    for module in list(model.modules()):
+    llama = hf_model("llama", layers=2).requires_grad_(False)
+    for module in list(llama.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name != "lm_head":
                 setattr(module, name, LoraLinear(child))
-    model.train()
+    model = Forwarding(Forwarding(llama, "model"), "base_model").train()
     ref = copy.deepcopy(model)
     ids = tokens()
     fast = coda_rewrite.optimize(model, fuse_in_training=fuse_in_training)
@@ -334,7 +355,29 @@ def test_lora_adapters_on_every_projection(fuse_in_training):
     outcomes = {}
     for r in fast.report.records:
         outcomes.setdefault(r.pattern, set()).add((r.status, r.code or None))
+    norms = {r.path for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"}
+    assert norms == {name for name, m in model.named_modules()
+                     if type(m).__name__ == "LlamaRMSNorm"}, norms
+    assert "base_model.model.model.layers.0.mlp.gate_proj)" in str(fast.report)
+    assert "__dict__" not in str(fast.report) and "dict." not in str(fast.report)
     assert outcomes["residual_rmsnorm_gemm"] == {("rewritten", None)}, str(fast.report)
     assert outcomes["gated_mlp"] == {("not matched", "gated.gemm_plus_term")}, \
         str(fast.report)
     assert outcomes["rope"] == {("not matched", "rope.not_gemm_columns")}, str(fast.report)
+
+
+def test_float32_adapters_on_a_bf16_model_are_named():
+    """peft's default keeps the adapters in float32 over a bf16 model: the adapter's sum
+    is cast back to bf16 before the activation, and the gated MLP's near miss is still
+    named through that cast (not left silent as a product of values no GEMM made)."""
+    torch.manual_seed(0)
+    llama = hf_model("llama", layers=1).to(torch.bfloat16).requires_grad_(False)
+    for module in list(llama.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                setattr(module, name, LoraLinear(child).to(torch.float32).requires_grad_(False))
+                getattr(module, name).base_layer.to(torch.bfloat16)
+    report = coda_rewrite.explain(llama, tokens())
+    gated = [r for r in report.records if r.pattern == "gated_mlp"]
+    assert [(r.status, r.code) for r in gated] == [("not matched", "gated.gemm_plus_term")], \
+        str(report)

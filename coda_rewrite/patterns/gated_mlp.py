@@ -299,6 +299,7 @@ def match_product(node: fx.Node) -> Match | NoMatch | None:
                         "a cast changes the dtype between the gate GEMM, its activation and "
                         "the product: the fused epilogue would skip that rounding",
                         "gated.cast_between"))
+            found = found or _adapter_miss(node, gate, up)
             continue
         up, cast_up = through_casts(up)
         if cast_up:
@@ -360,13 +361,8 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
         return NoMatch(mul, Why("one of gate and up is a local shard of a sharded GEMM, the "
                                 "other is not", "gated.mixed_sharding"))
     if g is None or u is None:
-        if g is None and u is None:
-            if _gemm_plus_term(gate_v) and _gemm_plus_term(up_v):
-                return NoMatch(mul, Why(
-                    f"gate {describe(gate_v)} and up {describe(up_v)} are each a GEMM's "
-                    "output plus another term (a low-rank adapter's, as LoRA adds): the "
-                    "pair epilogue has no addend for it", "gated.gemm_plus_term"))
-            return None  # a product of values no GEMM made: not this pattern
+        if g is None and u is None:  # None: a product of values no GEMM made
+            return _adapter_miss(mul, gate_v, up_v)
         which = "gate" if g is None else "up"
         return NoMatch(mul, Why(
                 f"the {which} operand {describe(gate_v if g is None else up_v)} "
@@ -374,13 +370,21 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
     return Match(mul, act, op, g, u, False)
 
 
-def _gemm_plus_term(v: fx.Node) -> bool:
-    """Whether ``v`` is a GEMM's output plus another value (LoRA's base(x) + s·B(A(x)),
-    in either order): a near miss the report names, not a silent non-match."""
-    c = canon(v)
-    return c is not None and c.name == "add" and any(
-        isinstance(a, fx.Node) and projection_of(through_casts(a)[0]) is not None
-        for a in c.args)
+def _adapter_miss(mul: fx.Node, gate_v, up_v) -> NoMatch | None:
+    """The near miss where gate and up are each a GEMM's output plus another value, as a
+    low-rank adapter makes them (peft's lora.Linear: base(x) + s·B(A(x)), in the
+    adapter's dtype and cast back), through casts either side of the sum; else None."""
+    def gemm_plus_term(v) -> bool:
+        c = canon(through_casts(v)[0]) if isinstance(v, fx.Node) else None
+        return c is not None and c.name == "add" and any(
+            isinstance(a, fx.Node) and projection_of(through_casts(a)[0]) is not None
+            for a in c.args)
+    if not (gemm_plus_term(gate_v) and gemm_plus_term(up_v)):
+        return None
+    return NoMatch(mul, Why(
+        f"gate {describe(gate_v)} and up {describe(up_v)} are each a GEMM's output plus "
+        "another term (a low-rank adapter's, as LoRA adds): the pair epilogue has no "
+        "addend for it", "gated.gemm_plus_term"))
 
 
 def gated_program(op: str, has_r: bool, has_bias: bool, dtype: torch.dtype,
