@@ -59,6 +59,7 @@ class CodaModule(nn.Module):
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "report", backend.report)
         object.__setattr__(self, "_warned", False)
+        object.__setattr__(self, "_warned_generate", False)
 
     def forward(self, *args, **kwargs):
         # two integer reads around the call: the per-call cost of "never silently eager"
@@ -91,15 +92,37 @@ class CodaModule(nn.Module):
 
     def generate(self, *args, **kwargs):
         """The original model's ``generate()``, its every forward through the rewritten
-        graphs (prefill and decode steps alike)."""
-        return self._generation_view().generate(*args, **kwargs)
+        graphs (prefill and decode steps alike). A generation loop that never calls this
+        module's forward (a wrapper's generate() that generates through the module it
+        wraps: peft's PeftModel through its base model) ran unrewritten: it warns once and
+        is counted and noted in the report, never silent."""
+        view, calls = self._generation_view()
+        out = view.generate(*args, **kwargs)
+        if not calls:
+            self._generated_around()
+        return out
 
-    def _generation_view(self) -> nn.Module:
+    def _generated_around(self) -> None:
+        self.report.uncaptured_calls += 1
+        if self._warned_generate:
+            return
+        object.__setattr__(self, "_warned_generate", True)
+        why = (f"generate() of {type(self._modules['module']).__name__} ran without the "
+               "rewritten forward: it generates through the forward of another module (a "
+               "wrapper such as peft's PeftModel generates through its base model), so "
+               "every step ran as eager. Optimize the module that generates (peft: "
+               "model.get_base_model(), whose layers hold the adapters) or merge the "
+               "adapters into it first (merge_and_unload())")
+        self.report.notes.append(why)
+        warnings.warn(f"coda_rewrite.optimize(): {why}", RuntimeWarning, stacklevel=3)
+
+    def _generation_view(self) -> tuple[nn.Module, list]:
         """A shallow copy of the original whose ``forward`` is this module's: generation
         code reads the model's class, config and methods, and calls ``self(...)``. The
         copy shares parameters, buffers and submodules; its own hooks are empty (the
         compiled call runs the original's, once). Made per generate() call, so that it
-        sees what the original holds now (a replaced generation_config, say)."""
+        sees what the original holds now (a replaced generation_config, say). With it, a
+        list that gets an entry per forward it runs."""
         model = self._modules["module"]
         view = copy.copy(model)
         view.__dict__.update(_forward_hooks=collections.OrderedDict(),
@@ -107,13 +130,14 @@ class CodaModule(nn.Module):
                              _forward_hooks_with_kwargs=collections.OrderedDict(),
                              _forward_pre_hooks_with_kwargs=collections.OrderedDict(),
                              _forward_hooks_always_called=collections.OrderedDict())
-        rewritten = self.forward
+        rewritten, calls = self.forward, []
 
         @functools.wraps(model.forward)  # generation reads the signature's arguments
         def forward(*args, **kwargs):
+            calls.append(None)
             return rewritten(*args, **kwargs)
         view.forward = forward
-        return view
+        return view, calls
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -24,6 +24,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -354,6 +355,50 @@ def test_generate_through_optimize_runs_the_rewritten_forward(dynamic):
     assert max(rel_err(a, b) for a, b in zip(got.logits, want.logits)) <= 1e-5
     assert len(fast.report.graphs) >= 2 and fast.report.count() > 0, str(fast.report)
     assert fast.report.uncaptured_calls == 0
+
+
+class GeneratesThroughItsModel(torch.nn.Module):
+    """A wrapper whose attributes, generate() among them, are its model's, as peft's
+    PeftModel forwards generate() to its base model: generation then calls the wrapped
+    model's forward, never the wrapper's."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base_model"), name)
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+
+def test_generate_that_bypasses_the_rewritten_forward_warns_and_is_reported():
+    """optimize(wrapper).generate() where the wrapper generates through the model it wraps
+    ran every step as eager without a word (found with peft's LoRA models). It warns once,
+    counts each such generate() and names the remedy in the report; optimizing the module
+    that generates runs its steps through the rewritten graphs."""
+    model = hf_model("llama").eval()
+    ids = tokens(seq=8)
+    kw = dict(max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        fast = coda_rewrite.optimize(GeneratesThroughItsModel(model))
+        with pytest.warns(RuntimeWarning, match="generate.. of GeneratesThroughItsModel ran "
+                          "without the rewritten forward"):
+            got = fast.generate(ids, **kw)
+        assert torch.equal(got, want)
+        fast.generate(ids, **kw)
+        assert fast.report.uncaptured_calls == 2 and not fast.report.graphs
+        assert "get_base_model()" in str(fast.report)
+        inner = coda_rewrite.optimize(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert torch.equal(inner.generate(ids, **kw), want)
+    assert inner.report.uncaptured_calls == 0 and inner.report.count() > 0
 
 
 @pytest.mark.parametrize("how", ["hf", "per_block"])
