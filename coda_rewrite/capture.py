@@ -47,8 +47,10 @@ def placeholder_path(node: fx.Node) -> str:
     m = re.match(r"^[Ll]_self_(.*?)_?$", name)
     if not m:
         return re.sub(r"^[Ll]_(.*?)_?$", r"\1", name)
-    inner = "_" + m.group(1).replace("_dict_modules_", "_modules_") + "_"  # (_MODULE_ACCESS)
-    inner = re.sub(r"^_dict_modules_", "_modules_", inner)
+    inner = "_" + m.group(1) + "_"
+    if inner.startswith("_dict_modules_"):  # a forwarding wrapper's (_MODULE_ACCESS), whose
+        # inner wrappers forward alike; elsewhere "_dict_" may end a module's own name
+        inner = inner.replace("_dict_modules_", "_modules_")
     return re.sub(r"_(modules|parameters|buffers)_", ".", inner) \
         .strip("._").replace("modules_", "")
 

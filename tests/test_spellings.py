@@ -381,3 +381,29 @@ def test_float32_adapters_on_a_bf16_model_are_named():
     gated = [r for r in report.records if r.pattern == "gated_mlp"]
     assert [(r.status, r.code) for r in gated] == [("not matched", "gated.gemm_plus_term")], \
         str(report)
+
+
+@pytest.mark.parametrize("source, path", [
+    ("L['self'].__dict__['_modules']['base_model'].__dict__['_modules']['model'].model."
+     "layers.0.mlp", "base_model.model.model.layers.0.mlp"),
+    ("L['self'].model.layers[3].mlp", "model.layers.3.mlp"),
+    ("L['self'].model.layers._modules['3'].mlp", "model.layers.3.mlp")])
+def test_module_paths_as_the_model_names_them(source, path):
+    """Dynamo's module sources, through a forwarding wrapper's dict or not, read as the
+    dotted names named_modules() gives."""
+    from coda_rewrite.capture import _clean
+    assert _clean(source) == path
+
+
+@pytest.mark.parametrize("name, path", [
+    ("L_self_dict_modules_base_model_dict_modules_model_modules_model_modules_layers_modules_"
+     "0_modules_input_layernorm_parameters_weight_",
+     "base_model.model.model.layers.0.input_layernorm.weight"),
+    ("L_self_modules_model_modules_layer_dict_modules_a_parameters_weight_",
+     "model.layer_dict.a.weight")])
+def test_parameter_paths_as_the_model_names_them(name, path):
+    """A parameter input's path: through a forwarding wrapper's dict, and a module whose own
+    name ends in _dict (not taken for one)."""
+    from coda_rewrite.capture import placeholder_path
+    node = torch.fx.Graph().placeholder(name)
+    assert placeholder_path(node) == path
