@@ -703,3 +703,60 @@ def test_a_float16_norm_without_weight_is_still_deferred():
     got, want = fast(x, res), ref(x, res)
     assert fast.report.count() == 1, str(fast.report)
     assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-2
+
+
+class NormAndRouter(nn.Module):
+    """A norm read by a projection whose widths a kernel takes (N = 48) and by a router
+    over 4 experts (N = 4: rows of 8 bytes, under the TMA's 16), in bf16."""
+
+    def __init__(self, router_width: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.RMSNorm(64, eps=1e-6)
+        self.proj = nn.Linear(64, 48, bias=False)
+        self.router = nn.Linear(64, router_width, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.proj(h), self.router(h)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_a_consumer_no_kernel_can_take_is_left_on_the_gpu(on_gpu, monkeypatch):
+    """On the GPU a consumer GEMM whose static widths break the kernels' layout contract
+    (a router over 4 experts) would run its reference at every call: it is left reading
+    the norm as eager computes it (row_scale.no_kernel), the other consumer still fused.
+    On the CPU (the reference path for every fused call) both are fused. A stand-in for
+    the GPU: residual_rmsnorm._on_gpu."""
+    from coda_rewrite.patterns import residual_rmsnorm
+    monkeypatch.setattr(residual_rmsnorm, "_on_gpu", lambda t: on_gpu)
+    model = NormAndRouter().to(torch.bfloat16).eval()
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    fast = coda_rewrite.optimize(copy.deepcopy(model), min_fused_rows=0)
+    with torch.no_grad():
+        (proj, router), (want_proj, want_router) = fast(x), model(x)
+    (rec,) = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"]
+    assert rec.status == "rewritten", str(fast.report)
+    decided = {where.split("(")[-1].rstrip(")"): d for where, d, _ in rec.consumer_decisions}
+    assert decided["proj"].accepted
+    assert decided["router"].accepted != on_gpu, str(fast.report)
+    if on_gpu:
+        assert decided["router"].code == "row_scale.no_kernel"
+        assert "N=4 of 8" in str(fast.report)
+        assert torch.equal(router, want_router)  # eager's norm, eager's GEMM
+    assert rel_err(proj, want_proj) <= 1e-2 and rel_err(router, want_router) <= 1e-2
+
+
+def test_a_norm_no_consumer_kernel_can_take_is_left_on_the_gpu(monkeypatch):
+    """Every consumer past the kernels' contract on the GPU: the norm is not rewritten,
+    with the consumer's reason."""
+    from coda_rewrite.patterns import residual_rmsnorm
+    monkeypatch.setattr(residual_rmsnorm, "_on_gpu", lambda t: True)
+    model = nn.Sequential(nn.RMSNorm(64, eps=1e-6), nn.Linear(64, 60, bias=False))
+    model = model.to(torch.bfloat16).eval()
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    fast = coda_rewrite.optimize(copy.deepcopy(model), min_fused_rows=0)
+    with torch.no_grad():
+        assert torch.equal(fast(x), model(x))
+    (rec,) = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"]
+    assert rec.status != "rewritten" and rec.code == "row_scale.no_kernel", str(fast.report)

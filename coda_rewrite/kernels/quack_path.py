@@ -167,20 +167,32 @@ def _arch_violation(index: int) -> str | None:
     return None
 
 
+def gemm_violation(a_dtype: torch.dtype, b_dtype: torch.dtype, k: int, n: int) -> str | None:
+    """Why a GEMM of these operand dtypes and widths breaks the layout contract whatever
+    its tensors (None: these allow it): what a graph's static shapes tell before any
+    call (patterns/residual_rmsnorm.py leaves such a consumer unfused on the GPU)."""
+    if a_dtype not in _GEMM_DTYPES + _FP8_GEMM_DTYPES or b_dtype != a_dtype:
+        return (f"GEMM operands {a_dtype}/{b_dtype} (QuACK's GEMM takes bf16/fp16 or e4m3 "
+                "pairs)")
+    if n == 0 or k == 0:
+        return "empty problem"
+    per_row = 16 // a_dtype.itemsize  # elements per 16 bytes
+    if k % per_row or n % 8:
+        return f"K={k} not a multiple of {per_row} or N={n} of 8 (16-byte TMA rows)"
+    return None
+
+
 def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
     """Why these tensors break the layout contract (None: they meet it)."""
     if not program.gemm:
         return "no GEMM in the program (row-wise torch ops)"
-    if a.dtype not in _GEMM_DTYPES + _FP8_GEMM_DTYPES or b.dtype != a.dtype:
-        return (f"GEMM operands {a.dtype}/{b.dtype} (QuACK's GEMM takes bf16/fp16 or e4m3 "
-                "pairs)")
     m, k = a.shape
     n = b.shape[0]
-    if m == 0 or n == 0 or k == 0:
+    why = gemm_violation(a.dtype, b.dtype, k, n)
+    if why is not None:
+        return why
+    if m == 0:
         return "empty problem"
-    per_row = 16 // a.element_size()  # elements per 16 bytes
-    if k % per_row or n % 8:
-        return f"K={k} not a multiple of {per_row} or N={n} of 8 (16-byte TMA rows)"
     if not (_aligned(a) and _aligned(b)):
         return "a or b not K-contiguous and 16-byte aligned"
     indices = program.index_operands

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from .. import patterns
 from ..algebra import row_scale, sharding
-from ..algebra.decision import Why
+from ..algebra.decision import Rejection, Why
 from ..canonical import canon, inactive_dropout, meta
 from ..capture import describe, model_path
 from ..codegen import layouts
@@ -47,6 +47,7 @@ from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
                            same_meta, updated_between)
 from ..kernels import ops
+from ..kernels.quack_path import gemm_violation
 from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from . import gated_mlp
 from .family import Context, Decided, DeferredNorm
@@ -471,6 +472,8 @@ def decide(m: Match, context: Context) -> Decided:
         m = dataclasses.replace(m, producer=None, producer_note=why)
     programs = build_programs(m)
     decision, per_consumer, accepted = row_scale.decide(m, programs, m.norm.output.graph)
+    if decision.accepted:
+        decision, accepted = _kernels_take(m, decision, per_consumer, accepted)
     chains = {c.linear: bool(c.chain) for c in m.consumers}
     report = {"consumer_decisions": [(describe(n), d, chains[n])
                                      for n, d in per_consumer.items()],
@@ -478,6 +481,50 @@ def decide(m: Match, context: Context) -> Decided:
     if not decision.accepted:  # (check() refuses a match no consumer can take)
         return Decided(decision, None, decision, report)
     return Decided(decision, Plan(m, programs, tuple(accepted)), None, report)
+
+
+def _kernels_take(m: Match, decision, per_consumer: dict, accepted: list):
+    """(decision, accepted) without the consumers no generated kernel can take on the GPU
+    (_no_kernel): each is left reading the norm as eager computes it, with its reason in
+    ``per_consumer``; the match is refused where none is left."""
+    kept = []
+    for c in accepted:
+        why = _no_kernel(c)
+        if why is None:
+            kept.append(c)
+        else:
+            per_consumer[c.linear] = Rejection(why, describe(c.linear))
+    if kept or not accepted:
+        return decision, kept
+    first = per_consumer[accepted[0].linear]
+    return Rejection("no consumer GEMM can take the deferred row scale: " + first.condition,
+                     first.where, code=first.code), kept
+
+
+def _no_kernel(c: Consumer) -> Why | None:
+    """Why the consumer's fused GEMM could run no generated kernel on the GPU its graph
+    runs on, as the graph's static widths and dtypes tell (quack_path.gemm_violation: a
+    router over 60 experts, a classification head's few labels): every call would take
+    the reference path, slower than cuBLAS reading the norm as graph ops. None on the
+    CPU (the reference path anyway), where the widths are symbolic or sharded (decided
+    per call), and where a kernel can take it."""
+    out, w = meta(c.linear), meta(c.weight)
+    if out is None or w is None or not _on_gpu(out) or w.dim() != 2 or \
+            sharding.is_dtensor(c.weight) or not all(isinstance(d, int) for d in w.shape):
+        return None
+    n, k = w.shape
+    why = gemm_violation(out.dtype, out.dtype, k, n)
+    if why is None:
+        return None
+    return Why(f"{describe(c.linear)}: {why}: no generated kernel takes this GEMM, so the "
+               "fused one would run its reference on the GPU; left to cuBLAS reading the "
+               "norm as eager computes it", "row_scale.no_kernel")
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether a traced value lives where the generated kernels run (a function of its
+    own: the CPU tests stand a GPU graph in with it)."""
+    return t.device.type == "cuda"
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
