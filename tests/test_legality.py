@@ -727,9 +727,9 @@ def test_a_consumer_no_kernel_can_take_is_left_on_the_gpu(on_gpu, monkeypatch):
     (a router over 4 experts) would run its reference at every call: it is left reading
     the norm as eager computes it (row_scale.no_kernel), the other consumer still fused.
     On the CPU (the reference path for every fused call) both are fused. A stand-in for
-    the GPU: residual_rmsnorm._on_gpu."""
-    from coda_rewrite.patterns import residual_rmsnorm
-    monkeypatch.setattr(residual_rmsnorm, "_on_gpu", lambda t: on_gpu)
+    the GPU: family.on_gpu."""
+    from coda_rewrite.patterns import family
+    monkeypatch.setattr(family, "on_gpu", lambda t: on_gpu)
     model = NormAndRouter().to(torch.bfloat16).eval()
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
     fast = coda_rewrite.optimize(copy.deepcopy(model), min_fused_rows=0)
@@ -750,8 +750,8 @@ def test_a_consumer_no_kernel_can_take_is_left_on_the_gpu(on_gpu, monkeypatch):
 def test_a_norm_no_consumer_kernel_can_take_is_left_on_the_gpu(monkeypatch):
     """Every consumer past the kernels' contract on the GPU: the norm is not rewritten,
     with the consumer's reason."""
-    from coda_rewrite.patterns import residual_rmsnorm
-    monkeypatch.setattr(residual_rmsnorm, "_on_gpu", lambda t: True)
+    from coda_rewrite.patterns import family
+    monkeypatch.setattr(family, "on_gpu", lambda t: True)
     model = nn.Sequential(nn.RMSNorm(64, eps=1e-6), nn.Linear(64, 60, bias=False))
     model = model.to(torch.bfloat16).eval()
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
@@ -760,3 +760,27 @@ def test_a_norm_no_consumer_kernel_can_take_is_left_on_the_gpu(monkeypatch):
         assert torch.equal(fast(x), model(x))
     (rec,) = [r for r in fast.report.records if r.pattern == "residual_rmsnorm_gemm"]
     assert rec.status != "rewritten" and rec.code == "row_scale.no_kernel", str(fast.report)
+
+
+@pytest.mark.parametrize("vocab", [60, 64])
+def test_an_lm_head_no_kernel_can_take_keeps_its_loss_on_the_gpu(vocab, monkeypatch):
+    """On the GPU the LM head + loss rewrite is left where no generated kernel takes the
+    head's GEMM (a vocabulary of 60: rows under 16 bytes, as GPT-2's 50257), with its
+    reason (cross_entropy.no_kernel): the loss is eager's exactly. A vocabulary of 64 is
+    rewritten."""
+    from coda_rewrite.patterns import family
+    monkeypatch.setattr(family, "on_gpu", lambda t: True)
+    model = hf_model("llama", layers=1, vocab_size=vocab).to(torch.bfloat16).eval()
+    ids = tokens(vocab=vocab)
+    fast = coda_rewrite.optimize(copy.deepcopy(model), min_fused_rows=0,
+                                 patterns=("lm_head_cross_entropy",))
+    with torch.no_grad():
+        loss, want = fast(ids, labels=ids).loss, model(ids, labels=ids).loss
+    (rec,) = [r for r in fast.report.records if r.pattern == "lm_head_cross_entropy"]
+    if vocab == 60:
+        assert rec.status != "rewritten" and rec.code == "cross_entropy.no_kernel", \
+            str(fast.report)
+        assert torch.equal(loss, want)
+    else:
+        assert rec.status == "rewritten", str(fast.report)
+        assert abs(loss.item() - want.item()) <= 1e-2 * abs(want.item())

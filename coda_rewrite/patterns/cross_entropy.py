@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .. import patterns
 from ..algebra import cross_entropy as ce_algebra
-from ..algebra.decision import Why
+from ..algebra.decision import Rejection, Why
 from ..canonical import canon, meta
 from ..capture import describe, model_path
 from ..codegen import layouts
@@ -51,7 +51,7 @@ from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, results
 from ..kernels import ops
-from .family import Context, Decided
+from .family import Context, Decided, no_kernel
 from .gated_mlp import Projection, projection_of
 
 NAME = "lm_head_cross_entropy"
@@ -320,6 +320,10 @@ def describe_match(m: Match) -> dict:
 
 
 def decide(m: Match, context: Context) -> Decided:
+    why = None if m.proj.local else no_kernel(m.proj.out, m.proj.weight,
+                                              "cross_entropy.no_kernel")
+    if why is not None:  # e.g. GPT-2's vocabulary of 50257, a float32 LM head
+        return Decided.refuse(Rejection(why, describe(m.proj.out)))
     plan = plan_for(m, context.options)
     decision = ce_algebra.decide(m, plan.program, plan.materialise)
     if not decision.accepted:

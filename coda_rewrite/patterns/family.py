@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
 
 import torch.fx as fx
 
-from ..algebra.decision import Decision, Rejection, code_of
-from ..capture import model_path
+from ..algebra import sharding
+from ..algebra.decision import Decision, Rejection, Why, code_of
+from ..canonical import meta
+from ..capture import describe, model_path
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -98,6 +100,33 @@ class Decided:
     def by(cls, decision: Decision, plan) -> "Decided":
         """``plan`` where the algebra accepted the match, its rejection otherwise."""
         return cls(decision, plan) if decision.accepted else cls.refuse(decision)
+
+
+def on_gpu(t) -> bool:
+    """Whether a traced value lives where the generated kernels run (a function of its
+    own: the CPU tests stand a GPU graph in with it)."""
+    return t.device.type == "cuda"
+
+
+def no_kernel(out: fx.Node, weight: fx.Node, code: str) -> Why | None:
+    """Why a fused GEMM making ``out`` from ``weight`` (nn.Linear's [N, K]) could run no
+    generated kernel on the GPU its graph runs on, as the graph's static widths and dtype
+    tell (kernels/quack_path.gemm_violation: N not a multiple of 8, as a router over 60
+    experts or a classification head; a float32 GEMM): fused, every call would take the
+    reference path, slower than the graph it replaced. None on the CPU (the reference
+    path anyway), where the widths are symbolic or sharded (decided per call), and where
+    a kernel can take it."""
+    from ..kernels.quack_path import gemm_violation
+    o, w = meta(out), meta(weight)
+    if o is None or w is None or not on_gpu(o) or w.dim() != 2 or \
+            sharding.is_dtensor(weight) or not all(isinstance(d, int) for d in w.shape):
+        return None
+    n, k = w.shape
+    why = gemm_violation(o.dtype, o.dtype, k, n)
+    if why is None:
+        return None
+    return Why(f"{describe(out)}: {why}: no generated kernel takes this GEMM, so the fused "
+               "one would run its reference on the GPU; left to cuBLAS", code)
 
 
 class Family(Protocol):

@@ -47,10 +47,9 @@ from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, copy_meta, erase_if_dead, graph_replay, results,
                            same_meta, updated_between)
 from ..kernels import ops
-from ..kernels.quack_path import gemm_violation
 from ..rmsnorm_idiom import NearMiss, RmsNorm, find_rms_norms
 from . import gated_mlp
-from .family import Context, Decided, DeferredNorm
+from .family import Context, Decided, DeferredNorm, no_kernel
 
 NAME = "residual_rmsnorm_gemm"
 # its rewrites replace GEMMs by fused ones, where they pay (size_policy.py)
@@ -485,11 +484,11 @@ def decide(m: Match, context: Context) -> Decided:
 
 def _kernels_take(m: Match, decision, per_consumer: dict, accepted: list):
     """(decision, accepted) without the consumers no generated kernel can take on the GPU
-    (_no_kernel): each is left reading the norm as eager computes it, with its reason in
-    ``per_consumer``; the match is refused where none is left."""
+    (family.no_kernel): each is left to cuBLAS reading the norm as eager computes it,
+    with its reason in ``per_consumer``; the match is refused where none is left."""
     kept = []
     for c in accepted:
-        why = _no_kernel(c)
+        why = no_kernel(c.linear, c.weight, "row_scale.no_kernel")
         if why is None:
             kept.append(c)
         else:
@@ -499,32 +498,6 @@ def _kernels_take(m: Match, decision, per_consumer: dict, accepted: list):
     first = per_consumer[accepted[0].linear]
     return Rejection("no consumer GEMM can take the deferred row scale: " + first.condition,
                      first.where, code=first.code), kept
-
-
-def _no_kernel(c: Consumer) -> Why | None:
-    """Why the consumer's fused GEMM could run no generated kernel on the GPU its graph
-    runs on, as the graph's static widths and dtypes tell (quack_path.gemm_violation: a
-    router over 60 experts, a classification head's few labels): every call would take
-    the reference path, slower than cuBLAS reading the norm as graph ops. None on the
-    CPU (the reference path anyway), where the widths are symbolic or sharded (decided
-    per call), and where a kernel can take it."""
-    out, w = meta(c.linear), meta(c.weight)
-    if out is None or w is None or not _on_gpu(out) or w.dim() != 2 or \
-            sharding.is_dtensor(c.weight) or not all(isinstance(d, int) for d in w.shape):
-        return None
-    n, k = w.shape
-    why = gemm_violation(out.dtype, out.dtype, k, n)
-    if why is None:
-        return None
-    return Why(f"{describe(c.linear)}: {why}: no generated kernel takes this GEMM, so the "
-               "fused one would run its reference on the GPU; left to cuBLAS reading the "
-               "norm as eager computes it", "row_scale.no_kernel")
-
-
-def _on_gpu(t: torch.Tensor) -> bool:
-    """Whether a traced value lives where the generated kernels run (a function of its
-    own: the CPU tests stand a GPU graph in with it)."""
-    return t.device.type == "cuda"
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
