@@ -346,9 +346,7 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
              "(b') nn.Linear contracts over the last (normalised) dim"), tuple(steps))
     accepted = [c for c in match.consumers if per_consumer[c.linear].accepted]
     if not accepted:
-        first = next(iter(per_consumer.values()))
-        return Rejection("no consumer GEMM can take the deferred row scale: "
-                         + first.condition, first.where, code=first.code), per_consumer
+        return no_consumer_left(next(iter(per_consumer.values()))), per_consumer
     statement = "(diag(r)·H)·Wᵀ = diag(r)·(H·Wᵀ),  r[i] = rsqrt(mean_j z[i, j]² + eps)"
     assumptions = (
         f"(a) the mean of squares runs over the last dim ({norm.dim} features) with "
@@ -362,6 +360,12 @@ def check(match, graph: fx.Graph) -> tuple[Decision, dict[fx.Node, Decision]]:
     return Proof(statement, assumptions, deferral.steps + (
         "rstd's sum of squares is merged from per-tile partials: " + decomposition.statement,
     ), deferral.witness), per_consumer
+
+
+def no_consumer_left(first: Rejection) -> Rejection:
+    """The match's rejection where no consumer GEMM takes r: the first one's reason."""
+    return Rejection("no consumer GEMM can take the deferred row scale: " + first.condition,
+                     first.where, code=first.code)
 
 
 # ---- the decision ------------------------------------------------------------------------

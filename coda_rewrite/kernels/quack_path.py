@@ -170,7 +170,7 @@ def _arch_violation(index: int) -> str | None:
 def gemm_violation(a_dtype: torch.dtype, b_dtype: torch.dtype, k: int, n: int) -> str | None:
     """Why a GEMM of these operand dtypes and widths breaks the layout contract whatever
     its tensors (None: these allow it): what a graph's static shapes tell before any
-    call (patterns/residual_rmsnorm.py leaves such a consumer unfused on the GPU)."""
+    call (patterns/family.no_kernel: a family leaves such a GEMM unfused on the GPU)."""
     if a_dtype not in _GEMM_DTYPES + _FP8_GEMM_DTYPES or b_dtype != a_dtype:
         return (f"GEMM operands {a_dtype}/{b_dtype} (QuACK's GEMM takes bf16/fp16 or e4m3 "
                 "pairs)")

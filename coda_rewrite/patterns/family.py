@@ -32,6 +32,7 @@ from ..algebra import sharding
 from ..algebra.decision import Decision, Rejection, Why, code_of
 from ..canonical import meta
 from ..capture import describe, model_path
+from ..kernels.quack_path import gemm_violation
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -116,7 +117,6 @@ def no_kernel(out: fx.Node, weight: fx.Node, code: str) -> Why | None:
     reference path, slower than the graph it replaced. None on the CPU (the reference
     path anyway), where the widths are symbolic or sharded (decided per call), and where
     a kernel can take it."""
-    from ..kernels.quack_path import gemm_violation
     o, w = meta(out), meta(weight)
     if o is None or w is None or not on_gpu(o) or w.dim() != 2 or \
             sharding.is_dtensor(weight) or not all(isinstance(d, int) for d in w.shape):

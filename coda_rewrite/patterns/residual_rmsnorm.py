@@ -495,9 +495,7 @@ def _kernels_take(m: Match, decision, per_consumer: dict, accepted: list):
             per_consumer[c.linear] = Rejection(why, describe(c.linear))
     if kept or not accepted:
         return decision, kept
-    first = per_consumer[accepted[0].linear]
-    return Rejection("no consumer GEMM can take the deferred row scale: " + first.condition,
-                     first.where, code=first.code), kept
+    return row_scale.no_consumer_left(per_consumer[accepted[0].linear]), kept
 
 
 def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
