@@ -203,6 +203,10 @@ class RefAttention(torch.nn.Module):
             return t.repeat_interleave(2, dim=2)
         if self.repeat == "expand before the heads":  # also tiles: h % 2
             return t[:, :, None, :, :].expand(b, n, 2, 2, 8).reshape(b, n, 4, 8)
+        if self.repeat == "flatten":  # torchtune's, here before the transpose
+            return t.unsqueeze(3).expand(b, n, 2, 2, 8).flatten(2, 3)
+        if self.repeat == "flatten before the heads":  # tiles: h % 2
+            return t.unsqueeze(2).expand(b, n, 2, 2, 8).flatten(2, 3)
         return t.repeat(1, 1, 2, 1)
 
     def forward(self, x):
@@ -210,7 +214,11 @@ class RefAttention(torch.nn.Module):
         q = self.wq(x).view(b, n, 4, 8).transpose(1, 2)
         k = self.wk(x).view(b, n, 2, 8)
         v = self.wv(x).view(b, n, 2, 8)
-        k, v = (self.repeated(t, b, n).transpose(1, 2) for t in (k, v))
+        if self.repeat == "flatten after the transpose":  # torchtune's [b, h, s, d] repeat
+            k, v = (t.transpose(1, 2).unsqueeze(2).expand(b, 2, 2, n, 8).flatten(1, 2)
+                    for t in (k, v))
+        else:
+            k, v = (self.repeated(t, b, n).transpose(1, 2) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                attn_mask=self.mask(n, x))
         return out.transpose(1, 2).reshape(b, n, 32)
@@ -276,7 +284,8 @@ def test_a_mask_with_a_cache_offset_is_never_is_causal():
 
 
 @pytest.mark.parametrize("repeat", ["expand", "unsqueeze", "repeat_interleave", "tile",
-                                    "expand before the heads"])
+                                    "expand before the heads", "flatten",
+                                    "flatten after the transpose", "flatten before the heads"])
 def test_repeat_spellings_before_the_transpose(repeat):
     """Every repeat that gives query head h kv head h // n_rep becomes enable_gqa=True;
     Tensor.repeat tiles the heads (h % n_kv) and is left as it is."""
@@ -288,7 +297,7 @@ def test_repeat_spellings_before_the_transpose(repeat):
         assert rel_err(fast(x), model(x)) <= 1e-5
     (rec,) = _attention_records(fast.report)
     gqa = dict(rec.notes)["grouped-query heads"]
-    tiles = repeat in ("tile", "expand before the heads")
+    tiles = repeat in ("tile", "expand before the heads", "flatten before the heads")
     assert gqa.accepted == (not tiles), str(fast.report)
     if tiles:
         assert gqa.code == "attention.not_repeat_kv"

@@ -1714,3 +1714,83 @@ def test_the_gradient_replay_refuses_a_fold_that_loses_a_gradient(monkeypatch):
 
     monkeypatch.setattr(layouts, "rope_segments", detaching_biases)
     refused_by_gradient_replay("qwen2", "rope")
+
+
+def litgpt_apply_rope(x, cos, sin, view=True):
+    """litgpt's apply_rope: halves rotated, tables of fewer dims viewed to x's (a
+    [1, seq, r] table becomes [1, 1, seq, r]; ``view=False``: broadcast as they are),
+    the result cast back to x's dtype."""
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    dims_diff = x.dim() - cos.dim()
+    if dims_diff > 0 and view:
+        shape = cos.shape[0:1] + (1,) * dims_diff + cos.shape[1:]
+        cos, sin = cos.view(*shape), sin.view(*shape)
+    return ((x * cos) + (rotated * sin)).to(dtype=x.dtype)
+
+
+class LitGPTAttention(torch.nn.Module):
+    """litgpt's attention (4 query heads of 8 in 2 groups): q, k, v cut from the packed
+    projection by ``split`` of their sizes along the last dim, each head split and
+    transposed, the rotation on the first ``rope_n_elem`` features concatenated back with
+    the rest (empty for a full rotary), tables from a cache of [seq, r] rows. Layouts:
+    "litgpt" (a [1, seq, r] table, viewed), "partial" (half the head rotated), "table_2d"
+    ([seq, r] broadcast as it is), "chunk" (q, k, v = chunk(3, -1), no groups), "offset"
+    (k, q, v = split(...): q the middle columns); and look-alikes: "one_position" (every
+    token rotated by position 0's row, [1, 1, 1, r]), "second_reader" (the rotated part
+    also read by the output)."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.groups = 4 if layout == "chunk" else 2
+        self.qkv = torch.nn.Linear(32, (4 + 2 * self.groups) * 8, bias=False)
+        self.n_elem = 4 if layout == "partial" else 8
+        theta = 1.0 / (10000 ** (torch.arange(0, self.n_elem, 2).float() / self.n_elem))
+        angles = torch.outer(torch.arange(16).float(), theta).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        if self.layout == "chunk":
+            q, k, v = qkv.chunk(3, dim=-1)
+        elif self.layout == "offset":  # q the middle piece
+            k, q, v = qkv.split((8 * self.groups, 32, 8 * self.groups), dim=-1)
+        else:
+            q, k, v = qkv.split((32, 8 * self.groups, 8 * self.groups), dim=-1)
+        q = q.view(b, t, 4, 8).transpose(1, 2)
+        k = k.view(b, t, self.groups, 8).transpose(1, 2)
+        v = v.view(b, t, self.groups, 8).transpose(1, 2)
+        cos, sin = self.cos[:t], self.sin[:t]
+        if self.layout == "one_position":
+            cos, sin = self.cos[:1].view(1, 1, 1, -1), self.sin[:1].view(1, 1, 1, -1)
+        elif self.layout != "table_2d":
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        n, view = self.n_elem, self.layout != "table_2d"
+        q_roped = litgpt_apply_rope(q[..., :n], cos, sin, view)
+        k_roped = litgpt_apply_rope(k[..., :n], cos, sin, view)
+        q = torch.cat((q_roped, q[..., n:]), dim=-1)
+        k = torch.cat((k_roped, k[..., n:]), dim=-1)
+        k = k.repeat_interleave(4 // self.groups, dim=1)
+        v = v.repeat_interleave(4 // self.groups, dim=1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, 32)
+        return y + q_roped.sum() if self.layout == "second_reader" else y
+
+
+@pytest.mark.parametrize("layout", ["litgpt", "partial", "table_2d", "chunk", "offset",
+                                    "one_position", "second_reader"])
+def test_litgpt_spelling_and_look_alikes(layout):
+    """litgpt's spelling is one fused GEMM per attention with v joining it, a training
+    step against eager; each look-alike is left (exact either way)."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(LitGPTAttention(layout).train(), torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if layout in ("one_position", "second_reader"):
+        assert not done and [r for r in report.records if r.pattern == "rope"], str(report)
+        return
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    assert any("not rotated" in c for c in done[0].consumers), str(report)

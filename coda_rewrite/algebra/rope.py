@@ -404,9 +404,9 @@ def _side_conditions(m, held) -> str | None:
                     "the models build them): checked on the device at every call (a table "
                     "that breaks it fails loudly)")
     elif m.angle_source == "table":
-        mc = meta(m.angle.cos)
-        if x is None or x.dim() != 3 or mc.shape[1] != x.shape[1] or \
-                mc.shape[0] not in (1, x.shape[0]):
+        rows = layouts.table_rows_shape(meta(m.angle.cos).shape)
+        if x is None or x.dim() != 3 or rows is None or rows[1] != x.shape[1] or \
+                rows[0] not in (1, x.shape[0]):
             return Why("the GEMM input is not [batch, seq, hidden] matching the cos/sin tables",
                        "rope.input_shape")
         held.append(f"cos/sin read as tables ({describe(m.angle.cos)}, "
@@ -862,6 +862,13 @@ def _eval_rotation(node, env, rot, cos, sin):
                 return env[a]
             if _broadcast_of_angle(a, rot):
                 return cos if _is_cos_side(a, rot) else sin
+            if rot.angle is not None and a in (rot.angle.cos, rot.angle.sin):
+                # a table the graph broadcasts over batch and heads as it is (litgpt's
+                # [seq, r]): the replay's own [1, seq', r] in the graph's layout
+                shape = [1] * (meta(a).dim() - 1) + [rot.rotary_dim]
+                seq_axis = 2 if len(shape) == 4 and meta(a).shape[1] == 1 else len(shape) - 2
+                shape[seq_axis] = -1
+                return (cos if a is rot.angle.cos else sin).reshape(shape)
             raise ValueError(f"{a.name} outside the rotation")
         return a
     args = fx.node.map_arg(node.args, arg)

@@ -476,6 +476,21 @@ def _head_rows(pairs: torch.Tensor, head_dim: int, rotary_offset: int) -> torch.
                       ident.repeat(after // 2).expand(*pairs.shape[:-1], -1)], -1)
 
 
+def table_rows_shape(shape) -> tuple | None:
+    """The [batch, seq, width] a cos/sin table holds, however it is broadcast over the
+    heads: [seq, w] (litgpt's, broadcast over batch and heads as it is), [Bp, seq, w], or
+    four dims with a unit head axis, [Bp, 1, seq, w] or [Bp, seq, 1, w]; None for any
+    other shape. The tables' row functions read each as ``reshape(-1, seq, w)``."""
+    shape = tuple(shape)
+    if len(shape) == 2:
+        return (1, *shape)
+    if len(shape) == 3:
+        return shape
+    if len(shape) == 4 and 1 in shape[1:3]:
+        return (shape[0], shape[2] if shape[1] == 1 else shape[1], shape[3])
+    return None
+
+
 def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
                          head_dim: int, rotary_dim: int, half_width: bool = False,
                          rotary_offset: int = 0) -> torch.Tensor:

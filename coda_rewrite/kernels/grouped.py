@@ -48,13 +48,26 @@ from . import ops, quack_path
 GROUPED_TILES = (128, 192, 2)
 
 
+def static_violation(dtype: torch.dtype, k: int, n: int, pairs: bool) -> str | None:
+    """Why grouped GEMMs of this operand dtype and these widths break the contract
+    whatever their tensors (None: these allow it): what a graph's static shapes tell
+    before any call (patterns/routed_experts: such experts are left unfused on the GPU)."""
+    if dtype not in quack_path._GEMM_DTYPES:
+        return f"GEMM operands {dtype} (QuACK's GEMM takes bf16/fp16 pairs)"
+    if k % 8 or n % 8:
+        return f"K={k} or N={n} not a multiple of 8 (16-byte TMA rows)"
+    if pairs and n % 32:
+        return f"N={n}: gated pairs need N a multiple of 32"
+    return None
+
+
 def contract_violation(program, a, b, offsets, index, operands,
                        interleaved: bool) -> str | None:
     """Why these tensors break the grouped kernel's layout contract (None: they meet it)."""
     if not program.gemm or any(i.op in REDUCTIONS or i.op in STATEFUL for i in program.body) \
             or any(o.kind not in (Kind.TILE, Kind.PAIR) for o in program.outputs):
         return "the grouped kernel runs element-wise programs with tile outputs only"
-    if a.dtype not in quack_path._GEMM_DTYPES or b.dtype != a.dtype:
+    if b.dtype != a.dtype:
         return f"GEMM operands {a.dtype}/{b.dtype} (QuACK's GEMM takes bf16/fp16 pairs)"
     if b.dim() != 3 or a.dim() != 2 or a.shape[1] != b.shape[2]:
         return f"shapes a {tuple(a.shape)}, b {tuple(b.shape)}: need [T, K] and [E, N, K]"
@@ -62,11 +75,10 @@ def contract_violation(program, a, b, offsets, index, operands,
     e, n, k = b.shape
     if rows == 0 or n == 0 or k == 0 or a.shape[0] == 0:
         return "empty problem"
-    if k % 8 or n % 8:
-        return f"K={k} or N={n} not a multiple of 8 (16-byte TMA rows)"
     pairs = any(o.kind == Kind.PAIR for o in program.outputs)
-    if pairs and n % 32:
-        return f"N={n}: gated pairs need N a multiple of 32"
+    why = static_violation(a.dtype, k, n, pairs)
+    if why is not None:
+        return why
     if not (quack_path._aligned(a) and (b.is_contiguous() or b.mT.is_contiguous())
             and b.data_ptr() % 16 == 0):
         return "a not K-contiguous and 16-byte aligned, or b neither K- nor N-contiguous"

@@ -177,8 +177,10 @@ def gemm_violation(a_dtype: torch.dtype, b_dtype: torch.dtype, k: int, n: int) -
     if n == 0 or k == 0:
         return "empty problem"
     per_row = 16 // a_dtype.itemsize  # elements per 16 bytes
-    if k % per_row or n % 8:
-        return f"K={k} not a multiple of {per_row} or N={n} of 8 (16-byte TMA rows)"
+    if k % per_row:
+        return f"K={k} not a multiple of {per_row} (16-byte TMA rows)"
+    if n % 8:
+        return f"N={n} not a multiple of 8 (16-byte TMA rows)"
     return None
 
 
@@ -231,6 +233,14 @@ def contract_violation(program: EpilogueProgram, a, b, operands) -> str | None:
             return f"operand {spec.name} has shape {tuple(t.shape)}, expected {want}"
         if not _aligned(t):
             return f"operand {spec.name} is not unit-stride and 16-byte aligned"
+    return program_violation(program, n)
+
+
+def program_violation(program: EpilogueProgram, n: int) -> str | None:
+    """Why the program's own epilogue cannot run on a GEMM N columns wide, whatever its
+    tensors (None: it can): its per-head statistics, its outputs' dtypes and pair widths.
+    With gemm_violation, what a graph's static widths tell before any call
+    (patterns/family.no_kernel)."""
     for w in _group_widths(program):
         if n % w or not group_fits(w):
             return (f"a per-head statistic over {w} columns with N={n}: the kernel's tiles "

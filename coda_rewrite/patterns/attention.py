@@ -97,12 +97,14 @@ def _repeat_on(node, h: int) -> fx.Node | None:
     tensor (kv head g becomes heads g·n_rep … g·n_rep + n_rep − 1: GQA's h // n_rep):
     ``x.repeat_interleave(n_rep, dim=h)``, or x with an axis inserted after h, expanded
     to n_rep along it and reshaped back to 4 dims (Hugging Face's and the reference
-    Llama's repeat_kv)."""
+    Llama's repeat_kv), or flattened back (torchtune's ``k.unsqueeze(2).expand(b, kvh,
+    n_rep, s, d).flatten(1, 2)``)."""
     base = _repeat_interleave(node, (h, h - 4))
     if base is not None:
         return base
-    if not (isinstance(node, fx.Node) and node.op == "call_method"
-            and node.target in ("reshape", "view")):
+    if not (isinstance(node, fx.Node) and (
+            node.op == "call_method" and node.target in ("reshape", "view")
+            or _flattens(node, h))):
         return None
     exp = node.args[0]
     if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
@@ -116,6 +118,19 @@ def _repeat_on(node, h: int) -> fx.Node | None:
             out != shape[:h] + [shape[h] * rep] + shape[h + 1:]:
         return None
     return base
+
+
+def _flattens(node: fx.Node, h: int) -> bool:
+    """``node`` is ``x.flatten(h, h + 1)`` (or torch.flatten) of a 5-d x: axes h and h + 1
+    merged into one."""
+    if not (node.op == "call_method" and node.target == "flatten" or
+            node.op == "call_function" and node.target is torch.flatten):
+        return False
+    x = node.args[0]
+    start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
+    end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
+    return isinstance(x, fx.Node) and meta(x) is not None and meta(x).dim() == 5 and \
+        isinstance(start, int) and isinstance(end, int) and (start % 5, end % 5) == (h, h + 1)
 
 
 def repeat_kv_base(node) -> fx.Node | tuple | None:

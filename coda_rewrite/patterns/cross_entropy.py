@@ -320,11 +320,11 @@ def describe_match(m: Match) -> dict:
 
 
 def decide(m: Match, context: Context) -> Decided:
-    why = None if m.proj.local else no_kernel(m.proj.out, m.proj.weight,
-                                              "cross_entropy.no_kernel")
+    plan = plan_for(m, context.options)
+    why = None if m.proj.local else no_kernel(m.proj.out, "cross_entropy.no_kernel",
+                                              (m.proj.weight,), program=plan.program)
     if why is not None:  # e.g. GPT-2's vocabulary of 50257, a float32 LM head
         return Decided.refuse(Rejection(why, describe(m.proj.out)))
-    plan = plan_for(m, context.options)
     decision = ce_algebra.decide(m, plan.program, plan.materialise)
     if not decision.accepted:
         return Decided.refuse(decision)

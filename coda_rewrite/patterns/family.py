@@ -32,7 +32,7 @@ from ..algebra import sharding
 from ..algebra.decision import Decision, Rejection, Why, code_of
 from ..canonical import meta
 from ..capture import describe, model_path
-from ..kernels.quack_path import gemm_violation
+from ..kernels.quack_path import gemm_violation, program_violation
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -109,20 +109,27 @@ def on_gpu(t) -> bool:
     return t.device.type == "cuda"
 
 
-def no_kernel(out: fx.Node, weight: fx.Node, code: str) -> Why | None:
-    """Why a fused GEMM making ``out`` from ``weight`` (nn.Linear's [N, K]) could run no
-    generated kernel on the GPU its graph runs on, as the graph's static widths and dtype
-    tell (kernels/quack_path.gemm_violation: N not a multiple of 8, as a router over 60
-    experts or a classification head; a float32 GEMM): fused, every call would take the
-    reference path, slower than the graph it replaced. None on the CPU (the reference
-    path anyway), where the widths are symbolic or sharded (decided per call), and where
-    a kernel can take it."""
-    o, w = meta(out), meta(weight)
-    if o is None or w is None or not on_gpu(o) or w.dim() != 2 or \
-            sharding.is_dtensor(weight) or not all(isinstance(d, int) for d in w.shape):
+def no_kernel(out: fx.Node, code: str, weights, n: int | None = None,
+              program=None) -> Why | None:
+    """Why a fused GEMM making ``out`` could run no generated kernel on the GPU its graph
+    runs on, as the graph's static widths and dtype tell: fused, every call would take
+    the reference path, slower than the graph it replaced. Its B stacks the rows of
+    ``weights`` (nn.Linear's [N, K]: one, or gate and up, or q, k and v), or ``n`` of
+    them where a match reads some columns of a packed projection; ``program`` is its
+    epilogue (kernels/quack_path: gemm_violation, N not a multiple of 8 as a router over
+    60 experts, a float32 GEMM; program_violation, a gated pair's half width, a QK-norm's
+    heads). None on the CPU (the reference path anyway), where a width is symbolic or a
+    weight sharded (decided per call), and where a kernel can take it. The families call
+    it from decide(): the norm's consumers, the LM head + loss, the gated MLP, RoPE."""
+    o, ws = meta(out), [meta(w) for w in weights]
+    if o is None or not on_gpu(o) or any(w is None or w.dim() != 2 for w in ws) or \
+            any(sharding.is_dtensor(w) for w in weights) or \
+            not all(isinstance(d, int) for w in ws for d in w.shape):
         return None
-    n, k = w.shape
-    why = gemm_violation(o.dtype, o.dtype, k, n)
+    k = ws[0].shape[1]
+    n = sum(w.shape[0] for w in ws) if n is None else n
+    why = gemm_violation(o.dtype, o.dtype, k, n) or \
+        (None if program is None else program_violation(program, n))
     if why is None:
         return None
     return Why(f"{describe(out)}: {why}: no generated kernel takes this GEMM, so the fused "

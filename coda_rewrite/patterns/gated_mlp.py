@@ -47,7 +47,7 @@ from ..codegen.reference import dtype_name
 from ..graph_utils import (cast_for_gemm, chunk_half, copy_meta, erase_if_dead,
                            fused_linear_call, results, through_casts)
 from ..kernels.gated_down import gated_down_linear
-from .family import Context, Decided
+from .family import Context, Decided, no_kernel
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
 NAME = "gated_mlp"
@@ -428,6 +428,12 @@ def describe_match(m: Match) -> dict:
 
 def decide(m: Match, context: Context) -> Decided:
     program = build_program(m)
+    # an intermediate width no kernel's pair store takes, a float32 MLP (on the GPU)
+    why = None if m.gate.local else no_kernel(
+        m.gate.out, "gated.no_kernel",
+        (m.gate.weight,) if m.packed else (m.gate.weight, m.up.weight), program=program)
+    if why is not None:
+        return Decided.refuse(Rejection(why, m.path))
     decision = gated_algebra.decide(m, program)
     if not decision.accepted:
         return Decided.refuse(decision)

@@ -67,7 +67,8 @@ from ..graph_utils import cast_for_gemm, copy_meta, erase_if_dead, graph_replay,
 from ..kernels import ops, relayout
 from ..layernorm_idiom import LayerNorm, NearMiss, find_layer_norms
 from . import NoMatch as _NoMatch
-from .family import Context, Decided
+from . import family
+from .family import Context, Decided, no_kernel
 from .gated_mlp import dense_activation
 from .residual_rmsnorm import Consumer, consumers_of
 
@@ -201,10 +202,23 @@ def _kept_fold(match: Match, context: Context) -> bool:
         for kind, _ in row_scale.chain_kinds(c, match.norm))
 
 
+def _no_kernel(match: Match, programs: dict) -> Why | None:
+    """A consumer GEMM no generated kernel takes on the GPU (family.no_kernel: a float32
+    model, widths under 16-byte rows): every reader of the norm is a consumer the rewrite
+    replaces, so one such GEMM leaves the whole match (fused, it would run its reference
+    at every call)."""
+    for c in match.consumers:
+        why = no_kernel(c.linear, "layernorm.no_kernel", (c.weight,),
+                        program=programs[c.linear])
+        if why is not None:
+            return why
+    return None
+
+
 def _does_not_pay(match: Match, context: Context) -> Why | None:
     """Why a match on the GPU is left for speed (the module docstring: what was
     measured), or None. options.min_fused_rows asks for every fusion by size alone."""
-    if context.options.min_fused_rows is not None or meta(match.norm.input).device.type != "cuda":
+    if context.options.min_fused_rows is not None or not family.on_gpu(meta(match.norm.input)):
         return None
     if any(meta(c.linear).requires_grad for c in match.consumers):
         return None  # a training graph: training_policy.py decided
@@ -254,7 +268,8 @@ def decide(m: Match, context: Context) -> Decided:
     programs = build_programs(m, acts)
     graph = m.norm.output.graph
     structure, per_consumer = legality.check(m, graph, acts)
-    slow = _does_not_pay(m, context) if structure.accepted else None
+    slow = (_no_kernel(m, programs) or _does_not_pay(m, context)) if structure.accepted \
+        else None
     if slow is not None:
         structure = Rejection(slow, describe(m.norm.output))
     if structure.accepted:

@@ -433,21 +433,25 @@ def _producer_refused(m: Match) -> Why | None:
     """Why a producing GEMM that could take the norm's epilogue is left as it is: an
     update in place of its input before the residual add, where the fused producer runs
     (it would read the updated input, eager's GEMM the one before); or a program with no
-    kernel, which would run as the reference (a float32 GEMM on a GPU: 2 ms per call at
-    gpt-oss's 8192 x 2880, H200) — a biased producer: its bias lanes past N are not loaded,
-    so the sum of squares over a ragged tile would fold them in."""
+    kernel (a biased producer: its bias lanes past N are not loaded, so the sum of squares
+    over a ragged tile would fold them in), or on the GPU widths or a dtype no kernel
+    takes (family.no_kernel): fused, it would run as the reference (a float32 GEMM on a
+    GPU: 2 ms per call at gpt-oss's 8192 x 2880, H200)."""
     p = m.producer
     moved = updated_between([p.x, p.weight, p.bias], p.linear, p.add)
     if moved is not None:
         return Why(f"{describe(moved[0])} updates {describe(moved[1])} in place between the "
                    "producing GEMM and the residual add, where the fused producer would read "
                    "it: its GEMM is left as it is", "row_scale.producer_input_updated")
+    program = norm_program(m.norm, p)
     try:
-        generate(norm_program(m.norm, p))
+        generate(program)
     except Unlowerable as e:
         return Why(f"the producer's epilogue has no kernel ({e}): its GEMM is left as it is",
                    "row_scale.producer_unlowerable")
-    return None
+    # on the GPU: widths or a dtype no generated kernel takes (a down projection over an
+    # intermediate width that is not a multiple of 8)
+    return no_kernel(p.linear, "row_scale.producer_no_kernel", (p.weight,), program=program)
 
 
 def _producer_left_to_gated(m: Match, context: Context) -> Why | None:
@@ -488,7 +492,7 @@ def _kernels_take(m: Match, decision, per_consumer: dict, accepted: list):
     with its reason in ``per_consumer``; the match is refused where none is left."""
     kept = []
     for c in accepted:
-        why = no_kernel(c.linear, c.weight, "row_scale.no_kernel")
+        why = no_kernel(c.linear, "row_scale.no_kernel", (c.weight,))
         if why is None:
             kept.append(c)
         else:

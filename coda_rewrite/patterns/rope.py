@@ -99,7 +99,8 @@ from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, calls, chunk_half, 
                            results, same_meta, same_value, shared_call, through_casts)
 from ..kernels import ops, versioned
 from ..rmsnorm_idiom import RmsNorm, find_rms_norms
-from .family import Context, Decided
+from . import family
+from .family import Context, Decided, no_kernel
 from .gated_mlp import Projection, projection_of
 from .relaid_gemm import relaid_gemm, relayout_node, weights_line
 
@@ -505,8 +506,8 @@ def table_angle(cos_t, sin_t, why: str, half_width: bool = False) -> Angle | str
     (their halves must be equal, cat(θ, θ): checked on the device at run time), or
     [Bp, S, r/2] ones of θ itself (``half_width``: nothing to check)."""
     mc, ms = meta(cos_t), meta(sin_t)
-    if mc is None or ms is None or mc.dim() != 3 or tuple(mc.shape) != tuple(ms.shape) \
-            or not mc.is_floating_point():
+    if mc is None or ms is None or layouts.table_rows_shape(mc.shape) is None or \
+            tuple(mc.shape) != tuple(ms.shape) or not mc.is_floating_point():
         return Why(f"{why}; and they are not [batch, seq, rotary_dim] tables",
                    "rope.table_shape")
     if mc.requires_grad or ms.requires_grad:
@@ -639,10 +640,14 @@ def _rope_core(add: fx.Node):
                                    "over the heads", "rope.table_broadcast")
                     return x, c_t, s_t, axis, nodes, form, False, False
                 cu, su = _unsqueezed(c_t), _unsqueezed(s_t)
-                if cu is None or su is None or cu[1] != su[1]:
+                if cu is not None and su is not None and cu[1] == su[1]:
+                    return x, cu[0], su[0], cu[1], nodes, form, False, False
+                # litgpt: [seq, rotary_dim] tables broadcast over batch and heads as they are
+                axis = _table_head_axis(x, c_t, s_t)
+                if axis is None:
                     return Why("cos/sin are not [batch, seq, rotary_dim] tables broadcast over "
                                "the heads", "rope.table_broadcast")
-                return x, cu[0], su[0], cu[1], nodes, form, False, False
+                return x, c_t, s_t, axis, nodes, form, False, False
     return None
 
 
@@ -704,16 +709,18 @@ def _casts_under(node) -> tuple:
 
 
 def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node) -> int | None:
-    """The head axis (1 or 2) of 4-d rotated heads x that 4-d tables cos/sin broadcast
-    over: unit there, the sequence on the other, x's rotated width last, a batch of 1 or
-    x's; None where they are not such tables."""
+    """The head axis (1 or 2) of 4-d rotated heads x that tables cos/sin broadcast over
+    (their shape aligned to x's from the right, as broadcasting does: a [seq, r] table
+    is [1, 1, seq, r]): unit there, the sequence on the other, x's rotated width last, a
+    batch of 1 or x's; None where they are not such tables."""
     mx, mc, ms = meta(x), meta(cos), meta(sin)
-    if mx is None or mc is None or ms is None or mx.dim() != 4 or mc.dim() != 4 or \
+    if mx is None or mc is None or ms is None or mx.dim() != 4 or not 2 <= mc.dim() <= 4 or \
             tuple(mc.shape) != tuple(ms.shape) or not mc.is_floating_point():
         return None
+    shape = (1,) * (4 - mc.dim()) + tuple(mc.shape)
     for axis, seq in ((1, 2), (2, 1)):
-        if mc.shape[axis] == 1 and mc.shape[seq] == mx.shape[seq] and \
-                mc.shape[3] == mx.shape[3] and mc.shape[0] in (1, mx.shape[0]):
+        if shape[axis] == 1 and shape[seq] == mx.shape[seq] and \
+                shape[3] == mx.shape[3] and shape[0] in (1, mx.shape[0]):
             return axis
     return None
 
@@ -1030,21 +1037,75 @@ def _block_split(heads: fx.Node, unsq_dim: int):
             (n_blocks, g, i, i + 1, size))
 
 
+def column_pieces(node: fx.Node) -> list[tuple[int, int]] | None:
+    """The column ranges, in order, of the pieces ``x.split(s | [s0, s1, ..], -1)`` or
+    ``x.chunk(n, -1)`` (node) cuts x into along its last dim (litgpt's ``q, k, v =
+    qkv.split((q_size, k_size, v_size), dim=-1)``); None for anything else."""
+    if not calls(node, _TORCH_SPLIT | CHUNK) or not isinstance(node.args[0], fx.Node):
+        return None
+    mx = meta(node.args[0])
+    if mx is None or not isinstance(mx.shape[-1], int):
+        return None
+    n = mx.shape[-1]
+    if calls(node, CHUNK):
+        _, chunks, dim = _args(node, "input", "chunks", "dim", defaults=(None, None, 0))
+        size = -(-n // chunks) if isinstance(chunks, int) and chunks > 0 else None
+    else:
+        _, size, dim = _args(node, "input", "split_size", "dim", defaults=(None, None, 0))
+        size = node.kwargs.get("split_size_or_sections", size)
+    if dim not in (-1, mx.dim() - 1):
+        return None
+    if isinstance(size, int) and size > 0:  # equal pieces, the last one shorter
+        sizes = [size] * (n // size) + ([n % size] if n % size else [])
+    elif isinstance(size, (list, tuple)) and all(isinstance(v, int) and v >= 0 for v in size) \
+            and sum(size) == n:
+        sizes = list(size)
+    else:
+        return None
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return [(e - z, e) for e, z in zip(ends, sizes)]
+
+
+def _column_piece(value: fx.Node) -> tuple[fx.Node, int, int, tuple[fx.Node, ...]] | None:
+    """(x, start, stop, the nodes that select it) for value = ``x[..., start:stop]`` or a
+    piece of x cut along its last dim (column_pieces)."""
+    sl = _last_dim_slice(value)
+    if sl is not None:
+        mx = meta(sl[0])
+        cols = None if mx is None else _norm_slice(sl[1], sl[2], int(mx.shape[-1]))
+        return None if cols is None else (sl[0], *cols, (value,))
+    if not calls(value, {operator.getitem}) or not isinstance(value.args[1], int):
+        return None
+    pieces = column_pieces(value.args[0])
+    if pieces is None or not 0 <= value.args[1] < len(pieces):
+        return None
+    return (value.args[0].args[0], *pieces[value.args[1]], (value, value.args[0]))
+
+
+def _column_readers(value: fx.Node) -> list[fx.Node]:
+    """What reads ``value``, a split's or chunk's pieces along its last dim in the split's
+    place (each piece is some of its columns; a split read otherwise stays itself)."""
+    readers = []
+    for u in value.users:
+        items = list(u.users)
+        if column_pieces(u) is not None and all(calls(i, {operator.getitem}) for i in items):
+            readers += items
+        else:
+            readers.append(u)
+    return readers
+
+
 def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
     """The GEMM that produces ``value`` and which of its output columns it is."""
     p = projection_of(value)
     if p is not None:
         return p, (0, int(meta(value).shape[-1]))
-    sl = _last_dim_slice(value)
-    if sl is None:
+    piece = _column_piece(value)
+    p = None if piece is None else projection_of(piece[0])
+    if p is None or meta(piece[0]) is None:
         return None
-    p = projection_of(sl[0])
-    if p is None or meta(sl[0]) is None:
-        return None
-    cols = _norm_slice(sl[1], sl[2], int(meta(sl[0]).shape[-1]))
-    if cols is None:
-        return None
-    return dataclasses.replace(p, nodes=p.nodes + (value,)), cols
+    x, a, b, nodes = piece
+    return dataclasses.replace(p, nodes=p.nodes + nodes), (a, b)
 
 
 def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
@@ -1074,10 +1135,15 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
                                     "after the rest of the head", "rope.suffix_concat"))
         out = users[0]
         nodes = nodes + (x, rest, fan, out)
-    # partial rotary: out = cat([rope(q[..., :r]), q[..., r:]]) over the head dim
+    # partial rotary: out = cat([rope(q[..., :r]), q[..., r:]]) over the head dim (litgpt:
+    # rope(...).to(dtype) first, a cast, the identity where q's dtype is the table's)
     elif sl is not None:
         heads = sl[0]
-        users = [u for u in add.users]
+        rotated, casts = add, ()
+        while len(rotated.users) == 1 and _is_cast(next(iter(rotated.users))):
+            rotated = next(iter(rotated.users))
+            casts += (rotated,)
+        users = [u for u in rotated.users]
         whole = int(meta(heads).shape[-1]) if meta(heads) is not None else None
         if whole is None or _norm_slice(sl[1], sl[2], whole) != (0, int(meta(x).shape[-1])):
             return NoMatch(add, Why("the rotated features are not a prefix of the head",
@@ -1086,14 +1152,14 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
             return NoMatch(add, Why("a partial rotary whose rotated part is not concatenated "
                                     "back with the rest of the head", "rope.partial_concat"))
         parts = _cat_last(users[0])
-        rest = parts[1] if len(parts) == 2 and parts[0] is add else None
+        rest = parts[1] if len(parts) == 2 and parts[0] is rotated else None
         rs = _last_dim_slice(rest) if rest is not None else None
         if rs is None or rs[0] is not heads or \
                 _norm_slice(rs[1], rs[2], whole) != (int(meta(x).shape[-1]), whole):
             return NoMatch(add, Why("a partial rotary that does not keep the rest of the head",
                                     "rope.partial_rest"))
         out = users[0]
-        nodes = nodes + (x, rest, out)
+        nodes = nodes + casts + (x, rest, out)
     if suffix is None and sl is None:
         heads = x
     # Cohere's q.float() before the rotation and .to(dtype) after it: the epilogue rotates
@@ -1178,7 +1244,7 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
             return NoMatch(add, angle)
     mc = meta(angle.cos)
     rotary_dim = int(meta(rotary_part).shape[-1])
-    if mc is None or mc.dim() != 3 or int(mc.shape[-1]) != (
+    if mc is None or layouts.table_rows_shape(mc.shape) is None or int(mc.shape[-1]) != (
             rotary_dim // 2 if half_width else rotary_dim):
         return NoMatch(add, Why("cos/sin are not [batch, seq, rotary_dim] tables",
                                 "rope.table_shape"))
@@ -1629,7 +1695,7 @@ def angles_as_table(m: Match) -> bool:
         return False
     from ..kernels.quack_path import table_head_fits
     x = meta(m.proj.x)
-    return x is None or x.device.type != "cuda" or table_head_fits(head_dim)
+    return x is None or not family.on_gpu(x) or table_head_fits(head_dim)
 
 
 def build_program(m: Match, table: bool = False) -> EpilogueProgram:
@@ -1680,7 +1746,7 @@ def plan_segments(m: Match) -> Match | str:
                            "rope.call_read")
         if proj.out in seg_nodes:
             continue
-        for u in proj.out.users:  # a packed projection: read only through column slices
+        for u in _column_readers(proj.out):  # a packed projection: read only by columns
             if u in seg_nodes:
                 continue
             sl = columns_of(u)
@@ -1702,7 +1768,7 @@ def _table_misfit(m: Match) -> Why | None:
     from ..kernels.quack_path import table_head_fits
     x = meta(m.proj.x)
     head_dim = m.rotated[0].head_dim
-    if m.angle_source != "table" or x is None or x.device.type != "cuda" or \
+    if m.angle_source != "table" or x is None or not family.on_gpu(x) or \
             table_head_fits(head_dim):
         return None
     why = "the complex form" if m.form == "pairs" else m.angle.why_table
@@ -1713,34 +1779,19 @@ def _table_misfit(m: Match) -> Why | None:
                "have no such limit)", "rope.table_head_width")
 
 
-def _norm_misfit(m: Match) -> Why | None:
-    """Why the GPU kernel cannot hold this match's QK-norm heads whole in a tile
-    (kernels/quack_path.group_fits; every call would take the reference path), None
-    where it can, or on the CPU (the reference path anyway)."""
-    from ..kernels.quack_path import GROUP_WIDTHS, group_fits
-    x = meta(m.proj.x)
-    if m.head_norm is None or x is None or x.device.type != "cuda":
-        return None
-    head_dim = m.head_norm[0]
-    n = sum(s.columns[1] - s.columns[0] for s in m.segments)
-    if group_fits(head_dim) and n % head_dim == 0:
-        return None
-    return Why(f"a QK-norm over heads of {head_dim} features in a fused GEMM of {n} columns: "
-               "the kernel's per-head statistic needs whole heads of "
-               f"{', '.join(map(str, GROUP_WIDTHS))} features in a tile, so every call "
-               "would run the reference path; left", "rope.qk_norm_head_width")
-
-
 def decide(m: Match, context: Context) -> Decided:
     planned = plan_segments(m)
     if isinstance(planned, str):
         return Decided.refuse(Rejection(planned, m.path))
     m = planned
-    misfit = _table_misfit(m) or _norm_misfit(m)
-    if misfit is not None:
-        return Decided.refuse(Rejection(misfit, m.path))
     table = angles_as_table(m)
     program = build_program(m, table)
+    # on the GPU: a float32 projection, widths or QK-norm heads no kernel takes
+    misfit = _table_misfit(m) or (None if m.proj.local else no_kernel(
+        m.proj.out, "rope.no_kernel", tuple({s.proj.weight: 0 for s in m.segments}),
+        n=sum(s.columns[1] - s.columns[0] for s in m.segments), program=program))
+    if misfit is not None:
+        return Decided.refuse(Rejection(misfit, m.path))
     decision = rope_algebra.decide(m, program)
     if not decision.accepted:
         return Decided.refuse(decision, **describe_match(m, table))

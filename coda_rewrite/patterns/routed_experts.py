@@ -61,15 +61,16 @@ import torch.fx as fx
 from .. import patterns
 from ..algebra import routed_experts as legality
 from ..algebra import row_scale
-from ..algebra.decision import Why
+from ..algebra.decision import Rejection, Why
 from ..canonical import canon, constant, meta, pair_clamp_limit
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (chunk_half, copy_meta, erase_if_dead, graph_replay, mutated_value,
                            results, sole_user, through_casts)
-from ..kernels.grouped import grouped_linear
+from ..kernels.grouped import grouped_linear, static_violation
 from ..kernels.grouped_dgated import grouped_down_linear
+from . import family
 from .family import Context, Decided, DeferredNorm
 from .gated_mlp import activation_of
 
@@ -600,7 +601,32 @@ def trains(m: Match) -> bool:
     return bool(meta(m.out).requires_grad)
 
 
+def _no_kernel(m: Match) -> Why | None:
+    """Why no grouped kernel takes these experts' GEMMs on the GPU their graph runs on,
+    as the static widths and dtype tell (kernels/grouped: a float32 model; an expert width
+    under the pair store's 32): fused, every call would run the reference. None on the
+    CPU (the reference path anyway), where a width is symbolic (decided per call), and
+    where the kernels take them."""
+    x, gu, d = meta(m.gate_up), meta(m.w_gate_up), meta(m.w_down)
+    if x is None or gu is None or d is None or not family.on_gpu(x) or \
+            not all(isinstance(s, int) for w in (gu, d) for s in w.shape[1:]):
+        return None
+    # [E, N, K], or [E, K, N] where stored K-major
+    widths = [(w.shape[1], w.shape[2]) if kn else (w.shape[2], w.shape[1])
+              for w, kn in ((gu, m.gate_up_kn), (d, m.down_kn))]
+    why = static_violation(x.dtype, *widths[0], pairs=True) or \
+        static_violation(x.dtype, *widths[1], pairs=False)
+    if why is None:
+        return None
+    return Why(f"{describe(m.gate_up)}: {why}: no generated kernel takes these experts' "
+               "GEMMs, so the fused ones would run their reference on the GPU; left to the "
+               "model's own grouped GEMMs", "routed_experts.no_kernel")
+
+
 def decide(m: Match, context: Context) -> Decided:
+    why = _no_kernel(m)
+    if why is not None:
+        return Decided.refuse(Rejection(why, m.path))
     dtype = meta(m.mul).dtype
     deferral = deferral_of(m, context)
     programs = (gated_program(m.op, dtype, trains(m), m.params, m.gate_up_bias is not None,
