@@ -1794,3 +1794,82 @@ def test_litgpt_spelling_and_look_alikes(layout):
         return
     assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
     assert any("not rotated" in c for c in done[0].consumers), str(report)
+
+
+class TorchtuneAttention(torch.nn.Module):
+    """torchtune's attention (4 query heads of 8, 2 kv heads): RotaryPositionalEmbeddings
+    on [b, s, h, d] before the heads' transpose, written out over each adjacent pair
+    (``xshaped = x.float().reshape(*x.shape[:-1], -1, 2)``, a [seq, d/2, 2] cache of
+    (cos, sin) viewed to ``[-1, s, 1, d/2, 2]``, ``stack([x0·c − x1·s, x1·c + x0·s],
+    -1).flatten(3).type_as(x)``), k and v repeated by expand + flatten. Layouts:
+    "torchtune"; "after_transpose" (the rotation on [b, h, s, d]); look-alikes that are no
+    rotation: "sign" (x1·c − x0·s on the second element), "swapped" (x0·c + x1·s on it),
+    "same_element" (x0 on both products of the first), "per_head" (a cache with a table
+    per head)."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.q_proj = torch.nn.Linear(32, 32, bias=False)
+        self.k_proj = torch.nn.Linear(32, 16, bias=False)
+        self.v_proj = torch.nn.Linear(32, 16, bias=False)
+        theta = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        angles = torch.einsum("i, j -> ij", torch.arange(16).float(), theta)
+        cache = torch.stack([angles.cos(), angles.sin()], dim=-1)       # [16, 4, 2]
+        if layout == "per_head":  # [16, heads, 4, 2]
+            cache = cache[:, None] * torch.tensor([1.0, 0.5, 0.8, 0.9])[:, None, None]
+        self.register_buffer("cache", cache, persistent=False)
+
+    def rope(self, x, seq_axis):
+        s = x.size(seq_axis)
+        xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+        cache = self.cache[:s]
+        if self.layout == "per_head":  # q's heads read the four tables, k's the first two
+            cache = cache[:, :x.size(2)].reshape(-1, s, x.size(2), 4, 2)
+        elif seq_axis == 1:
+            cache = cache.view(-1, s, 1, 4, 2)
+        else:
+            cache = cache.view(-1, 1, s, 4, 2)
+        # each element and table read where it is used, as torchtune writes it
+        first = xshaped[..., 0] * cache[..., 0] - \
+            xshaped[..., 0 if self.layout == "same_element" else 1] * cache[..., 1]
+        if self.layout == "sign":
+            second = xshaped[..., 1] * cache[..., 0] - xshaped[..., 0] * cache[..., 1]
+        elif self.layout == "swapped":
+            second = xshaped[..., 0] * cache[..., 0] + xshaped[..., 1] * cache[..., 1]
+        else:
+            second = xshaped[..., 1] * cache[..., 0] + xshaped[..., 0] * cache[..., 1]
+        return torch.stack([first, second], -1).flatten(3).type_as(x)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, 4, 8)
+        k = self.k_proj(x).view(b, s, 2, 8)
+        v = self.v_proj(x).view(b, s, 2, 8).transpose(1, 2)
+        if self.layout == "after_transpose":
+            q, k = self.rope(q.transpose(1, 2), 2), self.rope(k.transpose(1, 2), 2)
+        else:
+            q, k = self.rope(q, 1).transpose(1, 2), self.rope(k, 1).transpose(1, 2)
+        k = k.unsqueeze(2).expand(b, 2, 2, s, 8).flatten(1, 2)
+        v = v.unsqueeze(2).expand(b, 2, 2, s, 8).flatten(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(b, s, 32)
+
+
+@pytest.mark.parametrize("layout", ["torchtune", "after_transpose", "sign", "swapped",
+                                    "same_element", "per_head"])
+def test_torchtune_spelling_and_look_alikes(layout):
+    """torchtune's rotation of adjacent pairs is one fused GEMM with v joining it (its
+    half-width cache read as the epilogue's table rows), a training step against eager,
+    and its repeat_kv goes to SDPA's enable_gqa; the look-alikes are left (exact)."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(TorchtuneAttention(layout).train(),
+                                       torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if layout in ("sign", "swapped", "same_element", "per_head"):  # left by the matcher
+        assert not done, str(report)
+        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
+        return
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    assert report.count(pattern="attention_inputs") == 1, str(report)

@@ -39,7 +39,7 @@ from ..canonical import SDPA as _SDPA
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts
-from ..graph_utils import MATMUL, mutated_value, updated_between
+from ..graph_utils import MATMUL, mutated_value, same_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -393,14 +393,17 @@ def _side_conditions(m, held) -> str | None:
                        "rope.input_shape")
         held.append(f"q and k rotate adjacent pairs by the complex table {describe(m.table)}")
     elif m.form == "interleaved":
-        mc = meta(m.angle.cos)
-        if x is None or x.dim() != 3 or mc.shape[0] not in (1, x.shape[0]) or \
-                x.shape[1] not in tuple(mc.shape[1:3]) or mc.shape[-1] != rotary_dim:
+        rows = layouts.table_rows_shape(meta(m.angle.cos).shape)
+        width = rotary_dim // 2 if m.angle.half_width else rotary_dim
+        if x is None or x.dim() != 3 or rows is None or rows[0] not in (1, x.shape[0]) or \
+                rows[1] != x.shape[1] or rows[2] != width:
             return Why("the GEMM input is not [batch, seq, hidden] matching the cos/sin tables",
                        "rope.input_shape")
         held.append(f"q and k rotate adjacent pairs (x[2p], x[2p+1]) by the tables "
                     f"{describe(m.angle.cos)}, {describe(m.angle.sin)} read as they are")
-        held.append("both features of a pair share cos and sin (repeat_interleave(θ, 2), as "
+        held.append("the tables hold one angle per rotation pair (the rotation written out "
+                    "over each pair's two elements)" if m.angle.half_width else
+                    "both features of a pair share cos and sin (repeat_interleave(θ, 2), as "
                     "the models build them): checked on the device at every call (a table "
                     "that breaks it fails loudly)")
     elif m.angle_source == "table":
@@ -646,8 +649,11 @@ def _replay(m, program, key_order: bool = False, gradients: bool = False
     if m.form == "half" and m.angle_source == "angles":  # the model's own, from θ
         cos, sin = _from_angles(m.angle, theta, (m.angle.cos, m.angle.sin), scale)
     table = torch.polar(torch.ones_like(theta[0]), theta[0])  # the "pairs" form's [S, h]
-    # the interleaved form's: each pair's angle on both of its features
-    pair_cos, pair_sin = (t.repeat_interleave(2, -1) * scale for t in (theta.cos(), theta.sin()))
+    # the interleaved form's: each pair's angle on both of its features, or once
+    # (half-width tables: torchtune's)
+    pair_cos, pair_sin = (t * scale if m.angle is not None and m.angle.half_width else
+                          t.repeat_interleave(2, -1) * scale
+                          for t in (theta.cos(), theta.sin()))
     # each QK-norm's weight: random, the same on both sides
     norm_weights = {r.norm.idiom.weight: torch.randn(r.head_dim, generator=gen,
                                                      dtype=torch.float64)
@@ -679,8 +685,9 @@ def _replay(m, program, key_order: bool = False, gradients: bool = False
             shape[3] = rot.rotary_dim // 2
             env[rot.table_view] = table.reshape(shape)
         elif rot.form == "interleaved":  # the values the rotation multiplies by
+            width = rot.rotary_dim // 2 if rot.angle.half_width else rot.rotary_dim
             for node, t in ((rot.angle.cos, pair_cos), (rot.angle.sin, pair_sin)):
-                env[node] = t[..., :rot.rotary_dim].unsqueeze(unsq)
+                env[node] = t[..., :width].unsqueeze(unsq)
         order = {n: i for i, n in enumerate(rot.out.graph.nodes)}
         for node in sorted(rot.nodes, key=order.__getitem__):  # in graph order
             if node in env:
@@ -706,7 +713,8 @@ def _replay(m, program, key_order: bool = False, gradients: bool = False
     elif m.form == "interleaved":
         rot = m.rotated[0]
         operands.append(layouts.rope_pair_table_rows(pair_cos, pair_sin, x, rot.head_dim,
-                                                     rot.rotary_dim).double())
+                                                     rot.rotary_dim,
+                                                     m.angle.half_width).double())
     elif m.angle_source == "table":
         rot = m.rotated[0]
         operands.append(layouts.rope_half_table_rows(cos, sin, x, rot.head_dim,
@@ -852,9 +860,9 @@ def _eval_rotation(node, env, rot, cos, sin):
     split into pairs follows the replay's shape (the graph's has the captured sizes)."""
     if _is_cast_node(node):
         return env[node.args[0]]
-    if node.target in ("view", "reshape", torch.reshape) and rot.form == "pairs" \
-            and node.args[0] in env:
-        x = env[node.args[0]]
+    if node.target in ("view", "reshape", torch.reshape) and node.args[0] in env and (
+            rot.form == "pairs" or rot.form == "interleaved" and rot.angle.half_width):
+        x = env[node.args[0]]  # x's adjacent pairs split out
         return x.reshape(*x.shape[:-1], -1, 2)
     def arg(a):
         if isinstance(a, fx.Node):
@@ -862,6 +870,9 @@ def _eval_rotation(node, env, rot, cos, sin):
                 return env[a]
             if _broadcast_of_angle(a, rot):
                 return cos if _is_cos_side(a, rot) else sin
+            for table in (rot.angle.cos, rot.angle.sin) if rot.angle is not None else ():
+                if table in env and same_value(a, table):  # the same read of a table
+                    return env[table]
             if rot.angle is not None and a in (rot.angle.cos, rot.angle.sin):
                 # a table the graph broadcasts over batch and heads as it is (litgpt's
                 # [seq, r]): the replay's own [1, seq', r] in the graph's layout

@@ -514,14 +514,22 @@ def rope_half_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
 
 
 def rope_pair_table_rows(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
-                         head_dim: int, rotary_dim: int) -> torch.Tensor:
+                         head_dim: int, rotary_dim: int,
+                         half_width: bool = False) -> torch.Tensor:
     """The (cos, sin) rows [B·S, head_dim] (float32) of the tables an interleaved-pair
     rotation multiplies by (x·cos + rotate_pairs(x)·sin; cos/sin [Bp, S, r] or with a unit
     head axis, [Bp, 1, S, r] / [Bp, S, 1, r]): pair p gets (cos[2p], sin[2p]); pass-
     through features of a partial rotary get (1, 0). It is a rotation only when both
     features of a pair share their values (repeat_interleave(θ, 2), as the models build
-    them): checked on the device, every call, like the half-split tables."""
+    them): checked on the device, every call, like the half-split tables. ``half_width``:
+    tables of one entry per pair, [.., r/2] (torchtune's): pair p gets (cos[p], sin[p]),
+    nothing to check."""
     b, s = x.shape[0], x.shape[1]
+    if half_width:
+        cos, sin = (t.reshape(-1, s, rotary_dim // 2).float() for t in (cos, sin))
+        pairs = torch.stack((cos, sin), -1).flatten(-2)
+        pairs = _head_rows(pairs, head_dim, 0)
+        return pairs.expand(b, -1, -1).reshape(b * s, head_dim).contiguous()
     cos, sin = cos.reshape(-1, s, rotary_dim), sin.reshape(-1, s, rotary_dim)  # unit axis out
     ok = (cos[..., 0::2] == cos[..., 1::2]).all() & (sin[..., 0::2] == sin[..., 1::2]).all()
     torch._assert_async(ok, "rope: cos/sin differ within a pair; the table is not "

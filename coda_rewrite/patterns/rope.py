@@ -699,6 +699,92 @@ def _written_rope_core(cat: fx.Node):
     return None
 
 
+def _pair_element(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
+    """(x, 0 or 1, nodes) for element i of x's adjacent pairs split out: ``x.reshape(
+    *x.shape[:-1], -1, 2)[..., i]`` (or ``view``, ``unflatten(-1, (-1, 2))``): the even
+    or odd features, as ``x[..., i::2]``."""
+    if not calls(node, {operator.getitem}) or node.args[1] not in ((Ellipsis, 0),
+                                                                   (Ellipsis, 1)):
+        return None
+    split = node.args[0]
+    if not calls(split, _SPLIT | {"unflatten", torch.unflatten}) or \
+            not isinstance(split.args[0], fx.Node):
+        return None
+    mx, ms = meta(split.args[0]), meta(split)
+    if mx is None or ms is None or tuple(ms.shape) != (*mx.shape[:-1], mx.shape[-1] // 2, 2):
+        return None
+    return split.args[0], node.args[1][1], (node, split)
+
+
+def _pair_written_rope_core(flat: fx.Node):
+    """(x, cos, sin, head axis, nodes, "interleaved", half-width tables, False) for
+    torchtune's written-out rotation of adjacent pairs: x0, x1 = the pairs' elements
+    (_pair_element); ``stack((x0·C − x1·S, x1·C + x0·S), -1).flatten(-2)`` with C, S
+    the [.., r/2] tables of θ itself broadcast over the heads (``cache[..., 0]``,
+    ``cache[..., 1]`` of a [seq, r/2, 2] cache viewed to x's dims): rotate_every_two by
+    another spelling, pairs read and written adjacent."""
+    found = _pair_stack(flat)
+    if found is None:
+        return None
+    st, parts = found
+    lo, hi = (canon(n) for n in parts)
+    if lo is None or hi is None or lo.name != "sub" or hi.name != "add":
+        return None
+    a, b = (_mul_args(n) for n in lo.args)     # x0·C, x1·S
+    got = [_mul_args(n) for n in hi.args]
+    if a is None or b is None or None in got:
+        return None
+    for x0, c_t in (a, a[::-1]):
+        e0 = _pair_element(x0)
+        if e0 is None or e0[1] != 0:
+            continue
+        for x1, s_t in (b, b[::-1]):
+            e1 = _pair_element(x1)
+            if e1 is None or e1[1] != 1 or e1[0] is not e0[0] or \
+                    not _products_are(got, ((x1, c_t), (x0, s_t))):  # hi = x1·C + x0·S
+                continue
+            x = e0[0]
+            axis = _table_head_axis(x, c_t, s_t, half_width=True)
+            if axis is None:
+                return Why("cos/sin are not [batch, seq, rotary_dim / 2] tables broadcast "
+                           "over the heads", "rope.table_broadcast")
+            # hi's own reads of x's elements (dynamo makes each x[..., i] a node of its
+            # own) are the rotation's; its reads of C and S are the tables' (the replay
+            # knows them as equal values)
+            elements = [e[2][0] for g in got for e in map(_pair_element, g) if e is not None]
+            nodes = tuple(dict.fromkeys((flat, st, *parts, *lo.args, *hi.args, *e0[2],
+                                         *e1[2], *elements)))
+            return x, c_t, s_t, axis, nodes, "interleaved", True, False
+    return None
+
+
+def _products_are(products: list, want: tuple) -> bool:
+    """Whether two products' factor pairs are ``want``'s two pairs of values, in any
+    order (graph_utils.same_value: equal pure calls count as one value)."""
+    def same(g, w):
+        return same_value(g[0], w[0]) and same_value(g[1], w[1]) or \
+            same_value(g[0], w[1]) and same_value(g[1], w[0])
+    return same(products[0], want[0]) and same(products[1], want[1]) or \
+        same(products[0], want[1]) and same(products[1], want[0])
+
+
+def _pair_stack(flat: fx.Node) -> tuple[fx.Node, list] | None:
+    """(the stack, its two parts) for ``stack((lo, hi), -1).flatten(-2)``."""
+    if not calls(flat, {"flatten", torch.flatten}):
+        return None
+    st, start, end = _args(flat, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
+    mst = meta(st) if isinstance(st, fx.Node) else None
+    if mst is None or not calls(st, {torch.stack}) or not isinstance(start, int) or \
+            start % mst.dim() != mst.dim() - 2 or end % mst.dim() != mst.dim() - 1:
+        return None
+    tensors, dim = _args(st, "tensors", "dim", defaults=(None, 0))
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or \
+            not all(isinstance(t, fx.Node) for t in tensors) or \
+            dim % mst.dim() != mst.dim() - 1:
+        return None
+    return st, list(tensors)
+
+
 def _casts_under(node) -> tuple:
     """(the value under casts, the cast nodes) — the rotation's own upcasts."""
     casts = []
@@ -708,19 +794,22 @@ def _casts_under(node) -> tuple:
     return node, tuple(casts)
 
 
-def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node) -> int | None:
+def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node,
+                     half_width: bool = False) -> int | None:
     """The head axis (1 or 2) of 4-d rotated heads x that tables cos/sin broadcast over
     (their shape aligned to x's from the right, as broadcasting does: a [seq, r] table
-    is [1, 1, seq, r]): unit there, the sequence on the other, x's rotated width last, a
-    batch of 1 or x's; None where they are not such tables."""
+    is [1, 1, seq, r]): unit there, the sequence on the other, x's rotated width last
+    (half of it: ``half_width``, one entry per pair), a batch of 1 or x's; None where
+    they are not such tables."""
     mx, mc, ms = meta(x), meta(cos), meta(sin)
     if mx is None or mc is None or ms is None or mx.dim() != 4 or not 2 <= mc.dim() <= 4 or \
             tuple(mc.shape) != tuple(ms.shape) or not mc.is_floating_point():
         return None
     shape = (1,) * (4 - mc.dim()) + tuple(mc.shape)
+    width = mx.shape[3] // 2 if half_width else mx.shape[3]
     for axis, seq in ((1, 2), (2, 1)):
         if shape[axis] == 1 and shape[seq] == mx.shape[seq] and \
-                shape[3] == mx.shape[3] and shape[0] in (1, mx.shape[0]):
+                shape[3] == width and shape[0] in (1, mx.shape[0]):
             return axis
     return None
 
@@ -1111,9 +1200,7 @@ def columns_of(value: fx.Node) -> tuple[Projection, tuple[int, int]] | None:
 def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
     """The rotation anchored at ``add`` (its last add or cat), or why it is left; None
     where ``add`` is no rotation. ``norms``: the graph's RMSNorms (QK-norm)."""
-    core = _rope_core(add)
-    if core is None:
-        core = _written_rope_core(add)
+    core = _rope_core(add) or _written_rope_core(add) or _pair_written_rope_core(add)
     if core is None:
         return None
     if isinstance(core, str):
@@ -1228,7 +1315,8 @@ def _rotated(add: fx.Node, norms: _Norms) -> Rotated | NoMatch | None:
                                 "merge would gather the weights)", "rope.sharded"))
     if form == "interleaved":  # the tables as the rotation multiplies by them
         angle = Angle(None, None, None, 1.0, cos_t, sin_t, why_table=(
-            "interleaved pairs: cos/sin are read as the tables the rotation multiplies by"))
+            "interleaved pairs: cos/sin are read as the tables the rotation multiplies by"),
+            half_width=half_width)
         if meta(cos_t).requires_grad or meta(sin_t).requires_grad:
             return NoMatch(add, Why("the cos/sin tables require grad",
                                     "rope.angle_requires_grad"))
@@ -1858,7 +1946,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
                 m.angle.half_width, rot.rotary_offset))]
         elif m.form == "interleaved":
             angle = [graph.call_function(layouts.rope_pair_table_rows, (
-                m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim))]
+                m.angle.cos, m.angle.sin, x, rot.head_dim, rot.rotary_dim,
+                m.angle.half_width))]
         else:
             angle = [graph.call_function(layouts.rope_table_rows, (m.table, x))]
         if not recomputed and m.passthrough:  # a table cannot tell v's heads from q's
