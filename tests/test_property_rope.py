@@ -4,7 +4,8 @@ the same for every feature of a head, shifts, negation), the rotation's layout (
 head, or a suffix after unrotated features as in multi-head latent attention's query),
 the key (rotated per head, or multi-head latent attention's: per-head unrotated features
 and one shared rotated head, put together in a buffer by copy_ or by a concatenation),
-the attention (SDPA or eager's q @ kᵀ) and a second reader of k (a returned cache), and
+the attention (SDPA or eager's q @ kᵀ), a second reader of k (a returned cache) and how
+the cos/sin tables broadcast (unsqueezed, as they are, viewed: litgpt's), and
 checks, in training, that the output and every gradient are eager's, that the rotation is
 rewritten exactly when some attention keeps the permuted order, with no copy back on the
 attention's own edges, and that every match left carries a reason."""
@@ -68,7 +69,11 @@ class Attention(nn.Module):
         pos = torch.arange(s, device=x.device)[None].float()
         th = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
         emb = torch.cat((th, th), -1)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]       # [1, 1, s, D]
+        if self.case["tables"] == "as_is":  # [s, D], broadcast over batch and heads (litgpt)
+            cos, sin = emb.cos()[0], emb.sin()[0]
+        elif self.case["tables"] == "viewed":  # litgpt's apply_rope: a view to [1, 1, s, D]
+            cos, sin = emb.cos().view(1, 1, s, D), emb.sin().view(1, 1, s, D)
         q, v = (p(x).view(b, s, H, -1).transpose(1, 2) for p in (self.q, self.v))
         q = self.rope(q, cos, sin)
         if self.case["key"] == "per_head":
@@ -108,6 +113,7 @@ cases = st.fixed_dictionaries({
     "k_ops": st.lists(st.sampled_from(sorted(OPS)), max_size=2),
     "sdpa": st.booleans(),
     "k_returned": st.booleans(),
+    "tables": st.sampled_from(["unsqueezed", "as_is", "viewed"]),
 }).flatmap(lambda c: _key(c).map(lambda key: {**c, "key": key}))
 
 
@@ -118,11 +124,17 @@ cases = st.fixed_dictionaries({
 # found by this property: the latent-key search read a graph output's second argument
 # (a returned k beside eager attention): an internal error, the rewrite refused
 @example(case={"nope": 4, "bias": False, "q_ops": [], "k_ops": [], "sdpa": False,
-               "k_returned": True, "key": "per_head"})
+               "k_returned": True, "key": "per_head", "tables": "unsqueezed"})
 # a latent key scaled per position after it is put together: the scale keeps the order
 @example(case={"nope": 4, "bias": True, "q_ops": ["scale by a number"],
                "k_ops": ["scale per position"], "sdpa": True, "k_returned": False,
-               "key": "latent_buffer"})
+               "key": "latent_buffer", "tables": "unsqueezed"})
+# found by this property: tables read as the model broadcasts them (litgpt's [s, D]) are
+# a table program, whose table repeats every head_dim columns; the latent key's projection
+# (16 columns, heads of 12) joined as a passthrough, the witness could not run, and the
+# rotation was left: such a projection now keeps its own GEMM
+@example(case={"nope": 4, "bias": False, "q_ops": [], "k_ops": [], "sdpa": True,
+               "k_returned": False, "key": "latent_cat", "tables": "as_is"})
 def test_generated_paths_to_the_attention_match_eager(case):
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -131,6 +143,7 @@ def test_generated_paths_to_the_attention_match_eager(case):
     done = [r for r in records if r.status == "rewritten"]
     event(f"rewritten: {bool(done)}")
     event(f"key: {case['key']}")
+    event(f"tables: {case['tables']}")
     assert all(r.code for r in records if r.status != "rewritten"), str(report)
     keeps = all(OPS[op][1] for op in case["q_ops"] + case["k_ops"])
     latent = case["key"] != "per_head"

@@ -1820,10 +1820,14 @@ def describe_match(m: Match, table: bool = False) -> dict:
 
 def plan_segments(m: Match) -> Match | str:
     """The match with its segments final, or why it cannot have them: v joins the fused
-    GEMM where it has q's dtype; a packed projection's slices that the fused GEMM does not
-    produce (v, when it cannot join) get a GEMM of their own."""
+    GEMM where it has q's dtype (and, where the epilogue reads a table, which repeats every
+    head_dim columns, where it is whole heads wide); a packed projection's slices that the
+    fused GEMM does not produce (v, when it cannot join) get a GEMM of their own."""
     dtype = meta(m.rotated[0].out).dtype
     passthrough = [s for s in m.passthrough if meta(s.column_node).dtype == dtype]
+    if m.angle_source == "table":  # the table repeats every head_dim columns: whole heads
+        head_dim = m.rotated[0].head_dim
+        passthrough = [s for s in passthrough if (s.columns[1] - s.columns[0]) % head_dim == 0]
     segments = [*m.rotated, *passthrough]
     seg_nodes = {s.column_node for s in segments}
     remainders = []
