@@ -25,7 +25,7 @@ D = 32
 
 def test_every_statement_is_proved_with_a_witness():
     proved = S.all_statements()
-    assert len(proved) == 27
+    assert len(proved) == 28
     for name, p in proved:
         assert isinstance(p, Proof) and p.steps and p.assumptions, name
         assert p.witness.startswith("float64"), (name, p.witness)

@@ -1872,4 +1872,127 @@ def test_torchtune_spelling_and_look_alikes(layout):
         assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
         return
     assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    assert "x0, x1 = x[2p], x[2p+1]" in done[0].decision.statement, str(report)
     assert report.count(pattern="attention_inputs") == 1, str(report)
+
+
+class OlmoRotateHalf(torch.nn.Module):
+    """OLMo's rotate_half, ``x.view(B, nh, T, 2, hs // 2).unbind(dim=-2)`` into its
+    halves, on [b, h, s, d] heads with [1, 1, s, d] tables; the look-alike "pairs" unbinds
+    x's adjacent pairs instead (``view(B, nh, T, hs // 2, 2).unbind(-1)``: even and odd
+    features, which no rotation's layout reads with a half-split table)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def rotate_half(self, x):
+        b, nh, t, hs = x.size()
+        if self.spelling == "pairs":
+            x1, x2 = x.view(b, nh, t, hs // 2, 2).unbind(dim=-1)
+        else:
+            x1, x2 = x.view(b, nh, t, 2, hs // 2).unbind(dim=-2)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        freqs = torch.einsum("i , j -> i j", torch.arange(s, dtype=torch.float), self.inv_freq)
+        positions = torch.cat((freqs, freqs), dim=-1)
+        sin, cos = positions.sin()[None, None, :, :], positions.cos()[None, None, :, :]
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q = ((q * cos) + (self.rotate_half(q) * sin)).to(q.dtype)
+        k = ((k * cos) + (self.rotate_half(k) * sin)).to(k.dtype)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(b, s, 32)
+
+
+@pytest.mark.parametrize("spelling", ["halves", "pairs"])
+def test_olmo_rotate_half_and_a_look_alike(spelling):
+    """OLMo's unbind of the halves is rotate_half: one fused GEMM with v, a training step
+    against eager; unbinding the adjacent pairs instead is no rotate_half and is left by
+    the matcher (exact)."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(OlmoRotateHalf(spelling).train(), torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if spelling == "pairs":
+        assert not done, str(report)
+        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
+        return
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+
+
+class MistralReferenceAttention(torch.nn.Module):
+    """Mistral's reference attention (mistral-inference): q/k rotated as complex pairs by
+    ``freqs_cis[:, None, :]`` ([seq, 1, d/2], broadcast over batch and heads as it is),
+    k and v repeated by ``torch.repeat_interleave(x, repeats=2, dim=2)`` before the
+    transpose; the look-alike "per_head" rotates each head by a table of its own
+    ([seq, heads, d/2])."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.wq = torch.nn.Linear(32, 32, bias=False)
+        self.wk = torch.nn.Linear(32, 16, bias=False)
+        self.wv = torch.nn.Linear(32, 16, bias=False)
+        freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2)[:4].float() / 8))
+        angles = torch.outer(torch.arange(16), freqs).float()
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def rotate(self, x, freqs_cis):
+        x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        if self.layout == "per_head":  # heads h read the table at 1 + h/4 times the angle
+            scale = (1 + torch.arange(x.shape[2]) / 4)[None, :, None]
+            table = torch.polar(torch.ones_like(freqs_cis.real[:, None]),
+                                freqs_cis.angle()[:, None] * scale)
+        else:
+            table = freqs_cis[:, None, :]
+        return torch.view_as_real(x_ * table).flatten(3).type_as(x)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        xq, xk = self.wq(x).view(b, s, 4, 8), self.wk(x).view(b, s, 2, 8)
+        xv = self.wv(x).view(b, s, 2, 8)
+        freqs_cis = self.freqs_cis[:s]
+        xq, xk = self.rotate(xq, freqs_cis), self.rotate(xk, freqs_cis)
+        xk = torch.repeat_interleave(xk, repeats=2, dim=2)
+        xv = torch.repeat_interleave(xv, repeats=2, dim=2)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
+        return y.transpose(1, 2).reshape(b, s, 32)
+
+
+@pytest.mark.parametrize("layout", ["mistral", "per_head"])
+def test_mistral_reference_spelling_and_a_look_alike(layout):
+    """Mistral's reference: q, k and v one fused GEMM rotating by the complex table
+    broadcast as it is, and its repeat_kv, torch.repeat_interleave, SDPA's enable_gqa; a
+    table per head is no table broadcast over the heads and is left (exact)."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(MistralReferenceAttention(layout).train(),
+                                       torch.randn(2, 6, 32))
+    assert report.count(pattern="attention_inputs") == 1, str(report)
+    done = rope_records(report)
+    if layout == "per_head":
+        assert not done, str(report)
+        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
+        return
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)  # q, k and v
+
+
+def test_flex_attention_keeps_the_permuted_order():
+    """transformers' attn_implementation="flex_attention": flex_attention reads q and k
+    only through q·kᵀ (its score and mask functions see scores and positions, not
+    features), so the rotation is fused and q and k reach it permuted, no copy back;
+    the eval logits are eager's (flex_attention has no backward on the CPU)."""
+    model = build("llama", layers=2, attn_implementation="flex_attention").eval()
+    fast = coda_rewrite.optimize(copy.deepcopy(model))
+    ids = tokens()
+    with torch.no_grad():  # no cache returned: flex_attention is q's and k's only reader
+        got, want = fast(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+    assert rel_err(got, want) <= 1e-5
+    done = rope_records(fast.report)
+    assert len(done) == 2 and not unpermuted(fast.report), str(fast.report)

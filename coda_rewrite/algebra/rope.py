@@ -153,10 +153,18 @@ def _sdpa_inputs(u: fx.Node) -> tuple:
     return q, k, nodes
 
 
+def _flex_attention(u: fx.Node) -> bool:
+    """``u`` is flex_attention (transformers' attn_implementation="flex_attention"):
+    query, key, value, then score and mask functions that see each score q·kᵀ and the
+    positions, never q's or k's features."""
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return flex is not None and u.target is flex
+
+
 def _invariant_attention(u: fx.Node, region: set) -> bool:
-    """An attention whose region inputs are exactly its query and key: it reads them
-    only through q·kᵀ, a sum over the head dim."""
-    if u.target not in _SDPA:
+    """An attention (SDPA, flex_attention) whose region inputs are exactly its query
+    and key: it reads them only through q·kᵀ, a sum over the head dim."""
+    if u.target not in _SDPA and not _flex_attention(u):
         return False
     q, k, rest = _sdpa_inputs(u)
     return q in region and k in region and not any(a in region for a in rest)
@@ -285,7 +293,8 @@ def permuted_region(starts: list[fx.Node], head_dim: int = 0, offset: int = 0) -
             if u in region:
                 continue
             if _invariant_attention(u, region) or _invariant_matmul(u, region):
-                if (u.target in _SDPA or u.target in MATMUL) and u not in invariant:
+                if (u.target in _SDPA or u.target in MATMUL or _flex_attention(u)) and \
+                        u not in invariant:
                     invariant.append(u)
                 continue
             unpermute.append((u, n))
@@ -521,6 +530,7 @@ def decide(m, program) -> Decision:
         [statements.prove_head_norm_through_rotation()] if m.head_norm[2] else [])
     if m.form in ("pairs", "interleaved"):  # already adjacent pairs: nothing is permuted
         rotation = statements.prove_complex_rotation() if m.form == "pairs" else \
+            statements.prove_written_pair_rotation() if m.angle.half_width else \
             statements.prove_pair_rotation()
         facts = statements.prove_rotation_facts()
         seen = guarded_with_gradients(replay, m, trains)
@@ -860,10 +870,15 @@ def _eval_rotation(node, env, rot, cos, sin):
     split into pairs follows the replay's shape (the graph's has the captured sizes)."""
     if _is_cast_node(node):
         return env[node.args[0]]
-    if node.target in ("view", "reshape", torch.reshape) and node.args[0] in env and (
-            rot.form == "pairs" or rot.form == "interleaved" and rot.angle.half_width):
-        x = env[node.args[0]]  # x's adjacent pairs split out
-        return x.reshape(*x.shape[:-1], -1, 2)
+    if node.target in ("view", "reshape", torch.reshape) and node.args[0] in env:
+        x, mi, mo = env[node.args[0]], meta(node.args[0]), meta(node)
+        if rot.form == "pairs":  # x's adjacent pairs split out
+            return x.reshape(*x.shape[:-1], -1, 2)
+        if mi is not None and mo is not None and mo.dim() == mi.dim() + 1 and \
+                tuple(mo.shape[:-2]) == tuple(mi.shape[:-1]):
+            # the last dim split in two (torchtune's pairs, OLMo's halves): the same split
+            # of the replay's, whose leading sizes are its own
+            return x.reshape(*x.shape[:-1], *mo.shape[-2:])
     def arg(a):
         if isinstance(a, fx.Node):
             if a in env:

@@ -568,6 +568,40 @@ def prove_pair_rotation() -> Proof:
 
 
 @functools.cache
+def prove_written_pair_rotation() -> Proof:
+    """torchtune's spelling (each adjacent pair's elements split out, x0 = x[2p] and
+    x1 = x[2p+1], rotated by tables of one entry per pair and stacked back in place) is the
+    pairwise rotation the epilogue computes."""
+    x, c, s = sp.IndexedBase("x"), sp.IndexedBase("c"), sp.IndexedBase("s")
+    p = sp.Symbol("p", integer=True, nonnegative=True)
+    x0, x1 = x[2 * p], x[2 * p + 1]
+    stacked = {2 * p: x0 * c[p] - x1 * s[p], 2 * p + 1: x1 * c[p] + x0 * s[p]}
+    want = {2 * p: x[2 * p] * c[p] - x[2 * p + 1] * s[p],
+            2 * p + 1: x[2 * p] * s[p] + x[2 * p + 1] * c[p]}
+    for lane in (2 * p, 2 * p + 1):
+        _require(stacked[lane] - want[lane], f"written-out pair rotation (lane {lane})")
+
+    def num(seed):
+        g = _gen(seed)
+        xx = torch.randn(5, 8, generator=g, dtype=torch.float64)
+        ang = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        pairs, cache = xx.reshape(5, 4, 2), torch.stack((ang.cos(), ang.sin()), -1)
+        written = torch.stack((pairs[..., 0] * cache[..., 0] - pairs[..., 1] * cache[..., 1],
+                               pairs[..., 1] * cache[..., 0] + pairs[..., 0] * cache[..., 1]),
+                              -1).flatten(1)
+        cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+        rotated = xx * cos + torch.stack((-xx[:, 1::2], xx[:, 0::2]), -1).flatten(1) * sin
+        return rel_err(written, rotated)
+
+    return Proof(
+        "stack(x0·C − x1·S, x1·C + x0·S).flatten(-2) = (x[2p]·c_p − x[2p+1]·s_p, "
+        "x[2p]·s_p + x[2p+1]·c_p),  x0, x1 = x[2p], x[2p+1]",
+        ("C[p] = c_p and S[p] = s_p (one entry per pair: the table rows as they are)",),
+        ("lane 2p: x[2p]·c_p − x[2p+1]·s_p", "lane 2p+1: x[2p+1]·c_p + x[2p]·s_p"),
+        _witness("written-out pair rotation", num))
+
+
+@functools.cache
 def prove_logits_map_derivative() -> Proof:
     """A map before the loss, z = g(y) = c₂·tanh(y·a) (a: the product of the scalings
     before the tanh, c₂ after it; a map without tanh is the line z = c·y): its derivative
@@ -1314,6 +1348,7 @@ def all_statements() -> list[tuple[str, Proof]]:
             ("rotation facts", prove_rotation_facts()),
             ("complex rotation", prove_complex_rotation()),
             ("interleaved rotation", prove_pair_rotation()),
+            ("written-out pair rotation", prove_written_pair_rotation()),
             ("logits map derivative", prove_logits_map_derivative()),
             ("gated activation interleave", prove_gated_interleave()),
             ("gated backward in the down projection's dgrad", prove_gated_backward()),

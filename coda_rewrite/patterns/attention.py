@@ -64,9 +64,11 @@ def _sdpa_args(n: fx.Node):
 
 
 def _repeat_interleave(node, dims) -> fx.Node | None:
-    """x if ``node`` is x.repeat_interleave(n, dim) with an int n and dim in ``dims``."""
-    if not (isinstance(node, fx.Node) and node.op == "call_method"
-            and node.target == "repeat_interleave"):
+    """x if ``node`` is x.repeat_interleave(n, dim) (or torch.repeat_interleave(x,
+    repeats=n, dim=dim): Mistral's reference) with an int n and dim in ``dims``."""
+    if not (isinstance(node, fx.Node) and (
+            node.op == "call_method" and node.target == "repeat_interleave" or
+            node.op == "call_function" and node.target is torch.repeat_interleave)):
         return None
     reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")

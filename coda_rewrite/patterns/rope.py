@@ -519,7 +519,11 @@ def table_angle(cos_t, sin_t, why: str, half_width: bool = False) -> Angle | str
 
 def _half_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
     """(x, 0 or 1, nodes) for the low or high half of x's last dim: ``x[..., :h]`` /
-    ``x[..., h:]`` or ``x.chunk(2, dim=-1)[0]`` / ``[1]``."""
+    ``x[..., h:]``, ``x.chunk(2, dim=-1)[0]`` / ``[1]``, or ``x.view(*lead, 2, h).unbind(
+    -2)[0]`` / ``[1]`` (OLMo's rotate_half)."""
+    unbound = _unbound_half(node)
+    if unbound is not None:
+        return unbound
     sl = _last_dim_slice(node)
     if sl is not None:
         x = sl[0]
@@ -532,6 +536,25 @@ def _half_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
     if half is not None and int(meta(half[0].args[0]).shape[-1]) % 2 == 0:
         return half[0].args[0], half[1], (node, half[0])
     return None
+
+
+def _unbound_half(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
+    """(x, i, nodes) for ``x.view(*x.shape[:-1], 2, h).unbind(-2)[i]`` (or ``reshape``,
+    ``unflatten(-1, (2, h))``): half i of x's last dim."""
+    if not calls(node, {operator.getitem}) or node.args[1] not in (0, 1):
+        return None
+    unb = node.args[0]
+    if not calls(unb, {"unbind", torch.unbind}):
+        return None
+    split, dim = _args(unb, "input", "dim", defaults=(None, 0))
+    if not calls(split, _SPLIT | {"unflatten", torch.unflatten}) or \
+            not isinstance(split.args[0], fx.Node):
+        return None
+    mx, ms = meta(split.args[0]), meta(split)
+    if mx is None or ms is None or not isinstance(dim, int) or dim % ms.dim() != ms.dim() - 2 \
+            or tuple(ms.shape) != (*mx.shape[:-1], 2, mx.shape[-1] // 2):
+        return None
+    return split.args[0], node.args[1], (node, unb, split)
 
 
 def _rotate_half_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
@@ -1449,10 +1472,13 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
             continue
         table = _under_moves(rot)
         mt, mr = meta(table), meta(rot)
-        if mt is None or not mt.is_complex() or mr.dim() != 4:
+        if mt is None or not mt.is_complex() or mr is None or not 2 <= mr.dim() <= 4:
             return NoMatch(vr, Why(
                     "the complex rotation's factor is not a table broadcast over "
                     "the heads", "rope.table_broadcast"))
+        # its shape against the 4-d heads, as broadcasting aligns it (Mistral's reference:
+        # freqs_cis[:, None, :], [seq, 1, d/2])
+        rshape = (1,) * (4 - mr.dim()) + tuple(mr.shape)
         users = list(vr.users)
         flat = users[0] if len(users) == 1 else None
         if flat is None or not calls(flat, {"flatten", torch.flatten}) or \
@@ -1480,7 +1506,7 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
         # the head axis is where the table has a unit dim and the heads do not
         for axis in (2, 1):
             split = _head_split(heads, axis)
-            if split is not None and mr.shape[axis] == 1:
+            if split is not None and rshape[axis] == 1:
                 break
         else:
             return NoMatch(vr, Why(f"the rotated value {describe(heads)} is not the head-split "
@@ -1496,7 +1522,7 @@ def _complex_rotated(vr: fx.Node) -> Rotated | NoMatch | None:
                 "recomputed from positions and frequencies instead)",
                 "rope.latent_complex_table"))
         seq_axis = 1 if axis == 2 else 2
-        if mr.shape[seq_axis] != mh.shape[seq_axis] or mr.shape[-1] != rotated_width // 2 or \
+        if rshape[seq_axis] != mh.shape[seq_axis] or rshape[-1] != rotated_width // 2 or \
                 mt.shape[-2] != mh.shape[seq_axis] or mt.dim() not in (2, 3) or \
                 (mt.dim() == 3 and mt.shape[0] not in (1, mh.shape[0])):
             return NoMatch(vr, Why(
