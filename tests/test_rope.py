@@ -1996,3 +1996,30 @@ def test_flex_attention_keeps_the_permuted_order():
     assert rel_err(got, want) <= 1e-5
     done = rope_records(fast.report)
     assert len(done) == 2 and not unpermuted(fast.report), str(fast.report)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LitGPTAttention("litgpt"), lambda: LitGPTAttention("partial"),
+    lambda: LitGPTAttention("table_2d"), lambda: TorchtuneAttention("torchtune"),
+    lambda: OlmoRotateHalf("halves"), lambda: MistralReferenceAttention("mistral")],
+    ids=["litgpt", "litgpt_partial", "litgpt_table_2d", "torchtune", "olmo", "mistral"])
+def test_real_spellings_under_dynamic_shapes(make):
+    """Each spelling above through torch.compile(backend="coda", dynamic=True) at three
+    sequence lengths (one graph, symbolic seq): outputs and input gradients eager's, and
+    the rotation rewritten."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = make().train()
+    ref = copy.deepcopy(model)
+    before = len(coda_rewrite.last_report().records)  # this process's compiles so far
+    fast = torch.compile(model, backend="coda", dynamic=True)
+    for s in (5, 7, 11):
+        x = torch.randn(2, s, 32, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, want = fast(x), ref(xr)
+        assert rel_err(out, want) <= 1e-5
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert rel_err(x.grad, xr.grad) <= 1e-4
+    records = coda_rewrite.last_report().records[before:]
+    assert any(r.pattern == "rope" and r.status == "rewritten" for r in records), records
