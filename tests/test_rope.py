@@ -2023,3 +2023,36 @@ def test_real_spellings_under_dynamic_shapes(make):
         assert rel_err(x.grad, xr.grad) <= 1e-4
     records = coda_rewrite.last_report().records[before:]
     assert any(r.pattern == "rope" and r.status == "rewritten" for r in records), records
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LitGPTAttention("litgpt"), lambda: LitGPTAttention("partial"),
+    lambda: TorchtuneAttention("torchtune"), lambda: OlmoRotateHalf("halves")],
+    ids=["litgpt", "litgpt_partial", "torchtune", "olmo"])
+def test_real_spellings_in_bf16_no_worse_than_eager(make):
+    """The numerics policy on each spelling in bfloat16 (tables, caches and projections
+    alike): the output against float64, no worse than eager's bf16 output (median of
+    five seeds, numerics.BF16_RATIO_LIMIT), the rotation rewritten. (Mistral's complex
+    freqs_cis does not survive Module.to(bfloat16), which keeps its real part only, in
+    eager too.)"""
+    class InOwnDtype(torch.nn.Module):  # the input cast to the model's dtype, as a model's
+        def __init__(self, inner):     # embedding gives it
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.to(next(self.inner.parameters()).dtype))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return InOwnDtype(make())
+
+    rewritten = []
+
+    def rewrite(model):
+        torch._dynamo.reset()
+        rewritten.append(coda_rewrite.optimize(model))
+        return rewritten[-1]
+    res = low_precision_errors(build, (torch.randn(2, 6, 32),), rewrite)
+    assert res["ok"], res
+    assert all(len(rope_records(f.report)) == 1 for f in rewritten), str(rewritten[0].report)
