@@ -331,6 +331,26 @@ def calls(node, targets) -> bool:
         and node.target in targets
 
 
+def swaps_heads(node) -> bool:
+    """Whether ``node`` swaps dims 1 and 2 of a 4-d value, and nothing else: the heads'
+    ``transpose(1, 2)`` ([b, s, h, d] <-> [b, h, s, d]), or ``permute(0, 2, 1, 3)`` (what
+    einops' ``rearrange(t, 'b n (h d) -> b h n d')`` traces to)."""
+    x = node.args[0] if isinstance(node, fx.Node) and node.args else None
+    if not isinstance(x, fx.Node) or meta(x) is None or meta(x).dim() != 4:
+        return False
+    if calls(node, {"transpose", torch.transpose}):
+        dims = (arg(node, 1, "dim0"), arg(node, 2, "dim1"))
+        return all(isinstance(d, int) for d in dims) and sorted(d % 4 for d in dims) == [1, 2]
+    if calls(node, {"permute", torch.permute}):
+        dims = node.args[1:]
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) \
+            else list(dims)
+        dims = node.kwargs.get("dims", dims)
+        return len(dims) == 4 and all(isinstance(d, int) for d in dims) and \
+            [d % 4 for d in dims] == [0, 2, 1, 3]
+    return False
+
+
 def arg(node: fx.Node, i: int, name: str, default=None):
     """A call's argument by position ``i`` or keyword ``name``."""
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)

@@ -2056,3 +2056,60 @@ def test_real_spellings_in_bf16_no_worse_than_eager(make):
     res = low_precision_errors(build, (torch.randn(2, 6, 32),), rewrite)
     assert res["ok"], res
     assert all(len(rope_records(f.report)) == 1 for f in rewritten), str(rewritten[0].report)
+
+
+class PermutedHeads(torch.nn.Module):
+    """Heads split by ``view(b, n, h, d).permute(0, 2, 1, 3)`` (what einops' ``rearrange(t,
+    'b n (h d) -> b h n d')`` traces to), HF's rotate_half on [b, h, n, d]; "einops" calls
+    rearrange itself; "packed" permutes GPT-NeoX's per-head packed q/k/v before its
+    chunk; the look-alike "batch_last" permutes (2, 0, 1, 3): heads first, the batch
+    where the heads were, which no head split is."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(32, 32, bias=False)
+                                           for _ in range(3))
+        self.to_qkv = torch.nn.Linear(32, 96, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def heads(self, t):
+        b, n, _ = t.shape
+        if self.layout == "einops":
+            from einops import rearrange
+            return rearrange(t, "b n (h d) -> b h n d", h=4)
+        order = (2, 0, 1, 3) if self.layout == "batch_last" else (0, 2, 1, 3)
+        return t.view(b, n, 4, 8).permute(*order)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        freqs = torch.einsum("i , j -> i j", torch.arange(n).float(), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        if self.layout == "packed":  # GPT-NeoX's [q_h, k_h, v_h] per head, permuted
+            q, k, v = self.to_qkv(x).view(b, n, 4, 24).permute(0, 2, 1, 3).chunk(3, dim=-1)
+        else:
+            q, k, v = (self.heads(p(x)) for p in (self.to_q, self.to_k, self.to_v))
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(-3, -2).reshape(b, n, 32) if self.layout != "batch_last" else \
+            y.permute(1, 2, 0, 3).reshape(b, n, 32)
+
+
+@pytest.mark.parametrize("layout", ["permute", "einops", "packed", "batch_last"])
+def test_heads_permuted_like_einops(layout):
+    """A head split by permute(0, 2, 1, 3) (einops) is the heads' transpose: one fused GEMM
+    with v, a training step against eager; a permute that moves the batch is no head split
+    and is left by the matcher (exact)."""
+    if layout == "einops":
+        pytest.importorskip("einops")
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(PermutedHeads(layout).train(), torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if layout == "batch_last":
+        assert not done, str(report)
+        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
+        return
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)

@@ -39,7 +39,7 @@ from ..canonical import SDPA as _SDPA
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts
-from ..graph_utils import MATMUL, mutated_value, same_value, updated_between
+from ..graph_utils import MATMUL, mutated_value, same_value, swaps_heads, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -816,7 +816,7 @@ def _from_angles(angle, theta: torch.Tensor, targets: tuple, scale) -> list:
 
 
 def _transposed(s) -> bool:
-    return any(n.target in ("transpose", torch.transpose) for n in s.split)
+    return any(swaps_heads(n) for n in s.split)
 
 
 def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
@@ -848,8 +848,8 @@ def _through_model_split(s, y: torch.Tensor, seq: int) -> torch.Tensor:
             v = torch.unbind(v, *node.args[1:], **node.kwargs)
         elif node.target in ("unflatten", torch.unflatten):  # of trailing dims: no batch
             v = v.unflatten(*node.args[1:], **node.kwargs)    # or sequence size in it
-        elif node.target in ("transpose", torch.transpose):
-            v = v.transpose(*node.args[1:3])
+        elif swaps_heads(node):  # transpose(1, 2), or permute(0, 2, 1, 3)
+            v = v.transpose(1, 2)
         elif node.target in ("flatten", torch.flatten):
             v = v.flatten(*node.args[1:], **node.kwargs)
         elif node.target in ("broadcast_to", torch.broadcast_to, "expand"):

@@ -96,7 +96,8 @@ from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
 from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, calls, chunk_half, copy_meta,
                            erase_if_dead, fused_linear_call, gradient_read, hoist_before,
-                           results, same_meta, same_value, shared_call, through_casts)
+                           results, same_meta, same_value, shared_call, swaps_heads,
+                           through_casts)
 from ..kernels import ops, versioned
 from ..rmsnorm_idiom import RmsNorm, find_rms_norms
 from . import family
@@ -226,7 +227,7 @@ class Rotated:
     @property
     def transposed(self) -> bool:
         """Heads before the sequence ([b, h, s, d]) in the split."""
-        return any(calls(n, _TRANSPOSE) for n in self.split)
+        return any(swaps_heads(n) for n in self.split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -840,10 +841,10 @@ def _table_head_axis(x: fx.Node, cos: fx.Node, sin: fx.Node,
 def _past_head_transpose(node: fx.Node, unsq_dim: int):
     """(the value under the heads' ``transpose(1, 2)``, [that transpose]) where the cos/sin
     unsqueeze dim puts the heads before the sequence (1); (node, []) where it puts them
-    after it (2); None for a transpose of other dims or a mismatch."""
-    if calls(node, _TRANSPOSE):
-        _, d0, d1 = _args(node, "input", "dim0", "dim1")
-        if sorted((d0 % 4, d1 % 4)) != [1, 2] or unsq_dim % 4 != 1:
+    after it (2); None for a transpose of other dims or a mismatch. ``permute(0, 2, 1, 3)``
+    (einops' rearrange) is that transpose too (graph_utils.swaps_heads)."""
+    if calls(node, _TRANSPOSE | {"permute", torch.permute}):
+        if not swaps_heads(node) or unsq_dim % 4 != 1:
             return None
         return node.args[0], [node]
     return (node, []) if unsq_dim % 4 == 2 else None
@@ -881,14 +882,14 @@ def _normed_head_split(heads: fx.Node, unsq_dim: int, norms: dict):
     (Qwen3), ``norm(P.view(B, S, H, d).transpose(1, 2))`` (Gemma 3), or untransposed;
     None for anything else. ``norms``: the graph's RMSNorms by their output."""
     after = None
-    if heads not in norms and calls(heads, _TRANSPOSE) and heads.args[0] in norms:
+    if heads not in norms and swaps_heads(heads) and heads.args[0] in norms:
         after, heads = heads, heads.args[0]
     norm = norms.get(heads)
     if norm is None:
         return None
     inner, split = norm.input, []
     if after is not None:
-        if _past_head_transpose(after, unsq_dim) is None or calls(inner, _TRANSPOSE):
+        if _past_head_transpose(after, unsq_dim) is None or swaps_heads(inner):
             return None
         split = [after]
     else:
@@ -2097,7 +2098,7 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
         return v
     v = graph.call_method("view", (piece, *sizes[:2], groups * (i1 - i0), d))
     for node in s.split:
-        if calls(node, _TRANSPOSE):
+        if swaps_heads(node):
             v = graph.node_copy(node, lambda a, src=node.args[0], v=v: v if a is src else a)
     same_meta(v, value)
     return v
