@@ -1716,6 +1716,24 @@ def test_the_gradient_replay_refuses_a_fold_that_loses_a_gradient(monkeypatch):
     refused_by_gradient_replay("qwen2", "rope")
 
 
+def spelling_step(module, look_alike: bool):
+    """A training step of ``module`` on [2, 6, 32] against eager (outputs and every
+    gradient: conftest.module_step_matches_eager), then the verdict a spelling test
+    wants: a look-alike is left by the matcher itself (no rotation rewritten, none refused
+    by the witness); a spelling is one fused GEMM whose consumers are q, k and v. The
+    report, and the rewrite (None for a look-alike)."""
+    from conftest import module_step_matches_eager
+    torch.manual_seed(0)
+    report = module_step_matches_eager(module.train(), torch.randn(2, 6, 32))
+    done = rope_records(report)
+    if look_alike:
+        assert not done, str(report)
+        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
+        return report, None
+    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    return report, done[0]
+
+
 def litgpt_apply_rope(x, cos, sin, view=True):
     """litgpt's apply_rope: halves rotated, tables of fewer dims viewed to x's (a
     [1, seq, r] table becomes [1, 1, seq, r]; ``view=False``: broadcast as they are),
@@ -1785,15 +1803,12 @@ class LitGPTAttention(torch.nn.Module):
 def test_litgpt_spelling_and_look_alikes(layout):
     """litgpt's spelling is one fused GEMM per attention with v joining it, a training
     step against eager; each look-alike is left (exact either way)."""
-    from conftest import module_step_matches_eager
-    torch.manual_seed(0)
-    report = module_step_matches_eager(LitGPTAttention(layout).train(), torch.randn(2, 6, 32))
-    done = rope_records(report)
-    if layout in ("one_position", "second_reader"):
-        assert not done and [r for r in report.records if r.pattern == "rope"], str(report)
-        return
-    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
-    assert any("not rotated" in c for c in done[0].consumers), str(report)
+    look_alike = layout in ("one_position", "second_reader")
+    report, done = spelling_step(LitGPTAttention(layout), look_alike)
+    if look_alike:  # with its record
+        assert [r for r in report.records if r.pattern == "rope"], str(report)
+    else:
+        assert any("not rotated" in c for c in done.consumers), str(report)
 
 
 class TorchtuneAttention(torch.nn.Module):
@@ -1862,18 +1877,11 @@ def test_torchtune_spelling_and_look_alikes(layout):
     """torchtune's rotation of adjacent pairs is one fused GEMM with v joining it (its
     half-width cache read as the epilogue's table rows), a training step against eager,
     and its repeat_kv goes to SDPA's enable_gqa; the look-alikes are left (exact)."""
-    from conftest import module_step_matches_eager
-    torch.manual_seed(0)
-    report = module_step_matches_eager(TorchtuneAttention(layout).train(),
-                                       torch.randn(2, 6, 32))
-    done = rope_records(report)
-    if layout in ("sign", "swapped", "same_element", "per_head"):  # left by the matcher
-        assert not done, str(report)
-        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
-        return
-    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
-    assert "x0, x1 = x[2p], x[2p+1]" in done[0].decision.statement, str(report)
-    assert report.count(pattern="attention_inputs") == 1, str(report)
+    look_alike = layout in ("sign", "swapped", "same_element", "per_head")
+    report, done = spelling_step(TorchtuneAttention(layout), look_alike)
+    if not look_alike:
+        assert "x0, x1 = x[2p], x[2p+1]" in done.decision.statement, str(report)
+        assert report.count(pattern="attention_inputs") == 1, str(report)
 
 
 class OlmoRotateHalf(torch.nn.Module):
@@ -1913,15 +1921,7 @@ def test_olmo_rotate_half_and_a_look_alike(spelling):
     """OLMo's unbind of the halves is rotate_half: one fused GEMM with v, a training step
     against eager; unbinding the adjacent pairs instead is no rotate_half and is left by
     the matcher (exact)."""
-    from conftest import module_step_matches_eager
-    torch.manual_seed(0)
-    report = module_step_matches_eager(OlmoRotateHalf(spelling).train(), torch.randn(2, 6, 32))
-    done = rope_records(report)
-    if spelling == "pairs":
-        assert not done, str(report)
-        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
-        return
-    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    spelling_step(OlmoRotateHalf(spelling), look_alike=spelling == "pairs")
 
 
 class MistralReferenceAttention(torch.nn.Module):
@@ -1970,17 +1970,8 @@ def test_mistral_reference_spelling_and_a_look_alike(layout):
     """Mistral's reference: q, k and v one fused GEMM rotating by the complex table
     broadcast as it is, and its repeat_kv, torch.repeat_interleave, SDPA's enable_gqa; a
     table per head is no table broadcast over the heads and is left (exact)."""
-    from conftest import module_step_matches_eager
-    torch.manual_seed(0)
-    report = module_step_matches_eager(MistralReferenceAttention(layout).train(),
-                                       torch.randn(2, 6, 32))
+    report, _ = spelling_step(MistralReferenceAttention(layout), layout == "per_head")
     assert report.count(pattern="attention_inputs") == 1, str(report)
-    done = rope_records(report)
-    if layout == "per_head":
-        assert not done, str(report)
-        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
-        return
-    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)  # q, k and v
 
 
 def test_flex_attention_keeps_the_permuted_order():
@@ -2104,12 +2095,4 @@ def test_heads_permuted_like_einops(layout):
     and is left by the matcher (exact)."""
     if layout == "einops":
         pytest.importorskip("einops")
-    from conftest import module_step_matches_eager
-    torch.manual_seed(0)
-    report = module_step_matches_eager(PermutedHeads(layout).train(), torch.randn(2, 6, 32))
-    done = rope_records(report)
-    if layout == "batch_last":
-        assert not done, str(report)
-        assert not any("witness" in r.reason for r in report.records if r.pattern == "rope")
-        return
-    assert len(done) == 1 and len(done[0].consumers) == 3, str(report)
+    spelling_step(PermutedHeads(layout), look_alike=layout == "batch_last")
