@@ -890,8 +890,9 @@ def _eval_rotation(node, env, rot, cos, sin):
                     return env[table]
             if rot.angle is not None and a in (rot.angle.cos, rot.angle.sin):
                 # a table the graph broadcasts over batch and heads as it is (litgpt's
-                # [seq, r]): the replay's own [1, seq', r] in the graph's layout
-                shape = [1] * (meta(a).dim() - 1) + [rot.rotary_dim]
+                # [seq, r]): the replay's own [1, seq', r] in the graph's layout (its own
+                # width: r, or r/2 for tables of one entry per pair)
+                shape = [1] * (meta(a).dim() - 1) + [meta(a).shape[-1]]
                 seq_axis = 2 if len(shape) == 4 and meta(a).shape[1] == 1 else len(shape) - 2
                 shape[seq_axis] = -1
                 return (cos if a is rot.angle.cos else sin).reshape(shape)

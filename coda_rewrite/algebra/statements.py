@@ -535,6 +535,15 @@ def prove_complex_rotation() -> Proof:
         _witness("complex rotation", num))
 
 
+def _pairwise_rotation(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """What the epilogue computes for adjacent pairs: (x[2p]·c_p − x[2p+1]·s_p,
+    x[2p]·s_p + x[2p+1]·c_p), c_p, s_p the cos and sin of angle[p] (the pair witnesses'
+    common reference)."""
+    c, s = angle.cos(), angle.sin()
+    return torch.stack((x[:, 0::2] * c - x[:, 1::2] * s, x[:, 0::2] * s + x[:, 1::2] * c),
+                       -1).flatten(1)
+
+
 @functools.cache
 def prove_pair_rotation() -> Proof:
     """The interleaved spelling (GLM, Cohere, GPT-J: x·C + rotate_pairs(x)·S with the
@@ -555,9 +564,7 @@ def prove_pair_rotation() -> Proof:
         ang = torch.randn(5, 4, generator=g, dtype=torch.float64)
         cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
         ref = xx * cos + torch.stack((-xx[:, 1::2], xx[:, 0::2]), -1).flatten(1) * sin
-        out = torch.stack((xx[:, 0::2] * ang.cos() - xx[:, 1::2] * ang.sin(),
-                           xx[:, 0::2] * ang.sin() + xx[:, 1::2] * ang.cos()), -1).flatten(1)
-        return rel_err(out, ref)
+        return rel_err(_pairwise_rotation(xx, ang), ref)
 
     return Proof(
         "x·C + rotate_pairs(x)·S = (x[2p]·c_p − x[2p+1]·s_p, x[2p]·s_p + x[2p+1]·c_p),  "
@@ -589,9 +596,7 @@ def prove_written_pair_rotation() -> Proof:
         written = torch.stack((pairs[..., 0] * cache[..., 0] - pairs[..., 1] * cache[..., 1],
                                pairs[..., 1] * cache[..., 0] + pairs[..., 0] * cache[..., 1]),
                               -1).flatten(1)
-        cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
-        rotated = xx * cos + torch.stack((-xx[:, 1::2], xx[:, 0::2]), -1).flatten(1) * sin
-        return rel_err(written, rotated)
+        return rel_err(written, _pairwise_rotation(xx, ang))
 
     return Proof(
         "stack(x0·C − x1·S, x1·C + x0·S).flatten(-2) = (x[2p]·c_p − x[2p+1]·s_p, "
