@@ -17,6 +17,7 @@ from .capture import describe
 # A matrix product however spelled (``@``, torch.matmul, a batched bmm).
 MATMUL = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
 CHUNK = {torch.chunk, "chunk"}
+SPLIT = {torch.split, "split"}  # torch.split is torch.functional.split
 
 
 # kernels/ops.fused_linear carries this attribute: analysis code recognises the fused
@@ -311,16 +312,34 @@ def through_casts(node):
 
 
 def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """(chunk node, index) for ``t.chunk(2, dim=-1)[index]``."""
+    """(the split node, index) for half ``index`` (0 or 1) of a value's last dim cut in
+    two equal halves: ``t.chunk(2, dim=-1)[index]``, or ``t.split(n, dim=-1)[index]`` /
+    ``t.split([n, n], dim=-1)[index]`` where the last dim is 2n (Phi-3's gate_up read by
+    chunk, others' by split: the same two halves)."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return None
     ch, idx = node.args
-    if not isinstance(ch, fx.Node) or ch.target not in CHUNK or not isinstance(idx, int):
+    if not isinstance(ch, fx.Node) or idx not in (0, 1) or isinstance(idx, bool):
         return None
-    chunks = ch.args[1] if len(ch.args) > 1 else ch.kwargs.get("chunks")
-    dim = ch.args[2] if len(ch.args) > 2 else ch.kwargs.get("dim", 0)
-    src = meta(ch.args[0])
-    if chunks != 2 or src is None or dim not in (-1, src.dim() - 1):
+    src = meta(ch.args[0]) if ch.args and isinstance(ch.args[0], fx.Node) else None
+    if src is None or src.dim() == 0:
+        return None
+    if ch.target in CHUNK:
+        pieces, dim = arg(ch, 1, "chunks"), arg(ch, 2, "dim", 0)
+        halves = pieces == 2
+    elif ch.target in SPLIT:
+        sizes, dim = arg(ch, 1, "split_size_or_sections", arg(ch, 1, "split_size")), \
+            arg(ch, 2, "dim", 0)
+        width = src.shape[-1]  # a GEMM's width: static (symbolic: not read as halves)
+        if not isinstance(width, int):
+            halves = False
+        elif isinstance(sizes, (list, tuple)):
+            halves = len(sizes) == 2 and sizes[0] == sizes[1] and 2 * sizes[0] == width
+        else:
+            halves = isinstance(sizes, int) and 2 * sizes == width
+    else:
+        return None
+    if not halves or dim not in (-1, src.dim() - 1):
         return None
     return ch, idx
 

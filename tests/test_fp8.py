@@ -238,7 +238,7 @@ def test_the_ops_refuse_gradients():
     w = [torch.randn(32, 16, requires_grad=True), torch.randn(32, 16), torch.randn(16, 32)]
     q = fp8.saturate(torch.randn(4, 16))
     with pytest.raises(RuntimeError, match="no autograd formula"):
-        fp8_ops.fp8_gate_up(fp8.gate_up_program("swiglu").to_text(), q, w, False, False, 0.0, 16)
+        fp8_ops.fp8_gate_up(fp8.gate_up_program("swiglu").to_text(), q, w, "", False, 0.0, 16)
 
 
 # ---- the bound ---------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def _replay(m, gate_up, down) -> str | Rejection:
     wg[0] = wu[0] = 0
     wg[0, 3 % k] = wu[0, 3 % k] = 1.0
     if g.packed:
-        env[g.gate.weight] = torch.cat([wg, wu])
+        env[g.gate.weight] = torch.cat([wu, wg] if g.up_first else [wg, wu])
     else:
         env[g.gate.weight], env[g.up.weight] = wg, wu
     env[m.down.weight] = wd

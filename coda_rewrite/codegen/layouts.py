@@ -9,7 +9,7 @@ value kept between calls is the runtime's (kernels/).
                         as_row_vector / lead_of / from_rows (row_chains.py)
     the norm's chain    fold_scale (a per-feature factor into W), distribute_bias (a shift)
     LayerNorm           layernorm_statistics (r, μ), layernorm_weights (W', s, b')
-    gated pairs         interleave_rows, interleave_halves
+    gated pairs         interleave_rows, interleave_halves(_up_first)
     RoPE                rope_segments (per-head permutation, q/k/v concatenated),
                         segment, pair_order, half_order, rope_unpermute, rope_permute,
                         rope_frequencies, rope_positions, rope_column_scale,
@@ -249,6 +249,13 @@ def interleave_halves(packed: torch.Tensor) -> torch.Tensor:
     read as ``chunk(2, dim=-1)``): rows [0, n) are the gate, [n, 2n) the up."""
     half = packed.shape[0] // 2
     return packed.unflatten(0, (2, half)).transpose(0, 1).flatten(0, 1)
+
+
+def interleave_halves_up_first(packed: torch.Tensor) -> torch.Tensor:
+    """interleave_halves for a packed [up; gate] weight or bias (x-transformers' GLU,
+    ``x, gate = proj(x).chunk(2, dim=-1)``): rows [0, n) are the up, [n, 2n) the gate."""
+    half = packed.shape[0] // 2
+    return packed.unflatten(0, (2, half)).flip(0).transpose(0, 1).flatten(0, 1)
 
 
 # ---- RoPE: layouts, positions and frequencies of the fused q/k/v GEMM -------------------

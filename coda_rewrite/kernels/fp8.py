@@ -18,15 +18,15 @@ _ATTR_LINEAR = "_coda_fp8_linear"
 _ATTR_ROWWISE = "_coda_fp8_rowwise"
 
 
-def kept_mlp_weights(sources: list[torch.Tensor], packed: bool, has_gamma: bool,
+def kept_mlp_weights(sources: list[torch.Tensor], packed: str, has_gamma: bool,
                      gamma_offset: float, width: int):
     """``mlp_weights`` of (gate, up | packed gate_up, down[, γ]), kept on the first weight
     while none of them changed (kernels/versioned.py: recomputed after an optimizer step,
     ``copy_``, ``load_state_dict``; not kept under a CUDA-graph capture or for inference
     tensors)."""
     gate, *rest = sources
-    if packed:
-        gate, up = gate.chunk(2, dim=0)
+    if packed:  # "gate,up" or "up,gate": the halves' order in the packed weight
+        gate, up = gate.chunk(2, dim=0)[::1 if packed == "gate,up" else -1]
     else:
         up, *rest = rest
     down, *gamma = rest
@@ -38,7 +38,7 @@ def kept_mlp_weights(sources: list[torch.Tensor], packed: bool, has_gamma: bool,
     return out
 
 
-def gate_up(program: str, q: torch.Tensor, sources: list[torch.Tensor], packed: bool,
+def gate_up(program: str, q: torch.Tensor, sources: list[torch.Tensor], packed: str,
             has_gamma: bool, gamma_offset: float, width: int) -> torch.Tensor:
     """c·act(g)·u in bf16 from the quantised normalised rows ``q`` [*, N] (the e4m3
     gate/up GEMM); the generated kernel where the layout contract holds, the reference
@@ -49,7 +49,7 @@ def gate_up(program: str, q: torch.Tensor, sources: list[torch.Tensor], packed: 
     return act.reshape(*q.shape[:-1], act.shape[-1])
 
 
-def down(program: str, a: torch.Tensor, sources: list[torch.Tensor], packed: bool,
+def down(program: str, a: torch.Tensor, sources: list[torch.Tensor], packed: str,
          has_gamma: bool, gamma_offset: float, width: int) -> torch.Tensor:
     """The down projection of the e4m3 product ``a`` [*, I] (the same kept weights)."""
     ops.refuse_gradients("fp8_down", *sources)
@@ -206,7 +206,8 @@ def trained_rowwise_linear(program: str, q: torch.Tensor, r: torch.Tensor, x: to
 # weight version and shared by both (an op output could be reused as scratch by Inductor's
 # buffer planning once its last reader ran: kernels/relayout.py says why).
 _lib = torch.library.Library("coda", "FRAGMENT")
-_ARGS = "Tensor[] sources, bool packed, bool has_gamma, float gamma_offset, int width"
+# packed: "" (gate and up separate weights), "gate,up" or "up,gate" (one packed weight)
+_ARGS = "Tensor[] sources, str packed, bool has_gamma, float gamma_offset, int width"
 _lib.define(f"fp8_gate_up(str program, Tensor q, {_ARGS}) -> Tensor")
 _lib.define(f"fp8_down(str program, Tensor a, {_ARGS}) -> Tensor")
 _lib.define("fp8_linear(str program, Tensor q, Tensor[] sources, bool[] biased, "
@@ -220,7 +221,7 @@ _lib.define("fp8_quantize_columns(Tensor t) -> (Tensor, Tensor)")
 _lib.impl("fp8_quantize_columns", quantize_columns, "CompositeExplicitAutograd")
 
 
-def _intermediate(sources, packed: bool) -> int:
+def _intermediate(sources, packed: str) -> int:
     return sources[0].shape[0] // (2 if packed else 1)
 
 

@@ -40,6 +40,8 @@ from . import ops, versioned
 _KINDS = {
     "interleave_rows": lambda layout, *src: layouts.interleave_rows(*src),
     "interleave_halves": lambda layout, *src: layouts.interleave_halves(*src),
+    "interleave_halves_up_first":
+        lambda layout, *src: layouts.interleave_halves_up_first(*src),
     "rope_segments": layouts.rope_segments,
 }
 STATS = collections.Counter()  # "hit" / "miss" / "not kept": what the cache did

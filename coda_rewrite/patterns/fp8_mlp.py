@@ -116,7 +116,8 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
         q = graph.call_function(fp8.quantize_normalized, (norm.input, norm.eps, norm.dim))
     sources = [g.gate.weight, *([] if g.packed else [g.up.weight]), down.weight,
                *([] if norm.weight is None else [norm.weight])]
-    how = (g.packed, norm.weight is not None, float(norm.weight_offset), int(norm.dim))
+    packed = ("up,gate" if g.up_first else "gate,up") if g.packed else ""
+    how = (packed, norm.weight is not None, float(norm.weight_offset), int(norm.dim))
     with graph.inserting_before(down.linear):
         act = graph.call_function(fp8_ops.fp8_gate_up, (plan.gate_up.to_text(), q, sources, *how))
         a8 = graph.call_function(fp8.saturate, (act,))

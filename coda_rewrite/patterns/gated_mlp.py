@@ -98,6 +98,7 @@ class Match:
     up_value: fx.Node | None = None
     params: tuple[float, ...] = ()      # the pair op's literals (swiglu_clamp: the limit)
     clamps: tuple[fx.Node, ...] = ()    # swiglu_clamp: gate.clamp(max=l), up.clamp(-l, l)
+    up_first: bool = False              # packed as [up; gate] (x-transformers' GLU)
 
     pattern = NAME
 
@@ -113,6 +114,14 @@ class Match:
     @property
     def path(self) -> str:
         return model_path(self.mul)
+
+    @property
+    def relayout(self) -> str:
+        """The re-layout (codegen/layouts.py) that interleaves this MLP's gate and up rows
+        into the pair epilogue's [g0, u0, g1, u1, ...]."""
+        if not self.packed:
+            return "interleave_rows"
+        return "interleave_halves_up_first" if self.up_first else "interleave_halves"
 
     @property
     def intermediates(self) -> list[fx.Node]:
@@ -347,15 +356,16 @@ def _match(mul, act, op, gate_v, up_v) -> Match | NoMatch | None:
             return NoMatch(mul, Why(
                     "gate and up are not the two halves of one packed projection",
                     "gated.not_halves"))
-        if (half_g[1], half_u[1]) != (0, 1):
-            return NoMatch(mul, Why("packed projection with the up half first (the epilogue's "
-                                    "interleave expects [gate; up])", "gated.up_first"))
+        if half_g[1] == half_u[1]:
+            return NoMatch(mul, Why("gate and up are the same half of one packed projection",
+                                    "gated.same_half"))
         chunk = half_g[0]
         proj = projection_of(chunk.args[0])
         if proj is None:
             return None  # a chunked value that no GEMM produced: not this pattern
         proj = dataclasses.replace(proj, nodes=proj.nodes + (chunk,))
-        return Match(mul, act, op, proj, proj, True, gate_value=gate_v, up_value=up_v)
+        return Match(mul, act, op, proj, proj, True, gate_value=gate_v, up_value=up_v,
+                     up_first=half_u[1] == 0)
     g, u = projection_of(gate_v), projection_of(up_v)
     if g is not None and u is not None and g.local != u.local:
         return NoMatch(mul, Why("one of gate and up is a local shard of a sharded GEMM, the "
@@ -515,10 +525,9 @@ def apply(graph: fx.Graph, plan: Plan, context: Context) -> dict:
     m = plan.match
     g, u = m.gate, m.up
     with graph.inserting_before(m.mul):
-        if m.packed:
-            kind, weights, biases = "interleave_halves", (g.weight,), (g.bias,)
-        else:
-            kind, weights, biases = "interleave_rows", (g.weight, u.weight), (g.bias, u.bias)
+        kind = m.relayout
+        weights, biases = ((g.weight,), (g.bias,)) if m.packed else \
+            ((g.weight, u.weight), (g.bias, u.bias))
         b = [relayout_node(graph, kind, (), *biases)] if any(t is not None for t in biases) \
             else []
         r = [g.r] if g.r is not None else []

@@ -94,8 +94,8 @@ from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
-from ..graph_utils import (CHUNK, MATMUL, anchor_in_mode_of, calls, chunk_half, copy_meta,
-                           erase_if_dead, fused_linear_call, gradient_read, hoist_before,
+from ..graph_utils import (CHUNK, MATMUL, SPLIT, anchor_in_mode_of, calls, chunk_half,
+                           copy_meta, erase_if_dead, fused_linear_call, gradient_read, hoist_before,
                            results, same_meta, same_value, shared_call, swaps_heads,
                            through_casts)
 from ..kernels import ops, versioned
@@ -1033,7 +1033,7 @@ def _selection(node: fx.Node):
         return None
     j, view = node.args[1], src.args[0]
     dims = meta(view).dim()
-    if calls(src, _TORCH_SPLIT):
+    if calls(src, SPLIT):
         _, sizes, dim = _args(src, "input", "split_size", "dim", defaults=(None, None, 0))
         if not isinstance(sizes, (list, tuple)) or not all(isinstance(v, int) for v in sizes) \
                 or dims != 4 or dim not in (-2, 2) or not 0 <= j < len(sizes):
@@ -1096,8 +1096,6 @@ def _flattened_members(node) -> list[fx.Node] | None:
     return out + [src]
 
 
-_TORCH_SPLIT = {torch.split, "split"}
-
 
 def _block_split(heads: fx.Node, unsq_dim: int):
     """As _member_split, for CodeGen's model-parallel blocks: the projection viewed as
@@ -1118,7 +1116,7 @@ def _block_split(heads: fx.Node, unsq_dim: int):
     if item is None or not (calls(item, {operator.getitem}) and isinstance(item.args[1], int)):
         return None
     fan = item.args[0]
-    if not calls(fan, _TORCH_SPLIT):
+    if not calls(fan, SPLIT):
         return None
     blocks, size, dim = _args(fan, "input", "split_size", "dim", defaults=(None, None, 0))
     if not calls(blocks, _SPLIT) or not isinstance(size, int):
@@ -1154,7 +1152,7 @@ def column_pieces(node: fx.Node) -> list[tuple[int, int]] | None:
     """The column ranges, in order, of the pieces ``x.split(s | [s0, s1, ..], -1)`` or
     ``x.chunk(n, -1)`` (node) cuts x into along its last dim (litgpt's ``q, k, v =
     qkv.split((q_size, k_size, v_size), dim=-1)``); None for anything else."""
-    if not calls(node, _TORCH_SPLIT | CHUNK) or not isinstance(node.args[0], fx.Node):
+    if not calls(node, SPLIT | CHUNK) or not isinstance(node.args[0], fx.Node):
         return None
     mx = meta(node.args[0])
     if mx is None or not isinstance(mx.shape[-1], int):
@@ -1382,7 +1380,7 @@ def _split_suffix(x: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int] | None:
     """(heads, the unrotated item, the split, its width) for x = ``torch.split(heads,
     [p, r], dim=-1)[1]`` where the split's two items are read only here and by the
     concatenation that puts the head back together (multi-head latent attention)."""
-    if not (calls(x, {operator.getitem}) and x.args[1] == 1 and calls(x.args[0], _TORCH_SPLIT)):
+    if not (calls(x, {operator.getitem}) and x.args[1] == 1 and calls(x.args[0], SPLIT)):
         return None
     fan = x.args[0]
     src, sizes, dim = _args(fan, "tensor", "split_size_or_sections", "dim",
@@ -1407,7 +1405,7 @@ def _shared_latent_key(x: fx.Node) -> Why | None:
         return None
     item = x.args[0]
     if not (calls(item, {operator.getitem}) and item.args[1] == 1 and
-            calls(item.args[0], _TORCH_SPLIT)):
+            calls(item.args[0], SPLIT)):
         return None
     sizes = _args(item.args[0], "tensor", "split_size_or_sections")[1]
     if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2):
@@ -2107,7 +2105,7 @@ def member_heads(graph: fx.Graph, piece: fx.Node, s) -> fx.Node:
 def _splits_features(node: fx.Node) -> bool:
     """A torch.split along the last dim (CodeGen's blocks), not along the heads (Falcon's
     multi-query q, k, v under transformers 5.25)."""
-    if not calls(node, _TORCH_SPLIT):
+    if not calls(node, SPLIT):
         return False
     return _args(node, "input", "split_size", "dim", defaults=(None, None, 0))[2] in (-1, 3)
 
