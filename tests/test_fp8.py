@@ -146,6 +146,42 @@ def test_packed_gate_up():
         (rel_err(got, truth), rel_err(emulated, truth))
 
 
+class PackedHalves(nn.Module):
+    """RMSNorm, then a packed gate/up projection read as [gate; up] or, ``up_first``, as
+    x-transformers' GLU reads it (``x, gate = proj(x).chunk(2, dim=-1)``)."""
+
+    def __init__(self, up_first: bool, d: int = 128, i: int = 256):
+        super().__init__()
+        self.up_first = up_first
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.gate_up = nn.Linear(d, 2 * i, bias=False)
+        self.down = nn.Linear(i, d, bias=False)
+
+    def forward(self, x):
+        a, b = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        g, u = (b, a) if self.up_first else (a, b)
+        return self.down(F.silu(g) * u)
+
+
+def test_packed_halves_in_either_order():
+    """The same MLP packed [up; gate] (its weight's halves swapped) gives, bit for bit,
+    what the [gate; up] one gives in FP8: the kept FP8 weights take the halves in the
+    order the model reads them."""
+    torch.manual_seed(0)
+    gate_first = PackedHalves(False).to(bf).eval()
+    up_first = PackedHalves(True).to(bf).eval()
+    up_first.load_state_dict(gate_first.state_dict())
+    with torch.no_grad():
+        up_first.gate_up.weight.copy_(gate_first.gate_up.weight.roll(256, dims=0))
+    x = torch.randn(2, 8, 128, dtype=bf)
+    with torch.no_grad():
+        want = coda_rewrite.optimize(gate_first, fp8=True)(x)
+        fast = coda_rewrite.optimize(up_first, fp8=True)
+        got = fast(x)
+    assert len(fp8_records(fast.report)) == 1, str(fast.report)
+    assert torch.equal(got, want)
+
+
 def test_weights_follow_the_parameters():
     """The kept FP8 weights are recomputed when a source changes in place (an optimizer
     step, copy_): the output is, bit for bit, what the model optimized afresh from the new
