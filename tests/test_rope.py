@@ -1992,8 +1992,10 @@ def test_flex_attention_keeps_the_permuted_order():
 @pytest.mark.parametrize("make", [
     lambda: LitGPTAttention("litgpt"), lambda: LitGPTAttention("partial"),
     lambda: LitGPTAttention("table_2d"), lambda: TorchtuneAttention("torchtune"),
-    lambda: OlmoRotateHalf("halves"), lambda: MistralReferenceAttention("mistral")],
-    ids=["litgpt", "litgpt_partial", "litgpt_table_2d", "torchtune", "olmo", "mistral"])
+    lambda: OlmoRotateHalf("halves"), lambda: MistralReferenceAttention("mistral"),
+    lambda: XTransformersAttention("xtransformers")],
+    ids=["litgpt", "litgpt_partial", "litgpt_table_2d", "torchtune", "olmo", "mistral",
+         "x_transformers"])
 def test_real_spellings_under_dynamic_shapes(make):
     """Each spelling above through torch.compile(backend="coda", dynamic=True) at three
     sequence lengths (one graph, symbolic seq): outputs and input gradients eager's, and
@@ -2018,8 +2020,9 @@ def test_real_spellings_under_dynamic_shapes(make):
 
 @pytest.mark.parametrize("make", [
     lambda: LitGPTAttention("litgpt"), lambda: LitGPTAttention("partial"),
-    lambda: TorchtuneAttention("torchtune"), lambda: OlmoRotateHalf("halves")],
-    ids=["litgpt", "litgpt_partial", "torchtune", "olmo"])
+    lambda: TorchtuneAttention("torchtune"), lambda: OlmoRotateHalf("halves"),
+    lambda: XTransformersAttention("xtransformers")],
+    ids=["litgpt", "litgpt_partial", "torchtune", "olmo", "x_transformers"])
 def test_real_spellings_in_bf16_no_worse_than_eager(make):
     """The numerics policy on each spelling in bfloat16 (tables, caches and projections
     alike): the output against float64, no worse than eager's bf16 output (median of
@@ -2096,3 +2099,87 @@ def test_heads_permuted_like_einops(layout):
     if layout == "einops":
         pytest.importorskip("einops")
     spelling_step(PermutedHeads(layout), look_alike=layout == "batch_last")
+
+
+class XTransformersAttention(torch.nn.Module):
+    """x-transformers' attention (lucidrains; 4 query heads of 8, 2 kv heads): heads split
+    by ``rearrange(t, 'b n (h d) -> b h n d')``; its RotaryEmbedding's angles
+    ``einsum('b i , j -> b i j', pos, inv_freq) / interpolation_factor`` (1), each pair's
+    angle repeated by ``stack((f, f), -1)`` + ``rearrange('... d r -> ... (d r)')``; its
+    apply_rotary_pos_emb on the first ``rot`` features (``rotary_emb_dim``: half the head
+    by default), ``(t·cos(f)·scale) + (rotate_half(t)·sin(f)·scale)`` with scale 1 (no
+    xpos); rotate_half as ``rearrange(x, '... (d r) -> ... d r', r=2)``, ``unbind(-1)``,
+    ``stack((-x2, x1), -1)``, rearranged back; k and v repeated by ``repeat(t, 'b kvh n
+    d -> b (r kvh) n d')``: tiled, query head h reading kv head h mod kvh (no repeat_kv,
+    which SDPA's enable_gqa reads as h // r). Layouts: "xtransformers" (the einops calls
+    as the views they trace to), "einops" (einops itself), "full" (every feature
+    rotated); look-alikes: "scaled" (scale 2 on both products: a rotation times 2, not
+    matched as one), "uneven" (scale 1 on the cos product, 2 on the sin one), "negated"
+    (``stack((x2, -x1))``: the rotation by −θ)."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.rot = 8 if layout == "full" else 4
+        self.to_q = torch.nn.Linear(32, 32, bias=False)
+        self.to_k = torch.nn.Linear(32, 16, bias=False)
+        self.to_v = torch.nn.Linear(32, 16, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.rot, 2).float() / self.rot))
+        self.register_buffer("inv_freq", inv_freq)
+
+    def rearrange(self, t, pattern, **sizes):
+        if self.layout == "einops":
+            from einops import rearrange
+            return rearrange(t, pattern, **sizes)
+        if pattern == "b n (h d) -> b h n d":
+            return t.view(*t.shape[:2], sizes["h"], -1).permute(0, 2, 1, 3)
+        if pattern == "... (d r) -> ... d r":
+            return t.reshape(*t.shape[:-1], -1, 2)
+        assert pattern == "... d r -> ... (d r)"
+        return t.reshape(*t.shape[:-2], -1)
+
+    def rotate_half(self, x):
+        x1, x2 = self.rearrange(x, "... (d r) -> ... d r", r=2).unbind(dim=-1)
+        x = torch.stack((x2, -x1) if self.layout == "negated" else (-x2, x1), dim=-1)
+        return self.rearrange(x, "... d r -> ... (d r)")
+
+    def frequencies(self, n):
+        pos = torch.arange(n)[None]
+        freqs = torch.einsum("b i , j -> b i j", pos.type_as(self.inv_freq),
+                             self.inv_freq) / 1.0
+        return self.rearrange(torch.stack((freqs, freqs), dim=-1), "... d r -> ... (d r)")
+
+    def apply_rotary(self, t, freqs):
+        scale = 2.0 if self.layout == "scaled" else 1.0
+        sin_scale = 2.0 if self.layout in ("scaled", "uneven") else 1.0
+        freqs = freqs[:, -t.shape[-2]:, :][:, None]  # rearrange 'b n d -> b 1 n d'
+        t, t_unrotated = t[..., :self.rot], t[..., self.rot:]
+        t = (t * freqs.cos() * scale) + (self.rotate_half(t) * freqs.sin() * sin_scale)
+        return torch.cat((t, t_unrotated), dim=-1).type(t.dtype)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.rearrange(self.to_q(x), "b n (h d) -> b h n d", h=4)
+        k = self.rearrange(self.to_k(x), "b n (h d) -> b h n d", h=2)
+        v = self.rearrange(self.to_v(x), "b n (h d) -> b h n d", h=2)
+        freqs = self.frequencies(n)
+        q, k = self.apply_rotary(q, freqs), self.apply_rotary(k, freqs)
+        # repeat(t, 'b kvh n d -> b (r kvh) n d', r=2): the kv heads tiled
+        k, v = (t[:, None].expand(b, 2, 2, n, 8).reshape(b, 4, n, 8) for t in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.permute(0, 2, 1, 3).reshape(b, n, 32)
+
+
+@pytest.mark.parametrize("layout", ["xtransformers", "einops", "full", "scaled", "uneven",
+                                    "negated"])
+def test_x_transformers_spelling_and_look_alikes(layout):
+    """x-transformers' rotation (the adjacent pairs unbound from a view, stacked and
+    merged back by a reshape, both products times a unit scale) is one fused GEMM with v
+    joining it, a training step against eager; its tiled kv heads are no repeat_kv, so
+    the attention rewrite leaves them (enable_gqa would pair the heads otherwise); the
+    look-alikes are left by the matcher (exact)."""
+    if layout == "einops":
+        pytest.importorskip("einops")
+    look_alike = layout in ("scaled", "uneven", "negated")
+    report, _ = spelling_step(XTransformersAttention(layout), look_alike)
+    assert report.count(pattern="attention_inputs") == 0, str(report)

@@ -879,6 +879,9 @@ def _eval_rotation(node, env, rot, cos, sin):
             # the last dim split in two (torchtune's pairs, OLMo's halves): the same split
             # of the replay's, whose leading sizes are its own
             return x.reshape(*x.shape[:-1], *mo.shape[-2:])
+        if mi is not None and mo is not None and mo.dim() == mi.dim() - 1 and \
+                tuple(mo.shape[:-1]) == tuple(mi.shape[:-2]):
+            return x.flatten(-2)  # the last two merged (einops' '... d r -> ... (d r)')
     def arg(a):
         if isinstance(a, fx.Node):
             if a in env:

@@ -89,7 +89,7 @@ import torch.fx as fx
 from .. import patterns
 from ..algebra import rope as rope_algebra
 from ..algebra.decision import Rejection, Why
-from ..canonical import canon, meta, runtime_scalar
+from ..canonical import canon, constant, meta, runtime_scalar
 from ..capture import describe, model_path
 from ..codegen import layouts
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
@@ -542,6 +542,20 @@ def _half_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
 def _unbound_half(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
     """(x, i, nodes) for ``x.view(*x.shape[:-1], 2, h).unbind(-2)[i]`` (or ``reshape``,
     ``unflatten(-1, (2, h))``): half i of x's last dim."""
+    return _unbound_split(node, pairs=False)
+
+
+def _unbound_pair_element(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
+    """(x, i, nodes) for ``x.view(*x.shape[:-1], h, 2).unbind(-1)[i]`` (or ``reshape``,
+    ``unflatten``; what einops' ``rearrange(x, '... (d r) -> ... d r', r=2)`` and
+    ``unbind(-1)`` trace to: x-transformers' rotate_half): element i of each adjacent
+    pair, the even or odd features."""
+    return _unbound_split(node, pairs=True)
+
+
+def _unbound_split(node, pairs: bool) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
+    """x's last dim split into [2, h] (halves) or [h, 2] (``pairs``), then unbound along
+    the axis of 2: (x, i, nodes) for piece i."""
     if not calls(node, {operator.getitem}) or node.args[1] not in (0, 1):
         return None
     unb = node.args[0]
@@ -552,8 +566,11 @@ def _unbound_half(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
             not isinstance(split.args[0], fx.Node):
         return None
     mx, ms = meta(split.args[0]), meta(split)
-    if mx is None or ms is None or not isinstance(dim, int) or dim % ms.dim() != ms.dim() - 2 \
-            or tuple(ms.shape) != (*mx.shape[:-1], 2, mx.shape[-1] // 2):
+    if mx is None or ms is None or not isinstance(dim, int):
+        return None
+    h = mx.shape[-1] // 2
+    shape, axis = ((h, 2), ms.dim() - 1) if pairs else ((2, h), ms.dim() - 2)
+    if dim % ms.dim() != axis or tuple(ms.shape) != (*mx.shape[:-1], *shape):
         return None
     return split.args[0], node.args[1], (node, unb, split)
 
@@ -582,7 +599,11 @@ def _negated_swap(parts, select) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
 
 def _parity_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
     """(x, 0 or 1, nodes) for the even or odd features of x's last dim: ``x[..., 0::2]``
-    / ``x[..., 1::2]``."""
+    / ``x[..., 1::2]``, or each adjacent pair's element split out (``x.reshape(..., -1,
+    2)[..., i]``, ``x.view(..., h, 2).unbind(-1)[i]``)."""
+    found = _pair_element(node) or _unbound_pair_element(node)
+    if found is not None:
+        return found
     found = _last_dim_index(node)
     if found is None:
         return None
@@ -596,19 +617,13 @@ def _parity_of(node) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
 def _rotate_pairs_of(node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
     """(x, its nodes) for ``stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)``:
     each adjacent pair (x[2p], x[2p+1]) becomes (−x[2p+1], x[2p]) (GLM's, Cohere's and
-    GPT-J's rotate_half / rotate_every_two)."""
-    if not calls(node, {"flatten", torch.flatten}):
+    GPT-J's rotate_half / rotate_every_two; x-transformers' by einops: the pairs unbound
+    from ``x.view(..., h, 2)``, the stack merged back by a reshape)."""
+    found = _pair_stack(node)
+    if found is None:
         return None
-    st, start, end = _args(node, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
-    mst = meta(st) if isinstance(st, fx.Node) else None
-    if mst is None or start % mst.dim() != mst.dim() - 2 or end % mst.dim() != mst.dim() - 1 \
-            or not calls(st, {torch.stack}):
-        return None
-    tensors, dim = _args(st, "tensors", "dim", defaults=(None, 0))
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or \
-            dim % mst.dim() != mst.dim() - 1:
-        return None
-    found = _negated_swap(list(tensors), _parity_of)
+    st, parts = found
+    found = _negated_swap(parts, _parity_of)
     return None if found is None else (found[0], (node, st, *found[1]))
 
 
@@ -637,7 +652,8 @@ def _rope_core(add: fx.Node):
     c = canon(add)
     if c is None or c.name != "add" or not all(isinstance(a, fx.Node) for a in c.args):
         return None
-    for m1, m2 in (c.args, c.args[::-1]):
+    (p1, units1), (p2, units2) = (_under_unit_scale(a) for a in c.args)
+    for (m1, u1), (m2, u2) in (((p1, units1), (p2, units2)), ((p2, units2), (p1, units1))):
         c1, c2 = canon(m1), canon(m2)
         if c1 is None or c2 is None or c1.name != "mul" or c2.name != "mul":
             continue
@@ -656,7 +672,7 @@ def _rope_core(add: fx.Node):
                 if x1 is not x:
                     continue
                 nodes = tuple(dict.fromkeys(  # a cast both products read: once
-                    (m1, m2, *rot_nodes, *rot_casts, *x_casts, *x1_casts, add)))
+                    (m1, m2, *u1, *u2, *rot_nodes, *rot_casts, *x_casts, *x1_casts, add)))
                 if form == "interleaved":
                     axis = _table_head_axis(x, c_t, s_t)
                     if axis is None:
@@ -673,6 +689,25 @@ def _rope_core(add: fx.Node):
                                "the heads", "rope.table_broadcast")
                 return x, c_t, s_t, axis, nodes, form, False, False
     return None
+
+
+def _under_unit_scale(node: fx.Node) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+    """(v, the products) for ``v * 1`` (either order, repeated) that keeps v's dtype and
+    shape: an exact identity (x-transformers multiplies both of the rotation's products
+    by a ``scale`` that is 1 without xpos); (node, ()) for anything else."""
+    units = []
+    while True:
+        c = canon(node) if isinstance(node, fx.Node) else None
+        if c is None or c.name != "mul":
+            break
+        a, b = c.args
+        v = a if constant(b) == 1.0 else b if constant(a) == 1.0 else None
+        mv, mn = meta(v), meta(node)
+        if mv is None or mn is None or mv.dtype != mn.dtype or mv.shape != mn.shape:
+            break
+        units.append(node)
+        node = v
+    return node, tuple(units)
 
 
 def _mul_args(node) -> tuple | None:
@@ -793,13 +828,23 @@ def _products_are(products: list, want: tuple) -> bool:
 
 
 def _pair_stack(flat: fx.Node) -> tuple[fx.Node, list] | None:
-    """(the stack, its two parts) for ``stack((lo, hi), -1).flatten(-2)``."""
-    if not calls(flat, {"flatten", torch.flatten}):
+    """(the stack, its two parts) for ``stack((lo, hi), -1).flatten(-2)``, or the stack
+    merged back by a view or reshape to ``[..., 2h]`` (einops' ``'... d r -> ... (d
+    r)'``)."""
+    if calls(flat, {"flatten", torch.flatten}):
+        st, start, end = _args(flat, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
+    elif calls(flat, _SPLIT) and isinstance(flat.args[0], fx.Node):
+        st, start, end = flat.args[0], -2, -1
+        mst, mf = meta(st), meta(flat)
+        if mst is None or mf is None or mst.dim() < 2 or \
+                tuple(mf.shape) != (*mst.shape[:-2], mst.shape[-2] * mst.shape[-1]):
+            return None
+    else:
         return None
-    st, start, end = _args(flat, "input", "start_dim", "end_dim", defaults=(None, 0, -1))
     mst = meta(st) if isinstance(st, fx.Node) else None
     if mst is None or not calls(st, {torch.stack}) or not isinstance(start, int) or \
-            start % mst.dim() != mst.dim() - 2 or end % mst.dim() != mst.dim() - 1:
+            not isinstance(end, int) or start % mst.dim() != mst.dim() - 2 or \
+            end % mst.dim() != mst.dim() - 1:
         return None
     tensors, dim = _args(st, "tensors", "dim", defaults=(None, 0))
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or \
