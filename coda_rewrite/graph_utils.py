@@ -313,24 +313,31 @@ def through_casts(node):
 
 def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(the split node, index) for half ``index`` (0 or 1) of a value's last dim cut in
-    two equal halves: ``t.chunk(2, dim=-1)[index]``, or ``t.split(n, dim=-1)[index]`` /
-    ``t.split([n, n], dim=-1)[index]`` where the last dim is 2n (Phi-3's gate_up read by
-    chunk, others' by split: the same two halves)."""
+    two equal halves (splits_in_halves): ``t.chunk(2, dim=-1)[index]``, or
+    ``t.split(n, dim=-1)[index]`` / ``t.split([n, n], dim=-1)[index]`` where the last dim
+    is 2n (Phi-3's gate_up read by chunk, others' by split: the same two halves)."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return None
     ch, idx = node.args
     if not isinstance(ch, fx.Node) or idx not in (0, 1) or isinstance(idx, bool):
         return None
-    src = meta(ch.args[0]) if ch.args and isinstance(ch.args[0], fx.Node) else None
+    return (ch, idx) if splits_in_halves(ch) else None
+
+
+def splits_in_halves(ch) -> bool:
+    """Whether ``ch`` cuts its input's last dim in two equal halves: ``chunk(2, -1)``, or
+    ``split(n, -1)`` / ``split([n, n], -1)`` of a 2n-wide value (a static width: a
+    symbolic one is not read as halves)."""
+    if not isinstance(ch, fx.Node) or not ch.args or not isinstance(ch.args[0], fx.Node):
+        return False
+    src = meta(ch.args[0])
     if src is None or src.dim() == 0:
-        return None
+        return False
     if ch.target in CHUNK:
-        pieces, dim = arg(ch, 1, "chunks"), arg(ch, 2, "dim", 0)
-        halves = pieces == 2
+        halves, dim = arg(ch, 1, "chunks") == 2, arg(ch, 2, "dim", 0)
     elif ch.target in SPLIT:
-        sizes, dim = arg(ch, 1, "split_size_or_sections", arg(ch, 1, "split_size")), \
-            arg(ch, 2, "dim", 0)
-        width = src.shape[-1]  # a GEMM's width: static (symbolic: not read as halves)
+        sizes = arg(ch, 1, "split_size_or_sections", arg(ch, 1, "split_size"))
+        dim, width = arg(ch, 2, "dim", 0), src.shape[-1]
         if not isinstance(width, int):
             halves = False
         elif isinstance(sizes, (list, tuple)):
@@ -338,10 +345,8 @@ def chunk_half(node: fx.Node) -> tuple[fx.Node, int] | None:
         else:
             halves = isinstance(sizes, int) and 2 * sizes == width
     else:
-        return None
-    if not halves or dim not in (-1, src.dim() - 1):
-        return None
-    return ch, idx
+        return False
+    return halves and dim in (-1, src.dim() - 1)
 
 
 def calls(node, targets) -> bool:

@@ -148,28 +148,32 @@ def test_packed_gate_up():
 
 class PackedHalves(nn.Module):
     """RMSNorm, then a packed gate/up projection read as [gate; up] or, ``up_first``, as
-    x-transformers' GLU reads it (``x, gate = proj(x).chunk(2, dim=-1)``)."""
+    x-transformers' GLU reads it (``x, gate = proj(x).chunk(2, dim=-1)``); ``split``:
+    cut by ``split(i, dim=-1)`` instead."""
 
-    def __init__(self, up_first: bool, d: int = 128, i: int = 256):
+    def __init__(self, up_first: bool, split: bool = False, d: int = 128, i: int = 256):
         super().__init__()
-        self.up_first = up_first
+        self.up_first, self.split = up_first, split
         self.norm = nn.RMSNorm(d, eps=1e-6)
         self.gate_up = nn.Linear(d, 2 * i, bias=False)
         self.down = nn.Linear(i, d, bias=False)
 
     def forward(self, x):
-        a, b = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        y = self.gate_up(self.norm(x))
+        a, b = y.split(self.down.in_features, dim=-1) if self.split else y.chunk(2, dim=-1)
         g, u = (b, a) if self.up_first else (a, b)
         return self.down(F.silu(g) * u)
 
 
-def test_packed_halves_in_either_order():
+@pytest.mark.parametrize("split", [False, True], ids=["chunk", "split"])
+def test_packed_halves_in_either_order(split):
     """The same MLP packed [up; gate] (its weight's halves swapped) gives, bit for bit,
     what the [gate; up] one gives in FP8: the kept FP8 weights take the halves in the
-    order the model reads them."""
+    order the model reads them (cut by chunk or by split, which the witness replays as
+    the same halves at its narrower width)."""
     torch.manual_seed(0)
     gate_first = PackedHalves(False).to(bf).eval()
-    up_first = PackedHalves(True).to(bf).eval()
+    up_first = PackedHalves(True, split).to(bf).eval()
     up_first.load_state_dict(gate_first.state_dict())
     with torch.no_grad():
         up_first.gate_up.weight.copy_(gate_first.gate_up.weight.roll(256, dims=0))

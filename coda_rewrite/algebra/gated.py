@@ -27,7 +27,7 @@ import torch.fx as fx
 from ..canonical import canon, meta
 from ..capture import describe
 from ..codegen import layouts
-from ..graph_utils import SPLIT, calls, same_value, updated_between
+from ..graph_utils import same_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
@@ -189,10 +189,7 @@ def _random_inputs(m, leaves: list | None = None):
     out_shape = meta(g.out).shape  # the GEMM output (rewritten nodes may lack meta)
     lead = [min(_size(s), 3) for s in out_shape[:-1]]
     k = min(_contracted(g), 16)
-    n = _size(out_shape[-1]) // (2 if m.packed else 1)
-    # halves cut by split(n) read the model's own width (a split's sizes are literals);
-    # chunk(2) and separate projections are replayed narrower
-    n = n if m.packed and calls(m.gate_value.args[0], SPLIT) else min(n, 6)
+    n = min(_size(out_shape[-1]) // (2 if m.packed else 1), 6)
     env: dict = {"__gen__": gen, MATH: leaves is not None}
     env[g.x] = env[u.x] = rand(*lead, k)
     if g.r is not None:

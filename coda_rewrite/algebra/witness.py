@@ -38,7 +38,7 @@ import torch.fx as fx
 from ..canonical import canon, canon_name, default_rms_eps, meta
 from ..codegen import layouts, reference
 from ..codegen.program import parse
-from ..graph_utils import fused_linear_call
+from ..graph_utils import SPLIT, fused_linear_call, splits_in_halves
 # the one edge from the legality layer to the runtime: the gradient replay differentiates
 # the fused GEMM with the backward training runs (tests/test_structure.py names it)
 from ..kernels.ops import RuleReplayGemm
@@ -78,6 +78,10 @@ def _eval(node: fx.Node, env: dict, replace=None, depth: int = 3):
         # the dtype in the model is replayed as it is: a real rounding the rewrite must
         # keep (or refuse) shows up as a disagreement.
         return arg(node.args[0])
+    if node.op != "placeholder" and node.target in SPLIT and splits_in_halves(node):
+        # split(n, -1) of the model's 2n-wide value, on the replay's narrower one: the
+        # same two halves (a split's sizes are the model's literals)
+        return torch.chunk(arg(node.args[0]), 2, dim=-1)
     c = canon(node)
     if c is not None and c.name == "rms_norm" and c.args[3] is None and \
             meta(c.args[0]) is not None:
