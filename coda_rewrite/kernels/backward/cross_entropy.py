@@ -147,16 +147,38 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
         ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
             ([bias] if bias is not None else []) + [lse, dsm]
         (dy,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
-    # the one-hot term: M updates, shapes static (an ignored row adds 0 at column 0); the
-    # target's z is lse − loss, both kept, so g' at the target needs no gather
-    onehot = d_loss
-    if logits_map:
-        onehot = onehot * map_slope(logits_map, target_z)
-    onehot = torch.where(valid, onehot, zero)
-    rows_idx = torch.arange(m, device=a.device)
-    dy.index_put_((rows_idx, target.clamp(0, n - 1)), (-onehot).to(dy.dtype),
-                  accumulate=True)
+    _write_target_entries(dy, outputs, with_logits, d_logits, logits_map, lse, target_z,
+                          target, valid, d_loss, dsm)
     return _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse)
+
+
+def _write_target_entries(dy, outputs, with_logits, d_logits, logits_map, lse, target_z,
+                          target, valid, d_loss, dsm) -> None:
+    """Each row's entry at its target column, formed whole in float32 and rounded once,
+    as eager rounds its float32 logits gradient once: (p_t·dsm (+ dlogits_t))·g'(z_t) −
+    dloss·g'(z_t), p_t = exp(z_t − lse), written over what dy holds there (M entries,
+    shapes static; an ignored row keeps its entry). Adding −dloss to the entry already
+    rounded to the GEMM dtype rounded it twice: the target entries, dy's largest, then
+    carried about twice eager's error (found under bf16 autocast on Hugging Face's loss:
+    the LM head's gradients 1.4–2x eager's error against float64, 2026-12-06).
+
+    z_t: the stored logit where the forward wrote them (the softmax above read those),
+    else lse − loss, both from the unrounded accumulator as the recomputing GEMM's are."""
+    m, n = dy.shape
+    rows_idx = torch.arange(m, device=dy.device)
+    col = target.clamp(0, n - 1)
+    if with_logits:
+        z_t = up(outputs[0][rows_idx, col])
+    else:
+        z_t = lse - up(outputs[-2]).reshape(m)
+    val = torch.exp(z_t - lse) * dsm
+    if with_logits and d_logits is not None:
+        val = val + up(d_logits[rows_idx, col])
+    onehot = d_loss
+    if logits_map:  # the target's own z for the one-hot's g' (lse − loss: no gather)
+        val = val * map_slope(logits_map, z_t)
+        onehot = onehot * map_slope(logits_map, target_z)
+    dy[rows_idx, col] = torch.where(valid, val - onehot, up(dy[rows_idx, col])).to(dy.dtype)
 
 
 def lse_of_stored_logits(z: torch.Tensor) -> torch.Tensor:
@@ -273,10 +295,10 @@ def _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse):
 
 
 def _lse_target_saves(prog):
-    """The logits (when written), the loss (the target's z = lse − loss, with a map)
-    and lse."""
+    """The logits (when written), the loss (the target's z = lse − loss: with a map, and
+    where the backward recomputes the logits, for the target entry, M floats) and lse."""
     with_logits, logits_map = _lse_parts(prog)
-    keep = [0, 2] if with_logits else [1]
+    keep = [0, 2] if with_logits else [0, 1]
     if logits_map:
         keep = sorted({*keep, len(prog.outputs) - 2})
     return keep, set()
