@@ -1906,7 +1906,9 @@ class OlmoRotateHalf(torch.nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        freqs = torch.einsum("i , j -> i j", torch.arange(s, dtype=torch.float), self.inv_freq)
+        freqs = torch.einsum("i , j -> i j", torch.arange(s, dtype=torch.float,
+                                                        device=self.inv_freq.device),
+                             self.inv_freq)
         positions = torch.cat((freqs, freqs), dim=-1)
         sin, cos = positions.sin()[None, None, :, :], positions.cos()[None, None, :, :]
         q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
@@ -2077,7 +2079,8 @@ class PermutedHeads(torch.nn.Module):
 
     def forward(self, x):
         b, n, _ = x.shape
-        freqs = torch.einsum("i , j -> i j", torch.arange(n).float(), self.inv_freq)
+        freqs = torch.einsum("i , j -> i j", torch.arange(n, device=x.device).float(),
+                             self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
         if self.layout == "packed":  # GPT-NeoX's [q_h, k_h, v_h] per head, permuted
@@ -2144,7 +2147,7 @@ class XTransformersAttention(torch.nn.Module):
         return self.rearrange(x, "... d r -> ... (d r)")
 
     def frequencies(self, n):
-        pos = torch.arange(n)[None]
+        pos = torch.arange(n, device=self.inv_freq.device)[None]
         freqs = torch.einsum("b i , j -> b i j", pos.type_as(self.inv_freq),
                              self.inv_freq) / 1.0
         return self.rearrange(torch.stack((freqs, freqs), dim=-1), "... d r -> ... (d r)")

@@ -1461,7 +1461,9 @@ def test_real_spellings_on_gpu(name):
         fast(x).float().square().sum().backward()
     done = [r for r in fast.report.records if r.status == "rewritten"]
     left = [r for r in fast.report.records if r.status != "rewritten"]
-    assert done or any(r.code.endswith("no_kernel") for r in left), str(fast.report)
+    # (a rewrite no kernel takes is left at plan time, with the kernel's limit as its reason:
+    # the spellings' heads of 8 are narrower than a table tile)
+    assert done or any("kernel" in (r.reason or "") for r in left), str(fast.report)
 
     class InOwnDtype(torch.nn.Module):  # the input in the model's dtype, as an embedding
         def __init__(self, inner):     # gives it
