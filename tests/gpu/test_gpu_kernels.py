@@ -997,8 +997,17 @@ def test_moe_models_on_gpu(family, via, impl):
             torch.compile(model, backend="coda")
         got, eager, want = fast(ids).logits, model(ids).logits, exact(ids).logits
     assert _kernel_calls(kernel) - before >= 2, ops.runtime_summary()
-    err, base = rel_err(got.double(), want), rel_err(eager.double(), want)
-    print(f"{family} ({via}): err {err:.2e} eager {base:.2e}")
+    # a token a top-k router sends elsewhere (a near-tie that any other rounding order,
+    # Inductor's own too, can resolve the other way; tools/survey.py's _flipped) moves
+    # that token's logits wholly: judged on the others, a few such tokens allowed
+    tok = {k: ((v.double() - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
+           for k, v in (("ours", got), ("eager", eager))}
+    bar = 10 * tok["eager"].median()
+    keep = (tok["ours"] <= bar) & (tok["eager"] <= bar)
+    assert (~keep).sum() <= 0.02 * keep.numel(), (tok["ours"].max(), bar)
+    flat = lambda t: t.double().reshape(-1, t.shape[-1])[keep]  # noqa: E731
+    err, base = rel_err(flat(got), flat(want)), rel_err(flat(eager), flat(want))
+    print(f"{family} ({via}): err {err:.2e} eager {base:.2e}, {int((~keep).sum())} flipped")
     assert err <= 1.25 * base, (err, base)
 
 
