@@ -1272,3 +1272,23 @@ def test_grouped_dgated_launch_host_side(monkeypatch):
     seen.clear()
     launch(do, w_d, offsets, p, score, True)  # proved in bounds by the graph: no check
     assert seen["cu"].tolist() == [0, 0, 3, 3, 8]
+
+
+def test_witness_replays_are_not_counted_as_the_models_calls():
+    """The routed experts' witness replays the grouped GEMMs' forward and backward on
+    float64 tensors (their reference, by design); the runtime counts, which
+    runtime_summary() and tools/survey.py's "reference ran" report, and the fallback
+    warning are about the model's own calls: a bf16 model's training step through
+    optimize() counts no float64 call."""
+    from coda_rewrite.kernels import ops
+    model, _ = moe_model("qwen3_moe")
+    model.train()
+    before = dict(ops.RUNTIME)
+    fast = coda_rewrite.optimize(model)
+    ids = torch.randint(0, 128, (2, 16))
+    fast(ids, labels=ids).loss.backward()
+    assert [r for r in fast.report.records
+            if r.pattern == "routed_experts" and r.status == "rewritten"], str(fast.report)
+    new = {k: v for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    assert any("experts" in k[0] for k in new), new          # the model's calls counted
+    assert not [k for k in new if "float64" in k[2]], new     # the replays' not

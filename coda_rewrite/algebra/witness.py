@@ -225,8 +225,10 @@ def unavailable(why: str, path: str) -> Rejection:
 
 def guarded(replay, match) -> str | Rejection:
     """Run ``replay(match)``; a graph the witness cannot replay refuses the rewrite."""
+    from ..kernels import ops
     try:
-        return replay(match)
+        with ops.uncounted():  # a replay is no call of the model's (kernels/ops.count)
+            return replay(match)
     except _Unreplayable as e:
         return unavailable(str(e), match.path)
     except (RuntimeError, IndexError, ValueError, TypeError) as e:  # an op that raises

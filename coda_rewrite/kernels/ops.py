@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from ..algebra.isolated import WITNESS_THREAD
 from ..codegen import layouts, reference
 from ..codegen.program import Kind, parse
 from ..graph_utils import FUSED_LINEAR_MARK, ROW_CALL_MARK
@@ -50,9 +51,33 @@ def _count(program, impl: str, reason: str) -> None:
 
 
 def count(key: str, impl: str, reason: str) -> None:
-    """One call of the kernel or op named ``key`` ran ``impl`` for ``reason``."""
+    """One call of the kernel or op named ``key`` ran ``impl`` for ``reason`` (a witness's
+    float64 replay is no call of the model's: not counted)."""
+    if _witness_running():
+        return
     with _lock:
         RUNTIME[(key, impl, reason)] += 1
+
+
+_replaying = threading.local()
+
+
+class uncounted:
+    """The calls inside are a witness's replay (algebra/witness.guarded): they run the
+    reference on float64 tensors by design, and the runtime counts and fallback warnings
+    are about the model's own calls (tools/survey.py's "reference ran" listed them)."""
+
+    def __enter__(self):
+        _replaying.depth = getattr(_replaying, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _replaying.depth -= 1
+
+
+def _witness_running() -> bool:
+    """Inside ``uncounted``, or on the thread a witness runs on (algebra/isolated.py)."""
+    return getattr(_replaying, "depth", 0) > 0 or \
+        threading.current_thread().name == WITNESS_THREAD
 
 
 def count_reference(key: str, reason: str, device: torch.device) -> None:
@@ -62,7 +87,7 @@ def count_reference(key: str, reason: str, device: torch.device) -> None:
     reference, 124 ms instead of 32 a step), so it also warns, once per kernel and
     reason (Python's warning registry), besides the count runtime_summary() shows."""
     count(key, "reference", reason)
-    if device.type == "cuda":
+    if device.type == "cuda" and not _witness_running():
         warnings.warn(f"coda_rewrite: {key} runs its reference implementation on {device}, "
                       f"not its generated kernel ({reason}): slower than the unfused graph; "
                       "coda_rewrite.kernels.ops.runtime_summary() lists every fallback",
