@@ -193,6 +193,18 @@ def tokens(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 0):
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+class InOwnDtype(torch.nn.Module):
+    """``inner`` with its input cast to the model's dtype, as a model's embedding gives
+    it (a spelling module fed float32 inputs, compared in bf16 and float64 alike)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.to(next(self.inner.parameters()).dtype))
+
+
 def build(family: str, **kw):
     """An HF family's model, or the plain Llama for ``"plain"``."""
     return plain_llama(**kw) if family == "plain" else hf_model(family, **kw)

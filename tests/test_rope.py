@@ -18,7 +18,7 @@ from coda_rewrite.kernels import backward
 from coda_rewrite.numerics import low_precision_errors, rel_err
 from coda_rewrite.patterns.rope import rope_program, rope_table_program
 
-from conftest import (build, codes, decode_matches_eager, grads_match, hf_model,
+from conftest import (InOwnDtype, build, codes, decode_matches_eager, grads_match, hf_model,
                       left_as_eager, loss_of, refused_by_gradient_replay,
                       step_matches_eager, tokens)
 
@@ -2031,14 +2031,6 @@ def test_real_spellings_in_bf16_no_worse_than_eager(make):
     five seeds, numerics.BF16_RATIO_LIMIT), the rotation rewritten. (Mistral's complex
     freqs_cis does not survive Module.to(bfloat16), which keeps its real part only, in
     eager too.)"""
-    class InOwnDtype(torch.nn.Module):  # the input cast to the model's dtype, as a model's
-        def __init__(self, inner):     # embedding gives it
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x.to(next(self.inner.parameters()).dtype))
-
     def build(seed):
         torch.manual_seed(seed)
         return InOwnDtype(make())

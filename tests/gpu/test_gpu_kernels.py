@@ -1474,13 +1474,7 @@ def test_real_spellings_on_gpu(name):
     # the spellings' heads of 8 are narrower than a table tile)
     assert done or any("kernel" in (r.reason or "") for r in left), str(fast.report)
 
-    class InOwnDtype(torch.nn.Module):  # the input in the model's dtype, as an embedding
-        def __init__(self, inner):     # gives it
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x.to(next(self.inner.parameters()).dtype))
+    from conftest import InOwnDtype
 
     def build(seed):
         torch.manual_seed(seed)
