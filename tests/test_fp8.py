@@ -863,9 +863,11 @@ def test_rowwise_grads_are_the_recipe(seed, rows, scale, spike):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_training_loss_after_steps_is_no_worse_than_the_recipes(seed):
     """The numerics policy's training bar (README, "FP8"): six AdamW steps on one batch,
-    each step's loss against the float64 model's trajectory, within 1.5x of the larger
-    of torchao's recipe's distance and eager bf16's (a trajectory's own noise: eager bf16
-    drifts ~1e-2 from float64 by the sixth step here), plus 0.1% of the loss."""
+    each step's loss against the float64 model's trajectory, within 1.5x of the largest
+    distance torchao's recipe's or eager bf16's loss has had by that step (a trajectory's
+    own noise: eager bf16 drifts ~1e-2 from float64 by the sixth step here; one step's
+    distance is no measure of it, both references came within 1e-3 at seed 1's third
+    step), plus 0.1% of the loss."""
     model = hf_model("llama", layers=2, hidden=64, dtype=bf, seed=seed).train()
     truth, recipe, eager = (copy.deepcopy(model).double(), rowwise_training(model),
                             copy.deepcopy(model))
@@ -882,9 +884,10 @@ def test_training_loss_after_steps_is_no_worse_than_the_recipes(seed):
             opt.step()
             curve.append(loss.item())
     ours, theirs, bf16, exact = curves
+    noise = 0.0  # the references' largest distance from the float64 trajectory so far
     for step, (o, t, b, e) in enumerate(zip(ours, theirs, bf16, exact)):
-        bar = 1.5 * max(abs(t - e), abs(b - e)) + 1e-3 * abs(e)
-        assert abs(o - e) <= bar, (step, ours, theirs, bf16, exact)
+        noise = max(noise, abs(t - e), abs(b - e))
+        assert abs(o - e) <= 1.5 * noise + 1e-3 * abs(e), (step, ours, theirs, bf16, exact)
     assert exact[-1] < exact[0] - 1 and ours[-1] < ours[0] - 1  # it trained
 
 

@@ -31,9 +31,8 @@ from ..graph_utils import same_value, updated_between
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .isolated import off_thread
 from .witness import (MATH, _size, eval_nodes, exact, fused_linear, gradient_error, guarded,
-                      guarded_with_gradients, verdict)
+                      guarded_with_gradients, replay_off_thread, verdict)
 
 
 def _only_reader(value: fx.Node, reader: fx.Node) -> str | None:
@@ -250,7 +249,7 @@ def decide_down(m, down) -> Decision:
     if failed:
         return Rejection(failed, m.path)
     proof = statements.prove_gated_backward()
-    seen = guarded(lambda m: off_thread(_replay_down, m, down), m)
+    seen = guarded(lambda m: replay_off_thread(_replay_down, m, down), m)
     if isinstance(seen, Rejection):
         return seen
     return Proof(proof.statement, (*proof.assumptions, *held), proof.steps, seen)

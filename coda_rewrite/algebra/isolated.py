@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import threading
 
-# the witness thread's name: kernels/ops.py counts no call made on it (a replay is no call
-# of the model's)
-WITNESS_THREAD = "coda-witness"
-
 
 def off_thread(fn, *args):
     """``fn(*args)`` on a fresh thread: its result, or its exception re-raised here."""
@@ -29,7 +25,7 @@ def off_thread(fn, *args):
         except BaseException as e:  # handed to the caller, who decides
             box["error"] = e
 
-    worker = threading.Thread(target=run, name=WITNESS_THREAD)
+    worker = threading.Thread(target=run, name="coda-witness")
     worker.start()
     worker.join()
     if "error" in box:

@@ -44,8 +44,7 @@ from ..graph_utils import arg, in_place_update_of, in_place_updates, sort_permut
 from ..numerics import rel_err
 from . import statements
 from .decision import Decision, Proof, Rejection, Why
-from .isolated import off_thread
-from .witness import _size, eval_nodes, exact, guarded, verdict
+from .witness import _size, eval_nodes, exact, guarded, replay_off_thread, verdict
 
 
 def product_fill(op: str, c: float, params=()) -> float:
@@ -349,7 +348,8 @@ def decide(m, gated, down, deferred: bool = False) -> Decision:
         return seen
     statement, assumptions, steps = proof.statement, (*proof.assumptions, *held), proof.steps
     if meta(m.out).requires_grad:
-        grads = guarded(lambda m: off_thread(_replay_gradients, m, gated, down, deferred), m)
+        grads = guarded(lambda m: replay_off_thread(_replay_gradients, m, gated, down,
+                                                    deferred), m)
         if isinstance(grads, Rejection):
             return grads
         seen = f"{seen}; {grads}"

@@ -46,8 +46,8 @@ from ..numerics import rel_err
 from . import sharding, statements
 from . import witness as witness_mod
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
-from .isolated import off_thread
-from .witness import _MAX_ELEMS, _Unreplayable, _eval, _size, _value, unavailable
+from .witness import (_MAX_ELEMS, _Unreplayable, _eval, _size, _value, replay_off_thread,
+                      unavailable)
 
 
 # ---- side condition (b): ops between the norm and its GEMM ----------------------------
@@ -435,7 +435,7 @@ def _gradient_witness(match, programs, consumers, lead, seen: str) -> str | Reje
     under the caller's no_grad, inference mode or saved-tensor hooks (isolated.py).
     Fails closed like the forward."""
     try:
-        grads = off_thread(_witness, match, programs, consumers, lead, False, True)
+        grads = replay_off_thread(_witness, match, programs, consumers, lead, False, True)
     except _Unreplayable as e:
         return unavailable(str(e), match.path)
     except (RuntimeError, IndexError, ValueError, TypeError) as e:

@@ -237,6 +237,18 @@ def guarded(replay, match) -> str | Rejection:
                            match.path)
 
 
+def replay_off_thread(fn, *args):
+    """``off_thread(fn, *args)`` for a witness's replay (algebra/isolated.py: away from
+    the caller's thread-local torch state), its calls of the fused ops not counted as
+    the model's there either (kernels/ops.uncounted is per thread)."""
+    from ..kernels import ops
+
+    def uncounted(*a):
+        with ops.uncounted():
+            return fn(*a)
+    return off_thread(uncounted, *args)
+
+
 def guarded_with_gradients(replay, match, gradients: bool) -> str | Rejection:
     """``guarded(replay, match)``, and where the match trains (``gradients``) the same
     replay of the gradients (``replay(match, True)``, on a fresh thread: the pass may run
@@ -245,7 +257,7 @@ def guarded_with_gradients(replay, match, gradients: bool) -> str | Rejection:
     seen = guarded(replay, match)
     if isinstance(seen, Rejection) or not gradients:
         return seen
-    grads = guarded(lambda m: off_thread(replay, m, True), match)
+    grads = guarded(lambda m: replay_off_thread(replay, m, True), match)
     return grads if isinstance(grads, Rejection) else f"{seen}; {grads}"
 
 

@@ -30,7 +30,6 @@ import warnings
 
 import torch
 
-from ..algebra.isolated import WITNESS_THREAD
 from ..codegen import layouts, reference
 from ..codegen.program import Kind, parse
 from ..graph_utils import FUSED_LINEAR_MARK, ROW_CALL_MARK
@@ -75,9 +74,9 @@ class uncounted:
 
 
 def _witness_running() -> bool:
-    """Inside ``uncounted``, or on the thread a witness runs on (algebra/isolated.py)."""
-    return getattr(_replaying, "depth", 0) > 0 or \
-        threading.current_thread().name == WITNESS_THREAD
+    """Inside ``uncounted`` (on this thread: a witness's off-thread replay enters it on
+    its own, algebra/witness.replay_off_thread)."""
+    return getattr(_replaying, "depth", 0) > 0
 
 
 def count_reference(key: str, reason: str, device: torch.device) -> None:
