@@ -2110,7 +2110,8 @@ class XTransformersAttention(torch.nn.Module):
     as the views they trace to), "einops" (einops itself), "full" (every feature
     rotated); look-alikes: "scaled" (scale 2 on both products: a rotation times 2, not
     matched as one), "uneven" (scale 1 on the cos product, 2 on the sin one), "negated"
-    (``stack((x2, -x1))``: the rotation by −θ)."""
+    (``stack((x2, -x1))``: the rotation by −θ), "unit_read" (the cos product times its
+    unit scale also read by the output: the fused GEMM never writes it)."""
 
     def __init__(self, layout):
         super().__init__()
@@ -2149,7 +2150,10 @@ class XTransformersAttention(torch.nn.Module):
         sin_scale = 2.0 if self.layout in ("scaled", "uneven") else 1.0
         freqs = freqs[:, -t.shape[-2]:, :][:, None]  # rearrange 'b n d -> b 1 n d'
         t, t_unrotated = t[..., :self.rot], t[..., self.rot:]
-        t = (t * freqs.cos() * scale) + (self.rotate_half(t) * freqs.sin() * sin_scale)
+        cos_product = t * freqs.cos() * scale
+        if self.layout == "unit_read":  # (a stored attribute escapes the graph)
+            self.cos_product = cos_product
+        t = cos_product + (self.rotate_half(t) * freqs.sin() * sin_scale)
         return torch.cat((t, t_unrotated), dim=-1).type(t.dtype)
 
     def forward(self, x):
@@ -2162,11 +2166,12 @@ class XTransformersAttention(torch.nn.Module):
         # repeat(t, 'b kvh n d -> b (r kvh) n d', r=2): the kv heads tiled
         k, v = (t[:, None].expand(b, 2, 2, n, 8).reshape(b, 4, n, 8) for t in (k, v))
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.permute(0, 2, 1, 3).reshape(b, n, 32)
+        y = y.permute(0, 2, 1, 3).reshape(b, n, 32)
+        return y + self.cos_product.sum() if self.layout == "unit_read" else y
 
 
 @pytest.mark.parametrize("layout", ["xtransformers", "einops", "full", "scaled", "uneven",
-                                    "negated"])
+                                    "negated", "unit_read"])
 def test_x_transformers_spelling_and_look_alikes(layout):
     """x-transformers' rotation (the adjacent pairs unbound from a view, stacked and
     merged back by a reshape, both products times a unit scale) is one fused GEMM with v
@@ -2175,6 +2180,6 @@ def test_x_transformers_spelling_and_look_alikes(layout):
     look-alikes are left by the matcher (exact)."""
     if layout == "einops":
         pytest.importorskip("einops")
-    look_alike = layout in ("scaled", "uneven", "negated")
+    look_alike = layout in ("scaled", "uneven", "negated", "unit_read")
     report, _ = spelling_step(XTransformersAttention(layout), look_alike)
     assert report.count(pattern="attention_inputs") == 0, str(report)
