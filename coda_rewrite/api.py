@@ -61,6 +61,17 @@ class CodaModule(nn.Module):
         object.__setattr__(self, "_warned", False)
         object.__setattr__(self, "_warned_generate", False)
 
+    def __deepcopy__(self, memo):
+        """A copy of the original, optimized anew with the same options (an EMA or a
+        frozen reference model is usually made this way). Copying this module's fields
+        would leave the copy calling the original's compiled function, whose backend
+        counts and reports the copy's graphs as the original's: the copy would warn that
+        it ran uncompiled and its report would stay empty. Its graphs compile again on
+        its first call."""
+        compile_args, options = self._recipe
+        return optimize(copy.deepcopy(self._modules["module"], memo), **compile_args,
+                        **options)
+
     def forward(self, *args, **kwargs):
         # two integer reads around the call: the per-call cost of "never silently eager"
         runs, breaks = self._backend.runs, len(self.report.graph_breaks)
@@ -170,6 +181,7 @@ def optimize(model: nn.Module, example_inputs=None, *, dynamic: bool | None = No
                              fullgraph=fullgraph)
     backend.report.notes += routed_experts.implementation_notes(model)
     wrapped = CodaModule(model, compiled, backend)
+    object.__setattr__(wrapped, "_recipe", (dict(dynamic=dynamic, fullgraph=fullgraph), options))
     if example_inputs is not None:
         _call(wrapped, example_inputs)
     return wrapped

@@ -277,6 +277,35 @@ def test_many_models_in_one_process_are_all_optimized():
     assert torch._dynamo.config.recompile_limit == limit  # the user's settings untouched
 
 
+def test_a_deep_copy_of_an_optimized_model_is_optimized_on_its_own():
+    """copy.deepcopy(optimize(model)) (an EMA or a frozen reference model): the copy called
+    the original's compiled function, whose backend counted the copy's calls, so the copy
+    warned that it ran uncompiled, its report stayed empty, and the original's report
+    took its graphs. The copy is now optimized anew with the same options."""
+    model = hf_model("llama", layers=1).train()
+    fast = coda_rewrite.optimize(model, min_fused_rows=0)
+    ids = tokens(seq=8)
+    fast(ids, labels=ids).loss.backward()
+    twin = copy.deepcopy(fast)
+    assert isinstance(twin, type(fast)) and twin.module is not model
+    assert all(p is not q for p, q in zip(twin.parameters(), model.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        twin(ids, labels=ids).loss.backward()
+    assert twin.report.count() == fast.report.count() > 0
+    assert twin.report.uncaptured_calls == 0 and len(fast.report.graphs) == 1
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, twin.parameters()))
+    with torch.no_grad():  # the copy's weights are its own
+        for p in twin.parameters():
+            p.mul_(0.5)
+        eager = copy.deepcopy(model)
+        for p in eager.parameters():
+            p.mul_(0.5)
+        assert rel_err(twin(ids).logits, eager(ids).logits) <= 1e-5
+        assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
+
+
 def test_a_call_that_runs_no_rewritten_graph_warns_once_and_is_reported():
     fast = coda_rewrite.optimize(hf_model("llama", layers=1).eval())
     with torch.no_grad():
