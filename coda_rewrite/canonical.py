@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,41 @@ def meta(node: Any) -> torch.Tensor | None:
         return None
     v = node.meta.get("example_value", node.meta.get("val"))
     return v if isinstance(v, torch.Tensor) else None
+
+
+def foreign_subclass(node: Any) -> str | None:
+    """The class of a tensor subclass the pass does not model, where ``node``'s value or a
+    tensor it reads is one (a quantized weight such as torchao's or bitsandbytes', a
+    NestedTensor, a wrapper of two tensors), else None. What an op computes on such a
+    tensor is the subclass's own ``__torch_dispatch__`` (F.linear on an int8 weight
+    dequantizes, say), so no rewrite may read the op as the canonical one: its re-layouts
+    and kernels would run on the wrapper, raising where eager runs or reading storage that
+    is not the values. DTensor is modelled (algebra/sharding.py); dynamo's fake tensors are
+    not wrappers."""
+    if not isinstance(node, fx.Node):
+        return None
+    for n in (node, *node.all_input_nodes):
+        v = meta(n)
+        if v is not None and is_traceable_wrapper_subclass(v) and not _is_dtensor(v):
+            return type(v).__name__
+    return None
+
+
+def foreign_gemm(node: fx.Node) -> str | None:
+    """The subclass, where ``node`` is a GEMM or an SDPA call over a tensor subclass the
+    pass does not model (foreign_subclass): the calls whose rewrites it leaves, each
+    recorded with the reason (pipeline.py)."""
+    key = _key(node)
+    if key in _LINEAR or key in _MATMUL or key is torch.addmm or key in SDPA or \
+            key in _GROUPED_MM:
+        return foreign_subclass(node)
+    return None
+
+
+def _is_dtensor(v: torch.Tensor) -> bool:
+    from .codegen.placements import dtensor_cls
+    cls = dtensor_cls()
+    return cls is not None and isinstance(v, cls)
 
 
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
@@ -148,7 +184,7 @@ def _bias_add(y: Any, b: Any) -> COp | None:
 def canon(node: fx.Node) -> COp | None:
     """What ``node`` computes, in the canonical vocabulary (None: not in it)."""
     key = _key(node)
-    if key is None:
+    if key is None or foreign_subclass(node) is not None:
         return None
     args, kw = node.args, node.kwargs
     if key in _LINEAR:

@@ -120,6 +120,7 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
         for family in FAMILIES:
             _run(family, graph, context, records)
         _sharded_gemms_left(graph, records)
+        _foreign_subclasses_left(graph, records)
         graph.lint()
     except Exception as e:  # a bug of the pass after the graph changed: undo, and say so
         gm.graph = pristine
@@ -189,6 +190,20 @@ def _sharded_gemms_left(graph: fx.Graph, records: list[MatchRecord]) -> None:
                 "on sharded weights are not implemented); left as DTensor computes it")
         records.append(MatchRecord("tensor_parallel", model_path(node), NOT_MATCHED,
                                    code=code, reason=f"{describe(node)}: {why}"))
+
+
+def _foreign_subclasses_left(graph: fx.Graph, records: list[MatchRecord]) -> None:
+    """A record for each GEMM or SDPA call on a tensor subclass the pass does not model
+    (canonical.foreign_subclass: a quantized weight, say): no family reads it as its
+    canonical op, so it is left as the subclass computes it, and the report says so."""
+    for node in graph.nodes:
+        cls = canonical.foreign_gemm(node)
+        if cls is not None:
+            records.append(MatchRecord(
+                "graph", model_path(node), NOT_MATCHED, code="graph.tensor_subclass",
+                reason=(f"{describe(node)} reads a {cls}, a tensor subclass whose ops "
+                        "are its own (its __torch_dispatch__ decides what they compute): no "
+                        "rewrite takes it; left as the subclass computes it")))
 
 
 def _dtypes(linear: fx.Node) -> str:

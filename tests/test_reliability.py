@@ -306,6 +306,79 @@ def test_a_deep_copy_of_an_optimized_model_is_optimized_on_its_own():
         assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5
 
 
+class Int8Weight(torch.Tensor):
+    """A weight-only int8 tensor as quantization libraries make them (torchao's
+    AffineQuantizedTensor, say): int8 values and a per-row scale behind a wrapper whose
+    F.linear dequantizes, and which raises on any op it does not know."""
+
+    @staticmethod
+    def __new__(cls, q, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, q.shape, dtype=scale.dtype,
+                                                   device=q.device, requires_grad=False)
+
+    def __init__(self, q, scale):
+        self.q, self.scale = q, scale
+
+    @staticmethod
+    def of(w: torch.Tensor) -> "Int8Weight":
+        scale = w.detach().abs().amax(1) / 127
+        return Int8Weight((w.detach() / scale[:, None]).round().to(torch.int8), scale)
+
+    def __tensor_flatten__(self):
+        return ["q", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Int8Weight(inner["q"], inner["scale"])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            w = args[1]
+            return func(args[0], w.q.to(w.scale.dtype) * w.scale[:, None], *args[2:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return Int8Weight(args[0].q, args[0].scale)
+        raise NotImplementedError(f"Int8Weight does not implement {func}")
+
+
+@pytest.mark.parametrize("quantized", ["every linear", "the MLPs"])
+def test_gemms_on_a_tensor_subclass_weight_are_left(quantized):
+    """A weight-only quantized model (the weights a tensor subclass whose F.linear
+    dequantizes): the rotation's re-layout of q/k/v's weights ran on the wrapper and
+    raised where eager runs. GEMMs and SDPA calls over a tensor subclass the pass does not
+    model are now no family's (canonical.foreign_subclass), each recorded with the reason;
+    the rest of the model is rewritten as before."""
+    model = hf_model("llama", layers=1).eval()
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and (quantized == "every linear" or ".mlp." in name):
+            mod.weight = nn.Parameter(Int8Weight.of(mod.weight), requires_grad=False)
+    ids = tokens(seq=8)
+    with torch.no_grad():
+        want = model(ids).logits
+        fast = coda_rewrite.optimize(model, min_fused_rows=0)
+        got = fast(ids).logits
+    assert torch.equal(got, want) if quantized == "every linear" else \
+        rel_err(got, want) <= 1e-5
+    records = [r for g in fast.report.graphs for r in g.records]
+    left = {r.path for r in records if r.code == "graph.tensor_subclass"}
+    mlp = {f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")}
+    if quantized == "every linear":
+        assert left == mlp | {f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"} | \
+            {"lm_head"}
+        assert "Int8Weight" in str(fast.report)
+    else:
+        assert left == mlp
+        done = {r.pattern for r in records if r.status == "rewritten"}
+        assert {"rope", "attention_inputs", "residual_rmsnorm_gemm"} <= done, done
+        assert "gated_mlp" not in done
+
+
 def test_a_call_that_runs_no_rewritten_graph_warns_once_and_is_reported():
     fast = coda_rewrite.optimize(hf_model("llama", layers=1).eval())
     with torch.no_grad():

@@ -353,6 +353,52 @@ def test_look_alikes(case):
     check_look_alike(Experts(case), LOOK_ALIKES[case])
 
 
+class TitanMoE(torch.nn.Module):
+    """TorchTitan's MoE spelling (torchtitan/models/moe): top-k of a softmax router,
+    histc counts, a stable argsort, rows gathered by torch.gather, SwiGLU over two
+    grouped GEMMs of separate w1 and w3 (no packed [gate; up]), the scores applied after
+    the experts, scatter_add back to token order."""
+
+    def __init__(self, dim=32, hidden=16, experts=4, top_k=2):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate = torch.nn.Linear(dim, experts, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(experts, hidden, dim, generator=g)
+                                               / dim ** 0.5) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden, generator=g)
+                                     / hidden ** 0.5)
+        self.e, self.k = experts, top_k
+
+    def forward(self, x):
+        scores = F.softmax(self.gate(x).float(), dim=1)
+        top_scores, chosen = torch.topk(scores, k=self.k, dim=1)
+        counts = torch.histc(chosen.view(-1).float(), bins=self.e, min=0, max=self.e)
+        order = torch.argsort(chosen.view(-1), stable=True)
+        top_sorted, rows = top_scores.view(-1)[order], order // self.k
+        routed = torch.gather(x, 0, rows.reshape(-1, 1).expand(-1, x.shape[1]))
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(routed.bfloat16(), self.w1.bfloat16().transpose(-2, -1),
+                                     offs=offs))
+        h = h * torch._grouped_mm(routed.bfloat16(), self.w3.bfloat16().transpose(-2, -1),
+                                  offs=offs)
+        out = torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+        out = (out.float() * top_sorted.reshape(-1, 1)).to(x.dtype)
+        index = rows.reshape(-1, 1).expand(-1, x.shape[1])
+        return x + torch.zeros_like(x).scatter_add(0, index, out)
+
+
+def test_torchtitan_experts_are_left_with_their_reason():
+    """TorchTitan's separate w1/w3 grouped GEMMs are not the packed [gate; up] the family
+    takes: left, said, and the outputs are eager's to the bit."""
+    model = TitanMoE().to(torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+        fast = coda_rewrite.optimize(model, min_fused_rows=0)
+        assert torch.equal(fast(x), want)
+    assert set(codes(fast.report, "routed_experts")) == {"moe.not_halves"}, str(fast.report)
+
+
 # whether the grouped kernels may trust the routing's values without a device-side check
 # per launch (algebra/routed_experts.routing_in_bounds): offsets = cumsum(histc) and
 # index = a sort's permutation // top-k hold their bounds whatever the router computed

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..algebra import mask as mask_prover
 from ..algebra.decision import Decision, Proof, Rejection
-from ..canonical import SDPA, meta
+from ..canonical import SDPA, foreign_subclass, meta
 from ..capture import describe, model_path
 from ..graph_utils import erase_if_dead
 from .family import Context, Decided
@@ -170,6 +170,8 @@ def find(graph: fx.Graph) -> list[AttentionMatch]:
         a = _sdpa_args(n)
         q, k, v = a["query"], a["key"], a["value"]
         mask = a.get("attn_mask")
+        if foreign_subclass(n) is not None:  # its SDPA is the subclass's (pipeline records it)
+            continue
         kb, vb = repeat_kv_base(k), repeat_kv_base(v)
         if a.get("enable_gqa"):
             gqa = Rejection("SDPA already uses enable_gqa", describe(n),

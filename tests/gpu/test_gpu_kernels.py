@@ -315,6 +315,22 @@ def test_small_llama_bf16_training_on_gpu(materialize):
     assert ratio <= 1.25
 
 
+@pytest.mark.parametrize("via", ["optimize", "backend"])
+def test_flex_attention_training_on_gpu(via):
+    """transformers' attn_implementation="flex_attention" in a training step (its backward
+    runs on the GPU only): flex_attention reads q and k in the model's order, so the
+    rotation keeps the permuted order and the attention rewrite leaves the call; every
+    other family fused. Loss and every gradient against float64, no worse than eager."""
+    before = _kernel_calls("rowscale_rope_table#")
+    errs = _training_errors(
+        lambda seed: hf_model("llama", layers=2, hidden=256, seed=seed, vocab_size=512,
+                              attn_implementation="flex_attention"), True, via=via)
+    assert _kernel_calls("rowscale_rope_table#") - before >= 3 * 2, ops.runtime_summary()
+    ratio = statistics.median(errs["new"]) / statistics.median(errs["eager"])
+    print(f"flex_attention training via {via}: {errs} ratio {ratio:.3f}")
+    assert ratio <= 1.25
+
+
 @pytest.mark.parametrize("cache", [False, True], ids=["relaid-per-call", "kept"])
 def test_rewritten_model_inside_a_cuda_graph(cache):
     """After one warm-up call (compiles and plans every kernel), the rewritten forward is
