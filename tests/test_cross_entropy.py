@@ -592,3 +592,33 @@ def test_near_uniform_softmax_gradients_are_no_worse_than_eager(how, materialize
             errs[key][1].append(rel_err(grads(ref, key == "head"), want))
     for key, (new, eager) in errs.items():
         assert statistics.median(new) <= 1.1 * statistics.median(eager), (key, new, eager)
+
+
+@pytest.mark.parametrize("logits_map", [(), SOFTCAP], ids=["plain", "soft-capped"])
+@pytest.mark.parametrize("materialise", [True, False], ids=["logits", "no_logits"])
+def test_lse_and_loss_are_of_the_logits_as_stored(logits_map, materialise):
+    """The forward rounds z to the logits' 16-bit dtype before its log-sum-exp and target
+    logit (what eager's loss reads), so the backward takes the forward's lse as the
+    normaliser of softmax(stored z) and makes no pass over the logits of its own. In a
+    float64 evaluation (the witness's replay, whose GEMM keeps every bit) the rounding is
+    the identity, as the store it stands for is."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 32).bfloat16()
+    b = (torch.randn(64, 32) * 2).bfloat16()  # logits of about ±10: a rounding of ~0.03
+    target = torch.randint(0, 64, (6,))
+    prog = ce_program(False, False, torch.bfloat16 if materialise else None, "float32",
+                      logits_map, rounding=torch.bfloat16)
+    assert [i.op for i in prog.body].count("cast") == 1
+    *logits, loss, lse = reference.run_program(prog, a, b, [target])
+    acc = a.float() @ b.float().t()
+    z = acc
+    for op, c in logits_map:
+        z = torch.tanh(z) if op == "tanh" else z * c if op == "mul" else z / c
+    stored = z.bfloat16().float()
+    if materialise:
+        assert torch.equal(logits[0].float(), stored)
+    assert torch.allclose(lse, torch.logsumexp(stored, -1), rtol=0, atol=1e-5)
+    assert torch.allclose(loss, lse - stored[torch.arange(6), target], rtol=0, atol=1e-5)
+    assert (lse - torch.logsumexp(z, -1)).abs().max() > 1e-4  # the rounding is visible
+    *_, lse64 = reference.run_program(prog, a.double(), b.double(), [target])
+    assert torch.allclose(lse64.double(), torch.logsumexp(z.double(), -1), rtol=0, atol=1e-5)

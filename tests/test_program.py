@@ -93,12 +93,21 @@ def test_elementwise_and_vector_loads():
     torch.testing.assert_close(out, want)
 
 
-def test_cast_rounds_through_the_storage_dtype():
+def test_cast_rounds_as_a_16_bit_store_does():
+    """A cast stands for a 16-bit GEMM's output store: computed in float32 (16-bit
+    operands: the kernels' accumulator) it rounds; in float64 (the witness's replay, whose
+    GEMM keeps every bit) there is no store to round, and it is the identity."""
     a, b = gen(4, 8), gen(3, 8, seed=1)
     p = ProgramBuilder("cast", gemm=True)
-    p.output(p.cast(ACC, dtype="bfloat16"), Kind.TILE, "float64")
-    (out,) = run_program(p.build(), a, b, [])
-    torch.testing.assert_close(out, (a @ b.T).bfloat16().double())
+    p.output(p.cast(ACC, dtype="bfloat16"), Kind.TILE, "float32")
+    prog = p.build()
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    (out,) = run_program(prog, a16, b16, [])
+    exact = a16.float() @ b16.float().T
+    torch.testing.assert_close(out, exact.bfloat16().float(), rtol=0, atol=0)
+    assert not torch.equal(out, exact)
+    (out64,) = run_program(prog, a, b, [])
+    torch.testing.assert_close(out64, (a @ b.T).float(), rtol=0, atol=0)
 
 
 def test_tile_load_store_and_row_reductions():

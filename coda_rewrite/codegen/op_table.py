@@ -191,9 +191,14 @@ _SPECS = {
     "tanh": _unary(torch.tanh, "tanh_approx({})", zero=True),
     "gelu_tanh": _unary(_gelu_tanh, "gelu_tanh_approx({})", zero=True),
     "gelu_erf": _unary(F.gelu, "gelu_erf({})", zero=True),
-    # rounds through a storage dtype and back (no kernel lowering yet)
+    # rounds to a 16-bit storage dtype and back, as a 16-bit GEMM's tile store rounds
+    # (the cross-entropy's lse reads the logits as stored): in float32, the kernels'
+    # accumulator and the reference's for 16-bit operands. Evaluated in float64 (the
+    # witness's replay, whose GEMM keeps every bit and so has no store to round) it is the
+    # identity, as the store it stands for is there. Kernels: kernels/epi_ops.round_*.
     "cast": dict(klass=ELEMENTWISE_CLASS, arity=(1,), zero_preserving=True,
-                 reference=lambda a, ins, cd: a[0].to(STORAGE_DTYPES[ins.dtype]).to(cd)),
+                 reference=lambda a, ins, cd: a[0] if cd == torch.float64 else
+                 a[0].to(STORAGE_DTYPES[ins.dtype]).to(cd)),
     # gated pairs over interleaved columns: act(gate at 2j) · up at 2j + 1, half width
     "swiglu": _pairwise("silu"),
     "geglu": _pairwise("gelu_tanh"),

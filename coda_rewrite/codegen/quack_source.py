@@ -23,7 +23,9 @@ new kernel code. The program splits in two stages:
                argument from acc and vectors, its value read like an operand;
                a norm's row scale from its producer's raw partials (rstd_partials of
                a ROW_PARTIALS operand) is kernels/epi_ops.RstdOfPartials, a ColVecLoad
-               that folds the partials first, its value read like an operand.
+               that folds the partials first, its value read like an operand;
+               a cast rounds a value to a 16-bit dtype and back (kernels/epi_ops
+               round_bfloat16 / round_float16: what a reduction of stored values reads).
   row stage    values computed from merged reductions (``r = rsqrt(ss / d + eps)``):
                the norm's rstd is QuACK's rms_final_reduce, one kernel over the raw
                per-tile partials (norm_row_stage); any other stage is a few per-row
@@ -119,6 +121,8 @@ class KernelSource:
 
 # elementwise lowerings (QuACK expressions) and f(0) = 0, from the op table
 _LOWER = {name: op.lower for name, op in OPS.items() if op.lower is not None}
+# the dtypes a cast rounds to in the kernel (kernels/epi_ops.round_<dtype>)
+ROUNDINGS = ("bfloat16", "float16")
 _ZERO_PRESERVING = {name for name, op in OPS.items()
                     if op.zero_preserving and op.klass == ELEMENTWISE_CLASS} - {"mul", "div"}
 
@@ -334,6 +338,11 @@ def generate(program: EpilogueProgram) -> KernelSource:
             rhs = group_sinks[i.out]
         elif i.op in PARTIALS:  # RstdOfPartials' value port is r itself
             rhs = _arg(i.args[0])
+        elif i.op == "cast":  # rounded to a 16-bit dtype and back (kernels/epi_ops.py)
+            if i.dtype not in ROUNDINGS:
+                raise Unlowerable(f"a cast to {i.dtype} (the kernel rounds to "
+                                  f"{' or '.join(ROUNDINGS)} only)")
+            rhs = f"round_{i.dtype}({args[0]})"
         elif i.op in _LOWER:
             rhs = _LOWER[i.op].format(*args)
         else:
@@ -345,6 +354,7 @@ def generate(program: EpilogueProgram) -> KernelSource:
     lines.append("return {" + ", ".join(ret) + "}")
 
     body_src = "\n".join(lines)
+    roundings = sorted({f"round_{i.dtype}" for i in tile_body if i.op == "cast"})
     prepass_src = "\n".join(prepass)
     params = ["acc"] + [b.param for b in bindings if _used(b.param, body_src + prepass_src)
                         and b.name not in program.index_operands] + list(group_sinks.values())
@@ -398,6 +408,8 @@ def generate(program: EpilogueProgram) -> KernelSource:
         *(["from quack.epilogue.rotary import rotary_cos_sin_load"] if table else []),
         *(["from coda_rewrite.kernels.epi_ops import RstdOfPartials"]
           if any(o.kind == Kind.ROW_PARTIALS for o in program.operands) else []),
+        *([f"from coda_rewrite.kernels.epi_ops import {', '.join(roundings)}"]
+          if roundings else []),
         "",
         *(["from quack.activation import tanh as tanh_approx", ""]
           if any(i.op == "tanh" for i in program.body) else []),

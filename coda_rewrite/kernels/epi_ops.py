@@ -1,5 +1,9 @@
 """QuACK epilogue ops this project adds (imported by generated kernel modules).
 
+round_bfloat16, round_float16: a float32 epilogue value rounded to the 16-bit dtype and
+back (round to nearest even, as the tile store rounds), for a reduction that must see the
+values as stored (the cross-entropy's log-sum-exp of the logits eager's loss reads).
+
 RstdOfPartials: a norm's row scale read by the GEMM that applies it, from the producer's
 raw per-tile partials, so the norm needs no kernel of its own between the two GEMMs.
 
@@ -32,11 +36,26 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 from quack.compile_utils import make_fake_tensor
+from quack.epilogue.math import F2
 from quack.epilogue.ops import ColVecLoad
 
 # bumped whenever begin() changes: QuACK's persistent kernel cache keys an op by its
 # type, name and config_key, not by its code
 _CODE_VERSION = 4
+
+
+def _rounded(v, dtype):
+    if isinstance(v, tuple):  # packed f32x2 lanes (quack.epilogue.math.F2): lane-wise
+        return F2(*(_rounded(x, dtype) for x in v))
+    return v.to(dtype).to(Float32)
+
+
+def round_bfloat16(v):
+    return _rounded(v, cutlass.BFloat16)
+
+
+def round_float16(v):
+    return _rounded(v, cutlass.Float16)
 
 
 class RstdOfPartials(ColVecLoad):

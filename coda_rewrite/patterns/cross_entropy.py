@@ -65,7 +65,9 @@ FUSED_FROM_ROWS = 64
 # ... and in a training step (training_policy.py; on top of the
 # attention rewrite: +0.5 ms and +1.8 GiB per 1B step with the logits written, sixth
 # session; since the softmax gradient is one traced pass, 2.3 ms less kernel time than
-# leaving it, seventeenth session, for the same memory: left for the memory)
+# leaving it, seventeenth session, for the same memory: left for the memory; with the
+# backward's lse pass gone, thirty-sixth session, 1.008x the step without it, paired by
+# round (0.969–1.015), the same peak: still inside the spread)
 PAYS_IN_TRAINING = False
 
 
@@ -276,13 +278,26 @@ def apply_logits_map(p: ProgramBuilder, y: str, logits_map: tuple) -> list[str]:
 
 
 def ce_program(has_r: bool, has_bias: bool, logits_dtype: torch.dtype | None,
-               stat_dtype: str = "float32", logits_map: tuple = ()) -> EpilogueProgram:
-    """y = acc (· r) (+ b); z = g(y) (a map before the loss, if any); lse, target logit,
-    loss = lse − tl of z; [z if materialised]. The per-row values are stored in
-    ``stat_dtype`` (float64 for a float64 model)."""
+               stat_dtype: str = "float32", logits_map: tuple = (),
+               rounding: torch.dtype | None = None) -> EpilogueProgram:
+    """y = acc (· r) (+ b); z = g(y) (a map before the loss, if any), rounded to
+    ``rounding`` (16-bit: the dtype eager's logits are in); lse, target logit, loss = lse −
+    tl of z; [z if materialised]. The per-row values are stored in ``stat_dtype`` (float64
+    for a float64 model).
+
+    Why round: eager's loss reads its logits as stored, so its log-sum-exp is of the
+    rounded logits, and the softmax it differentiates sums to one over them. Formed of
+    the float32 accumulator instead, the forward's lse would not serve the backward
+    (softmax(stored z) with it is off by exp(δ_j), δ_j the rounding of z_j, which is the
+    target entry's whole value where the softmax saturates), and the backward would pay a
+    pass over the [rows, vocab] logits for an lse of its own. Rounded here, the forward's
+    lse and loss are eager's, and the backward's one pass reads the stored logits with
+    it (kernels/backward/cross_entropy.py)."""
     name = ("rowscale_" if has_r else "") + ("mapped_" if logits_map else "") + "lse_target"
     p = ProgramBuilder(name, gemm=True, family="cross_entropy")
     y = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)[-1]
+    if rounding in (torch.bfloat16, torch.float16):
+        y = p.cast(y, dtype=dtype_name(rounding), name="z_stored")
     target = p.operand("target", Kind.PER_ROW)
     lse = p.row_logsumexp(y, name="lse")
     tl = p.select_column(y, target, name="tl")
@@ -309,7 +324,8 @@ def plan_for(m: Match, options) -> Plan:
     dtype = meta(m.proj.out).dtype
     program = ce_program(m.proj.r is not None, m.proj.bias is not None,
                          meta(m.logits).dtype if materialise else None,
-                         "float64" if dtype == torch.float64 else "float32", m.logits_map)
+                         "float64" if dtype == torch.float64 else "float32", m.logits_map,
+                         rounding=meta(m.logits).dtype)
     return Plan(m, program, materialise)
 
 

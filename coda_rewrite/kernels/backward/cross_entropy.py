@@ -1,6 +1,9 @@
 """The log-sum-exp and target-logit family (cross-entropy): dz = softmax(z)·(dloss +
 dlse) − onehot(t)·dloss (+ dlogits), and dy = dz·g'(y) where a map z = g(y) stands before
-the loss (a soft-cap, a scale; g' is read off z: map_slope), else z = y.
+the loss (a soft-cap, a scale; g' is read off z: map_slope), else z = y. z is the
+logits as stored: the forward rounded them before its log-sum-exp
+(patterns/cross_entropy.ce_program), so its lse normalises the softmax eager
+differentiates and the backward reads it, with no pass over the logits of its own.
 
 From stored logits (training, by default) the common case is one pass of QuACK's
 cross-entropy backward kernel, (softmax(z) − onehot(t))·dloss per row, a map's g'
@@ -27,9 +30,10 @@ _CE_CHUNK_BYTES = 1 << 29
 _NO_INDEX = -(2 ** 31)  # QuACK's ignore_index: a value no target takes
 
 
-def _lse_parts(prog: EpilogueProgram) -> tuple[bool, tuple]:
+def _lse_parts(prog: EpilogueProgram) -> tuple[bool, tuple, str | None]:
     """(whether the cross-entropy program also stores the logits, the map z = g(y)
-    before the loss as ((op, constant), ...): patterns/cross_entropy.Match.logits_map)."""
+    before the loss as ((op, constant), ...): patterns/cross_entropy.Match.logits_map,
+    the 16-bit dtype its lse and target logit read z rounded to, None for none)."""
     z, i = scaled_acc_prefix(prog)
     logits_map = []
     while prog.body[i].op in ("mul", "div", "tanh") and prog.body[i].args[0] == z:
@@ -39,6 +43,10 @@ def _lse_parts(prog: EpilogueProgram) -> tuple[bool, tuple]:
         logits_map.append((ins.op, ins.args[1] if ins.op != "tanh" else None))
         z, i = ins.out, i + 1
     expect(sum(op == "tanh" for op, _ in logits_map) <= 1)
+    rounded = None
+    if prog.body[i].op == "cast" and prog.body[i].args == (z,):
+        rounded, z, i = prog.body[i].dtype, prog.body[i].out, i + 1
+        expect(rounded in ("bfloat16", "float16"))
     lse, tl, loss = prog.body[i:]
     expect((lse.op, lse.args) == ("row_logsumexp", (z,)))
     expect((tl.op, tl.args) == ("select_column", (z, "target")))
@@ -46,7 +54,10 @@ def _lse_parts(prog: EpilogueProgram) -> tuple[bool, tuple]:
     outs = [(o.value, o.kind) for o in prog.outputs]
     tail = [(loss.out, Kind.PER_ROW), (lse.out, Kind.PER_ROW)]
     expect(outs in (tail, [(z, Kind.TILE), *tail]) and prog.gemm)
-    return len(outs) == 3, tuple(logits_map)
+    # stored 16-bit logits are read with the forward's lse: it must be of them
+    expect(len(outs) == 2 or prog.outputs[0].dtype == rounded or
+           prog.outputs[0].dtype in ("float32", "float64"))
+    return len(outs) == 3, tuple(logits_map), rounded
 
 
 def map_slope(logits_map: tuple, z: torch.Tensor) -> torch.Tensor | float:
@@ -67,19 +78,21 @@ def map_slope(logits_map: tuple, z: torch.Tensor) -> torch.Tensor | float:
 
 @functools.lru_cache(maxsize=64)
 def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str,
-                         logits_map: tuple = ()) -> EpilogueProgram:
+                         logits_map: tuple = (), rounded: str | None = None) -> EpilogueProgram:
     """The softmax part of the cross-entropy gradient, formed in the epilogue of the GEMM
-    that recomputes the logits: dy = exp(z − lse)·dsm·g'(y), z = g(y), y = acc
-    (·r) (+ b). It is stored once, in the GEMM dtype; no float32 [rows, vocab] tensor
-    exists. The row scale stays out of it (the module docstring says why). (Cached: the
-    backward asks on every call.)"""
+    that recomputes the logits: dy = exp(z − lse)·dsm·g'(y), z = g(y) (rounded as the
+    forward rounded it before its lse: ``rounded``), y = acc (·r) (+ b). It is stored
+    once, in the GEMM dtype; no float32 [rows, vocab] tensor exists. The row scale stays
+    out of it (the module docstring says why). (Cached: the backward asks on every
+    call.)"""
     from ...codegen.program import ProgramBuilder
     from ...patterns.cross_entropy import apply_logits_map
     p = ProgramBuilder("ce_softmax_grad" if not logits_map else "ce_mapped_softmax_grad",
                        gemm=True)
     steps = apply_logits_map(p, p.scaled_acc(has_r, has_bias), logits_map)
+    z = p.cast(steps[-1], dtype=rounded, name="z_stored") if rounded else steps[-1]
     lse, dsm = p.operand("lse", Kind.PER_ROW), p.operand("dsm", Kind.PER_ROW)
-    d = p.mul(p.exp(p.sub(steps[-1], lse)), dsm, name="d")
+    d = p.mul(p.exp(p.sub(z, lse)), dsm, name="d")
     if logits_map:  # g'(y): the scalings' product, and 1 − t² at the tanh's output t
         scale = 1.0
         for (op, c), value in zip(logits_map, steps):
@@ -94,17 +107,17 @@ def softmax_grad_program(has_r: bool, has_bias: bool, dtype: str,
 
 def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     from .. import ops
-    with_logits, logits_map = _lse_parts(prog)
+    with_logits, logits_map, rounded = _lse_parts(prog)
     d_logits = grads[0] if with_logits else None
     d_loss, d_lse = grads[-2], grads[-1]
     by_name = dict(zip((o.name for o in prog.operands), operands))
     m, n = a.shape[0], b.shape[0]
     if d_loss is None and d_lse is None and d_logits is None:
         return None, None, [None] * len(operands)
+    # the log-sum-exp of the logits as stored (the forward rounded them before it:
+    # patterns/cross_entropy.ce_program), so softmax(stored z) with it sums to one
     lse = up(outputs[-1]).reshape(m)
     target_z = lse - up(outputs[-2]).reshape(m) if logits_map else None  # z[t] = lse − loss
-    if with_logits and outputs[0].dtype in (torch.bfloat16, torch.float16):
-        lse = lse_of_stored_logits(outputs[0])
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     d_loss = up(d_loss).reshape(m) if d_loss is not None else zero.expand(m)
     dsm = d_loss + (up(d_lse).reshape(m) if d_lse is not None else zero)
@@ -143,7 +156,7 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
             dy[s:e] = d
     else:  # recompute the logits in a GEMM whose epilogue forms the softmax gradient
         bwd = softmax_grad_program(r is not None, bias is not None,
-                                   reference.dtype_name(a.dtype), logits_map)
+                                   reference.dtype_name(a.dtype), logits_map, rounded)
         ops_in = ([by_name["r"].reshape(m)] if r is not None else []) + \
             ([bias] if bias is not None else []) + [lse, dsm]
         (dy,) = ops.gemm_epilogue(bwd.to_text(), a, b, ops_in)
@@ -163,7 +176,8 @@ def _write_target_entries(dy, outputs, with_logits, d_logits, logits_map, lse, t
     the LM head's gradients 1.4–2x eager's error against float64, 2026-12-06).
 
     z_t: the stored logit where the forward wrote them (the softmax above read those),
-    else lse − loss, both from the unrounded accumulator as the recomputing GEMM's are."""
+    else lse − loss: the logit rounded as the forward's lse read it, as the recomputing
+    GEMM's are."""
     m, n = dy.shape
     rows_idx = torch.arange(m, device=dy.device)
     col = target.clamp(0, n - 1)
@@ -179,29 +193,6 @@ def _write_target_entries(dy, outputs, with_logits, d_logits, logits_map, lse, t
         val = val * map_slope(logits_map, z_t)
         onehot = onehot * map_slope(logits_map, target_z)
     dy[rows_idx, col] = torch.where(valid, val - onehot, up(dy[rows_idx, col])).to(dy.dtype)
-
-
-def lse_of_stored_logits(z: torch.Tensor) -> torch.Tensor:
-    """log Σ_j exp z[i, j] over the logits as stored (16-bit), float32 [M]: the normaliser
-    of the softmax eager differentiates (its loss upcasts the stored logits).
-
-    The forward's lse comes from the unrounded accumulator, and softmax(stored z) with it
-    does not sum to one: each entry is off by a factor exp(δ_j), δ_j the rounding of z_j
-    (up to |z_j|·2⁻⁹ in bfloat16). Where the softmax saturates (a confident token, logits
-    of 20 or more, as trained models give) the target's p_t − 1, whose true value can be
-    10⁻³, came out off by δ_t ≈ 0.04, and a model with large logits (MiniCPM3's small
-    config) trained at 2.3x eager's gradient error. With this lse the softmax sums to one
-    over the stored logits and the gradient is eager's. By chunks of rows (no float32
-    [rows, vocab] tensor); one expression while traced, which Inductor reduces in one
-    pass."""
-    if not layouts.real([z]):
-        return torch.logsumexp(z.float(), -1)
-    m, n = z.shape
-    out = torch.empty(m, dtype=torch.float32, device=z.device)
-    rows = max(1, _CE_CHUNK_BYTES // (4 * n))
-    for s in range(0, m, rows):
-        out[s:s + rows] = torch.logsumexp(z[s:s + rows].float(), -1)
-    return out
 
 
 def traced_softmax_grad(z, lse, target, d_loss, dsm, d_logits) -> torch.Tensor:
@@ -297,7 +288,7 @@ def _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse):
 def _lse_target_saves(prog):
     """The logits (when written), the loss (the target's z = lse − loss: with a map, and
     where the backward recomputes the logits, for the target entry, M floats) and lse."""
-    with_logits, logits_map = _lse_parts(prog)
+    with_logits, logits_map, _ = _lse_parts(prog)
     keep = [0, 2] if with_logits else [0, 1]
     if logits_map:
         keep = sorted({*keep, len(prog.outputs) - 2})
