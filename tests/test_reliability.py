@@ -375,7 +375,9 @@ def test_gemms_on_a_tensor_subclass_weight_are_left(quantized):
     else:
         assert left == mlp
         done = {r.pattern for r in records if r.status == "rewritten"}
-        assert {"rope", "attention_inputs", "residual_rmsnorm_gemm"} <= done, done
+        # (the attention rewrite is not asserted: transformers 5.25 calls SDPA with
+        # enable_gqa itself, which leaves it nothing to rewrite)
+        assert {"rope", "residual_rmsnorm_gemm"} <= done, done
         assert "gated_mlp" not in done
 
 
