@@ -31,6 +31,8 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .codegen.placements import dtensor_cls
+
 
 @dataclasses.dataclass(frozen=True)
 class COp:
@@ -76,7 +78,6 @@ def foreign_gemm(node: fx.Node) -> str | None:
 
 
 def _is_dtensor(v: torch.Tensor) -> bool:
-    from .codegen.placements import dtensor_cls
     cls = dtensor_cls()
     return cls is not None and isinstance(v, cls)
 

@@ -622,3 +622,21 @@ def test_lse_and_loss_are_of_the_logits_as_stored(logits_map, materialise):
     assert (lse - torch.logsumexp(z, -1)).abs().max() > 1e-4  # the rounding is visible
     *_, lse64 = reference.run_program(prog, a.double(), b.double(), [target])
     assert torch.allclose(lse64.double(), torch.logsumexp(z.double(), -1), rtol=0, atol=1e-5)
+
+
+def test_stored_16_bit_logits_without_the_rounding_have_no_backward():
+    """The backward reads the forward's lse with the stored logits: a program that stores
+    16-bit logits but took its lse of the unrounded accumulator would make a softmax that
+    does not sum to one over them. The rule refuses such a program (loudly) where a
+    gradient can be asked for; it does not differentiate it."""
+    from coda_rewrite.codegen.op_table import ProgramError
+    from coda_rewrite.kernels import ops
+    prog = ce_program(False, False, torch.bfloat16)  # no rounding=
+    a = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(16, 8, dtype=torch.bfloat16)
+    with pytest.raises(ProgramError, match="not of the shape"):  # refused as it records
+        ops.gemm_epilogue(prog.to_text(), a, b, [torch.randint(0, 16, (4,))])
+    rounded = ce_program(False, False, torch.bfloat16, rounding=torch.bfloat16)
+    _, loss, _ = ops.gemm_epilogue(rounded.to_text(), a, b, [torch.randint(0, 16, (4,))])
+    loss.sum().backward()
+    assert a.grad is not None and torch.isfinite(a.grad).all()
