@@ -21,8 +21,8 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
                     planned GEMM launch, the finaliser)
     op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
                     Inductor calls (no autograd formula); on optimize()'s program, and
-                    then on each program only Inductor's graph calls (the norm
-                    producer's with its finaliser: inductor_programs)
+                    then on each program only Inductor's graph calls (inductor_programs:
+                    none where its graph defers the norms as optimize()'s do)
     op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
     graph, grad     a graph call whose input and weight require grad, in grad mode: what
                     optimize()'s training forward calls (ops.FusedGemm records the node;
@@ -153,9 +153,10 @@ def per_program(calls) -> list[tuple[str, str, float]]:
 
 def inductor_programs(calls, traced) -> list[tuple[str, str, float]]:
     """The programs an Inductor graph (backend="coda") calls that optimize()'s graphs do
-    not: the norm producer's, which there computes its rstd with a finaliser kernel
-    (deferred_rstd.py hands the partials on only in graphs nothing traces). Its "op,
-    nograd" above is the partials program's; this is what Inductor's graph pays."""
+    not: a norm producer computing its rstd with a finaliser kernel, where the traced
+    graph keeps it (deferred_rstd.py: a dynamic row count; before the thirty-seventh
+    session every traced graph did). The "op, nograd" above is what Inductor's graph
+    pays where its programs are optimize()'s."""
     rows = []
     for program, (a, b, operands) in traced.items():
         prog = parse(program)

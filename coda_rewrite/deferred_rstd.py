@@ -28,12 +28,16 @@ is exactly that r (float32, from a 16-bit model), read only by fused calls as a 
 program operand, whose rewritten programs lower to kernels (a QK-norm's accumulator
 prepass cannot read r from partials: such a consumer keeps the finaliser); in a graph
 that computes no gradient (the families' backward rules read r as an operand), with no
-tensor-parallel shards (a partials operand has no placement rule), and only in graphs
-nothing traces (optimize()'s, not Inductor's, not cudagraphs=True's, which AOTAutograd
-traces: the pipeline decides): how many partials a row gets is the launch's tile config,
-a shape no trace can know (ops._fake refuses it). Where a producer's tiles leave more
-than quack_path.READER_FOLDS_PARTIALS per row, its launch sums them to one column first
-(the consumers' fold costs GPU time that grows with their number).
+tensor-parallel shards (a partials operand has no placement rule). How many partials a
+row gets is the launch's tile config, chosen by row class from the sizes alone
+(quack_path.partial_columns), so in graphs AOTAutograd traces (Inductor's,
+cudagraphs=True's) a producer is deferred where every size it takes is static: its
+traced call (ops._fake) then has the partials' width, each launch checks that QuACK
+planned as many, and a CUDA call that falls back to the reference pads its one merged
+column to that width with zeros. A symbolic row count keeps the finaliser. Where a
+producer's tiles leave more than quack_path.READER_FOLDS_PARTIALS per row, its launch
+sums them to one column first (the consumers' fold costs GPU time that grows with their
+number).
 
 Measured on the H200 (BENCHMARKS.md, twenty-sixth session; benchmarks/deferred_rstd.py):
 a producer and one consumer at the 1B and 8B widths, 64–4096 rows, 0.93–1.01x the
@@ -58,14 +62,18 @@ REPORT_LINE = ("norm row scales formed in their consumers' GEMMs from the produc
 _SIXTEEN_BIT = ("bfloat16", "float16")
 
 
-def defer(graph: fx.Graph) -> int:
-    """Rewrite every eligible producer and its consumers; returns how many producers."""
+def defer(graph: fx.Graph, traced: bool = False) -> int:
+    """Rewrite every eligible producer and its consumers; returns how many producers.
+    ``traced``: AOTAutograd will trace the graph (Inductor's, cudagraphs=True's), so a
+    producer whose sizes are not all static (a dynamic row count) keeps its finaliser."""
     if not _computes_no_gradient(graph):
         return 0
     done = 0
     for call in list(graph.nodes):
         first = row_call(call)
         if first is None or first < 2:  # fused_rowwise: no GEMM, its finaliser is torch ops
+            continue
+        if traced and not _static_sizes(call):
             continue
         found = _row_scale(parse(call.args[0]))
         if found is None:
@@ -94,6 +102,16 @@ def _computes_no_gradient(graph: fx.Graph) -> bool:
                                                   "call_module")
               for m in [meta(n)] if isinstance(m, torch.Tensor)]
     return bool(traced) and not any(m.requires_grad for m in traced)
+
+
+def _static_sizes(call: fx.Node) -> bool:
+    """Every tensor the call takes has plain-int sizes where dynamo traced it: the width
+    of its partials (the launch's tiles along N, by row class: quack_path.partial_columns)
+    is then known when AOTAutograd traces it (kernels/ops._fake)."""
+    found = []
+    fx.node.map_arg(call.args[1:], lambda n: found.append(meta(n)) or n)
+    return all(isinstance(m, torch.Tensor) and all(type(s) is int for s in m.shape)
+               for m in found if m is not None) and bool(found)
 
 
 def _sharded(call: fx.Node) -> bool:

@@ -475,8 +475,9 @@ def erase_if_dead(graph: fx.Graph, nodes) -> None:
     todo = list(nodes)
     while todo:
         n = todo.pop()
-        if getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output", "get_attr") \
-                or n.is_impure() or mutated_value(n) is not None:
+        if getattr(n, "_erased", False) or n.users or \
+                n.op in ("placeholder", "output", "get_attr") or n.is_impure() or \
+                mutated_value(n) is not None:
             continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)

@@ -10,11 +10,11 @@ graph), the nodes rewrites replace (a later match may name them: Context.current
 graphs eager rejects, and activation-checkpointed regions (rewritten inside). After the
 families, one change that is not a rewrite: SDPA outputs in graphs that may train on CUDA
 hand their gradient to SDPA's backward in one layout (attention_grad_layout.py: a PyTorch
-bug gives wrong gradients otherwise); and in graphs that run as Python (not handed to
-Inductor), a norm producer hands its consumers its raw partials where nothing traces the
-graph and it computes no gradient (deferred_rstd.py: no finaliser kernel), and fused calls
-hand each other their results in the op's 2-D form (row_chains.py). Both are host time,
-no change of value.
+bug gives wrong gradients otherwise); in graphs that compute no gradient, a norm
+producer hands its consumers its raw partials (deferred_rstd.py: no finaliser kernel;
+in a graph AOTAutograd will trace, only where the producer's sizes are static); and in
+graphs that run as Python (not handed to Inductor), fused calls hand each other their
+results in the op's 2-D form (row_chains.py). Both are host time, no change of value.
 """
 
 from __future__ import annotations
@@ -132,12 +132,14 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
     # not a rewrite: a PyTorch bug kept away from every graph that may train on CUDA,
     # rewritten or not (attention_grad_layout.py)
     guarded = attention_grad_layout.guard(gm.graph)
-    deferred = fed = 0
-    if not options.inductor:  # host-path changes for graphs that run as Python
-        if not options.cudagraphs:  # AOTAutograd traces those: partials have no shape
-            deferred = _host_step(gm, records, deferred_rstd.defer, "deferred_rstd", (
-                "handing norm partials to the consumers' GEMMs raised", "each norm keeps "
-                "its finaliser kernel"))
+    # AOTAutograd traces Inductor's graphs and cudagraphs=True's: norms are deferred
+    # there only where their sizes are static (the partials' width is then known)
+    traced = options.inductor or options.cudagraphs
+    deferred = _host_step(gm, records, lambda g: deferred_rstd.defer(g, traced),
+                          "deferred_rstd", ("handing norm partials to the consumers' GEMMs "
+                                            "raised", "each norm keeps its finaliser kernel"))
+    fed = 0
+    if not options.inductor:  # graphs that run as Python: fused calls hand each other
         fed = _host_step(gm, records, row_chains.chain, "row_chains", (
             "handing fused calls 2-D results raised", "each call reshapes its own inputs "
             "and results"))

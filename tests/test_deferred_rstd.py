@@ -138,14 +138,78 @@ def test_two_readers_with_different_constants_do_not_lower():
         generate(p.build())
 
 
-def test_row_partials_have_no_traced_shape():
-    """Their width is the launch's tile config: the op's fake refuses them, so a traced
-    graph never carries them (the pass runs only on graphs that run as Python)."""
+def _quack_default_config(device):
+    from quack.gemm_config import _default_config_for_cap
+    return _default_config_for_cap(9)  # Hopper's: a CPU has no capability to read
+
+
+def test_a_traced_producer_gets_the_width_of_quacks_partials(monkeypatch):
+    """A traced graph's fake gives the partials the width the launch will: one column off
+    CUDA (the reference's merged sum); on CUDA the partials QuACK's own sink rule
+    allocates for the config the launch takes (the row class's, or QuACK's default),
+    one column past READER_FOLDS_PARTIALS (the launch sums them)."""
+    from coda_rewrite.kernels import quack_path
     producer, *_ = deferred_rstd._row_scale(_producer())
-    a = torch.empty(4, 8, dtype=bf)
-    with pytest.raises(NotImplementedError, match="row partials"):
-        ops._fake(producer.to_text(), a, torch.empty(64, 8, dtype=bf),
-                  [torch.empty(4, 64, dtype=bf), torch.empty(64, dtype=bf)])
+    a, b = torch.empty(4, 8, dtype=bf), torch.empty(64, 8, dtype=bf)
+    outs = ops._fake(producer.to_text(), a, b, [torch.empty(4, 64, dtype=bf),
+                                                 torch.empty(64, dtype=bf)])
+    assert [tuple(o.shape) for o in outs] == [(4, 64), (4, 64), (4, 1)]
+    monkeypatch.setattr(quack_path, "_default_config", _quack_default_config)
+    _, module = quack_path.load(producer.to_text())
+    (sink,) = module.epilogue.sinks.values()
+    cuda, cap, widths = torch.device("cuda"), quack_path.READER_FOLDS_PARTIALS, set()
+    for m in (1, 64, 65, 256, 1024, 4096, 8192, 65536):
+        for n in (64, 200, 2048, 4096, 8192, 16384):
+            cfg = quack_path.config_for(producer, m, n) or _quack_default_config(cuda)
+            quacks = sink.sink_alloc_shape((m,), n, cfg.tile_m, cfg.tile_n)
+            assert quacks[0] == m
+            want = quacks[-1] if quacks[-1] <= cap else 1
+            assert quack_path.partial_columns(producer, m, n, cuda) == want, (m, n, cfg)
+            widths.add(want)
+    assert 1 in widths and len(widths) > 3  # folded, single-tile and several widths
+
+
+def test_a_dynamic_row_count_has_no_traced_partials():
+    """With a symbolic row count the width is unknown: the fake refuses (the pass does
+    not defer such a graph's norms: test_traced_graphs_defer_only_static_sizes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    a = mode.from_tensor(torch.empty(4, 8, dtype=bf), symbolic_context=dynamic)
+    residual = mode.from_tensor(torch.empty(4, 64, dtype=bf), symbolic_context=dynamic)
+    b, gamma = mode.from_tensor(torch.empty(64, 8, dtype=bf)), mode.from_tensor(
+        torch.empty(64, dtype=bf))
+    with mode, pytest.raises(NotImplementedError, match="dynamic row count"):
+        ops._fake(producer.to_text(), a, b, [residual, gamma])
+
+
+def test_the_reference_on_cuda_pads_its_merged_column_to_the_launchs_width(monkeypatch):
+    """Where a CUDA call falls back to the reference (a contract the kernel cannot take),
+    its partials keep the traced width: the merged sum, then zeros (every reader's sum is
+    the same value)."""
+    from coda_rewrite.kernels import quack_path
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    monkeypatch.setattr(quack_path, "partial_columns", lambda prog, m, n, device: 5)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 8, generator=g).to(bf), torch.randn(64, 8, generator=g).to(bf)
+    operands = [torch.randn(6, 64, generator=g).to(bf), torch.randn(64, generator=g).to(bf)]
+    merged = reference.run_program(producer, a, b, operands)
+    padded = ops._partials_as_launched(producer, merged, a, b, operands,
+                                       torch.device("cuda"))
+    assert all(torch.equal(x, y) for x, y in zip(padded[:2], merged[:2]))
+    assert padded[2].shape == (6, 5) and torch.equal(padded[2][:, :1], merged[2])
+    assert not padded[2][:, 1:].any()
+    assert torch.equal(op_table_rstd(padded[2]), op_table_rstd(merged[2]))
+    same = ops._partials_as_launched(producer, merged, a, b, operands, torch.device("cpu"))
+    assert same is merged
+
+
+def op_table_rstd(partials):
+    from coda_rewrite.codegen.op_table import rstd_of_partials
+    return rstd_of_partials(partials, 64.0, 1e-6)
 
 
 def test_the_contract_checks_row_partials_operands():
@@ -184,7 +248,7 @@ def _both(model, ids, monkeypatch, options=None):
     with_pass, without = copy.deepcopy(gm), copy.deepcopy(gm)
     report = rewrite_graph(with_pass, opts)
     with monkeypatch.context() as mp:
-        mp.setattr(deferred_rstd, "defer", lambda graph: 0)
+        mp.setattr(deferred_rstd, "defer", lambda graph, traced=False: 0)
         plain = rewrite_graph(without, opts)
     with torch.no_grad():
         return report, plain, with_pass(*example), without(*example), with_pass
@@ -232,7 +296,7 @@ def test_a_norm_whose_rstd_is_also_returned_keeps_its_finaliser(monkeypatch):
     from coda_rewrite.graph_utils import ROW_CALL_MARK
     model = plain_llama().to(bf).eval()
     (gm, example), = _captured(model, tokens(2, 16))
-    monkeypatch.setattr(deferred_rstd, "defer", lambda graph: 0)
+    monkeypatch.setattr(deferred_rstd, "defer", lambda graph, traced=False: 0)
     monkeypatch.setattr(row_chains, "chain", lambda graph: 0)
     rewrite_graph(gm, Options(min_fused_rows=0, inductor=False))
     monkeypatch.undo()
@@ -274,16 +338,55 @@ def test_float32_models_keep_the_finaliser(monkeypatch):
 
 
 @pytest.mark.parametrize("traced", ["inductor", "cudagraphs"])
-def test_graphs_something_traces_are_not_deferred(traced):
-    """Inductor's graphs, and optimize(cudagraphs=True)'s (AOTAutograd traces them before
-    the cudagraph trees): a traced call has no shape for the partials."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_traced_graphs_defer_only_static_sizes(traced, dynamic):
+    """Inductor's graphs and optimize(cudagraphs=True)'s, which AOTAutograd traces: the
+    norms are deferred where every size is static (the partials' width is known at
+    trace time), not where the row count is symbolic."""
     model = plain_llama().to(bf).eval()
-    (gm, _), = _captured(model, tokens(2, 16))
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=dynamic)(tokens(2, 16))
+    (gm,) = seen
     opts = Options(min_fused_rows=0, inductor=traced == "inductor",
                    cudagraphs=traced == "cudagraphs")
     report = rewrite_graph(gm, opts)
-    assert report.rewritten and _deferred(report) == 0
-    assert "rstd_partials" not in gm.code
+    assert report.rewritten
+    if dynamic:
+        assert _deferred(report) == 0 and "rstd_partials" not in gm.code
+    else:
+        assert _deferred(report) >= 3
+        assert any("rstd_partials" in p for p in map(str, gm.graph.nodes)) or \
+            "rstd_partials" in gm.code
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_the_backend_defers_and_gives_the_values_without_the_pass(dynamic, monkeypatch):
+    """backend="coda" under no_grad (AOTAutograd traces the deferred programs, Inductor
+    calls them): the logits are the backend's without the pass, bit for bit, and the
+    report says how many norms were deferred (none with a symbolic row count)."""
+    model = hf_model("llama").to(bf).eval()
+    ids = tokens(2, 16)
+
+    def run():  # the logits and this compile's graph reports (the session's are kept)
+        torch._dynamo.reset()
+        before = len(coda_rewrite.last_report().graphs)
+        compiled = torch.compile(copy.deepcopy(model), backend="coda", dynamic=dynamic,
+                                 options={"min_fused_rows": 0})
+        with torch.no_grad():
+            return compiled(ids).logits, coda_rewrite.last_report().graphs[before:]
+    got, graphs = run()
+    with monkeypatch.context() as mp:
+        mp.setattr(deferred_rstd, "defer", lambda graph, traced=False: 0)
+        want, plain = run()
+    assert torch.equal(got, want)
+    assert graphs and plain and sum(map(_deferred, plain)) == 0
+    deferred = sum(map(_deferred, graphs))
+    assert deferred == 0 if dynamic else deferred >= 3, [g.host_path for g in graphs]
 
 
 @pytest.mark.provokes_pass_bug
@@ -292,11 +395,11 @@ def test_a_raising_pass_leaves_the_graph_as_it_was_and_says_so(monkeypatch):
     (gm, example), = _captured(model, tokens(2, 16))
     real = deferred_rstd.defer
 
-    def half_then_raise(graph):
-        real(graph)
+    def half_then_raise(graph, traced=False):
+        real(graph, traced)
         raise RuntimeError("provoked")
     kept = copy.deepcopy(gm)
-    monkeypatch.setattr(deferred_rstd, "defer", lambda graph: 0)
+    monkeypatch.setattr(deferred_rstd, "defer", lambda graph, traced=False: 0)
     rewrite_graph(kept, Options(min_fused_rows=0, inductor=False))
     monkeypatch.setattr(deferred_rstd, "defer", half_then_raise)
     report = rewrite_graph(gm, Options(min_fused_rows=0, inductor=False))

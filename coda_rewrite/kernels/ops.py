@@ -123,7 +123,21 @@ def _run_reference(program, a, b, operands):
     # The op owns its numerics: an ambient autocast must not re-cast inside the reference
     # (the rewrite already cast the GEMM operands where eager's autocast would have).
     with torch.autocast(device_type=device.type, enabled=False):
-        return reference.run_program(program, a, b, operands)
+        outs = reference.run_program(program, a, b, operands)
+    return _partials_as_launched(program, outs, a, b, operands, device)
+
+
+def _partials_as_launched(prog, outs, a, b, operands, device):
+    """The reference's ROW_PARTIALS outputs (one merged column) as wide as a launch gives
+    them (quack_path.partial_columns: what a traced graph's fake promised): the sum in the
+    first column, zeros after it, so every reader's Σ_t is the same value (x + 0 is x)."""
+    if device.type != "cuda" or not any(o.kind == Kind.ROW_PARTIALS for o in prog.outputs):
+        return outs
+    m, n = reference.problem_size(prog, a, b, operands)
+    width = quack_path.partial_columns(prog, m, n, device)
+    return [torch.nn.functional.pad(t, (0, width - t.shape[1]))
+            if o.kind == Kind.ROW_PARTIALS and t.shape[1] < width else t
+            for o, t in zip(prog.outputs, outs)]
 
 
 def _fresh(outs, inputs):
@@ -411,10 +425,13 @@ def _fake(program, a, b, operands):
     like = a if a is not None else operands[0]
     shapes = {Kind.TILE: (m, n), Kind.PAIR: (m, n // 2), Kind.PER_ROW: (m,)}
     if any(o.kind == Kind.ROW_PARTIALS for o in prog.outputs):
-        # how many partials a row gets is the launch's tile config (or 1 on the reference
-        # route): deferred_rstd.py hands them on only in graphs that run as Python
-        raise NotImplementedError(f"{prog.key}: row partials have no traced shape; a "
-                                  "graph that is traced keeps the norm's finaliser")
+        # how many partials a row gets is the launch's tile config, a function of static
+        # sizes (deferred_rstd.py defers a traced graph's norms only where they are)
+        if not isinstance(m, int) or not isinstance(n, int):
+            raise NotImplementedError(f"{prog.key}: row partials of a dynamic row count "
+                                      "have no traced shape; such a graph keeps the "
+                                      "norm's finaliser")
+        shapes[Kind.ROW_PARTIALS] = (m, quack_path.partial_columns(prog, m, n, like.device))
     return [like.new_empty(shapes[o.kind], dtype=reference.dtype_from_name(o.dtype))
             for o in prog.outputs]
 

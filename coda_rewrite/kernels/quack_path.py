@@ -612,6 +612,8 @@ class Launch:
             self.row_rstd = _row_rstd_kernel(shape)
         self.unfolded = not self.sinks
         self.results = self._result_sources()
+        if config is None:  # an override (a benchmark's) is no traced graph's promise
+            self._check_partials_width()
         first = ks.module_name not in _seen
         if first:
             with _lock:
@@ -644,6 +646,20 @@ class Launch:
         partial_sinks = {s[1] for s in sources if isinstance(s, tuple)}
         self.unfolded = all(r.sink in partial_sinks for r, _ in self.sinks)
         return sources
+
+    def _check_partials_width(self) -> None:
+        """A ROW_PARTIALS output must be as wide as partial_columns says: a traced graph
+        was promised that width (ops._fake) before any launch was planned."""
+        for spec, src in zip(self.ks.program.outputs, self.results or ()):
+            if not isinstance(src, tuple):
+                continue
+            shape = self.planned.scratch[src[1]][0]
+            tiles = shape[-1] if shape[-1] <= READER_FOLDS_PARTIALS else 1
+            want = partial_columns(self.ks.program, self.m, self.n, self.device)
+            if tiles != want:
+                raise RuntimeError(f"{self.ks.program.key}: QuACK planned {shape[-1]} row "
+                                   f"partials of {spec.value} for {self.m} x {self.n}, "
+                                   f"partial_columns says {want}")
 
     def _c(self, operands):
         return None if self.c_index is None else operands[self.c_index]
@@ -733,6 +749,26 @@ class Launch:
 # GPU (0.98-1.01x) for that host saving; past it the producer's launch sums its partials
 # to one column (one small kernel, as the finaliser was, but a torch op's host time).
 READER_FOLDS_PARTIALS = 32
+
+
+def partial_columns(prog: EpilogueProgram, m: int, n: int, device: torch.device) -> int:
+    """How many partials per row a ROW_PARTIALS output of ``prog`` holds on an (m, n)
+    problem: the launch's tiles along N (QuACK's sink rule, ``sink_alloc_shape``: one
+    partial per ``tile_n`` columns), one where the launch sums them (past
+    READER_FOLDS_PARTIALS) and off CUDA (the reference's merged column). A function of
+    the shapes alone, so a traced graph's fake knows it (ops._fake): a Launch checks that
+    QuACK planned as many, and the reference route on CUDA pads its merged column to it
+    with zeros (ops._run_reference)."""
+    if device.type != "cuda":
+        return 1
+    cfg = config_for(prog, m, n) or _default_config(device)
+    tiles = -(-n // cfg.tile_n)
+    return 1 if tiles > READER_FOLDS_PARTIALS else tiles
+
+
+def _default_config(device: torch.device):
+    from quack.gemm_config import default_config
+    return default_config(device)
 
 
 def run_gemm_epi_plan(*args, **kwargs):

@@ -1427,6 +1427,45 @@ def test_small_llama_defers_its_norms_on_gpu():
     assert rel_err(got, ref) <= 1.25 * rel_err(want, ref) + 1e-6
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_the_backend_defers_its_norms_on_gpu(mode, monkeypatch):
+    """backend="coda" under no_grad at static sizes (AOTAutograd traces the partials at
+    the width partial_columns gives, each launch checks QuACK planned as many), then at a
+    new shape (dynamo recompiles with a symbolic row count: the finaliser stays): no
+    fused call runs its reference, the logits are the backend's without the pass to a
+    bf16 rounding and no further from float64 than eager's (the numerics policy)."""
+    from coda_rewrite import deferred_rstd
+    base = _llama(0).to(DEV, torch.bfloat16).eval()
+    ref = copy.deepcopy(base).double()
+    shapes = ((2, 128), (2, 128), (1, 64), (1, 64))
+    ids = [torch.randint(0, 512, s, device=DEV) for s in shapes]
+
+    def run():
+        torch._dynamo.reset()
+        backend = coda_rewrite.CodaBackend(coda_rewrite.Options(
+            min_fused_rows=0, cudagraphs=mode == "reduce-overhead"))
+        fast = torch.compile(copy.deepcopy(base), backend=backend)
+        references = sum(n for k, n in ops.RUNTIME.items() if k[1] == "reference")
+        with torch.no_grad():
+            outs = [fast(x).logits.clone() for x in ids]
+        assert sum(n for k, n in ops.RUNTIME.items() if k[1] == "reference") == \
+            references, ops.runtime_summary()
+        return outs, [sum(int(ln.rsplit(": ", 1)[1].split()[0]) for ln in g.host_path
+                          if ln.startswith(deferred_rstd.REPORT_LINE))
+                      for g in backend.report.graphs]
+    got, deferred = run()
+    with monkeypatch.context() as mp:
+        mp.setattr(deferred_rstd, "defer", lambda graph, traced=False: 0)
+        want, none = run()
+    assert deferred[0] >= 3 and not any(none), (deferred, none)
+    assert len(deferred) >= 2 and deferred[-1] == 0, deferred  # the symbolic recompile
+    with torch.no_grad():
+        for x, g, w in zip(ids, got, want):
+            truth, eager = ref(x).logits, base(x).logits
+            assert (g.double() - w.double()).abs().max() <= 2 ** -6 * w.double().abs().max()
+            assert rel_err(g, truth) <= 1.25 * rel_err(eager, truth) + 1e-3
+
+
 @pytest.mark.parametrize("dtype,overrides", [
     (torch.float32, {}),                                    # no kernel takes float32
     (torch.bfloat16, {"intermediate_size": 100}),            # gate/up 100: 200-byte rows
