@@ -155,6 +155,7 @@ def test_a_traced_producer_gets_the_width_of_quacks_partials(monkeypatch):
                                                  torch.empty(64, dtype=bf)])
     assert [tuple(o.shape) for o in outs] == [(4, 64), (4, 64), (4, 1)]
     monkeypatch.setattr(quack_path, "_default_config", _quack_default_config)
+    monkeypatch.setattr(quack_path, "_kernels_run_on", lambda device: True)
     _, module = quack_path.load(producer.to_text())
     (sink,) = module.epilogue.sinks.values()
     cuda, cap, widths = torch.device("cuda"), quack_path.READER_FOLDS_PARTIALS, set()
@@ -167,6 +168,22 @@ def test_a_traced_producer_gets_the_width_of_quacks_partials(monkeypatch):
             assert quack_path.partial_columns(producer, m, n, cuda) == want, (m, n, cfg)
             widths.add(want)
     assert 1 in widths and len(widths) > 3  # folded, single-tile and several widths
+
+
+def test_where_no_launch_can_serve_the_call_the_partials_are_one_column(monkeypatch):
+    """A CUDA device the kernels cannot run on (no QuACK, another arch) runs the
+    reference: one merged column, and no QuACK import to trace it."""
+    from coda_rewrite.kernels import quack_path
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    monkeypatch.setattr(quack_path, "_arch_violation", lambda index: None)
+    monkeypatch.setattr(quack_path, "_default_config", _quack_default_config)
+    cuda = torch.device("cuda", 0)
+    assert quack_path.partial_columns(producer, 4096, 2048, cuda) == 11
+    monkeypatch.setattr(quack_path, "quack_available", lambda: "quack-kernels unavailable")
+    assert quack_path.partial_columns(producer, 4096, 2048, cuda) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(quack_path, "_arch_violation", lambda index: "sm_80: not validated")
+    assert quack_path.partial_columns(producer, 4096, 2048, cuda) == 1
 
 
 def test_a_dynamic_row_count_has_no_traced_partials():

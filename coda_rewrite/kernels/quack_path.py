@@ -755,15 +755,23 @@ def partial_columns(prog: EpilogueProgram, m: int, n: int, device: torch.device)
     """How many partials per row a ROW_PARTIALS output of ``prog`` holds on an (m, n)
     problem: the launch's tiles along N (QuACK's sink rule, ``sink_alloc_shape``: one
     partial per ``tile_n`` columns), one where the launch sums them (past
-    READER_FOLDS_PARTIALS) and off CUDA (the reference's merged column). A function of
-    the shapes alone, so a traced graph's fake knows it (ops._fake): a Launch checks that
-    QuACK planned as many, and the reference route on CUDA pads its merged column to it
-    with zeros (ops._run_reference)."""
-    if device.type != "cuda":
+    READER_FOLDS_PARTIALS) and where no launch can serve the call (the reference's
+    merged column: off CUDA, without QuACK, on a GPU the kernels are not validated on).
+    A function of the shapes alone, so a traced graph's fake knows it (ops._fake): a
+    Launch checks that QuACK planned as many, and the reference route on CUDA pads its
+    merged column to it with zeros (ops._run_reference)."""
+    if device.type != "cuda" or not _kernels_run_on(device):
         return 1
     cfg = config_for(prog, m, n) or _default_config(device)
     tiles = -(-n // cfg.tile_n)
     return 1 if tiles > READER_FOLDS_PARTIALS else tiles
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    """Whether generated kernels can run on this CUDA device (QuACK imports, the arch is
+    one they are validated on)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return quack_available() is None and _arch_violation(index) is None
 
 
 def _default_config(device: torch.device):
