@@ -139,7 +139,7 @@ def _rewrite_one(gm: fx.GraphModule, options: Options, records: list[MatchRecord
                           "deferred_rstd", ("handing norm partials to the consumers' GEMMs "
                                             "raised", "each norm keeps its finaliser kernel"))
     fed = 0
-    if not options.inductor:  # graphs that run as Python: fused calls hand each other
+    if not options.inductor:  # a graph run as Python: calls hand each other 2-D results
         fed = _host_step(gm, records, row_chains.chain, "row_chains", (
             "handing fused calls 2-D results raised", "each call reshapes its own inputs "
             "and results"))
