@@ -44,9 +44,9 @@ from coda_rewrite.models import Llama, LlamaArgs
 
 bf = torch.bfloat16
 SHAPES = {"1b": LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                          vocab_size=128256, max_seq_len=4096),
+                          vocab_size=128256, max_seq_len=8192),
           "8b": LlamaArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                          vocab_size=128256, max_seq_len=4096)}
+                          vocab_size=128256, max_seq_len=8192)}
 ROWS = (1, 8, 16, 64, 256, 1024, 4096)
 STATIC = "--static" in sys.argv  # the unfused baseline compiled per M (Inductor's best
 # epilogue kernel for that size, at a compile per family and M) instead of once with
