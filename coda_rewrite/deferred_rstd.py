@@ -110,11 +110,12 @@ def _computes_no_gradient(graph: fx.Graph) -> bool:
 def _static_sizes(call: fx.Node) -> bool:
     """Every tensor the call takes has plain-int sizes where dynamo traced it: the width
     of its partials (the launch's tiles along N, by row class: quack_path.partial_columns)
-    is then known when AOTAutograd traces it (kernels/ops._fake)."""
+    is then known when AOTAutograd traces it (kernels/ops._fake). A value whose traced
+    meta is missing or not a tensor counts as not static (the finaliser stays)."""
     found = []
     fx.node.map_arg(call.args[1:], lambda n: found.append(meta(n)) or n)
-    return all(isinstance(m, torch.Tensor) and all(type(s) is int for s in m.shape)
-               for m in found if m is not None) and bool(found)
+    return bool(found) and all(isinstance(m, torch.Tensor) and
+                               all(type(s) is int for s in m.shape) for m in found)
 
 
 def _sharded(call: fx.Node) -> bool:

@@ -654,9 +654,8 @@ class Launch:
             if not isinstance(src, tuple):
                 continue
             shape = self.planned.scratch[src[1]][0]
-            tiles = shape[-1] if shape[-1] <= READER_FOLDS_PARTIALS else 1
             want = partial_columns(self.ks.program, self.m, self.n, self.device)
-            if tiles != want:
+            if _handed_on(shape[-1]) != want:
                 raise RuntimeError(f"{self.ks.program.key}: QuACK planned {shape[-1]} row "
                                    f"partials of {spec.value} for {self.m} x {self.n}, "
                                    f"partial_columns says {want}")
@@ -707,7 +706,7 @@ class Launch:
         in another grouping): each reading CTA folds its rows' partials before its
         epilogue, a cost that grows with T (kernels/epi_ops.py)."""
         partials = sink if sink.dim() == 2 else sink.view(self.m, -1)
-        if partials.shape[1] > READER_FOLDS_PARTIALS:
+        if _handed_on(partials.shape[1]) != partials.shape[1]:
             return partials.sum(1, keepdim=True)
         return partials
 
@@ -751,6 +750,12 @@ class Launch:
 READER_FOLDS_PARTIALS = 32
 
 
+def _handed_on(tiles: int) -> int:
+    """How many of a launch's ``tiles`` partials per row it hands on: all of them, or
+    past READER_FOLDS_PARTIALS their sum (Launch._partials)."""
+    return tiles if tiles <= READER_FOLDS_PARTIALS else 1
+
+
 def partial_columns(prog: EpilogueProgram, m: int, n: int, device: torch.device) -> int:
     """How many partials per row a ROW_PARTIALS output of ``prog`` holds on an (m, n)
     problem: the launch's tiles along N (QuACK's sink rule, ``sink_alloc_shape``: one
@@ -763,8 +768,7 @@ def partial_columns(prog: EpilogueProgram, m: int, n: int, device: torch.device)
     if device.type != "cuda" or not _kernels_run_on(device):
         return 1
     cfg = config_for(prog, m, n) or _default_config(device)
-    tiles = -(-n // cfg.tile_n)
-    return 1 if tiles > READER_FOLDS_PARTIALS else tiles
+    return _handed_on(-(-n // cfg.tile_n))
 
 
 def _kernels_run_on(device: torch.device) -> bool:
