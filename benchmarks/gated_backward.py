@@ -72,7 +72,7 @@ def main():
                   rel_err(h.double(), F.silu(g64) * u64))
         base_dg, base_du = unfused()
         base = max(rel_err(base_dg.double(), want_dg), rel_err(base_du.double(), want_du))
-        kernel = [k for k in ops.RUNTIME if k[0] == "dgated_swiglu" and k[1] == "kernel"]
+        kernel = [k for k in ops.runtime_counts() if k[0] == "dgated_swiglu" and k[1] == "kernel"]
         variants = {"dgated (fused)": fused, "cuBLAS + Inductor dSwiGLU": unfused,
                     "cuBLAS dh alone": cublas}
         for fields in CONFIGS:  # other tile configs of the same kernel

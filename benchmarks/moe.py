@@ -163,7 +163,7 @@ def train(names):
             print(f"{name}: {k}: grad x rel. error {rel_err(gx.float(), xr.grad):.2e}, "
                   f"grad down_proj {rel_err(gw.float(), ref.experts.down_proj.grad):.2e}",
                   flush=True)
-        ops.RUNTIME.clear()
+        ops.reset_runtime()
         step(variants["backend=coda fused"])
         print(f"{name}: runtime {ops.runtime_summary()}", flush=True)
         timed = bench_rounds({k: (lambda f=f: step(f)) for k, f in variants.items()},
@@ -408,7 +408,7 @@ def layer(names):
         with torch.no_grad():
             want = model(ids).logits.float()
             for k, f in variants.items():
-                ops.RUNTIME.clear()
+                ops.reset_runtime()
                 got = f(ids).logits.float()
                 print(f"{name}: {k}: rel. error vs eager {rel_err(got, want):.2e}; "
                       f"{ops.runtime_summary()[:3]}", flush=True)
@@ -438,7 +438,7 @@ def main(names):
             for k, f in variants.items():
                 o = f(x)
                 outs[k] = o[0] if isinstance(o, tuple) else o
-            ops.RUNTIME.clear()
+            ops.reset_runtime()
             variants["backend=coda"](x)
             print(f"{name}: runtime {ops.runtime_summary()}", flush=True)
             for k, o in outs.items():

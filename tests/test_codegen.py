@@ -4,6 +4,7 @@ produce, on a machine with no GPU (PTX checked for wgmma and TMA)."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -396,11 +397,11 @@ def test_contract_rejects(bend, why):
 
 def test_cpu_calls_fall_back_and_say_why():
     from coda_rewrite.kernels import ops
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     prog = rowscale_bias()
     a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
     ops.fused_linear(prog.to_text(), a, b, torch.rand(8, 1), torch.randn(24, dtype=torch.bfloat16))
-    new = {k: v for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    new = {k: v for k, v in ops.runtime_counts().items() if before.get(k) != v}
     assert list(new) == [(prog.key, "reference", "device cpu (generated kernels are CUDA only)")]
 
 
@@ -617,12 +618,42 @@ def test_runtime_summary_names_each_kernels_config_and_sizes(monkeypatch):
     launch.ks, launch.m, launch.n, launch.config = generate(rowscale_bias()), 64, 4096, None
     other = object.__new__(quack_path.Launch)
     other.ks, other.m, other.n, other.config = launch.ks, 8192, 4096, None
+    launch.calls, other.calls = 3, 2
     monkeypatch.setattr(ops, "_routes", {("p", 1): launch, ("p", 2): other,
                                          ("q", 3): "device cpu"})
+    monkeypatch.setattr(ops, "RUNTIME", collections.Counter())
     lines = ops.launch_configs()
     assert lines == [f"kernel {launch.ks.program.key}: QuACK's default config (128 x 192 "
                      "tiles, cluster 2) for M x N in 64 x 4096, 8192 x 4096"], lines
-    assert lines[0] in ops.runtime_summary()
+    ran = f"{launch.ks.program.key}: kernel (generated QuACK epilogue) x5"
+    assert lines[0] in ops.runtime_summary() and ran in ops.runtime_summary()
+
+
+def test_each_launch_counts_its_calls_and_the_counts_outlive_the_route_table(monkeypatch):
+    """A kernel's calls are counted by its Launch (no shared counter on the host path):
+    every route to it (the op, the 2-D fast path, the model-shaped one) counts once per
+    call; dropping the route table keeps the counts; reset_runtime forgets them."""
+    from coda_rewrite.kernels import ops
+    _stub_launches(monkeypatch)
+    monkeypatch.setattr(ops, "RUNTIME", collections.Counter())
+    prog = rowscale_bias()
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    r, bias = torch.randn(4), torch.randn(6, dtype=torch.bfloat16)
+    kernel = (prog.key, "kernel", "generated QuACK epilogue")
+    with torch.no_grad():
+        ops.execute(prog.to_text(), a, b, [r, bias])                     # decided
+        ops.execute(prog.to_text(), a, b, [r, bias])                     # _run_known
+        ops.fused_linear(prog.to_text(), a, b, r, bias)                  # 2-D fast path
+        ops.fused_linear(prog.to_text(), a.view(2, 2, 8), b, r.view(2, 2, 1), bias)
+        ops.fused_linear(prog.to_text(), a.view(2, 2, 8), b, r.view(2, 2, 1), bias)
+    assert ops.runtime_counts()[kernel] == 5
+    ops.forget_routes()
+    assert ops.runtime_counts()[kernel] == 5 and ops.RUNTIME[kernel] == 5
+    with torch.no_grad():
+        ops.execute(prog.to_text(), a, b, [r, bias])
+    assert ops.runtime_counts()[kernel] == 6
+    ops.reset_runtime()
+    assert ops.runtime_counts()[kernel] == 0
 
 
 _SPLIT_K_PLAN = """
@@ -706,7 +737,7 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
     def launch_of(program, m, n, scratch, norm):
         launch = object.__new__(quack_path.Launch)
         launch.ks = generate(program)
-        launch.m, launch.n, launch.device = m, n, torch.device("cpu")
+        launch.m, launch.n, launch.device, launch.calls = m, n, torch.device("cpu"), 0
         launch.out_dtypes = {o.value: torch.float32 if o.dtype == "float32"
                              else torch.bfloat16 for o in program.outputs}
         launch.outs = [(name, (m, n), launch.out_dtypes[value])
@@ -744,7 +775,7 @@ def test_a_reference_run_on_a_cuda_device_warns():
     the graph it replaced) warns, once per kernel and reason; off CUDA it is only counted."""
     import warnings as w
     from coda_rewrite.kernels import ops
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     with w.catch_warnings(record=True) as seen:
         w.simplefilter("default")
         ops.count_reference("probe_kernel", "a reason", torch.device("cpu"))
@@ -753,7 +784,7 @@ def test_a_reference_run_on_a_cuda_device_warns():
             ops.count_reference("probe_kernel", "a reason", torch.device("cuda", 0))
     assert len(seen) == 1 and issubclass(seen[0].category, RuntimeWarning)
     assert "probe_kernel" in str(seen[0].message) and "a reason" in str(seen[0].message)
-    assert ops.RUNTIME[("probe_kernel", "reference", "a reason")] - \
+    assert ops.runtime_counts()[("probe_kernel", "reference", "a reason")] - \
         before.get(("probe_kernel", "reference", "a reason"), 0) == 4
 
 
@@ -810,9 +841,10 @@ def _stub_launches(monkeypatch) -> list:
 
     class Stub(quack_path.Launch):
         def __init__(self, ks):
-            self.ks = ks
+            self.ks, self.calls = ks, 0
 
         def __call__(self, a, b, operands):
+            self.calls += 1
             return ops._run_reference(self.ks.program, a, b, list(operands))
 
     decided = []

@@ -224,6 +224,38 @@ def test_the_reference_on_cuda_pads_its_merged_column_to_the_launchs_width(monke
     assert same is merged
 
 
+@pytest.mark.parametrize("sourced", [True, False], ids=["from_its_buffer", "merged"])
+def test_a_launch_refuses_at_plan_time_a_width_other_than_the_traced_one(sourced,
+                                                                         monkeypatch):
+    """Launch._check_partials_width, fail-closed: a launch whose partials come from its
+    sink buffer hands on as many as QuACK planned (or their sum past the readers' fold
+    limit); one whose outputs go through a per-row stage gives the merged column. Either
+    way, a width other than the one partial_columns promised the traced graph raises
+    before any call (built without a GPU: a Launch's fields, no plan)."""
+    from coda_rewrite.kernels import quack_path
+    producer, *_ = deferred_rstd._row_scale(_producer())
+    launch = object.__new__(quack_path.Launch)
+    launch.ks, launch.m, launch.n, launch.device = generate(producer), 64, 2048, \
+        torch.device("cuda")
+    launch.sinks = [(r, None) for r in launch.ks.contract.reductions]
+    launch.out_dtypes = {o.value: reference.dtype_from_name(o.dtype) for o in producer.outputs}
+    (sink,) = {r.sink for r, _ in launch.sinks}
+    launch.planned = type("Planned", (), {})()
+    launch.planned.scratch = {sink: (torch.Size([64, 11]), torch.float32)}
+    launch.results = launch._result_sources() if sourced else None
+    assert (launch.results is not None) == sourced
+    promised = {True: 11, False: 1}[sourced]
+    monkeypatch.setattr(quack_path, "partial_columns", lambda prog, m, n, device: promised)
+    launch._check_partials_width()
+    for other in (promised + 1, 1 if sourced else 11):
+        monkeypatch.setattr(quack_path, "partial_columns", lambda prog, m, n, device: other)
+        with pytest.raises(RuntimeError, match=f"partial_columns says {other}"):
+            launch._check_partials_width()
+    launch.planned.scratch = {sink: (torch.Size([64, 40]), torch.float32)}  # summed past 32
+    monkeypatch.setattr(quack_path, "partial_columns", lambda prog, m, n, device: 1)
+    launch._check_partials_width()
+
+
 def op_table_rstd(partials):
     from coda_rewrite.codegen.op_table import rstd_of_partials
     return rstd_of_partials(partials, 64.0, 1e-6)

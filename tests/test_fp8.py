@@ -61,7 +61,7 @@ def test_hf_mlps_run_in_fp8_no_worse_than_torchaos_rowwise(family):
     with torch.no_grad():
         truth = copy.deepcopy(model).double()(ids).logits
         eager = model(ids).logits
-        before = dict(ops.RUNTIME)
+        before = dict(ops.runtime_counts())
         fast = coda_rewrite.optimize(model, fp8=True)
         got = fast(ids).logits
         emulated = rowwise_projections(model, hf_projections)(ids).logits
@@ -70,7 +70,7 @@ def test_hf_mlps_run_in_fp8_no_worse_than_torchaos_rowwise(family):
     linears = fp8_records(fast.report, pattern="fp8_linear")
     assert len(linears) == 2 and all(len(r.consumers) == 3 for r in linears), \
         str(fast.report)
-    ran = {k[0].split("#")[0] for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    ran = {k[0].split("#")[0] for k, v in ops.runtime_counts().items() if before.get(k) != v}
     op = "geglu" if family == "gemma" else "swiglu"
     biased = "fp8_scaled_bias" if family == "qwen2" else "fp8_scaled"
     assert {f"fp8_{op}", "fp8_scaled", biased, "fp8_rowwise"} <= ran, ran

@@ -35,7 +35,7 @@ def down_notes(report):
 
 
 def dgated_calls(op: str) -> int:
-    return sum(n for (key, _, _), n in ops.RUNTIME.items() if key == f"dgated_{op}")
+    return sum(n for (key, _, _), n in ops.runtime_counts().items() if key == f"dgated_{op}")
 
 
 def grads_close(model, ref, tol):
@@ -259,11 +259,11 @@ def test_reference_accumulates_like_the_kernel():
 
 
 def test_cpu_tensors_run_the_reference_and_say_why():
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     t = torch.randn(8, 16, dtype=torch.bfloat16)
     torch.ops.coda.dgated("swiglu", t, torch.randn(16, 8, dtype=torch.bfloat16),
                           torch.randn(8, 16, dtype=torch.bfloat16))
-    new = {k for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    new = {k for k, v in ops.runtime_counts().items() if before.get(k) != v}
     assert new == {("dgated_swiglu", "reference",
                     "device cpu (generated kernels are CUDA only)")}
 

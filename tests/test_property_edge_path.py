@@ -42,7 +42,7 @@ class _StrictStub(quack_path.Launch):
     was prepared for (what a planned launch assumes of its caller)."""
 
     def __init__(self, ks, a, b, operands):
-        self.ks, self.key = ks, _launch_class(a, b, operands)
+        self.ks, self.key, self.calls = ks, _launch_class(a, b, operands), 0
 
     def __call__(self, a, b, operands):
         key = _launch_class(a, b, operands)

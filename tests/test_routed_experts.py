@@ -1083,7 +1083,7 @@ def test_expert_ids_counted_only_through_exact_casts(dtype, exact):
 
 def _dgated_routed_calls() -> int:
     from coda_rewrite.kernels import ops
-    return sum(n for (key, _, _), n in ops.RUNTIME.items()
+    return sum(n for (key, _, _), n in ops.runtime_counts().items()
                if key.startswith("dgated_routed_"))
 
 
@@ -1193,9 +1193,9 @@ def test_fused_down_backward_meets_the_kernel_contract(family):
     ids = torch.randint(0, 128, (2, 16))
     fast = coda_rewrite.optimize(model)
     fast(ids, labels=ids).loss.backward()  # compiles (the witnesses replay in float64)
-    ops.RUNTIME.clear()
+    ops.reset_runtime()
     fast(ids, labels=ids).loss.backward()
-    reasons = {r for (key, _, r) in ops.RUNTIME if key.startswith("dgated_routed_")}
+    reasons = {r for (key, _, r) in ops.runtime_counts() if key.startswith("dgated_routed_")}
     assert reasons and all(r.startswith("device cpu") for r in reasons), reasons
 
 
@@ -1329,12 +1329,12 @@ def test_witness_replays_are_not_counted_as_the_models_calls():
     from coda_rewrite.kernels import ops
     model, _ = moe_model("qwen3_moe")
     model.train()
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     fast = coda_rewrite.optimize(model)
     ids = torch.randint(0, 128, (2, 16))
     fast(ids, labels=ids).loss.backward()
     assert [r for r in fast.report.records
             if r.pattern == "routed_experts" and r.status == "rewritten"], str(fast.report)
-    new = {k: v for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    new = {k: v for k, v in ops.runtime_counts().items() if before.get(k) != v}
     assert any("experts" in k[0] for k in new), new          # the model's calls counted
     assert not [k for k in new if "float64" in k[2]], new     # the replays' not

@@ -304,7 +304,7 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
         return f"{model_type}: skipped (no CUDA device)"
     ids = torch.randint(3, 256, (2, 128), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    before = collections.Counter(ops.RUNTIME)
+    before = ops.runtime_counts()
     limit = numerics.BF16_RATIO_LIMIT
 
     def rewrite(model):
@@ -359,7 +359,7 @@ def check_gpu(model_type: str, device: str = "cuda") -> str:
     worst = sorted(((rel_err(grads["ours"][n], g) / max(rel_err(grads["eager"][n], g), 1e-30),
                      n) for n, g in grads["truth"].items() if n in grads["ours"]),
                    reverse=True)[:3]
-    ran = collections.Counter(ops.RUNTIME)
+    ran = ops.runtime_counts()
     ran.subtract(before)
     kernels = sum(v for (_, impl, _), v in ran.items() if impl == "kernel" and v > 0)
     fallbacks = collections.Counter()

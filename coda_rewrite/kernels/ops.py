@@ -4,8 +4,8 @@ One op runs every program: ``coda::gemm_epilogue(program, a, b, operands)``. The
 text (codegen/program.py) says what the epilogue does, so a new pattern needs no new op.
 On Hopper, with tensors that meet the layout contract, the op launches the kernel
 generated from the program (kernels/quack_path.py); everywhere else it runs the reference
-interpreter (codegen/reference.py). ``RUNTIME`` counts which implementation ran and why,
-and the report shows it: a fallback is never silent.
+interpreter (codegen/reference.py). ``runtime_counts()`` says which implementation ran
+and why, and the report shows it: a fallback is never silent.
 
 Autograd: kernels/backward/ (a rule per family). The backward runs its GEMMs on the
 16-bit operands and recomputes no GEMM for the programs the patterns produce.
@@ -40,9 +40,11 @@ try:  # what Function.apply does to its arguments before autograd's C++ apply (r
 except ImportError:  # pragma: no cover: a PyTorch without it takes Function.apply
     unwrap_dead_wrappers = None
 
-# (program key, implementation, reason) -> calls. Read it with runtime_summary().
+# (program key, implementation, reason) -> calls, for every call but a generated kernel's
+# (each Launch counts its own: Launch.calls). Read both with runtime_counts().
 RUNTIME: collections.Counter = collections.Counter()
 _lock = threading.Lock()
+_KERNEL = ("kernel", "generated QuACK epilogue")
 
 
 def _count(program, impl: str, reason: str) -> None:
@@ -93,11 +95,32 @@ def count_reference(key: str, reason: str, device: torch.device) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def runtime_counts() -> collections.Counter:
+    """(program key, implementation, reason) -> calls so far: RUNTIME, and each generated
+    kernel's launches, which its Launch counts (a fused call's host time is what a decode
+    step pays, and a shared counter under a lock cost ~0.9 µs of it on a 2-core CPU)."""
+    with _lock:
+        counts = collections.Counter(RUNTIME)
+        launches = [r for r in _routes.values() if isinstance(r, quack_path.Launch)]
+    for launch in launches:
+        if launch.calls:
+            counts[(launch.ks.program.key, *_KERNEL)] += launch.calls
+    return counts
+
+
+def reset_runtime() -> None:
+    """Forget every count runtime_counts() gives (a benchmark that counts per variant)."""
+    with _lock:
+        RUNTIME.clear()
+        for route in _routes.values():
+            if isinstance(route, quack_path.Launch):
+                route.calls = 0
+
+
 def runtime_summary() -> list[str]:
     """Which implementation ran for each program and why, and each kernel's first call
     (compile, or a load from QuACK's disk cache on a warm start)."""
-    with _lock:
-        items = sorted(RUNTIME.items())
+    items = sorted(runtime_counts().items())
     lines = [f"{key}: {impl} ({reason}) x{n}" for (key, impl, reason), n in items]
     lines += [f"kernel {key} ready in {s:.1f} s (first call)" for key, s in quack_path.COMPILES]
     return lines + launch_configs()
@@ -180,8 +203,7 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
         count_reference(prog.key, route, (a if a is not None else operands[0]).device)
         return _fresh(_run_reference(prog, a, b, operands), [a, b, *operands])
     _remember(program, a, b, operands, route)
-    _count(prog, "kernel", "generated QuACK epilogue")
-    return route(a, b, operands)  # fresh buffers, never an input
+    return route(a, b, operands)  # fresh buffers, never an input; the launch counts it
 
 
 # (kernel, tensor-metadata key) -> a prepared kernel launch, or why the reference runs
@@ -212,6 +234,9 @@ def forget_routes() -> None:
 
 
 def _forget() -> None:
+    for route in _routes.values():  # the dropped launches' counts stay in the summary
+        if isinstance(route, quack_path.Launch) and route.calls:
+            RUNTIME[(route.ks.program.key, *_KERNEL)] += route.calls
     _routes.clear()
     _last.clear()  # the fast path's classes point at the routes dropped
 
@@ -249,10 +274,7 @@ def _last_route(program, a, b, operands, grad_free: bool = False):
 def _run_known(program, a, b, operands, grad_free: bool = False):
     """The launch's outputs where the call is in a class _last_route knows, else None."""
     route = _last_route(program, a, b, operands, grad_free)
-    if route is None:
-        return None
-    count(route.ks.program.key, "kernel", "generated QuACK epilogue")
-    return route(a, b, operands)
+    return None if route is None else route(a, b, operands)
 
 
 # A call at a chain's edge (row_chains.py) takes the model's [*lead, K] and gives back
@@ -323,7 +345,6 @@ class _RecordedRoute(_Reshaped):
 
     def __call__(self, program, x, weight, operands) -> tuple[torch.Tensor, ...]:
         a, flat = self.flatten(x, operands)
-        count(self.ks.program.key, "kernel", "generated QuACK epilogue")
         return self.unflatten(_apply_known(self.launch, program, a, weight, *flat))
 
 
@@ -411,8 +432,11 @@ def _refuse_gradients(program, a, b, operands) -> None:
 
 
 def _execute_nograd(program, a, b, operands):
-    _refuse_gradients(program, a, b, operands)
-    return execute(program, a, b, operands)
+    # execute's own fast path, inlined: this is every fused call of an Inductor graph
+    if torch.is_grad_enabled():
+        _refuse_gradients(program, a, b, operands)
+    route = _last_route(program, a, b, operands)
+    return route(a, b, operands) if route is not None else execute(program, a, b, operands)
 
 
 _lib.impl("gemm_epilogue_nograd", _execute_nograd, "CompositeExplicitAutograd")

@@ -572,11 +572,15 @@ class Launch:
     needs) and the finaliser (benchmarks/host_overhead.py measures it against F.linear)."""
 
     __slots__ = ("ks", "planned", "c_index", "kwargs", "outs", "sinks", "m", "n",
-                 "device", "out_dtypes", "row_rstd", "norm", "config", "results", "unfolded")
+                 "device", "out_dtypes", "row_rstd", "norm", "config", "results", "unfolded",
+                 "calls")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
         self.ks, self.m, self.n, self.device = ks, a.shape[0], b.shape[0], a.device
+        # launches so far (ops.runtime_counts): an attribute, not a shared counter, since
+        # this is every fused call's host path; two threads may lose an increment
+        self.calls = 0
         names = [o.name for o in prog.operands]
         self.c_index, self.kwargs = None, []
         for bnd in ks.contract.operands:
@@ -649,16 +653,20 @@ class Launch:
 
     def _check_partials_width(self) -> None:
         """A ROW_PARTIALS output must be as wide as partial_columns says: a traced graph
-        was promised that width (ops._fake) before any launch was planned."""
-        for spec, src in zip(self.ks.program.outputs, self.results or ()):
-            if not isinstance(src, tuple):
+        was promised that width (ops._fake) before any launch was planned. A launch
+        whose outputs are not all sourced from its buffers (``results`` None: a per-row
+        stage runs) gives the merged column, one wide."""
+        prog = self.ks.program
+        sources = self.results if self.results is not None else [None] * len(prog.outputs)
+        for spec, src in zip(prog.outputs, sources):
+            if spec.kind != Kind.ROW_PARTIALS:
                 continue
-            shape = self.planned.scratch[src[1]][0]
-            want = partial_columns(self.ks.program, self.m, self.n, self.device)
-            if _handed_on(shape[-1]) != want:
-                raise RuntimeError(f"{self.ks.program.key}: QuACK planned {shape[-1]} row "
-                                   f"partials of {spec.value} for {self.m} x {self.n}, "
-                                   f"partial_columns says {want}")
+            planned = self.planned.scratch[src[1]][0][-1] if isinstance(src, tuple) else 1
+            want = partial_columns(prog, self.m, self.n, self.device)
+            if _handed_on(planned) != want:
+                raise RuntimeError(f"{prog.key}: the launch gives {_handed_on(planned)} row "
+                                   f"partials of {spec.value} for {self.m} x {self.n} "
+                                   f"(QuACK planned {planned}), partial_columns says {want}")
 
     def _c(self, operands):
         return None if self.c_index is None else operands[self.c_index]
@@ -676,6 +684,7 @@ class Launch:
                 for name, shape, dtype in self.outs}
 
     def __call__(self, a, b, operands) -> list[torch.Tensor]:
+        self.calls += 1
         out = self._alloc()
         planned = self.planned
         scratch = planned.new_scratch()

@@ -89,7 +89,7 @@ def _operands(prog, m, n, seed):
 def _kernel_calls(key_prefix: str) -> int:
     """Calls that ran a generated kernel, for programs whose key starts so (a program's
     whole key, or its name and '#')."""
-    return sum(n for (key, impl, _), n in ops.RUNTIME.items()
+    return sum(n for (key, impl, _), n in ops.runtime_counts().items()
                if impl == "kernel" and key.startswith(key_prefix))
 
 
@@ -174,10 +174,10 @@ def test_contract_violation_falls_back_and_says_so():
     a = torch.randn(64, 12, device=DEV, dtype=torch.bfloat16)  # K = 12: TMA rows misaligned
     b = torch.randn(32, 12, device=DEV, dtype=torch.bfloat16)
     operands = _operands(prog, 64, 32, 0)
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     got = ops.gemm_epilogue(prog.to_text(), a, b, operands)
     assert torch.equal(got[0], reference.run_program(prog, a, b, operands)[0])
-    new = [k for k, v in ops.RUNTIME.items() if before.get(k) != v]
+    new = [k for k, v in ops.runtime_counts().items() if before.get(k) != v]
     assert len(new) == 1 and new[0][1] == "reference" and "multiple of 8" in new[0][2], new
 
 
@@ -194,10 +194,10 @@ def test_small_llama_bf16_on_gpu(via):
         return coda_rewrite.optimize(model) if via == "optimize" else \
             torch.compile(model, backend="coda")
 
-    before = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel")
+    before = sum(v for k, v in ops.runtime_counts().items() if k[1] == "kernel")
     rope_before = _kernel_calls("rowscale_rope#")
     res = low_precision_errors(_llama, (ids,), rewrite, seeds=(0, 1, 2), device=DEV)
-    kernels = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel") - before
+    kernels = sum(v for k, v in ops.runtime_counts().items() if k[1] == "kernel") - before
     # per layer: o_proj + norm, q/k/v + RoPE, gate/up + SwiGLU, down + norm; lm_head
     assert kernels >= 3 * (4 * 2 + 1), ops.runtime_summary()  # the fused GEMMs ran
     assert _kernel_calls("rowscale_rope#") - rope_before >= 3 * 2, ops.runtime_summary()
@@ -408,7 +408,7 @@ def test_backend_dynamic_shapes_on_gpu():
     graphs = backend.report.graphs
     assert 1 <= len(graphs) <= 2 and backend.report.count() == 5 * len(graphs)
     assert backend.report.count(pattern="rope") == 2 * len(graphs)
-    kernels = sum(v for k, v in ops.RUNTIME.items() if k[1] == "kernel")
+    kernels = sum(v for k, v in ops.runtime_counts().items() if k[1] == "kernel")
     assert kernels > 0
 
 
@@ -537,9 +537,9 @@ def test_cross_entropy_backward_one_pass_from_stored_logits(monkeypatch, logits_
     prog, g, a, b, r, target, outs = _stored_logits(5, logits_map)
     grads = [None, torch.randn(a.shape[0], generator=g, device=DEV), None]
     key = (prog.key, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
-    before = ops.RUNTIME[key]
+    before = ops.runtime_counts()[key]
     one = backward.vjp(prog, a, b, [r, target], outs, grads)
-    assert ops.RUNTIME[key] == before + 1
+    assert ops.runtime_counts()[key] == before + 1
     monkeypatch.setattr(backward.cross_entropy, "_one_pass_violation", lambda *a: "forced")
     chunked = backward.vjp(prog, a, b, [r, target], outs, grads)
     for x, y in zip([one[0], one[1], one[2][0]], [chunked[0], chunked[1], chunked[2][0]]):
@@ -558,10 +558,10 @@ def test_traced_softmax_grad_with_a_logits_gradient_on_gpu(monkeypatch):
     d_logits = (torch.randn(m, n, generator=g, device=DEV) * 1e-4).to(torch.bfloat16)
     grads = [d_logits, torch.randn(m, generator=g, device=DEV), None]
     key = (prog.key, "backward kernel", "QuACK cross_entropy_bwd from stored logits")
-    before = ops.RUNTIME[key]
+    before = ops.runtime_counts()[key]
     monkeypatch.setattr(backward.cross_entropy.layouts, "real", lambda tensors: False)
     traced = backward.vjp(prog, a, b, [r, target], outs, grads)
-    assert ops.RUNTIME[key] == before  # no kernel: the expression
+    assert ops.runtime_counts()[key] == before  # no kernel: the expression
     monkeypatch.undo()
     monkeypatch.setattr(backward.cross_entropy, "_one_pass_violation", lambda *a: "forced")
     chunked = backward.vjp(prog, a, b, [r, target], outs, grads)
@@ -595,7 +595,7 @@ def test_packed_and_written_rope_spellings_bf16_on_gpu(family, overrides):
     ids = torch.randint(0, 512, (2, 128), device=DEV)
 
     def rope_kernel_calls():
-        return sum(n for (key, impl, _), n in ops.RUNTIME.items()
+        return sum(n for (key, impl, _), n in ops.runtime_counts().items()
                    if "rope" in key and impl == "kernel")
 
     def build(seed):
@@ -1200,7 +1200,7 @@ def test_fp8_mlps_on_gpu(family, via):
     from test_fp8 import hf_projections, rowwise_projections
     model = hf_model(family, layers=2, hidden=256, dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(0, 256, (2, 128), device="cuda")
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     with torch.no_grad():
         truth = copy.deepcopy(model).double()(ids).logits
         fast = coda_rewrite.optimize(model, fp8=True) if via == "optimize" else \
@@ -1208,7 +1208,8 @@ def test_fp8_mlps_on_gpu(family, via):
                 coda_rewrite.Options(fp8=True)))
         got = fast(ids).logits
         emulated = rowwise_projections(model, hf_projections)(ids).logits
-    ran = {(k[0].split("#")[0], k[1]) for k, v in ops.RUNTIME.items() if before.get(k) != v}
+    ran = {(k[0].split("#")[0], k[1]) for k, v in ops.runtime_counts().items()
+           if before.get(k) != v}
     op = "geglu" if family == "gemma" else "swiglu"
     assert {(f"fp8_{op}", "kernel"), ("fp8_scaled", "kernel"), ("fp8_rowwise", "kernel")} \
         <= ran, ran
@@ -1227,13 +1228,13 @@ def test_fp8_training_on_gpu(via):
     model = hf_model("llama", layers=2, hidden=256, dtype=torch.bfloat16).cuda().train()
     truth, recipe = copy.deepcopy(model).double(), rowwise_training(model)
     ids = torch.randint(0, 256, (2, 128), device="cuda")
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     fast = coda_rewrite.optimize(model, fp8=True) if via == "optimize" else \
         torch.compile(model, backend=coda_rewrite.CodaBackend(coda_rewrite.Options(fp8=True)))
     losses = [m(ids, labels=ids).loss for m in (fast, recipe, truth)]
     for loss in losses:
         loss.backward()
-    ran = {(k[0].split("#")[0], k[1]): v - before.get(k, 0) for k, v in ops.RUNTIME.items()
+    ran = {(k[0].split("#")[0], k[1]): v - before.get(k, 0) for k, v in ops.runtime_counts().items()
            if before.get(k) != v}
     # per layer 7 forwards, 7 wgrads, 6 dgrads (the first linears' input is the norm's:
     # it needs its gradient too, so 7): 14 + 14 + 14 calls of the one program
@@ -1263,9 +1264,9 @@ def test_fp8_rowwise_gemm_at_training_rows_on_gpu(m, n, k):
     wanted = (128, 128, 2) if n <= 2048 else quack_path.FP8_LARGE[:3]
     cfg = quack_path.config_for(program, m, n)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m) == wanted, cfg
-    before = dict(ops.RUNTIME)
+    before = dict(ops.runtime_counts())
     (out,) = ops.execute(program.to_text(), q, w8, [r.reshape(-1).float(), ws])
-    ran = {k_[1] for k_, v in ops.RUNTIME.items() if before.get(k_) != v}
+    ran = {k_[1] for k_, v in ops.runtime_counts().items() if before.get(k_) != v}
     assert ran == {"kernel"}, ran
     truth = (q.float().double() * r.double()) @ (w8.float().double() * ws.double()[:, None]).T
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -1445,10 +1446,10 @@ def test_the_backend_defers_its_norms_on_gpu(mode, monkeypatch):
         backend = coda_rewrite.CodaBackend(coda_rewrite.Options(
             min_fused_rows=0, cudagraphs=mode == "reduce-overhead"))
         fast = torch.compile(copy.deepcopy(base), backend=backend)
-        references = sum(n for k, n in ops.RUNTIME.items() if k[1] == "reference")
+        references = sum(n for k, n in ops.runtime_counts().items() if k[1] == "reference")
         with torch.no_grad():
             outs = [fast(x).logits.clone() for x in ids]
-        assert sum(n for k, n in ops.RUNTIME.items() if k[1] == "reference") == \
+        assert sum(n for k, n in ops.runtime_counts().items() if k[1] == "reference") == \
             references, ops.runtime_summary()
         return outs, [sum(int(ln.rsplit(": ", 1)[1].split()[0]) for ln in g.host_path
                           if ln.startswith(deferred_rstd.REPORT_LINE))
