@@ -13,9 +13,10 @@ H200; BENCHMARKS.md, sixth session) the gated pair's GEMM holds from 16 rows, th
 (+ loss) from 64, the RoPE GEMM from 1024 and the norm producer (its finaliser is a second
 launch) from 4096 at the 1B shape; but in a whole forward (inference.py small_m) the gated
 pair fused below 1024 rows made it slower (0.76x torch.compile at 128 rows), and every
-family fused runs 1.01x at 1024 rows and 1.07x at 2048. So each family says from how many
-rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the larger of the two
-measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
+family fused runs 1.01x at 1024 rows and 1.07x at 2048 (on the H100 the gated pair
+still lost 3-8% of that forward at 1024 rows, so it fuses from 2048). So each family
+says from how many rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the
+larger of the measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
 epilogue as graph ops, with the reason (code ``shape.small_m``).
 The routed experts' grouped GEMMs count routed rows (tokens × top-k): they lose to
 torch's grouped_mm at decode and short-prompt sizes and win or run even from 16384

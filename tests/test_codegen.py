@@ -903,6 +903,27 @@ def test_a_programs_last_metadata_classes_are_found_by_one_check(monkeypatch):
     assert len(decided) == 6 and len(ops._last[prog]) == 1
 
 
+def test_the_formula_less_op_refuses_a_call_autograd_could_record(monkeypatch):
+    """coda::gemm_epilogue_nograd (what Inductor's graphs call) goes straight to a known
+    launch, but first refuses a call in grad mode with a tensor that requires grad
+    (PyTorch's fallback would only warn, and the gradient would be missing), also in a
+    metadata class it has launched in; under no_grad the same tensors run."""
+    from coda_rewrite.kernels import ops
+    _stub_launches(monkeypatch)
+    prog = rowscale_bias().to_text()
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    r, bias = torch.randn(4), torch.randn(6, dtype=torch.bfloat16)
+    w = b.clone().requires_grad_()
+    with torch.no_grad():
+        want = ops.gemm_epilogue_nograd(prog, a, w, [r, bias])
+        again = ops.gemm_epilogue_nograd(prog, a, w, [r, bias])  # the known route
+    assert torch.equal(want[0], again[0]) and ops._last_route(prog, a, w, [r, bias])
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="no autograd formula"):
+        ops.gemm_epilogue_nograd(prog, a, w, [r, bias])
+    with torch.enable_grad():  # nothing requires grad: nothing to record
+        assert torch.equal(ops.gemm_epilogue_nograd(prog, a, b, [r, bias])[0], want[0])
+
+
 def test_fused_linear_goes_straight_to_the_launch_only_where_autograd_has_nothing(monkeypatch):
     """fused_linear's fast path: a 2-D call in a remembered class skips _linear where
     autograd has nothing to record (grad mode off, or no tensor requires grad); a class

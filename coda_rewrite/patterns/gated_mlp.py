@@ -58,8 +58,11 @@ FUSES_GEMMS = True
 # the gated pair: its GEMM alone is ≤ 1.03x of cuBLAS + Inductor's epilogue from 16
 # rows, but a forward with it fused from 16 rows ran 0.76x torch.compile at 128 rows and
 # 0.91x at 512 (4-layer model from CUDA graphs; 1.01x at 1024): the per-call gate/up
-# weight interleave, a pass over the weights, is the likely cost (not profiled)
-FUSED_FROM_ROWS = 1024
+# weight interleave, a pass over the weights, is the likely cost (not profiled). On the
+# H100 (BENCHMARKS.md, thirty-eighth session) the same forward at 1024 rows, graphed,
+# ran 0.92x / 0.97x torch.compile with it fused there and 1.01x / 1.06x without it, in
+# two runs; from 2048 rows every variant ran alike (1.01-1.02x)
+FUSED_FROM_ROWS = 2048
 # ... and in a training step (training_policy.py) where its down projection takes the
 # fused backward (kernels/gated_down.py; decide() refuses the match otherwise, with
 # training.does_not_pay): against the attention rewrite + LM head alone, 129.1 vs 127.9
