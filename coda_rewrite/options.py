@@ -99,6 +99,12 @@ class Options:
             opts = dataclasses.replace(opts, cudagraphs=True)
         return dataclasses.replace(opts, dump_dir=dump_dir_from_env(opts.dump_dir))
 
+    @property
+    def graphed(self) -> bool:
+        """Whether the compiled graphs replay from CUDA graphs (the host time of a call
+        is not paid per step: the size policy weighs kernel time alone there)."""
+        return self.cudagraphs or self.mode in ("reduce-overhead", "max-autotune")
+
     def inductor_config(self) -> dict:
         """Inductor settings for this compile: the mode's, and cudagraphs if asked."""
         import torch._inductor

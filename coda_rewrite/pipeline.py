@@ -258,7 +258,8 @@ def _run(family, graph: fx.Graph, context: Context, records: list[MatchRecord]) 
                 "(a torch.no_grad() region inside the graph): the rewrite would compute "
                 "both in one grad mode, and the gradient would change"), "grad_mode.mixed")
             continue
-        small = size_policy.too_few_rows(family, m, context.options.min_fused_rows)
+        small = size_policy.too_few_rows(family, m, context.options.min_fused_rows,
+                                         context.options.graphed)
         if small:
             record.reject(RejectionKind.CONDITION, small, "shape.small_m")
             continue

@@ -14,7 +14,9 @@ H200; BENCHMARKS.md, sixth session) the gated pair's GEMM holds from 16 rows, th
 launch) from 4096 at the 1B shape; but in a whole forward (inference.py small_m) the gated
 pair fused below 1024 rows made it slower (0.76x torch.compile at 128 rows), and every
 family fused runs 1.01x at 1024 rows and 1.07x at 2048 (on the H100 the gated pair
-still lost 3-8% of that forward at 1024 rows, so it fuses from 2048). So each family
+still lost 3-8% of that forward at 1024 rows, so it fuses from 2048; RoPE fused from 128
+rows made it 4-8% faster from CUDA graphs at dim 2048, not at 4096, and not without CUDA
+graphs in a Hugging Face Llama). So each family
 says from how many rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the
 larger of the measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
 epilogue as graph ops, with the reason (code ``shape.small_m``).
@@ -32,24 +34,27 @@ from . import canonical
 from .graph_utils import graph_nodes_of
 
 
-def fused_from_rows(family, override: int | None, match=None) -> int:
+def fused_from_rows(family, override: int | None, match=None, graphed: bool = False) -> int:
     """The fewest rows a match of ``family`` fuses at: the option where set, else the
     family's measured threshold (0 for a family that fuses no GEMM); a family whose
     matches differ in what the fusion saves says so per match (``fused_from_rows_of``:
-    RoPE with a QK-norm in the same GEMM pays from fewer rows than without)."""
+    RoPE with a QK-norm in the same GEMM pays from fewer rows than without; so does RoPE
+    in a narrow model replayed from CUDA graphs, ``graphed``, where the host time per
+    call is not paid)."""
     if not getattr(family, "FUSES_GEMMS", False):
         return 0
     if override is not None:
         return override
     per_match = getattr(family, "fused_from_rows_of", None)
-    return per_match(match) if per_match is not None else family.FUSED_FROM_ROWS
+    return per_match(match, graphed) if per_match is not None else family.FUSED_FROM_ROWS
 
 
-def too_few_rows(family, match, override: int | None) -> str:
+def too_few_rows(family, match, override: int | None, graphed: bool = False) -> str:
     """Why a GEMM-fusing match is left to cuBLAS at this size ("" where it is not): every
     GEMM it would fuse has a static row count below the family's threshold
-    (``fused_from_rows``; ``override`` is options.min_fused_rows)."""
-    min_rows = fused_from_rows(family, override, match)
+    (``fused_from_rows``; ``override`` is options.min_fused_rows, ``graphed`` whether
+    the graph replays from CUDA graphs: Options.graphed)."""
+    min_rows = fused_from_rows(family, override, match, graphed)
     if min_rows <= 0:
         return ""
     counts = [static_rows(n) for n in gemms_of(match)]

@@ -268,22 +268,31 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
         x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
         assert "128 rows, fewer than min_fused_rows = 512" in \
             too_few_rows(gated_mlp, [lin], 512)
-        # no override: each family's measured threshold (size_policy.py) decides
-        def fused(rows):
-            x.meta["example_value"] = torch.empty(2, rows // 2, 32, device="cuda")
-            return {f.NAME: not too_few_rows(f, [lin], None)
+        # no override: each family's measured threshold (size_policy.py) decides; RoPE's
+        # by the model's width too (K: 32 here, then 4096) where CUDA graphs replay it
+        def fused(rows, width=32, graphed=False):
+            x.meta["example_value"] = torch.empty(2, rows // 2, width, device="cuda")
+            return {f.NAME: not too_few_rows(f, [lin], None, graphed)
                     for f in (gated_mlp, rope, residual_rmsnorm, cross_entropy)}
-        assert fused(128) == {gated_mlp.NAME: False, rope.NAME: False,
-                              residual_rmsnorm.NAME: False, cross_entropy.NAME: True}
-        assert fused(1024) == {gated_mlp.NAME: False, rope.NAME: True,
-                               residual_rmsnorm.NAME: False, cross_entropy.NAME: True}
-        assert all(fused(2048).values()) and not any(fused(32).values())
+        only_ce = {gated_mlp.NAME: False, rope.NAME: False, residual_rmsnorm.NAME: False,
+                   cross_entropy.NAME: True}
+        assert fused(128) == fused(512) == only_ce
+        assert fused(1024) == {**only_ce, rope.NAME: True} == fused(1024, 4096)
+        assert fused(64, graphed=True) == only_ce
+        assert fused(128, graphed=True) == {**only_ce, rope.NAME: True}
+        assert fused(512, 4096, graphed=True) == only_ce
+        assert fused(512, 2048, graphed=True)[rope.NAME]
+        assert not fused(512, 2049, graphed=True)[rope.NAME]
+        assert all(fused(2048).values()) and not any(fused(32, graphed=True).values())
+        x.meta["example_value"] = torch.empty(2, 256, 32, device="cuda")
         assert "the rope fusion's measured threshold, 1024 rows" in \
             too_few_rows(rope, [lin], None)
+        x.meta["example_value"] = torch.empty(2, 32, 32, device="cuda")
+        assert "the rope fusion's measured threshold, 128 rows" in \
+            too_few_rows(rope, [lin], None, graphed=True)
 
         class QkNormMatch(list):  # a RoPE match with a QK-norm in the same GEMM
             head_norm = (128, 1e-6)
-        x.meta["example_value"] = torch.empty(2, 64, 32, device="cuda")
         assert too_few_rows(rope, [lin], None) and not too_few_rows(rope, QkNormMatch([lin]),
                                                                     None)
         x.meta["example_value"] = torch.empty(2, 16, 32, device="cuda")
@@ -378,12 +387,36 @@ def test_size_policy_from_the_environment_and_in_the_report(monkeypatch):
     assert Options().min_fused_rows == 256
     monkeypatch.delenv("CODA_MIN_FUSED_ROWS")
     assert Options().min_fused_rows is None
-    assert "rope fuses from 1024 rows; with a QK-norm: from 64" in threshold_lines(None)
+    assert "rope fuses from 1024 rows; with a QK-norm: from 64; from CUDA graphs, a GEMM at " \
+        "most 2048 wide (K): from 128" in threshold_lines(None)
     assert threshold_lines(0) == ["every family fuses from 0 rows (options.min_fused_rows)"]
     model = hf_model("llama", layers=1)
     fast = coda_rewrite.optimize(model, min_fused_rows=0)
     fast(tokens())
     assert "every family fuses from 0 rows" in str(fast.report)
+
+
+@pytest.mark.parametrize("how", ["default", "cudagraphs", "reduce-overhead"])
+def test_the_size_policy_knows_whether_cuda_graphs_replay_the_graph(how, monkeypatch):
+    """Options.graphed (cudagraphs=True, or a mode that records CUDA graphs) reaches the
+    size policy's decision for every match, where RoPE in a narrow model fuses from
+    fewer rows (patterns/rope.fused_from_rows_of)."""
+    from coda_rewrite import CodaBackend, Options, size_policy
+    options = {"default": {}, "cudagraphs": {"cudagraphs": True},
+               "reduce-overhead": {"mode": "reduce-overhead"}}[how]
+    assert Options(**options).graphed == (how != "default")
+    seen = []
+    real = size_policy.too_few_rows
+
+    def recorded(family, match, override, graphed=False):
+        seen.append(graphed)
+        return real(family, match, override, graphed)
+    monkeypatch.setattr(size_policy, "too_few_rows", recorded)
+    rewrite_only = Options(**options, inductor=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(hf_model("llama", layers=1), backend=CodaBackend(rewrite_only))(tokens())
+    assert seen and set(seen) == {how != "default"}
 
 
 def test_inductor_graphs_call_the_op_without_autograd(monkeypatch):

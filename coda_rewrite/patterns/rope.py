@@ -86,7 +86,7 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from .. import patterns
+from .. import patterns, size_policy
 from ..algebra import rope as rope_algebra
 from ..algebra.decision import Rejection, Why
 from ..canonical import canon, constant, meta, runtime_scalar
@@ -114,23 +114,48 @@ FUSES_GEMMS = True
 # shape), 0.88–0.94x from 1024; its per-call q/k/v weight permutation is a pass over the
 # weights too
 FUSED_FROM_ROWS = 1024
+# ... but replayed from CUDA graphs, where the GEMM reads a model width of at most
+# NARROW_WIDTH (K), the whole forward gains from far fewer rows (the H100, against the
+# default's forward: a 4-layer Llama at dim 2048 1.04x at 128 rows, 1.07x at 256, 1.08x
+# at 512; a 2-layer Hugging Face Llama at the 1B shape 1.04x at 128 and 512; at dim
+# 4096 0.96x at 128 and 0.98x at 512, so wider models keep 1024). Not without CUDA
+# graphs: the Hugging Face model's host-bound forward ran 0.88x (BENCHMARKS.md,
+# thirty-eighth session)
+NARROW_WIDTH = 2048
+NARROW_FUSED_FROM_ROWS = 128
 # ... but with a QK-norm in the same GEMM (the norm's pass over q and k saved too) the
 # region (q/k/v + QK-norm + RoPE + SDPA at Qwen3-8B shapes, from CUDA graphs) beats
 # torch.compile's from 32 rows: 1.04x at 32, 1.02x at 64 tokens, 1.11x at 256, 1.06x at
 # 1024, 1.18x at 2048, 1.12x at 8192; at decode sizes it loses (0.73x at 1 row, 0.87x at
 # 16) (benchmarks/model_families.py qknorm; BENCHMARKS.md, seventh session)
 QK_NORM_FUSED_FROM_ROWS = 64
-FUSED_FROM_ROWS_FOR = {"with a QK-norm": QK_NORM_FUSED_FROM_ROWS}
+FUSED_FROM_ROWS_FOR = {"with a QK-norm": QK_NORM_FUSED_FROM_ROWS,
+                       f"from CUDA graphs, a GEMM at most {NARROW_WIDTH} wide (K)":
+                       NARROW_FUSED_FROM_ROWS}
 # ... and in a training step (training_policy.py; +1.4 ms and +0.7 GiB per 1B step; with
 # the angles read from one table, +1.6 ms of kernel time over the gated MLP's step,
 # seventeenth session)
 PAYS_IN_TRAINING = False
 
 
-def fused_from_rows_of(match) -> int:
-    """size_policy.fused_from_rows for one match: a QK-norm's from fewer rows."""
-    return QK_NORM_FUSED_FROM_ROWS if getattr(match, "head_norm", None) is not None \
-        else FUSED_FROM_ROWS
+def fused_from_rows_of(match, graphed: bool = False) -> int:
+    """size_policy.fused_from_rows for one match: a QK-norm's from fewer rows, and so,
+    in a graph replayed from CUDA graphs, is one whose GEMMs all read a narrow model
+    width (a static K of at most NARROW_WIDTH)."""
+    if getattr(match, "head_norm", None) is not None:
+        return QK_NORM_FUSED_FROM_ROWS
+    if graphed:
+        widths = [_model_width(g) for g in size_policy.gemms_of(match)]
+        if widths and all(w is not None and w <= NARROW_WIDTH for w in widths):
+            return NARROW_FUSED_FROM_ROWS
+    return FUSED_FROM_ROWS
+
+
+def _model_width(linear: fx.Node) -> int | None:
+    """K of a GEMM's input, where static."""
+    x = meta(canon(linear).args[0])
+    k = x.shape[-1] if x is not None and x.dim() else None
+    return k if isinstance(k, int) else None
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _COS = {torch.cos, "cos"}

@@ -587,8 +587,9 @@ class Plan:
 
 # ---- the family's protocol (patterns/family.py) ------------------------------------------
 
-def fused_from_rows_of(m: Match) -> int:
-    """size_policy.fused_from_rows for one match: a training graph's is measured apart."""
+def fused_from_rows_of(m: Match, graphed: bool = False) -> int:
+    """size_policy.fused_from_rows for one match: a training graph's is measured apart
+    (with or without CUDA graphs alike)."""
     return FUSED_FROM_ROWS_IN_TRAINING if trains(m) else FUSED_FROM_ROWS
 
 
