@@ -16,10 +16,10 @@ pair fused below 1024 rows made it slower (0.76x torch.compile at 128 rows), and
 family fused runs 1.01x at 1024 rows and 1.07x at 2048 (on the H100 the gated pair
 still lost 3-8% of that forward at 1024 rows, so it fuses from 2048; RoPE fused from 128
 rows made it 4-8% faster from CUDA graphs at dim 2048, not at 4096, and not without CUDA
-graphs in a Hugging Face Llama). So each family
-says from how many rows it fuses (``FUSED_FROM_ROWS`` in its pattern module, the
-larger of the measurements); a match whose GEMMs all run on fewer static rows is left to cuBLAS with its
-epilogue as graph ops, with the reason (code ``shape.small_m``).
+graphs in a Hugging Face Llama). So each family says from how many rows it fuses
+(``FUSED_FROM_ROWS`` in its pattern module, the larger of the measurements); a match
+whose GEMMs all run on fewer static rows is left to cuBLAS with its epilogue as graph
+ops, with the reason (code ``shape.small_m``).
 The routed experts' grouped GEMMs count routed rows (tokens × top-k): they lose to
 torch's grouped_mm at decode and short-prompt sizes and win or run even from 16384
 (patterns/routed_experts.py; a training graph's threshold is its own).
