@@ -119,8 +119,8 @@ FUSED_FROM_ROWS = 1024
 # default's forward: a 4-layer Llama at dim 2048 1.04x at 128 rows, 1.07x at 256, 1.08x
 # at 512; a 2-layer Hugging Face Llama at the 1B shape 1.04x at 128 and 512; at dim
 # 4096 0.96x at 128 and 0.98x at 512, so wider models keep 1024). Not without CUDA
-# graphs: the Hugging Face model's host-bound forward ran 0.88x (BENCHMARKS.md,
-# thirty-eighth session)
+# graphs: the Hugging Face model's host-bound forward ran 0.89x its speed with RoPE
+# unfused (BENCHMARKS.md, thirty-eighth session)
 NARROW_WIDTH = 2048
 NARROW_FUSED_FROM_ROWS = 128
 # ... but with a QK-norm in the same GEMM (the norm's pass over q and k saved too) the
@@ -156,6 +156,7 @@ def _model_width(linear: fx.Node) -> int | None:
     x = meta(canon(linear).args[0])
     k = x.shape[-1] if x is not None and x.dim() else None
     return k if isinstance(k, int) else None
+
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _COS = {torch.cos, "cos"}
