@@ -243,6 +243,12 @@ def main():
     calls = captured_calls(coda_rewrite.optimize(model, min_fused_rows=0), x)
     traced = captured_calls(torch.compile(model, backend="coda",
                                           options={"min_fused_rows": 0}), x)
+    # the compiles above leave Inductor's compile-worker processes behind; stopped here so
+    # that nothing else runs on the host while its time is measured (the thirty-eighth
+    # session's table had its first program ~35% high in every column, cause not
+    # isolated; the per-layer compiles below start them again)
+    import torch._inductor.async_compile as async_compile
+    getattr(async_compile, "shutdown_compile_workers", lambda: None)()
     rows = per_program(calls) + inductor_programs(calls, traced) + per_layer(model, x)
     print("csv:", write_csv("host overhead (M = 64, 8B layer)", rows))
 
