@@ -95,7 +95,7 @@ class Options:
         if opts.mode not in _MODES:
             raise ValueError(f"unknown torch.compile mode {opts.mode!r} for the coda "
                              f"backend; known: {sorted(m for m in _MODES if m)}")
-        if opts.mode in ("reduce-overhead", "max-autotune"):  # Inductor's own meaning
+        if opts.mode in _GRAPHED_MODES:  # Inductor's own meaning
             opts = dataclasses.replace(opts, cudagraphs=True)
         return dataclasses.replace(opts, dump_dir=dump_dir_from_env(opts.dump_dir))
 
@@ -103,7 +103,7 @@ class Options:
     def graphed(self) -> bool:
         """Whether the compiled graphs replay from CUDA graphs (the host time of a call
         is not paid per step: the size policy weighs kernel time alone there)."""
-        return self.cudagraphs or self.mode in ("reduce-overhead", "max-autotune")
+        return self.cudagraphs or self.mode in _GRAPHED_MODES
 
     def inductor_config(self) -> dict:
         """Inductor settings for this compile: the mode's, and cudagraphs if asked."""
@@ -115,6 +115,7 @@ class Options:
 
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_GRAPHED_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 
 
 def _rows_from_env(value: str | None) -> int | None:

@@ -89,6 +89,13 @@ def static_rows(linear: fx.Node) -> int | None:
     return rows
 
 
+def static_width(linear: fx.Node) -> int | None:
+    """The static width (K) of a GEMM's input; None where it is symbolic or untraced."""
+    x = canonical.meta(canonical.canon(linear).args[0])
+    k = x.shape[-1] if x is not None and x.dim() else None
+    return k if isinstance(k, int) else None
+
+
 def threshold_lines(override: int | None = None) -> list[str]:
     """The size policy as the report shows it: from how many rows each family fuses."""
     from .patterns.registry import FAMILIES

@@ -283,6 +283,14 @@ def test_small_gemms_are_left_to_cublas_on_the_gpu():
         assert fused(512, 4096, graphed=True) == only_ce
         assert fused(512, 2048, graphed=True)[rope.NAME]
         assert not fused(512, 2049, graphed=True)[rope.NAME]
+        x.meta["example_value"] = torch.empty(2, 256, env.create_unbacked_symint(),
+                                              device="cuda")  # K unknown: 1024 rows
+        assert too_few_rows(rope, [lin], None, graphed=True)
+        wide = graph.call_function(torch.nn.functional.linear, (graph.placeholder("x2"), w))
+        wide.args[0].meta["example_value"] = torch.empty(2, 256, 4096, device="cuda")
+        x.meta["example_value"] = torch.empty(2, 256, 32, device="cuda")
+        assert not too_few_rows(rope, [lin], None, graphed=True)
+        assert too_few_rows(rope, [lin, wide], None, graphed=True)  # every GEMM narrow
         assert all(fused(2048).values()) and not any(fused(32, graphed=True).values())
         x.meta["example_value"] = torch.empty(2, 256, 32, device="cuda")
         assert "the rope fusion's measured threshold, 1024 rows" in \
@@ -426,16 +434,16 @@ def test_inductor_graphs_call_the_op_without_autograd(monkeypatch):
     compute what eager computes, gradients included."""
     from coda_rewrite.kernels import ops
     calls = {"nograd": 0, "direct": 0}
-    execute, direct = ops.execute, ops._direct_call
+    decide, direct = ops._decide_and_run, ops._direct_call
 
     def counted(program, a, b, operands):  # on the CPU every call of the op runs it ...
         calls["nograd"] += type(a) is torch.Tensor  # a real call, not the fake's
-        return execute(program, a, b, operands)
+        return decide(program, a, b, operands)
 
     def counted_direct(*args):  # ... and so does a call without the op, counted apart
         calls["direct"] += 1
         return direct(*args)
-    monkeypatch.setattr(ops, "execute", counted)
+    monkeypatch.setattr(ops, "_decide_and_run", counted)
     monkeypatch.setattr(ops, "_direct_call", counted_direct)
     model = hf_model("llama", layers=2)
     ref = copy.deepcopy(model)

@@ -764,10 +764,13 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
         assert r.shape == (m,) and r.dtype == torch.float32
         assert torch.equal(r, torch.full((m,), 3.0 * tiles * 0.5 + 0.25))
         assert all(t._base is None for t in (z, h2, r))
+    assert norm.calls == 1  # each call counts itself (ops.runtime_counts)
     plain = launch_of(rowscale_bias(), m, n, {}, None)
     (y,) = plain(a, b, [torch.ones(m), torch.ones(n)])
     assert y.shape == (m, n) and y.dtype == torch.bfloat16 and (y == 1).all()
     assert calls[-1] == ["D"]
+    plain(a, b, [torch.ones(m), torch.ones(n)])
+    assert plain.calls == 2
 
 
 def test_a_reference_run_on_a_cuda_device_warns():

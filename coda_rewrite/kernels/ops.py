@@ -191,8 +191,12 @@ def execute(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tens
     program and tensor-metadata class (quack_path.metadata_key) and reused; a call in
     the class the program last ran in finds it through _last_route, in one C++ check."""
     outs = _run_known(program, a, b, operands)
-    if outs is not None:
-        return outs
+    return outs if outs is not None else _decide_and_run(program, a, b, operands)
+
+
+def _decide_and_run(program: str, a, b, operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    """execute for a call in no class _last_route knows: the route by tensor metadata
+    (decided on the class's first call), then the launch or the reference."""
     prog = parse(program)
 
     def decide():
@@ -436,7 +440,8 @@ def _execute_nograd(program, a, b, operands):
     if torch.is_grad_enabled():
         _refuse_gradients(program, a, b, operands)
     route = _last_route(program, a, b, operands)
-    return route(a, b, operands) if route is not None else execute(program, a, b, operands)
+    return route(a, b, operands) if route is not None else \
+        _decide_and_run(program, a, b, operands)
 
 
 _lib.impl("gemm_epilogue_nograd", _execute_nograd, "CompositeExplicitAutograd")

@@ -145,17 +145,10 @@ def fused_from_rows_of(match, graphed: bool = False) -> int:
     if getattr(match, "head_norm", None) is not None:
         return QK_NORM_FUSED_FROM_ROWS
     if graphed:
-        widths = [_model_width(g) for g in size_policy.gemms_of(match)]
+        widths = [size_policy.static_width(g) for g in size_policy.gemms_of(match)]
         if widths and all(w is not None and w <= NARROW_WIDTH for w in widths):
             return NARROW_FUSED_FROM_ROWS
     return FUSED_FROM_ROWS
-
-
-def _model_width(linear: fx.Node) -> int | None:
-    """K of a GEMM's input, where static."""
-    x = meta(canon(linear).args[0])
-    k = x.shape[-1] if x is not None and x.dim() else None
-    return k if isinstance(k, int) else None
 
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
