@@ -178,7 +178,8 @@ def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
     """Where a norm producer's launch spends its host time: the allocations (outputs,
     partials, rstd), QuACK's planned GEMM launch on buffers made once, the rstd kernel."""
     out = route._alloc()
-    scratch = route.planned.new_scratch()
+    scratch = {name: torch.empty(*shape, device=a.device, dtype=dtype)
+               for name, (shape, dtype) in route.planned.scratch.items()}
     values = {**route._operands(operands), **scratch, **out}
     sink, rows, scale, eps = route.norm
     rstd = torch.empty(route.m, device=a.device, dtype=torch.float32)

@@ -720,10 +720,11 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
     the finaliser computes it from the GEMM's partials; QuACK gets the outputs and the
     partials, nothing else; a rowscale launch returns its one tile output."""
     from coda_rewrite.kernels import quack_path
-    calls = []
+    calls, cs = [], []
 
     def fake_gemm(plan, a, b, d, c, values):  # writes z and h2, and the partials
         calls.append(sorted(values))
+        cs.append(c)
         d.fill_(1.0)
         for name, fill in (("out1_h2", 2.0), ("red0_ss", 3.0)):
             if name in values:
@@ -748,6 +749,7 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
         launch.planned, launch.norm, launch.row_rstd = planned, norm, fake_rstd
         launch.kwargs, launch.c_index, launch.sinks = [], None, []
         launch.results = launch._result_sources()
+        launch._bind()
         return launch
 
     m, n, tiles = 5, 48, 3
@@ -771,6 +773,30 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
     assert calls[-1] == ["D"]
     plain(a, b, [torch.ones(m), torch.ones(n)])
     assert plain.calls == 2
+    # a producer handing on its norm's partials (deferred_rstd.py) returns its buffers as
+    # the kernel left them, laid out once (Launch._bind: ``returned``), where they are
+    # [M, T] with T within the readers' fold limit; a batched [1, M, T] buffer is viewed
+    # and past the limit the partials are summed per call: the general path, same values
+    from coda_rewrite import deferred_rstd
+    producer, *_ = deferred_rstd._row_scale(residual_rmsnorm())
+    limit = quack_path.READER_FOLDS_PARTIALS
+    for shape, bound in (((m, tiles), True), ((1, m, tiles), False), ((m, limit + 8), False)):
+        launch = launch_of(producer, m, n, {"red0_ss": (torch.Size(shape), torch.float32)},
+                           None)
+        names = [o.name for o in producer.operands]  # as Launch.__init__ binds them
+        for bnd in launch.ks.contract.operands:  # the residual is QuACK's C
+            if bnd.param == "c":
+                launch.c_index = names.index(bnd.name)
+            else:
+                launch.kwargs.append((bnd.param, names.index(bnd.name), False))
+        launch._bind()
+        assert (launch.returned is not None) == bound, shape
+        z, h2, ss = launch(a, b, [torch.zeros(m, n), torch.ones(n)])
+        assert calls[-1] == ["D", "o_gamma", "out1_h2", "red0_ss"] and cs[-1] is not None
+        assert (z == 1).all() and (h2 == 2).all() and z.shape == h2.shape == (m, n)
+        width = shape[-1] if shape[-1] <= limit else 1
+        assert torch.equal(ss, torch.full((m, width), 3.0 * shape[-1] / width)), shape
+        assert z._base is None and h2._base is None
 
 
 def test_a_reference_run_on_a_cuda_device_warns():

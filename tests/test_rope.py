@@ -2183,3 +2183,23 @@ def test_x_transformers_spelling_and_look_alikes(layout):
     look_alike = layout in ("scaled", "uneven", "negated", "unit_read")
     report, _ = spelling_step(XTransformersAttention(layout), look_alike)
     assert report.count(pattern="attention_inputs") == 0, str(report)
+
+
+def test_the_rotations_column_flags_are_made_once_where_the_graph_runs_as_python():
+    """layouts.rope_rotated_columns, a constant of the match: an optimize()d graph (run as
+    Python) gets the same tensor on every call, made outside inference mode so that a
+    later call autograd records can read it; a traced graph gets the fills as its own
+    ops, nothing cached."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    spans = ((64, True), (32, True), (32, False))
+    like = torch.zeros(2, 3)
+    with torch.inference_mode():
+        first = layouts.rope_rotated_columns(spans, like)
+    assert not first.is_inference()
+    assert layouts.rope_rotated_columns(spans, like) is first
+    assert first.dtype == torch.float32 and first.tolist() == [1.0] * 96 + [0.0] * 32
+    other = ((16, True), (8, False))
+    gm = make_fx(lambda t: layouts.rope_rotated_columns(other, t), tracing_mode="fake")(like)
+    assert sum(n.target == torch.ops.aten.full.default for n in gm.graph.nodes) == 2
+    assert (other, like.device) not in layouts._ROTATED_COLUMNS
+    assert gm(like).tolist() == [1.0] * 16 + [0.0] * 8

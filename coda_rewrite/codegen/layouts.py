@@ -449,8 +449,29 @@ def rope_norm_keep(layout: tuple, offsets: tuple, like: torch.Tensor) -> torch.T
 
 def rope_rotated_columns(spans: tuple, like: torch.Tensor) -> torch.Tensor:
     """A table rotation's per-column flag (float32 [N]) from the segments' (width,
-    rotated) spans: 1 on rotated columns, 0 on pass-through ones (v)."""
-    return torch.cat([torch.full((width,), float(rotated), device=like.device)
+    rotated) spans: 1 on rotated columns, 0 on pass-through ones (v).
+
+    A constant of the match and the device, so a graph that runs as Python (optimize()'s)
+    makes it once per (spans, device) and reads it again: the fills and the cat are four
+    kernel launches a forward that Inductor folds and Python would pay on every call. A
+    traced graph gets the ops (a cached real tensor has no place in a fake trace); a call
+    while a CUDA graph is being captured too, since a tensor made there holds its values
+    only once the graph replays. The readers never write it (an epilogue operand)."""
+    if not real((like,)) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _rotated_columns(spans, like.device)
+    key = (spans, like.device)
+    flags = _ROTATED_COLUMNS.get(key)
+    if flags is None:
+        with torch.inference_mode(False):  # readable where autograd records, later
+            flags = _ROTATED_COLUMNS[key] = _rotated_columns(spans, like.device)
+    return flags
+
+
+_ROTATED_COLUMNS: dict[tuple, torch.Tensor] = {}
+
+
+def _rotated_columns(spans: tuple, device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.full((width,), float(rotated), device=device)
                       for width, rotated in spans])
 
 

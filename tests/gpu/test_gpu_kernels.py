@@ -1549,3 +1549,19 @@ def test_real_spellings_on_gpu(name):
     res = low_precision_errors(build, (torch.randn(2, 16, 32, device=DEV),), rewrite,
                                device=DEV)
     assert res["ok"], res
+
+
+def test_rotation_flags_made_while_a_cuda_graph_is_captured_are_not_kept():
+    """A tensor made during capture holds its values only once the graph replays: the
+    rotation's column flags are not cached from there (layouts.rope_rotated_columns)."""
+    spans = ((48, True), (16, False))
+    like = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flags = layouts.rope_rotated_columns(spans, like)
+    assert (spans, like.device) not in layouts._ROTATED_COLUMNS
+    graph.replay()
+    torch.cuda.synchronize()
+    assert flags.tolist() == [1.0] * 48 + [0.0] * 16
+    kept = layouts.rope_rotated_columns(spans, like)
+    assert layouts.rope_rotated_columns(spans, like) is kept
