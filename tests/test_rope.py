@@ -2201,5 +2201,15 @@ def test_the_rotations_column_flags_are_made_once_where_the_graph_runs_as_python
     other = ((16, True), (8, False))
     gm = make_fx(lambda t: layouts.rope_rotated_columns(other, t), tracing_mode="fake")(like)
     assert sum(n.target == torch.ops.aten.full.default for n in gm.graph.nodes) == 2
-    assert (other, like.device) not in layouts._ROTATED_COLUMNS
+    assert not any(key[1] == (other,) for key in layouts._CONSTANTS)
     assert gm(like).tolist() == [1.0] * 16 + [0.0] * 8
+    # the QK-norm's keep flags and a partial rotary's identity pair are such constants too
+    # (the pair was a host-to-device copy per call: a wait on the GPU's queue)
+    layout = ((0, 64, 2, 32, 32, 0, 0), (64, 96, 0, 0, 0, 0, 0))
+    keep = layouts.rope_norm_keep(layout, (0.0, None), like)
+    assert layouts.rope_norm_keep(layout, (0.0, None), like) is keep
+    assert keep.tolist() == [0.0] * 64 + [1.0] * 32
+    pairs = torch.rand(3, 4, dtype=torch.float64)
+    rows = layouts._head_rows(pairs, 8, 2)
+    assert torch.equal(rows[:, 2:6], pairs) and rows[:, :2].tolist() == [[1.0, 0.0]] * 3
+    assert layouts._head_rows(pairs, 8, 2).dtype == torch.float64

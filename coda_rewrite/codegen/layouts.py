@@ -442,37 +442,52 @@ def rope_norm_weight(layout: tuple, offsets: tuple, like: torch.Tensor,
 
 
 def rope_norm_keep(layout: tuple, offsets: tuple, like: torch.Tensor) -> torch.Tensor:
-    """1 on the fused columns no QK-norm scales (float32 [N]), 0 on normed ones."""
-    return torch.cat([torch.full((s.hi - s.lo,), float(offset is None), device=like.device)
+    """1 on the fused columns no QK-norm scales (float32 [N]), 0 on normed ones. A
+    constant of the match (match_constant)."""
+    return match_constant(_norm_keep, (layout, offsets), like)
+
+
+def _norm_keep(layout: tuple, offsets: tuple, device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.full((s.hi - s.lo,), float(offset is None), device=device)
                       for s, offset in zip(map(segment, layout), offsets)])
 
 
 def rope_rotated_columns(spans: tuple, like: torch.Tensor) -> torch.Tensor:
     """A table rotation's per-column flag (float32 [N]) from the segments' (width,
-    rotated) spans: 1 on rotated columns, 0 on pass-through ones (v).
-
-    A constant of the match and the device, so a graph that runs as Python (optimize()'s)
-    makes it once per (spans, device) and reads it again: the fills and the cat are four
-    kernel launches a forward that Inductor folds and Python would pay on every call. A
-    traced graph gets the ops (a cached real tensor has no place in a fake trace); a call
-    while a CUDA graph is being captured too, since a tensor made there holds its values
-    only once the graph replays. The readers never write it (an epilogue operand)."""
-    if not real((like,)) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return _rotated_columns(spans, like.device)
-    key = (spans, like.device)
-    flags = _ROTATED_COLUMNS.get(key)
-    if flags is None:
-        with torch.inference_mode(False):  # readable where autograd records, later
-            flags = _ROTATED_COLUMNS[key] = _rotated_columns(spans, like.device)
-    return flags
-
-
-_ROTATED_COLUMNS: dict[tuple, torch.Tensor] = {}
+    rotated) spans: 1 on rotated columns, 0 on pass-through ones (v). A constant of the
+    match (match_constant)."""
+    return match_constant(_rotated_columns, (spans,), like)
 
 
 def _rotated_columns(spans: tuple, device: torch.device) -> torch.Tensor:
     return torch.cat([torch.full((width,), float(rotated), device=device)
                       for width, rotated in spans])
+
+
+# (maker, key, device) -> the tensor it made (match_constant); a few per model
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def match_constant(make, key: tuple, like: torch.Tensor) -> torch.Tensor:
+    """``make(*key, like.device)``: an operand that depends on nothing but numbers of the
+    match (``key``, hashable) and the device, made once per (make, key, device) where the
+    graph runs as Python (optimize()'s). Made per call, RoPE's column flags (three fills
+    and a cat) cost optimize()'s 1-layer forward at 1 x 64 tokens 74-102 µs of host time
+    on an H100 machine (BENCHMARKS.md, thirty-ninth session); Inductor folds such ops.
+
+    A traced graph gets the ops (a kept real tensor has no place in a fake trace); so
+    does a call while a CUDA graph is captured, since a tensor made there holds its
+    values only once the graph replays. The tensor is made outside inference mode, so a
+    later call that autograd records can save it; its readers never write it (epilogue
+    operands)."""
+    if not real((like,)) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return make(*key, like.device)
+    full_key = (make, key, like.device)
+    value = _CONSTANTS.get(full_key)
+    if value is None:
+        with torch.inference_mode(False):
+            value = _CONSTANTS[full_key] = make(*key, like.device)
+    return value
 
 
 def rope_positions(pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -499,9 +514,13 @@ def _head_rows(pairs: torch.Tensor, head_dim: int, rotary_offset: int) -> torch.
     before, after = rotary_offset, head_dim - rotary_offset - pairs.shape[-1]
     if not before and not after:
         return pairs
-    ident = pairs.new_tensor([1.0, 0.0])
+    ident = match_constant(_identity_pair, (pairs.dtype,), pairs)  # no copy per call
     return torch.cat([ident.repeat(before // 2).expand(*pairs.shape[:-1], -1), pairs,
                       ident.repeat(after // 2).expand(*pairs.shape[:-1], -1)], -1)
+
+
+def _identity_pair(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor([1.0, 0.0], dtype=dtype, device=device)
 
 
 def table_rows_shape(shape) -> tuple | None:

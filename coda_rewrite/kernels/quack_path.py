@@ -684,12 +684,14 @@ class Launch:
     def _bind(self) -> None:
         """What every call repeats, laid out once (a call's host time is the bar: each
         dict a call built and each buffer it looked up by name cost ~0.3 µs of a 2-core
-        CPU, 1.7 µs of a norm producer's 6.6 with QuACK's launch stubbed): the buffers a
-        call allocates (the outputs, then the reductions' partials) under QuACK's names,
-        the operands it passes as they are and the scalars it passes by device pointer,
-        and, where the program's outputs are those buffers as the kernel leaves them,
-        which buffer each one is (``returned``; None where a per-row stage, a fold, the
-        norm's finaliser or a view of the partials makes them: the general path)."""
+        CPU, 1.8 µs of a norm producer's 7.2 with QuACK's launch stubbed; on an H100
+        machine's faster host the difference stayed inside its ±2 µs, BENCHMARKS.md,
+        thirty-ninth session): the buffers a call allocates (the outputs, then the
+        reductions' partials) under QuACK's names, the operands it passes as they are
+        and the scalars it passes by device pointer, and, where the program's outputs
+        are those buffers as the kernel leaves them, which buffer each one is
+        (``returned``; None where a per-row stage, a fold, the norm's finaliser or a
+        view of the partials makes them: the general path)."""
         scratch = self.planned.scratch
         self.buffer_names = tuple(name for name, _, _ in self.outs) + tuple(scratch)
         if len(set(self.buffer_names)) != len(self.buffer_names):

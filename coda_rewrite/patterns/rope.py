@@ -2117,7 +2117,7 @@ def _norm_operands(graph: fx.Graph, m: Match, lay: tuple, x: fx.Node) -> list[fx
     weights = tuple(None if n is None else n.idiom.weight for n in norms)
     out = [graph.call_function(rope_norm_weight, (lay, offsets, x, *weights))]
     if None in offsets:
-        out.append(graph.call_function(rope_norm_keep, (lay, offsets, x)))
+        out.append(graph.call_function(layouts.rope_norm_keep, (lay, offsets, x)))
     return out
 
 
@@ -2245,17 +2245,3 @@ def rope_norm_weight(layout: tuple, offsets: tuple, like: torch.Tensor,
                                                            *weights))[0]
 
 
-_keep_columns: dict = {}  # (layout, offsets, device) -> the flag vector, made once
-
-
-def rope_norm_keep(layout: tuple, offsets: tuple, like: torch.Tensor) -> torch.Tensor:
-    """codegen/layouts.rope_norm_keep, made once per layout and device: it depends on
-    nothing else (not kept while tracing or under CUDA-graph capture, where a value made
-    outside would not be the trace's; one made under inference mode is made again outside
-    it, as kernels/versioned.py does)."""
-    key = (layout, offsets, like.device)
-    if not layouts.real([like]) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return layouts.rope_norm_keep(layout, offsets, like)
-    if key not in _keep_columns or not versioned.usable_here(_keep_columns[key]):
-        _keep_columns[key] = layouts.rope_norm_keep(layout, offsets, like)
-    return _keep_columns[key]
