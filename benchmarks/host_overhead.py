@@ -177,19 +177,18 @@ def inductor_programs(calls, traced) -> list[tuple[str, str, float]]:
 def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
     """Where a norm producer's launch spends its host time: the allocations (outputs,
     partials, rstd), QuACK's planned GEMM launch on buffers made once, the rstd kernel."""
-    out = route._alloc()
-    scratch = {name: torch.empty(*shape, device=a.device, dtype=dtype)
-               for name, (shape, dtype) in route.planned.scratch.items()}
-    values = {**route._operands(operands), **scratch, **out}
+    buffers = dict(zip(route.buffer_names, (torch.empty(*shape, device=a.device, dtype=dtype)
+                                            for shape, dtype in route.buffer_specs)))
+    values = {**route._operands(operands), **buffers}
     sink, rows, scale, eps = route.norm
     rstd = torch.empty(route.m, device=a.device, dtype=torch.float32)
-    partials = scratch[sink] if rows is None else scratch[sink].view(rows)
+    partials = buffers[sink] if rows is None else buffers[sink].view(rows)
     with torch.no_grad():
         parts = {
             "torch.empty (one buffer)": host_us(
                 lambda: torch.empty(route.m, device=a.device, dtype=torch.float32)),
             "QuACK planned launch": host_us(lambda: quack_path.run_gemm_epi_plan(
-                route.planned.gemm, a, b.t(), out.get("D"), route._c(operands), values)),
+                route.planned.gemm, a, b.t(), buffers.get("D"), route._c(operands), values)),
             "rstd kernel (compiled, direct)": host_us(
                 lambda: route.row_rstd(partials, rstd, scale, eps)),
         }

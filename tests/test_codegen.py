@@ -747,7 +747,8 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
         planned.gemm, planned.epi_plan, planned.split_buffers = object(), None, None
         planned.scratch, planned.device = scratch, torch.device("cpu")
         launch.planned, launch.norm, launch.row_rstd = planned, norm, fake_rstd
-        launch.kwargs, launch.c_index, launch.sinks = [], None, []
+        launch.tensor_params, launch.scalar_params = (), ()
+        launch.c_index, launch.sinks = None, []
         launch.results = launch._result_sources()
         launch._bind()
         return launch
@@ -788,7 +789,7 @@ def test_a_norm_producers_launch_returns_its_outputs_in_program_order(monkeypatc
             if bnd.param == "c":
                 launch.c_index = names.index(bnd.name)
             else:
-                launch.kwargs.append((bnd.param, names.index(bnd.name), False))
+                launch.tensor_params += ((bnd.param, names.index(bnd.name)),)
         launch._bind()
         assert (launch.returned is not None) == bound, shape
         z, h2, ss = launch(a, b, [torch.zeros(m, n), torch.ones(n)])

@@ -567,10 +567,10 @@ class Launch:
     ``EpiPlan.run`` without its per-call dict building and B relabel, which Hopper never
     needs) and the finaliser (benchmarks/host_overhead.py measures it against F.linear)."""
 
-    __slots__ = ("ks", "planned", "c_index", "kwargs", "outs", "sinks", "m", "n",
-                 "device", "out_dtypes", "row_rstd", "norm", "config", "results", "unfolded",
-                 "calls", "buffer_names", "buffer_specs", "tensor_params", "scalar_params",
-                 "d_index", "returned")
+    __slots__ = ("ks", "planned", "c_index", "tensor_params", "scalar_params", "outs",
+                 "sinks", "m", "n", "device", "out_dtypes", "row_rstd", "norm", "config",
+                 "results", "unfolded", "calls", "buffer_names", "buffer_specs", "d_index",
+                 "returned")
 
     def __init__(self, ks: KernelSource, module, a, b, operands, config=None):
         prog = ks.program
@@ -579,14 +579,16 @@ class Launch:
         # this is every fused call's host path; two threads may lose an increment
         self.calls = 0
         names = [o.name for o in prog.operands]
-        self.c_index, self.kwargs = None, []
+        # the operands QuACK takes by name: tensors as they are, scalars by pointer
+        self.c_index, tensors, scalars = None, [], []
         for bnd in ks.contract.operands:
             i = names.index(bnd.name)
             if bnd.param == "c":
                 self.c_index = i
             elif bnd.param in module.epilogue.fn.__code__.co_varnames or \
                     bnd.name in prog.index_operands:
-                self.kwargs.append((bnd.param, i, bnd.kind == Kind.SCALAR))
+                (scalars if bnd.kind == Kind.SCALAR else tensors).append((bnd.param, i))
+        self.tensor_params, self.scalar_params = tuple(tensors), tuple(scalars)
         self.out_dtypes = {o.value: reference.dtype_from_name(o.dtype) for o in prog.outputs}
         width = {o.value: self.n // 2 if o.kind == Kind.PAIR else self.n for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
@@ -672,8 +674,9 @@ class Launch:
     def _operands(self, operands) -> dict:
         # a scalar goes by device pointer: no host sync, safe in CUDA graphs; a group
         # statistic's width is a constant the kernel is compiled with
-        values = {param: operands[i].float().reshape(1) if scalar else operands[i]
-                  for param, i, scalar in self.kwargs}
+        values = {param: operands[i] for param, i in self.tensor_params}
+        for param, i in self.scalar_params:
+            values[param] = operands[i].float().reshape(1)
         values.update(self.ks.constants)
         return values
 
@@ -684,11 +687,11 @@ class Launch:
     def _bind(self) -> None:
         """What every call repeats, laid out once (a call's host time is the bar: each
         dict a call built and each buffer it looked up by name cost ~0.3 µs of a 2-core
-        CPU, 1.8 µs of a norm producer's 7.2 with QuACK's launch stubbed; on an H100
+        CPU, 1.0–1.8 µs of a norm producer's 7.2 with QuACK's launch stubbed; on an H100
         machine's faster host the difference stayed inside its ±2 µs, BENCHMARKS.md,
         thirty-ninth session): the buffers a call allocates (the outputs, then the
-        reductions' partials) under QuACK's names, the operands it passes as they are
-        and the scalars it passes by device pointer, and, where the program's outputs
+        reductions' partials) under QuACK's names (the operands, tensors and scalars,
+        are bound in __init__: ``_operands``), and, where the program's outputs
         are those buffers as the kernel leaves them, which buffer each one is
         (``returned``; None where a per-row stage, a fold, the norm's finaliser or a
         view of the partials makes them: the general path)."""
@@ -699,8 +702,6 @@ class Launch:
                                f"share a name in QuACK's plan: {self.buffer_names}")
         self.buffer_specs = tuple((shape, dtype) for _, shape, dtype in self.outs) + \
             tuple((tuple(shape), dtype) for shape, dtype in scratch.values())
-        self.tensor_params = tuple((param, i) for param, i, scalar in self.kwargs if not scalar)
-        self.scalar_params = tuple((param, i) for param, i, scalar in self.kwargs if scalar)
         self.d_index = self.buffer_names.index("D") if "D" in self.buffer_names else None
         self.returned = None
         if self.norm is not None or self.results is None or not self.unfolded:
@@ -723,10 +724,7 @@ class Launch:
         planned = self.planned
         c = None if self.c_index is None else operands[self.c_index]
         if planned.gemm is not None:
-            values = {param: operands[i] for param, i in self.tensor_params}
-            for param, i in self.scalar_params:
-                values[param] = operands[i].float().reshape(1)
-            values.update(self.ks.constants)
+            values = self._operands(operands)
             values.update(zip(self.buffer_names, buffers))
             planned.launch(a, b.t(), None if self.d_index is None else buffers[self.d_index],
                            c, values)
