@@ -19,10 +19,13 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
                     route by tensor metadata, then the prepared launch)
     launch          the prepared launch alone (quack_path.Launch: allocations, QuACK's
                     planned GEMM launch, the finaliser)
-    op, nograd      torch.ops.coda.gemm_epilogue_nograd: what an inference graph under
-                    Inductor calls (no autograd formula); on optimize()'s program, and
-                    then on each program only Inductor's graph calls (inductor_programs:
-                    none where its graph defers the norms as optimize()'s do)
+    op, nograd      torch.ops.coda.gemm_epilogue_nograd (no autograd formula), through
+                    the dispatcher: what an inference graph under Inductor called before
+                    the fortieth session; on optimize()'s program, and then on each
+                    program only Inductor's graph calls (inductor_programs: none where its
+                    graph defers the norms as optimize()'s do)
+    kernel          the op's kernel function called directly: what Inductor's code calls
+                    now (kernels/inductor_calls.py)
     op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
     graph, grad     a graph call whose input and weight require grad, in grad mode: what
                     optimize()'s training forward calls (ops.FusedGemm records the node;
@@ -32,11 +35,15 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
 
 and per whole layer (1 x 64 tokens, no_grad): host µs per forward under eager,
 torch.compile, optimize() (also with cache_relayouts=True, the serving recipe: no weight
-re-layout per call) and backend="coda".
+re-layout per call) and backend="coda"; then backend="coda"'s compiled graph called
+alone, as Inductor's code calls the ops now and through the dispatcher as before the
+fortieth session (coda_graph_pair).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import statistics
 import sys
 import time
@@ -103,7 +110,7 @@ def captured_calls(model, x):
 def per_program(calls) -> list[tuple[str, str, float]]:
     rows = []
     print(f"{'program':<34} {'family':<18} {'M,N,K':<16} {'graph':>7} {'chained':>7} "
-          f"{'direct':>7} {'launch':>7} {'nograd':>7} {'op':>7} {'grad':>7} "
+          f"{'direct':>7} {'launch':>7} {'nograd':>7} {'kernel':>7} {'op':>7} {'grad':>7} "
           f"{'F.linear':>9} {'lin,grad':>8}  µs/call")
     for program, (a, b, operands) in calls.items():
         prog = parse(program)
@@ -122,6 +129,7 @@ def per_program(calls) -> list[tuple[str, str, float]]:
                 "chained": lambda: ops.fused_linear(program, a, b, *operands),
                 "direct": lambda: ops.execute(program, a, b, operands),
                 "nograd": lambda: ops.gemm_epilogue_nograd(program, a, b, operands),
+                "kernel": lambda: ops._execute_nograd(program, a, b, operands),
                 "op": lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands),
                 "linear": lambda: torch.nn.functional.linear(x, b)}
             if isinstance(route, quack_path.Launch):
@@ -129,7 +137,7 @@ def per_program(calls) -> list[tuple[str, str, float]]:
             t = interleaved(fns)
         graph, chained, direct, nograd, op, linear = (
             t[k] for k in ("graph", "chained", "direct", "nograd", "op", "linear"))
-        launch = t.get("launch", float("nan"))
+        launch, kernel = t.get("launch", float("nan")), t["kernel"]
         x_g = a_g.reshape(1, *a.shape)
         try:  # an inference-only program (no saved pre-activation) has no backward
             g = interleaved({"grad": lambda: ops.fused_linear(program, x_g, b_g, *lifted),
@@ -139,11 +147,12 @@ def per_program(calls) -> list[tuple[str, str, float]]:
             grad = linear_grad = float("nan")
         shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
         print(f"{prog.key:<34} {prog.family:<18} {shape:<16} {graph:7.1f} {chained:7.1f} "
-              f"{direct:7.1f} {launch:7.1f} {nograd:7.1f} {op:7.1f} {grad:7.1f} "
+              f"{direct:7.1f} {launch:7.1f} {nograd:7.1f} {kernel:7.1f} {op:7.1f} {grad:7.1f} "
               f"{linear:9.1f} {linear_grad:8.1f}")
         for variant, us in (("graph call", graph), ("chained", chained), ("direct", direct),
                             ("launch", launch),
-                            ("op, nograd", nograd), ("op", op), ("graph, grad", grad),
+                            ("op, nograd", nograd), ("kernel", kernel), ("op", op),
+                            ("graph, grad", grad),
                             ("F.linear", linear), ("F.linear, grad", linear_grad)):
             rows.append((f"{prog.family} {variant}", "host us/call", us))
         if isinstance(route, quack_path.Launch) and route.norm is not None:
@@ -172,6 +181,23 @@ def inductor_programs(calls, traced) -> list[tuple[str, str, float]]:
                   t["nograd"]), (f"{prog.family} F.linear (beside it)", "host us/call",
                                  t["linear"])]
     return rows
+
+
+@contextlib.contextmanager
+def ops_through_the_dispatcher():
+    """Graphs Inductor compiles inside call the coda ops as torch.ops calls, as before the
+    fortieth session (kernels/inductor_calls.py's lowerings set aside), with Inductor's
+    caches off: their keys do not include a lowering, so a graph compiled the other
+    way would come back from them."""
+    from torch._inductor import lowering
+    from coda_rewrite.kernels import inductor_calls
+    saved = {op: lowering.lowerings.pop(op) for op in inductor_calls._KERNELS
+             if op in lowering.lowerings}
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            yield
+    finally:
+        lowering.lowerings.update(saved)
 
 
 def launch_parts(route, a, b, operands) -> list[tuple[str, str, float]]:
@@ -206,11 +232,40 @@ def per_layer(model, x) -> list[tuple[str, str, float]]:
                 'backend="coda"': torch.compile(model, backend="coda", options=fused)}
     rows = []
     with torch.no_grad():
-        t = interleaved({name: (lambda m=m: m(x)) for name, m in variants.items()}, calls=20)
+        calls = {name: (lambda m=m: m(x)) for name, m in variants.items()}
+        calls.update(coda_graph_pair(model, x, fused))
+        t = interleaved(calls, calls=20)
     for name, us in t.items():
-        print(f"layer forward, 1 x {x.shape[1]} tokens, {name:<16} {us:8.1f} µs host")
+        print(f"layer forward, 1 x {x.shape[1]} tokens, {name:<26} {us:8.1f} µs host")
         rows.append((f"layer {name}", "host us/forward", us))
     return rows
+
+
+def coda_graph_pair(model, x, options: dict) -> dict:
+    """backend="coda"'s compile of the model's one dynamo graph, twice: Inductor's code as
+    it is, and with the ops called through the dispatcher (ops_through_the_dispatcher).
+    Dynamo shares one compiled graph between compiles of the same forward (its guards do
+    not tell two backends' calls of one module apart here), so the pair is compiled
+    from the graph dynamo hands a backend and called without dynamo's frame: each
+    figure is the compiled graph's own host time, not comparable with the rows above."""
+    grabbed = []
+
+    def grab(gm, example_inputs):
+        grabbed.append((copy.deepcopy(gm), list(example_inputs)))
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(model, backend=grab)(x)
+    torch._dynamo.reset()
+    gm, inputs = grabbed[0]
+
+    def compiled(dispatched: bool):
+        with ops_through_the_dispatcher() if dispatched else \
+                torch._inductor.config.patch(force_disable_caches=True):
+            fn = coda_rewrite.backend.coda_backend(copy.deepcopy(gm), inputs, options)
+            call = lambda: fn(*inputs)  # noqa: E731
+            call()
+        return call
+    return {'coda graph': compiled(False), 'coda graph, torch.ops': compiled(True)}
 
 
 def profile(model, x, top: int = 25) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 
 import torch.fx as fx
 
+from .kernels import inductor_calls
 from .options import Options
 from .pipeline import rewrite_graph
 from .report import Report
@@ -61,6 +62,7 @@ class CodaBackend:
         self._breaks_seen = now
         if opts.inductor:
             from torch._inductor.compile_fx import compile_fx
+            inductor_calls.install()  # its wrapper calls our ops' kernels directly
             # as torch.compile's own Inductor wrapper passes a mode's settings
             return self._counted(compile_fx(gm, example_inputs,
                                             config_patches=opts.inductor_config()))

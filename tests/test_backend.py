@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -471,3 +472,63 @@ def test_inductor_graphs_call_the_op_without_autograd(monkeypatch):
     assert not calls["direct"]
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-4
+
+
+def _compiled_code(model, ids):
+    """The forward Inductor generates for ``model`` under backend="coda" (no cache: a
+    graph cached by an earlier run would be loaded, not generated) and its logits."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="coda")
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        out, code = run_and_get_code(fast, ids)
+    return out.logits, "\n".join(code)
+
+
+def test_inductors_code_calls_the_fused_ops_kernels_without_the_dispatcher(monkeypatch):
+    """backend="coda"'s Inductor code calls each fused GEMM's kernel function itself
+    (kernels/inductor_calls.py), not torch.ops.coda.gemm_epilogue_nograd: the same
+    function the dispatcher reaches, so the same values and the same refusal of a call
+    autograd could record; and where the hooks are missing the op is called as before."""
+    from torch._inductor.select_algorithm import extern_kernels
+    from coda_rewrite.kernels import inductor_calls, ops
+    calls = {"n": 0}
+    decide = ops._decide_and_run
+
+    def counted(program, a, b, operands):
+        calls["n"] += type(a) is torch.Tensor  # a real call, not the fake's
+        return decide(program, a, b, operands)
+    monkeypatch.setattr(ops, "_decide_and_run", counted)
+    model = hf_model("llama", layers=1)
+    ids = tokens()
+    with torch.no_grad():
+        want = model(ids).logits
+    logits, code = _compiled_code(model, ids)
+    assert inductor_calls.installed() is True
+    assert "extern_kernels.coda_gemm_epilogue_nograd(" in code
+    assert "torch.ops.coda.gemm_epilogue_nograd.default(" not in code  # (asserts name it)
+    assert calls["n"] > 0 and rel_err(logits, want) <= 1e-5
+    assert extern_kernels.coda_gemm_epilogue_nograd is ops._execute_nograd
+    for op, (name, fn) in inductor_calls._KERNELS.items():  # each a formula-less op's kernel
+        assert getattr(extern_kernels, name) is fn
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("coda::gemm_epilogue", "Autograd")
+    # the kernel refuses, as the op does, a call whose gradient could be asked for
+    program = re.search(r"extern_kernels\.coda_gemm_epilogue_nograd\('([^']*)'", code)[1]
+    x = torch.randn(4, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        extern_kernels.coda_gemm_epilogue_nograd(program, x, torch.randn(64, 64), [])
+    # a torch whose Inductor lacks the hooks: nothing installed, the op called as before
+    from torch._inductor import lowering
+    for op in inductor_calls._KERNELS:
+        if op in lowering.lowerings:
+            monkeypatch.delitem(lowering.lowerings, op)
+    monkeypatch.setattr(inductor_calls, "_installed", None)
+    monkeypatch.setattr(inductor_calls, "_hooks_present", lambda: False)
+    calls["n"] = 0
+    logits, code = _compiled_code(model, ids)
+    assert inductor_calls.installed() is False
+    assert "torch.ops.coda.gemm_epilogue_nograd.default(" in code
+    assert "extern_kernels.coda_" not in code
+    assert calls["n"] > 0 and rel_err(logits, want) <= 1e-5
+    assert any("through torch.ops" in line for line in ops.runtime_summary())

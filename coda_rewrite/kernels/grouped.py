@@ -42,7 +42,7 @@ import torch
 from .. import routing
 from ..codegen import reference
 from ..codegen.program import PAIRWISE, REDUCTIONS, STATEFUL, Kind, parse
-from . import ops, quack_path
+from . import inductor_calls, ops, quack_path
 
 # QuACK's default config (the tile the varlen MoE GEMMs were measured with: BENCHMARKS.md)
 GROUPED_TILES = (128, 192, 2)
@@ -214,7 +214,7 @@ def execute(program: str, a, b, offsets, index, operands, interleaved: bool = Fa
 ops._lib.define("grouped_gemm_epilogue(str program, Tensor a, Tensor b, Tensor offsets, "
                 "Tensor? index, Tensor[] operands, bool interleaved=False, "
                 "bool bounds_proved=False) -> Tensor[]")
-ops._lib.impl("grouped_gemm_epilogue", execute, "CompositeExplicitAutograd")
+inductor_calls.python_kernel(ops._lib, "grouped_gemm_epilogue", execute)
 grouped_gemm_epilogue = torch.ops.coda.grouped_gemm_epilogue.default
 
 

@@ -33,7 +33,7 @@ import torch
 from ..codegen import layouts, reference
 from ..codegen.program import Kind, parse
 from ..graph_utils import FUSED_LINEAR_MARK, ROW_CALL_MARK
-from . import backward, quack_path, sharding
+from . import backward, inductor_calls, quack_path, sharding
 
 try:  # what Function.apply does to its arguments before autograd's C++ apply (record)
     from torch._functorch.utils import unwrap_dead_wrappers
@@ -123,6 +123,10 @@ def runtime_summary() -> list[str]:
     items = sorted(runtime_counts().items())
     lines = [f"{key}: {impl} ({reason}) x{n}" for (key, impl, reason), n in items]
     lines += [f"kernel {key} ready in {s:.1f} s (first call)" for key, s in quack_path.COMPILES]
+    if inductor_calls.installed() is False:
+        lines.append("Inductor's graphs call the fused ops through torch.ops: this torch's "
+                     "Inductor lacks what kernels/inductor_calls.py rests on (the same "
+                     "results, the dispatcher's host time per call)")
     return lines + launch_configs()
 
 
@@ -444,7 +448,7 @@ def _execute_nograd(program, a, b, operands):
         _decide_and_run(program, a, b, operands)
 
 
-_lib.impl("gemm_epilogue_nograd", _execute_nograd, "CompositeExplicitAutograd")
+inductor_calls.python_kernel(_lib, "gemm_epilogue_nograd", _execute_nograd)
 gemm_epilogue_nograd = torch.ops.coda.gemm_epilogue_nograd.default
 
 

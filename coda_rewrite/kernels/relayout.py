@@ -34,7 +34,7 @@ import torch
 
 from ..codegen import layouts
 from ..graph_utils import ROW_CALL_MARK
-from . import ops, versioned
+from . import inductor_calls, ops, versioned
 
 # kind -> the re-layout function (the spec's decoded layout, then the sources)
 _KINDS = {
@@ -88,7 +88,7 @@ def gemm_relaid(program: str, a: torch.Tensor, kind: str, spec: str,
 
 
 ops._lib.define("gemm_relaid" + _RELAID_SCHEMA)
-ops._lib.impl("gemm_relaid", gemm_relaid, "CompositeExplicitAutograd")
+inductor_calls.python_kernel(ops._lib, "gemm_relaid", gemm_relaid)
 
 
 def _gemm_on(program, a, b, operands) -> list[torch.Tensor]:
@@ -285,7 +285,7 @@ def _fake_layernorm_kept(program, a, parts, weight, rest, operands):
 
 ops._lib.define("gemm_layernorm_kept(str program, Tensor a, str parts, Tensor weight, "
                 "Tensor[] rest, Tensor[] operands) -> Tensor[]")
-ops._lib.impl("gemm_layernorm_kept", gemm_layernorm_kept, "CompositeExplicitAutograd")
+inductor_calls.python_kernel(ops._lib, "gemm_layernorm_kept", gemm_layernorm_kept)
 torch.library.register_fake("coda::gemm_layernorm_kept", _fake_layernorm_kept)
 
 
