@@ -6,7 +6,7 @@ for them, so its wrapper calls each as ``torch.ops.coda.<op>.default(...)``: the
 dispatcher, then its Python kernel holder, which converts every argument into a Python
 object again (the program's text into a new string, hashed again by the route lookup)
 and the returned list back. That round trip is what the op boundary costs a fused call
-under Inductor: ~2.9 µs of a 2-core CPU for a kernel that does nothing, 4.8–6.3 µs of
+under Inductor: ~2.9 µs of a 2-core CPU for a kernel that does nothing, 4.8–6.4 µs of
 an H100 machine's host for the fused GEMMs at M = 64 (BENCHMARKS.md, fortieth session),
 paid once per fused GEMM per forward, where #15's bar is F.linear's call + 10 µs.
 
@@ -16,9 +16,10 @@ and these ops have no formula of their own: a call where one could be asked for 
 refused by the kernel itself, not by the dispatcher), no mode is active that Inductor's
 own kernels would not escape as well, and the kernel is device-generic
 (CompositeExplicitAutograd). The one difference left: a kernel the dispatcher reaches
-runs below autograd (the autograd fallback's AutoDispatchBelowADInplaceOrView), one called
-directly does not. For a kernel that launches QuACK or runs the reference's torch ops on
-tensors that require no grad, that changes nothing (the GPU suite runs them so); a kernel
+runs below autograd (the autograd fallback redispatches under
+AutoDispatchBelowADInplaceOrView), one called directly does not. For a kernel that
+launches QuACK or runs the reference's torch ops on tensors that require no grad, that
+changes nothing (the GPU suite runs them so); a kernel
 that traces or compiles torch code of its own can tell: FP8's column quantisation, which
 compiles its Inductor graph on its first call, failed called directly from a compiled
 backward (H100, fortieth session). So only the forward GEMM ops register through
@@ -29,21 +30,25 @@ dispatcher (eager calls, tracing, every graph optimize() runs as Python) and, un
 name on Inductor's ``extern_kernels`` namespace (where its generated code finds its own
 extern kernels), Inductor's wrapper.
 
-``install`` (the backend, before it hands a graph to Inductor) adds one lowering per
-op: Inductor's own fallback for it (the same fake outputs, layout constraint and argument
-code), built as ``_PythonKernelCall``, a FallbackKernel whose generated call names that
+``install`` (the backend, before it hands a graph to Inductor) registers for each op
+what Inductor's implicit fallback would (make_fallback: its layout constraint, realized
+inputs) and a lowering that builds the fallback kernel (the same fake outputs and
+argument code) as ``_PythonKernelCall``, a FallbackKernel whose generated call names that
 function. Where it does not apply, the op is called as before (the same results, the
 dispatcher's cost): a C++ or FX wrapper, and a torch whose Inductor lacks these hooks
 (checked once: ``install`` returns False, and ops.runtime_summary says so).
 Lost by the direct call: the profiler's CPU-side record of the op (the dispatcher makes
-it); the QuACK kernel and the Inductor graph around it still show.
+it); the QuACK kernel and the Inductor graph around it still show. Inductor's FX graph
+cache does not key on lowerings, so code generated either way may be loaded by the
+other (from a cache made before this module, or where ``install`` found no hooks): both
+call the same kernel, and ``install`` runs before any compile that could load it.
 """
 
 from __future__ import annotations
 
 import torch
 
-# op (OpOverload) -> the name its kernel has on Inductor's extern_kernels namespace
+# op (OpOverload) -> (the name its kernel has on Inductor's extern_kernels, the kernel)
 _KERNELS: dict = {}
 _installed: bool | None = None
 _PREFIX = "coda_"
@@ -95,7 +100,7 @@ def _hooks_present() -> bool:
             and hasattr(ir.FallbackKernel, "set_python_kernel_name")
             and hasattr(ir.FallbackKernel, "create")
             and hasattr(lowering, "register_lowering")
-            and hasattr(lowering, "add_layout_constraint")
+            and hasattr(lowering, "make_fallback")
             and hasattr(lowering, "tag_to_layout_constraint"))
 
 
@@ -105,12 +110,11 @@ def _register(op) -> None:
     from torch._library.utils import get_layout_constraint_tag
     name, fn = _KERNELS[op]
     setattr(extern_kernels, name, fn)
-    # the layout constraint Inductor's implicit fallback would give the op (from its
-    # tags, else the configured default for custom ops)
-    constraint = lowering.tag_to_layout_constraint(
-        get_layout_constraint_tag(op, with_default=True))
-    if constraint is not None:
-        lowering.add_layout_constraint(op, constraint)
+    # what Inductor's implicit fallback registers for a custom op on first sight (its
+    # layout constraint from the op's tags, else the configured default; realized
+    # inputs; the fallback set), then this lowering in its place
+    lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(
+        get_layout_constraint_tag(op, with_default=True)), warn=False)
     kernel_class = _kernel_class()
 
     def lower(*args, **kwargs):

@@ -1467,6 +1467,32 @@ def test_the_backend_defers_its_norms_on_gpu(mode, monkeypatch):
             assert rel_err(g, truth) <= 1.25 * rel_err(eager, truth) + 1e-3
 
 
+def test_inductors_cuda_code_calls_the_kernels_without_the_dispatcher():
+    """On this machine's torch (the GPU image's, older than CI's), backend="coda"'s
+    generated CUDA code calls the fused GEMMs' kernel function (kernels/inductor_calls.py),
+    its launches run (no reference), and the logits are the ones the op's calls give."""
+    from torch._inductor.utils import run_and_get_code
+    from coda_rewrite.kernels import inductor_calls
+    base = _llama(0).to(DEV, torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+    torch._dynamo.reset()
+    fast = torch.compile(copy.deepcopy(base), backend=coda_rewrite.CodaBackend(
+        coda_rewrite.Options(min_fused_rows=0)))
+    references = sum(n for k, n in ops.runtime_counts().items() if k[1] == "reference")
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(fast, ids)
+        got = got.logits
+    assert inductor_calls.installed() is True
+    code = "\n".join(code)
+    assert "extern_kernels.coda_gemm_epilogue_nograd(" in code
+    assert "torch.ops.coda.gemm_epilogue_nograd.default(" not in code
+    assert sum(n for k, n in ops.runtime_counts().items() if k[1] == "reference") == \
+        references, ops.runtime_summary()
+    with torch.no_grad():
+        want = base(ids).logits
+    assert rel_err(got, want) <= 2e-2
+
+
 @pytest.mark.parametrize("dtype,overrides", [
     (torch.float32, {}),                                    # no kernel takes float32
     (torch.bfloat16, {"intermediate_size": 100}),            # gate/up 100: 200-byte rows
