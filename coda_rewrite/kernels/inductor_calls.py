@@ -15,17 +15,17 @@ GEMM's forward kernel: no autograd records there (AOTAutograd wraps the compiled
 and these ops have no formula of their own: a call where one could be asked for is
 refused by the kernel itself, not by the dispatcher), no mode is active that Inductor's
 own kernels would not escape as well, and the kernel is device-generic
-(CompositeExplicitAutograd). The one difference left: a kernel the dispatcher reaches
-runs below autograd (the autograd fallback redispatches under
-AutoDispatchBelowADInplaceOrView), one called directly does not. For a kernel that
-launches QuACK or runs the reference's torch ops on tensors that require no grad, that
-changes nothing (the GPU suite runs them so); a kernel
-that traces or compiles torch code of its own can tell: FP8's column quantisation, which
-compiles its Inductor graph on its first call, failed called directly from a compiled
-backward (H100, fortieth session). So only the forward GEMM ops register through
-``python_kernel`` (gemm_epilogue_nograd, gemm_relaid, gemm_layernorm_kept,
-grouped_gemm_epilogue: what an inference graph calls); the FP8 ops and the backward's
-stay behind the dispatcher. ``python_kernel`` registers an op's kernel for both: the
+(CompositeExplicitAutograd). What can still tell the two calls apart is what the
+kernel itself does inside a compiled graph: the kernels registered here launch QuACK or
+run the reference's torch ops on tensors that require no grad, and the GPU suite runs
+them called directly; FP8's column quantisation, which compiles an Inductor graph of its
+own on its first call, failed called directly from a compiled backward (H100, fortieth
+session: "FunctionalTensor on its own" in its nested AOTAutograd trace; cause not
+isolated; the thread-local dispatch-key sets inside a kernel are the same either way, on
+the CPU). So only the forward GEMM ops register through ``python_kernel``
+(gemm_epilogue_nograd, gemm_relaid, gemm_layernorm_kept, grouped_gemm_epilogue: what an
+inference graph calls); the FP8 ops and the backward's stay behind the dispatcher.
+``python_kernel`` registers an op's kernel for both: the
 dispatcher (eager calls, tracing, every graph optimize() runs as Python) and, under a
 name on Inductor's ``extern_kernels`` namespace (where its generated code finds its own
 extern kernels), Inductor's wrapper.
