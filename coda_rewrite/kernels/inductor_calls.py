@@ -52,6 +52,7 @@ import torch
 _KERNELS: dict = {}
 _installed: bool | None = None
 _PREFIX = "coda_"
+_kernel_class_made = None  # _PythonKernelCall, made on first use (it imports Inductor)
 
 
 def python_kernel(lib: torch.library.Library, name: str, fn) -> None:
@@ -131,9 +132,6 @@ def _wrap(x):
         return x
     wrap = getattr(x, "wrap_for_lowering", None)
     return wrap() if wrap is not None else ir.TensorBox.create(x)
-
-
-_kernel_class_made = None
 
 
 def _kernel_class():

@@ -1470,7 +1470,8 @@ def test_the_backend_defers_its_norms_on_gpu(mode, monkeypatch):
 def test_inductors_cuda_code_calls_the_kernels_without_the_dispatcher():
     """On this machine's torch (the GPU image's, older than CI's), backend="coda"'s
     generated CUDA code calls the fused GEMMs' kernel function (kernels/inductor_calls.py),
-    its launches run (no reference), and the logits are the ones the op's calls give."""
+    its launches run (no reference), and the logits are no further from float64 than
+    eager's (the numerics policy)."""
     from torch._inductor.utils import run_and_get_code
     from coda_rewrite.kernels import inductor_calls
     base = _llama(0).to(DEV, torch.bfloat16).eval()
@@ -1489,8 +1490,8 @@ def test_inductors_cuda_code_calls_the_kernels_without_the_dispatcher():
     assert sum(n for k, n in ops.runtime_counts().items() if k[1] == "reference") == \
         references, ops.runtime_summary()
     with torch.no_grad():
-        want = base(ids).logits
-    assert rel_err(got, want) <= 2e-2
+        truth, eager = copy.deepcopy(base).double()(ids).logits, base(ids).logits
+    assert rel_err(got, truth) <= 1.25 * rel_err(eager, truth) + 1e-3
 
 
 @pytest.mark.parametrize("dtype,overrides", [
