@@ -33,6 +33,10 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
     F.linear        cuBLAS at the same (M, N, K); "F.linear, grad" with inputs that
                     require grad, in grad mode
 
+then, for the serving recipe (optimize(cache_relayouts=True)), each program over a kept
+re-layout (gate/up, q/k/v: kernels/relayout.py) as its graph calls it (a current kept
+re-layout goes straight to fused_linear), beside its full path (the kept weight looked up
+inside the op's kernel: every such call before the forty-first session) and F.linear;
 and per whole layer (1 x 64 tokens, no_grad): host µs per forward under eager,
 torch.compile, optimize() (also with cache_relayouts=True, the serving recipe: no weight
 re-layout per call) and backend="coda"; then backend="coda"'s compiled graph called
@@ -54,7 +58,7 @@ from common import env_line, write_csv
 
 import coda_rewrite
 from coda_rewrite.codegen.program import Kind, parse
-from coda_rewrite.kernels import ops, quack_path
+from coda_rewrite.kernels import ops, quack_path, relayout
 from coda_rewrite.models import Llama, LlamaArgs
 
 bf = torch.bfloat16
@@ -90,20 +94,26 @@ def interleaved(fns: dict, calls: int = CALLS, rounds: int = 7) -> dict:
     return {name: statistics.median(v) for name, v in seen.items()}
 
 
-def captured_calls(model, x):
-    """(program, a, b, operands) of each distinct program the rewritten model runs."""
-    seen, original = {}, ops.execute
+def captured(model, x, owner, name: str) -> dict:
+    """program -> the other arguments (tensors cloned) of its first call of
+    ``owner.name`` while the rewritten model runs once under no_grad: ops.execute's
+    (a, b, operands) for every fused GEMM, relayout.gemm_relaid's (a, kind, spec,
+    sources, operands) for those over a kept re-layout (a class's first call takes the
+    op's full path); ops._decide_and_run's, the same as ops.execute's, for a class's
+    first call from Inductor's code."""
+    seen, original = {}, getattr(owner, name)
 
-    def spy(program, a, b, operands):
-        seen.setdefault(program, (a.clone(), b.clone(), [t.clone() for t in operands]))
-        return original(program, a, b, operands)
+    def spy(program, *args):
+        seen.setdefault(program, torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args))
+        return original(program, *args)
 
-    ops.execute = spy
+    setattr(owner, name, spy)
     try:
         with torch.no_grad():
             model(x)
     finally:
-        ops.execute = original
+        setattr(owner, name, original)
     return seen
 
 
@@ -157,6 +167,33 @@ def per_program(calls) -> list[tuple[str, str, float]]:
             rows.append((f"{prog.family} {variant}", "host us/call", us))
         if isinstance(route, quack_path.Launch) and route.norm is not None:
             rows += launch_parts(route, a, b, operands)
+    return rows
+
+
+def per_relaid_program(calls) -> list[tuple[str, str, float]]:
+    """The serving recipe's calls over kept re-layouts (gate/up, q/k/v): the graph's call
+    (a current kept re-layout goes straight to fused_linear: versioned.peek), the full
+    path (the op's kernel, the kept weight looked up inside it) and F.linear on the kept
+    weight."""
+    rows = []
+    for program, (a, kind, spec, sources, operands) in calls.items():
+        prog = parse(program)
+        b = relayout.kept(kind, spec, sources, a.dtype)
+        with torch.no_grad():
+            t = interleaved({
+                "kept": lambda: relayout.fused_linear_relaid(program, a, kind, spec,
+                                                             sources, *operands),
+                "full": lambda: ops._linear(
+                    lambda text, a2, _, flat: relayout.gemm_relaid(
+                        text, a2, kind, spec, sources, flat), program, a, None, operands),
+                "linear": lambda: torch.nn.functional.linear(a.reshape(1, *a.shape), b)})
+        print(f"{prog.key:<34} {prog.family:<18} kept re-layout ({kind}): graph call "
+              f"{t['kept']:.1f}, through the op's kernel {t['full']:.1f}, "
+              f"F.linear {t['linear']:.1f} µs")
+        rows += [(f"{prog.family} kept re-layout: {name}", "host us/call", us)
+                 for name, us in (("graph call", t["kept"]),
+                                  ("through the op's kernel", t["full"]),
+                                  ("F.linear", t["linear"]))]
     return rows
 
 
@@ -295,16 +332,21 @@ def main():
     x = torch.randint(0, a.vocab_size, (1, 64), device="cuda")
     if "profile" in sys.argv[1:]:
         return profile(model, x)
-    calls = captured_calls(coda_rewrite.optimize(model, min_fused_rows=0), x)
-    traced = captured_calls(torch.compile(model, backend="coda",
-                                          options={"min_fused_rows": 0}), x)
+    calls = captured(coda_rewrite.optimize(model, min_fused_rows=0), x, ops, "execute")
+    # Inductor's code calls the op's kernel, which goes to _decide_and_run on a class's
+    # first call (not through ops.execute)
+    traced = captured(torch.compile(model, backend="coda", options={"min_fused_rows": 0}),
+                      x, ops, "_decide_and_run")
+    relaid = captured(coda_rewrite.optimize(model, min_fused_rows=0, cache_relayouts=True),
+                      x, relayout, "gemm_relaid")
     # the compiles above leave Inductor's compile-worker processes behind; stopped here so
     # that nothing else runs on the host while its time is measured (the thirty-eighth
     # session's table had its first program ~35% high in every column, cause not
     # isolated; the per-layer compiles below start them again)
     import torch._inductor.async_compile as async_compile
     getattr(async_compile, "shutdown_compile_workers", lambda: None)()
-    rows = per_program(calls) + inductor_programs(calls, traced) + per_layer(model, x)
+    rows = per_program(calls) + per_relaid_program(relaid) + \
+        inductor_programs(calls, traced) + per_layer(model, x)
     print("csv:", write_csv("host overhead (M = 64, 8B layer)", rows))
 
 

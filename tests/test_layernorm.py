@@ -373,25 +373,30 @@ def test_statistics_function_backward(monkeypatch):
     assert r1.shape == r0.shape and rel_err(r1, r0) <= 1e-12 and rel_err(mu1, mu0) <= 1e-12
 
 
-def test_folded_weights_are_kept_until_a_parameter_changes():
+def test_folded_weights_are_kept_until_a_parameter_changes(monkeypatch):
     """Inference with cache_relayouts: W', s and b' kept inside the GEMM op between calls
     (kernels/relayout.py), made again after an in-place update of any parameter they
-    read; the report says which."""
+    read; the report says which. A call on a current fold goes straight to the fused
+    GEMM (the op's kernel is not called), one after an update through the op."""
     from coda_rewrite.kernels import relayout
+    full = []
+    real_full = relayout.gemm_layernorm_kept
+    monkeypatch.setattr(relayout, "gemm_layernorm_kept",
+                        lambda *args: full.append(1) or real_full(*args))
     torch.manual_seed(0)
     model = Block()
     fast = coda_rewrite.optimize(model, cache_relayouts=True)
     x = torch.randn(2, 8, D) + 1.0
     with torch.no_grad():
         fast(x)
-        before = dict(relayout.STATS)
+        before, calls = dict(relayout.STATS), len(full)
         fast(x)
-        assert relayout.STATS["hit"] == before.get("hit", 0) + 1
+        assert relayout.STATS["hit"] == before.get("hit", 0) + 1 and len(full) == calls
         for p in (model.ln.weight, model.ln.bias, model.out.bias, model.out.weight):
             p.add_(0.25)
-            misses = relayout.STATS["miss"]
+            misses, calls = relayout.STATS["miss"], len(full)
             assert rel_err(fast(x), Block.forward(model, x)) <= 1e-6
-            assert relayout.STATS["miss"] == misses + 1
+            assert relayout.STATS["miss"] == misses + 1 and len(full) == calls + 1
     (rec,) = _records(fast.report)
     assert "kept inside the GEMM op" in rec.weights
     # Cohere's spelling multiplies by weight.float(), a new tensor every call: the fold is

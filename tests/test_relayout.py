@@ -173,6 +173,54 @@ def test_the_graph_calls_the_ops_kernel_as_a_function_where_it_may(monkeypatch):
     assert not direct and fake[0].shape == got[0].shape
 
 
+def test_a_current_kept_re_layout_goes_straight_to_the_fused_gemm(monkeypatch):
+    """Under no_grad, a call whose kept re-layout is current (versioned.peek: each
+    source's version, pointer and metadata as when it was made) is ops.fused_linear on
+    it, skipping the op's argument handling (host time every decode step pays). An
+    in-place update, a swapped ``.data``, another source tensor, or grad mode take the
+    full call, which makes the re-layout again (or refuses a gradient)."""
+    from coda_rewrite.patterns.rope import rope_program
+
+    lay = ((0, 16, 2, 8, 8), (0, 8, 1, 8, 8), (0, 8, 0, 0, 0))
+    ws = [torch.randn(n, 12) for n in (16, 8, 8)]
+    x = torch.randn(1, 5, 12, dtype=torch.bfloat16)
+    prog = rope_program(False, False, False, torch.bfloat16).to_text()
+    pos, freq = torch.arange(5.0), layouts.rope_frequencies(torch.rand(4), lay)
+    spec = relayout.spec_of(lay)
+    full, straight = [], []
+    real_full, real_linear = relayout.gemm_relaid, ops.fused_linear
+    monkeypatch.setattr(relayout, "gemm_relaid",
+                        lambda *args: full.append(1) or real_full(*args))
+    monkeypatch.setattr(ops, "fused_linear",
+                        lambda *args: straight.append(args[2]) or real_linear(*args))
+
+    def call(sources):
+        return relayout.fused_linear_relaid(prog, x, "rope_segments", spec, sources,
+                                            pos, freq)[0]
+
+    def eager(sources):
+        b = layouts.rope_segments(lay, *sources).bfloat16()
+        return ops.gemm_epilogue(prog, x[0], b, [pos, freq])[0].unsqueeze(0)
+
+    with torch.no_grad():
+        assert torch.equal(call(ws), eager(ws)) and (len(full), len(straight)) == (1, 0)
+        assert torch.equal(call(ws), eager(ws)) and (len(full), len(straight)) == (1, 1)
+        assert straight[0] is getattr(ws[0], relayout._ATTR)[1]  # the kept tensor itself
+        ws[1].mul_(0.5)  # bumps its version
+        assert torch.equal(call(ws), eager(ws)) and (len(full), len(straight)) == (2, 1)
+        ws[2].data = ws[2].data.clone() + 1  # same version, another pointer
+        assert torch.equal(call(ws), eager(ws)) and (len(full), len(straight)) == (3, 1)
+        other = [w.clone() - 1 for w in ws]  # other tensors, their own (empty) slot
+        assert torch.equal(call(other), eager(other)) and (len(full), len(straight)) == (4, 1)
+        assert torch.equal(call(ws), eager(ws)) and (len(full), len(straight)) == (4, 2)
+    call(ws)  # grad mode: the op's full call, though nothing requires grad
+    assert (len(full), len(straight)) == (5, 2)
+    ws[0].requires_grad_()
+    with pytest.raises(RuntimeError, match="[Aa]utograd"):
+        call(ws)
+    assert len(straight) == 2
+
+
 def test_bias_on_q_only_trains_with_the_option_set():
     """q has a bias, k and v do not: the fused bias (zeros for k and v) passes its
     gradient to q's."""

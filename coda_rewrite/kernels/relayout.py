@@ -72,6 +72,23 @@ def kept(kind: str, spec: str, sources, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _serving(x: torch.Tensor) -> bool:
+    """Whether a kept value, if current, can go straight to ops.fused_linear (the
+    serving path, every call of a decode step): grad mode off and a plain x, so the call
+    is the kernel route the op's own kernel would take. Else (grad mode on: the op
+    refuses a call autograd could record; traced or DTensor tensors: the op) the full
+    call. Measured on the 2-core CPU, QuACK's launch stubbed, a q/k/v call in a chain:
+    16.0 µs through the op's argument handling, ~5 here."""
+    return not torch.is_grad_enabled() and type(x) in ops._PLAIN
+
+
+def _current(value):
+    """``value`` (versioned.peek's), counted as the cache's hit it is."""
+    if value is not None:
+        STATS["hit"] += 1
+    return value
+
+
 # The ops below are defined through torch.library's low-level API, as coda::gemm_epilogue
 # is (kernels/ops.py): custom_op's wrapper layers are host time on every call.
 _RELAID_SCHEMA = ("(str program, Tensor a, str kind, str spec, Tensor[] sources, "
@@ -118,6 +135,11 @@ def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
     """``ops.fused_linear`` over the kept re-layout of ``sources`` (nn.Linear layout).
     Real tensors and no gradient to record: the op's kernel called as a function, as
     ops.fused_linear does (the op boundary costs more host time than the launch)."""
+    if _serving(x):
+        b = _current(versioned.peek(sources[0], _ATTR, sources, (kind, spec, x.dtype)))
+        if b is not None:
+            return ops.fused_linear(program, x, b, *operands)
+
     def run(text, a, _, flat):
         if ops._direct(a, sources[0], [*sources[1:], *flat]):
             return gemm_relaid(text, a, kind, spec, sources, flat)
@@ -295,6 +317,12 @@ def fused_linear_layernorm_kept(program: str, x: torch.Tensor, weight: torch.Ten
     (``operands``: r and μ; s and b' come from the fold)."""
     parts = fold_parts(bias, gamma, beta)
     rest = [t for t in (bias, gamma, beta) if t is not None]
+    if _serving(x):
+        fold = _current(versioned.peek(weight, _FOLD_ATTR, [weight, *rest], (parts, x.dtype)))
+        if fold is not None:
+            w_fold, s, b_fold = fold
+            return ops.fused_linear(program, x, w_fold, *operands, s,
+                                    *([b_fold] if b_fold is not None else []))
 
     def run(text, a, _, flat):  # the op's kernel as a function where it may be (above)
         if ops._direct(a, weight, [*rest, *flat]):

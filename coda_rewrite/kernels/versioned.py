@@ -25,8 +25,15 @@ from ..codegen.layouts import real
 
 
 def _keyable(tensors) -> bool:
-    return real(tensors) and not any(t.is_inference() for t in tensors) and not (
-        any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing())
+    # loops, not generators: this runs on every kept-weight GEMM call of a decode step
+    if not real(tensors):
+        return False
+    cuda = False
+    for t in tensors:
+        if t.is_inference():
+            return False
+        cuda = cuda or t.is_cuda
+    return not (cuda and torch.cuda.is_current_stream_capturing())
 
 
 def kept(holder: torch.Tensor, slot: str, tensors, extra, compute):
@@ -35,14 +42,28 @@ def kept(holder: torch.Tensor, slot: str, tensors, extra, compute):
     the same; else computed, and kept where a key means something."""
     if not _keyable(tensors):
         return compute(), "not kept"
-    key = (extra, tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-                        for t in tensors))
+    key = _key(tensors, extra)
     cache = getattr(holder, slot, None)
     if cache is not None and cache[0] == key and usable_here(cache[1]):
         return cache[1], "hit"
     out = compute()
     setattr(holder, slot, (key, out))
     return out, "miss"
+
+
+def peek(holder: torch.Tensor, slot: str, tensors, extra):
+    """The value ``kept`` would hand out as a hit, else None (nothing computed or kept):
+    a caller's fast path that falls back to its full call on None."""
+    cache = getattr(holder, slot, None)
+    if cache is None or not _keyable(tensors) or cache[0] != _key(tensors, extra) or \
+            not usable_here(cache[1]):
+        return None
+    return cache[1]
+
+
+def _key(tensors, extra) -> tuple:
+    return (extra, tuple([(t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                          for t in tensors]))
 
 
 def usable_here(value) -> bool:
