@@ -485,6 +485,25 @@ def _compiled_code(model, ids):
     return out.logits, "\n".join(code)
 
 
+def test_the_direct_call_with_a_symbolic_token_count(monkeypatch):
+    """dynamic=True: Inductor's code calls the kernel with a symbolic row count (the norm
+    keeps its finaliser there: ops._fake); one graph serves three prompt lengths, each
+    as eager's."""
+    from torch._inductor.graph import GraphLowering
+    generated = []
+    monkeypatch.setattr(GraphLowering, "save_output_code", generated.append)
+    model = hf_model("llama", layers=1)
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="coda", dynamic=True)
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        for seq in (8, 13, 21):
+            ids = tokens(seq=seq)
+            assert rel_err(fast(ids).logits, model(ids).logits) <= 1e-5, seq
+    assert len(generated) == 1, "compiled again for another length"
+    assert "extern_kernels.coda_gemm_epilogue_nograd(" in generated[0]
+    assert "torch.ops.coda.gemm_epilogue_nograd.default(" not in generated[0]
+
+
 def test_inductors_code_calls_the_fused_ops_kernels_without_the_dispatcher(monkeypatch):
     """backend="coda"'s Inductor code calls each fused GEMM's kernel function itself
     (kernels/inductor_calls.py), not torch.ops.coda.gemm_epilogue_nograd: the same
@@ -508,11 +527,20 @@ def test_inductors_code_calls_the_fused_ops_kernels_without_the_dispatcher(monke
     assert "extern_kernels.coda_gemm_epilogue_nograd(" in code
     assert "torch.ops.coda.gemm_epilogue_nograd.default(" not in code  # (asserts name it)
     assert calls["n"] > 0 and rel_err(logits, want) <= 1e-5
-    assert extern_kernels.coda_gemm_epilogue_nograd is ops._execute_nograd
+    assert extern_kernels.coda_gemm_epilogue_nograd.__wrapped__ is ops._execute_nograd
     for op, (name, fn) in inductor_calls._KERNELS.items():  # each a formula-less op's kernel
-        assert getattr(extern_kernels, name) is fn
+        assert getattr(extern_kernels, name).__wrapped__ is fn
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("coda::gemm_epilogue", "Autograd")
+    # a profiler's trace names each direct call as the dispatcher's record would
+    compiled = torch.compile(model, backend="coda")
+    with torch.no_grad():
+        compiled(ids)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(ids)
+    recorded = [e.name for e in prof.events() if e.name.startswith("coda::")]
+    assert recorded.count("coda::gemm_epilogue_nograd") == code.count(
+        "extern_kernels.coda_gemm_epilogue_nograd("), recorded
     # the kernel refuses, as the op does, a call whose gradient could be asked for
     program = re.search(r"extern_kernels\.coda_gemm_epilogue_nograd\('([^']*)'", code)[1]
     x = torch.randn(4, 64, requires_grad=True)

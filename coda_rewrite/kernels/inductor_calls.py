@@ -37,8 +37,10 @@ argument code) as ``_PythonKernelCall``, a FallbackKernel whose generated call n
 function. Where it does not apply, the op is called as before (the same results, the
 dispatcher's cost): a C++ or FX wrapper, and a torch whose Inductor lacks these hooks
 (checked once: ``install`` returns False, and ops.runtime_summary says so).
-Lost by the direct call: the profiler's CPU-side record of the op (the dispatcher makes
-it); the QuACK kernel and the Inductor graph around it still show. Inductor's FX graph
+The dispatcher also makes the profiler's CPU-side record of an op; the direct call makes
+its own, under the op's name, only while a profiler runs (``_recorded``: one C check per
+call otherwise), so a trace of a compiled model still shows each fused GEMM as
+``coda::<op>`` around its QuACK kernel. Inductor's FX graph
 cache does not key on lowerings, so code generated either way may be loaded by the
 other (from a cache made before this module, or where ``install`` found no hooks): both
 call the same kernel, and ``install`` runs before any compile that could load it.
@@ -110,7 +112,7 @@ def _register(op) -> None:
     from torch._inductor.select_algorithm import extern_kernels
     from torch._library.utils import get_layout_constraint_tag
     name, fn = _KERNELS[op]
-    setattr(extern_kernels, name, fn)
+    setattr(extern_kernels, name, _recorded(str(op.name()), fn))
     # what Inductor's implicit fallback registers for a custom op on first sight (its
     # layout constraint from the op's tags, else the configured default; realized
     # inputs; the fallback set), then this lowering in its place
@@ -124,6 +126,22 @@ def _register(op) -> None:
 
     lower._is_fallback_handler = True  # a compile in a subprocess rebuilds it as one
     lowering.register_lowering(op, type_promotion_kind=None)(lower)
+
+
+def _recorded(label: str, fn):
+    """``fn`` as Inductor's code calls it: inside a profiler record named ``label`` (the
+    op's name, as the dispatcher's record has it) while a profiler runs; else ``fn``
+    itself, after one C check of the profiler's state."""
+    profiling = torch._C._autograd._profiler_enabled
+
+    def call(*args, **kwargs):
+        if not profiling():
+            return fn(*args, **kwargs)
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    call.__wrapped__ = fn  # the op's kernel (tests check the call is that function's)
+    call.__name__ = getattr(fn, "__name__", label)
+    return call
 
 
 def _wrap(x):
