@@ -18,6 +18,7 @@ import dataclasses
 
 import torch.fx as fx
 
+from . import cuda_graphs
 from .kernels import inductor_calls
 from .options import Options
 from .pipeline import rewrite_graph
@@ -67,8 +68,7 @@ class CodaBackend:
             return self._counted(compile_fx(gm, example_inputs,
                                             config_patches=opts.inductor_config()))
         if opts.cudagraphs:  # AOTAutograd, no Inductor, then cudagraph trees
-            from torch._dynamo.backends.cudagraphs import cudagraphs
-            return self._counted(cudagraphs(gm, example_inputs))
+            return self._counted(cuda_graphs.cudagraphs(gm, example_inputs))
         return self._counted(gm.forward)
 
     def _counted(self, fn):

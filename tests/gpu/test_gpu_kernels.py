@@ -456,6 +456,40 @@ def test_cudagraphs_option_inference(how):
     assert _kernel_calls("rowscale_swiglu#") > before, ops.runtime_summary()
 
 
+def test_optimize_cudagraphs_keeps_the_weights_in_place():
+    """optimize(cudagraphs=True) (AOTAutograd without Inductor: coda_rewrite/cuda_graphs.py)
+    records the parameters and buffers as static inputs: a replay copies in only the
+    token ids (dynamo's own cudagraphs backend copied every weight before every replay),
+    reads a weight updated in place, and records again for a weight moved to a new
+    tensor; each answer as eager's (bf16 policy against float64)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = _llama(0).to(DEV, torch.bfloat16).eval()
+    ref = copy.deepcopy(model).double()
+    fast = coda_rewrite.optimize(model, cudagraphs=True)
+    ids = torch.randint(0, 512, (2, 128), device=DEV)
+
+    def agrees():
+        got = fast(ids).logits.clone()
+        want, eager = ref(ids).logits, model(ids).logits
+        return rel_err(got, want) <= 1.25 * rel_err(eager, want) + 1e-3
+
+    with torch.no_grad():
+        for _ in range(3):
+            assert agrees()
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+        copied = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+        assert 1 <= copied <= 2, dict(counters["inductor"])  # the ids (and a position)
+        for m in (model, ref):
+            m.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # in place: the same address
+        assert agrees()
+        for m in (model, ref):
+            w = m.model.layers[1].self_attn.o_proj.weight
+            w.data = w.data.clone() * 2  # a new address: recorded again
+        assert agrees() and agrees()
+
+
 def test_cudagraphs_option_training_step():
     """backend="coda" with cudagraphs: three training steps replayed from cudagraph trees
     (forward and backward), each loss and gradient as eager's within the bf16 policy."""
