@@ -78,7 +78,9 @@ def _serving(x: torch.Tensor) -> bool:
     is the kernel route the op's own kernel would take. Else (grad mode on: the op
     refuses a call autograd could record; traced or DTensor tensors: the op) the full
     call. Measured on the 2-core CPU, QuACK's launch stubbed, a q/k/v call in a chain:
-    16.0 µs through the op's argument handling, ~5 here."""
+    16.0 µs through the op's argument handling, 7.6 here (the fused call alone 3.1); on
+    an H100 machine's host 25.5 µs, F.linear + 8.4 (BENCHMARKS.md, forty-first
+    session)."""
     return not torch.is_grad_enabled() and type(x) in ops._PLAIN
 
 
