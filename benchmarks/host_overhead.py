@@ -28,9 +28,13 @@ a Llama-3-8B-shaped layer through optimize(), so the operands are the real ones)
                     profiler's state: what Inductor's code calls now
                     (kernels/inductor_calls.py)
     op              torch.ops.coda.gemm_epilogue (with its autograd formula), no_grad
-    graph, grad     a graph call whose input and weight require grad, in grad mode: what
-                    optimize()'s training forward calls (ops.FusedGemm records the node;
-                    an Inductor training graph calls the formula-less op: "op, nograd")
+    graph, grad     a graph call whose input and weight require grad, in grad mode
+                    (ops.FusedGemm records the node; an Inductor training graph calls the
+                    formula-less op: "op, nograd")
+    chained, grad   the same in the op's 2-D form: what optimize()'s training forward
+                    calls inside a chain (row_chains.py; the re-laid q/k/v and gate/up
+                    GEMMs make their re-layout in the call, kernels/relayout.py, which this
+                    does not time)
     F.linear        cuBLAS at the same (M, N, K); "F.linear, grad" with inputs that
                     require grad, in grad mode
 
@@ -122,7 +126,7 @@ def per_program(calls) -> list[tuple[str, str, float]]:
     rows = []
     print(f"{'program':<34} {'family':<18} {'M,N,K':<16} {'graph':>7} {'chained':>7} "
           f"{'direct':>7} {'launch':>7} {'nograd':>7} {'kernel':>7} {'op':>7} {'grad':>7} "
-          f"{'F.linear':>9} {'lin,grad':>8}  µs/call")
+          f"{'ch,grad':>7} {'F.linear':>9} {'lin,grad':>8}  µs/call")
     # what Inductor's code calls (kernels/inductor_calls.py: the op's kernel inside a
     # check of the profiler's state), installed by the backend's compile before this
     from torch._inductor.select_algorithm import extern_kernels
@@ -156,18 +160,19 @@ def per_program(calls) -> list[tuple[str, str, float]]:
         x_g = a_g.reshape(1, *a.shape)
         try:  # an inference-only program (no saved pre-activation) has no backward
             g = interleaved({"grad": lambda: ops.fused_linear(program, x_g, b_g, *lifted),
+                             "chained": lambda: ops.fused_linear(program, a_g, b_g, *operands),
                              "linear": lambda: torch.nn.functional.linear(x_g, b_g)})
-            grad, linear_grad = g["grad"], g["linear"]
+            grad, chained_grad, linear_grad = g["grad"], g["chained"], g["linear"]
         except Exception:
-            grad = linear_grad = float("nan")
+            grad = chained_grad = linear_grad = float("nan")
         shape = f"{a.shape[0]},{b.shape[0]},{a.shape[1]}"
         print(f"{prog.key:<34} {prog.family:<18} {shape:<16} {graph:7.1f} {chained:7.1f} "
               f"{direct:7.1f} {launch:7.1f} {nograd:7.1f} {kernel:7.1f} {op:7.1f} {grad:7.1f} "
-              f"{linear:9.1f} {linear_grad:8.1f}")
+              f"{chained_grad:7.1f} {linear:9.1f} {linear_grad:8.1f}")
         for variant, us in (("graph call", graph), ("chained", chained), ("direct", direct),
                             ("launch", launch),
                             ("op, nograd", nograd), ("kernel", kernel), ("op", op),
-                            ("graph, grad", grad),
+                            ("graph, grad", grad), ("chained, grad", chained_grad),
                             ("F.linear", linear), ("F.linear, grad", linear_grad)):
             rows.append((f"{prog.family} {variant}", "host us/call", us))
         if isinstance(route, quack_path.Launch) and route.norm is not None:
