@@ -490,14 +490,18 @@ def test_optimize_cudagraphs_keeps_the_weights_in_place():
         assert agrees() and agrees()
 
 
-def test_cudagraphs_option_training_step():
-    """backend="coda" with cudagraphs: three training steps replayed from cudagraph trees
-    (forward and backward), each loss and gradient as eager's within the bf16 policy."""
+@pytest.mark.parametrize("via", ["backend", "optimize"])
+def test_cudagraphs_option_training_step(via):
+    """backend="coda" with cudagraphs (Inductor's trees) and optimize(cudagraphs=True)
+    (AOTAutograd without Inductor: cuda_graphs.py): three training steps replayed from
+    cudagraph trees (forward and backward), each gradient as eager's within the bf16
+    policy."""
     torch._dynamo.reset()
     model = _llama(0).to(DEV, torch.bfloat16).train()
     eager = copy.deepcopy(model)
     fast = torch.compile(model, backend=coda_rewrite.CodaBackend(
-        coda_rewrite.Options(cudagraphs=True)))
+        coda_rewrite.Options(cudagraphs=True))) if via == "backend" else \
+        coda_rewrite.optimize(model, cudagraphs=True)
     for step in range(3):
         ids = torch.randint(0, 512, (2, 128), device=DEV)
         for m, f in ((model, fast), (eager, eager)):
