@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import coda_rewrite
 from coda_rewrite.kernels import ops, relayout
@@ -291,3 +292,50 @@ def test_the_training_op_has_its_gradient_only_through_its_function():
                                [wg, wu])
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-5
+
+
+_SOURCE_CHANGES = st.sampled_from(["call", "in place", "new storage", "other tensors",
+                                   "float32 view", "grad mode"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(_SOURCE_CHANGES, st.integers(0, 2)), min_size=1,
+                      max_size=12))
+def test_kept_re_layouts_never_serve_a_stale_weight(steps):
+    """Random sequences of calls and source changes (an in-place update of one source,
+    a new storage under one source, a call on other tensors, a call in another dtype, a
+    call in grad mode): every call of fused_linear_relaid gives the re-layout of the
+    sources as they are now, bit for bit, whichever path served it (the kept tensor
+    straight to fused_linear, or the op's full call)."""
+    from coda_rewrite.patterns.rope import rope_program
+
+    lay = ((0, 16, 2, 8, 8), (0, 8, 1, 8, 8), (0, 8, 0, 0, 0))
+    spec = relayout.spec_of(lay)
+    gen = torch.Generator().manual_seed(len(steps))
+    ws = [torch.randn(n, 12, generator=gen) for n in (16, 8, 8)]
+    pos = torch.arange(5.0)
+    freq = layouts.rope_frequencies(torch.rand(4, generator=gen), lay)
+
+    def check(sources, dtype):
+        x = torch.randn(1, 5, 12, generator=gen).to(dtype)
+        prog = rope_program(False, False, False, dtype).to_text()
+        got = relayout.fused_linear_relaid(prog, x, "rope_segments", spec, sources,
+                                           pos, freq)[0]
+        b = layouts.rope_segments(lay, *sources).to(dtype)
+        want = ops.gemm_epilogue(prog, x[0], b, [pos, freq])[0].unsqueeze(0)
+        assert torch.equal(got, want)
+
+    for what, i in steps:
+        with torch.no_grad():
+            if what == "in place":
+                ws[i].mul_(-0.5)
+            elif what == "new storage":
+                ws[i].data = ws[i].data.clone() + 1
+            if what == "other tensors":
+                check([w.clone() * 2 for w in ws], torch.bfloat16)
+            elif what == "float32 view":
+                check(ws, torch.float32)
+            elif what != "grad mode":
+                check(ws, torch.bfloat16)
+        if what == "grad mode":  # nothing requires grad: the op's full call
+            check(ws, torch.bfloat16)
