@@ -18,13 +18,15 @@ the trees count their skips) and the same handling of the backward.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
 
 def cudagraphs(gm: torch.fx.GraphModule, example_inputs):
     """A compiled callable for ``gm`` that replays from cudagraph trees (a dynamo backend).
-    A torch without the pieces this is built from gets dynamo's backend as it is."""
+    A torch without the pieces this is built from gets dynamo's backend as it is (the
+    same values; every weight copied per replay), with a warning that says so."""
     from torch._dynamo.backends import cudagraphs as dynamo
     try:
         from torch._dynamo.backends.common import aot_autograd
@@ -36,7 +38,11 @@ def cudagraphs(gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.utils import count_tangents, num_fw_fixed_arguments
         checks = (dynamo.check_for_skip, dynamo.get_device_index, dynamo.get_stack_traces,
                   dynamo.find_input_mutations)
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"coda_rewrite: cudagraphs=True without Inductor falls back to "
+                      f"dynamo's cudagraphs backend, which copies every parameter into "
+                      f"the graph before each replay (this torch lacks {e.name or e}); "
+                      f"inductor=True avoids it", stacklevel=2)
         return dynamo.cudagraphs(gm, example_inputs)
     check_for_skip, device_of, stack_traces, input_mutations = checks
 

@@ -239,6 +239,26 @@ def test_modes_and_cudagraphs_options():
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_cudagraphs_without_inductor_says_when_it_falls_back(monkeypatch):
+    """cuda_graphs.py on a torch that lacks a piece it is built from: dynamo's own
+    cudagraphs backend (the same values, every weight copied per replay), with a warning
+    that says so, not silently."""
+    import torch._inductor.compile_fx as compile_fx
+    import coda_rewrite
+    from conftest import hf_model, tokens
+
+    monkeypatch.delattr(compile_fx, "get_static_input_idxs")
+    model = hf_model("llama").eval()
+    ids = tokens()
+    torch._dynamo.reset()
+    fast = coda_rewrite.optimize(model, cudagraphs=True)
+    with torch.no_grad(), pytest.warns(UserWarning, match="falls back to dynamo's"):
+        got = fast(ids).logits
+    with torch.no_grad():
+        want = model(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_small_gemms_are_left_to_cublas_on_the_gpu():
     """options.min_fused_rows: a match whose CUDA GEMMs all have fewer static rows is left
     unfused, with the reason; on CPU (the reference path) or at 0 every size is fused,

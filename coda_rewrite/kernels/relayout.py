@@ -135,8 +135,10 @@ torch.library.register_fake("coda::gemm_relaid", _fake_relaid("gemm_relaid"))
 def fused_linear_relaid(program: str, x: torch.Tensor, kind: str, spec: str,
                         sources: list[torch.Tensor], *operands: torch.Tensor):
     """``ops.fused_linear`` over the kept re-layout of ``sources`` (nn.Linear layout).
-    Real tensors and no gradient to record: the op's kernel called as a function, as
-    ops.fused_linear does (the op boundary costs more host time than the launch)."""
+    A serving call whose kept re-layout is current (_serving, versioned.peek) is
+    ops.fused_linear on it; else real tensors and no gradient to record call the op's
+    kernel as a function, as ops.fused_linear does (the op boundary costs more host
+    time than the launch), and anything else the op."""
     if _serving(x):
         b = _current(versioned.peek(sources[0], _ATTR, sources, (kind, spec, x.dtype)))
         if b is not None:
