@@ -1073,17 +1073,18 @@ def test_a_recorded_call_in_a_class_seen_before_records_the_launch_itself(monkey
             node = node.next_functions[0][0]
         return out, [t.grad for t in leaves], type(node).__name__
 
-    cases = [((x2, w, r2, bias), (True, True, False, False)),           # 2-D: in a chain
-             ((x2, w, r2, bias), (False, True, False, True)),           # another class
-             ((x2, w, r2, bias), (True, False, True, False)),           # no weight grad
+    known, edge = "KnownGemmBackward", "KnownEdgeGemmBackward"
+    cases = [((x2, w, r2, bias), (True, True, False, False), known),    # 2-D: in a chain
+             ((x2, w, r2, bias), (False, True, False, True), known),    # another class
+             ((x2, w, r2, bias), (True, False, True, False), known),    # no weight grad
              ((x2.reshape(2, 3, 8), w, r2.reshape(2, 3, 1), bias),      # a chain's edge
-              (True, True, True, False))]
-    for args, wants in cases:
+              (True, True, True, False), edge)]
+    for args, wants, want_node in cases:
         before = len(slow)
         want_out, want_grads, _ = grads(*args, wants)                   # the full way
         got_out, got_grads, node = grads(*args, wants)                  # the launch's
         assert len(slow) == before + 1, (wants, len(slow) - before)
-        assert node == "KnownGemmBackward" and got_out.shape == want_out.shape
+        assert node == want_node and got_out.shape == want_out.shape
         assert torch.equal(got_out, want_out)
         for want_g, got_g, wanted in zip(want_grads, got_grads, wants):
             assert (got_g is None) == (not wanted)
@@ -1102,6 +1103,52 @@ def test_a_recorded_call_in_a_class_seen_before_records_the_launch_itself(monkey
     before = len(slow)
     grads(x2, w, r2, bias, (True, True, False, False))
     assert len(slow) == before + 1
+
+
+def test_a_recorded_call_in_the_models_shapes_flattens_inside_its_node(monkeypatch):
+    """A recorded call at a chain's edge in a class seen before (ops.KnownEdgeGemm): the
+    flattening into the op's 2-D form and back happens inside the one node, so every
+    output's grad_fn is that node (no view nodes around it) and no output is a view;
+    outputs and gradients equal the full way's for a norm producer (two tile outputs, a
+    per-row one, a residual saved for its dtype alone), also with outputs that get no
+    gradient and after the model's code updates an output in place."""
+    import torch
+    from coda_rewrite.kernels import ops
+
+    _stub_launches(monkeypatch)
+    prog = residual_rmsnorm().to_text()
+    g = torch.Generator().manual_seed(1)
+    bf = torch.bfloat16
+    x, w = torch.randn(2, 3, 16, generator=g).to(bf), torch.randn(8, 16, generator=g).to(bf)
+    res, gamma = torch.randn(2, 3, 8, generator=g).to(bf), torch.randn(8, generator=g).to(bf)
+    seeds = [torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g),
+             torch.randn(2, 3, 1, generator=g)]
+
+    def run(used, in_place):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, res, gamma)]
+        outs = ops.fused_linear(prog, *leaves)
+        nodes = {type(o.grad_fn).__name__ for o in outs}
+        if in_place:
+            outs[1].mul_(3)  # h2 updated in place by the model's code
+        loss = sum((o.float() * s).sum() for i, (o, s) in enumerate(zip(outs, seeds))
+                   if i in used)
+        loss.backward()
+        return outs, [t.grad for t in leaves], nodes
+
+    for used, in_place in (((0, 1, 2), False), ((1,), False), ((0, 2), True),
+                           ((1, 2), True)):
+        ops.forget_routes()
+        want_outs, want_grads, _ = run(used, in_place)                  # the full way
+        got_outs, got_grads, nodes = run(used, in_place)                # the known launch
+        assert nodes == {"KnownEdgeGemmBackward"}, nodes
+        assert all(o._base is None for o in got_outs)
+        for got, want in zip(got_outs, want_outs):
+            assert got.shape == want.shape and torch.equal(got, want)
+        for got, want in zip(got_grads, want_grads):
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert (got_grads[3] is None) == (1 not in used)  # γ reaches the loss through h2
 
 
 def test_a_training_step_records_the_launches_it_ran_before(monkeypatch):

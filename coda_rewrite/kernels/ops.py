@@ -296,15 +296,21 @@ class _Reshaped:
     """A program's launch for the calls of one metadata class in the caller's shapes: how
     its first call flattened them into the op's 2-D form (x to ``rows``, each operand
     to its shape, None where it passed as it was) and the shapes its outputs went back
-    to. A 2-D x (a call inside a chain) is flattened by nothing (``rows`` None)."""
-    __slots__ = ("launch", "ks", "rows", "operand_shapes", "out_shapes")
+    to. A 2-D x (a call inside a chain) is flattened by nothing (``rows`` None). The
+    caller's shapes (``x_shape``, ``in_shapes``) and the op's output shapes
+    (``flat_out_shapes``) are what a recorded call's backward reshapes its gradients
+    between (KnownEdgeGemm)."""
+    __slots__ = ("launch", "ks", "rows", "operand_shapes", "out_shapes", "x_shape",
+                 "in_shapes", "flat_out_shapes")
 
-    def __init__(self, launch, x, a, operands, flat, outs):
+    def __init__(self, launch, x, a, operands, flat, outs, flat_outs):
         self.launch, self.ks = launch, launch.ks
         self.rows = None if a is x else tuple(a.shape)
         self.operand_shapes = [None if f is t else tuple(f.shape)
                                for t, f in zip(operands, flat)]
         self.out_shapes = None if a is x else [tuple(o.shape) for o in outs]
+        self.x_shape, self.in_shapes = tuple(x.shape), [tuple(t.shape) for t in operands]
+        self.flat_out_shapes = [tuple(o.shape) for o in flat_outs]
 
     def flatten(self, x, operands):
         return (x if self.rows is None else x.reshape(*self.rows),
@@ -327,15 +333,15 @@ class _EdgeRoute(_Reshaped):
 
 
 def _remember_reshaped(route: type[_Reshaped], kind: str, program, x, weight, operands,
-                       a, flat, outs) -> None:
+                       a, flat, outs, flat_outs) -> None:
     """After a call on real tensors (x, operands as the caller gave them; a, flat as the
-    op's; outs as returned): its class under (``kind``, program), as a ``route`` around
-    the launch the flattened call ran, if it ran one (execute keeps it among the
-    program's 2-D classes)."""
+    op's; outs as returned, flat_outs as the op gave them): its class under (``kind``,
+    program), as a ``route`` around the launch the flattened call ran, if it ran one
+    (execute keeps it among the program's 2-D classes)."""
     launch = _last_route(program, a, weight, flat)
     if launch is not None:
         _remember((kind, program), x, weight, operands,
-                  route(launch, x, a, operands, flat, outs))
+                  route(launch, x, a, operands, flat, outs, flat_outs))
 
 
 # A call that autograd records (optimize()'s training forward: grad mode on, a tensor
@@ -343,17 +349,48 @@ def _remember_reshaped(route: type[_Reshaped], kind: str, program, x, weight, op
 # launch (_RecordedRoute): the guard's check covers requires_grad, so a class found there
 # is one whose call records a node. It skips _linear's flattening decisions and grad
 # checks, Function.apply's argument binding, and the forward's route lookup: autograd's
-# C++ apply runs KnownGemm, whose forward is the launch itself. Measured on the 2-core
-# CPU (stub launch, rowscale program): 17.2 -> 8.9 µs a recorded call in the op's 2-D
-# form, 22.1 -> 13.5 in the model's shapes (F.linear's recorded call: 7.1 and 8.4; the
-# rest of the latter is autograd's view nodes for the reshapes around the Function).
+# C++ apply runs KnownGemm, whose forward is the launch itself; a call in the model's
+# shapes runs KnownEdgeGemm, which flattens and reshapes back inside its node. Measured
+# on the 2-core CPU (stub launch, rowscale program): 17.2 -> 8.9 µs a recorded call in
+# the op's 2-D form, 22.1 -> 13.5 in the model's shapes with the reshapes outside the
+# node (each an autograd view node of its own), 11.7 with them inside; on an H100
+# machine's host the reshapes outside cost 20 µs of a 68-µs call (F.linear's: 26).
 class _RecordedRoute(_Reshaped):
     """A program's launch for the recorded calls of one metadata class."""
     __slots__ = ()
 
     def __call__(self, program, x, weight, operands) -> tuple[torch.Tensor, ...]:
-        a, flat = self.flatten(x, operands)
-        return self.unflatten(_apply_known(self.launch, program, a, weight, *flat))
+        if self.rows is None and not any(self.operand_shapes):  # the op's own form
+            return _apply_known(self.launch, program, x, weight, *operands)
+        return _apply_known_edge(self, program, x, weight, *operands)
+
+    def unflatten_fresh(self, outs) -> tuple[torch.Tensor, ...]:
+        """unflatten for a node's forward: each output is returned as a tensor of its own,
+        not as a view of the launch's buffer (autograd forbids in-place updates of a view
+        a custom Function made, and the model's code may update its outputs in place, as
+        it may eager's); the buffer is fresh, so the alias is its only user."""
+        if self.out_shapes is None:
+            return tuple(outs)
+        return tuple(o.view(*s).detach() for o, s in zip(outs, self.out_shapes))
+
+    def flat_for_backward(self, a, operands, kept, keep_outputs, grads, dtype_only):
+        """The saved tensors and the outputs' gradients in the op's 2-D form (the rule's);
+        an operand saved for its dtype alone (an empty tensor) stays as it is."""
+        a = a.reshape(*self.rows) if self.rows is not None and a is not None else a
+        operands = [t if s is None or only else t.reshape(*s)
+                    for t, s, only in zip(operands, self.operand_shapes, dtype_only)]
+        flat = self.flat_out_shapes
+        kept = [t.reshape(*flat[i]) for t, i in zip(kept, keep_outputs)]
+        grads = [None if g is None else g.reshape(*s) for g, s in zip(grads, flat)]
+        return a, operands, kept, grads
+
+    def shaped_like_inputs(self, grad_a, grad_ops):
+        """The rule's gradients in the caller's shapes of x and the operands."""
+        if grad_a is not None and self.rows is not None:
+            grad_a = grad_a.reshape(*self.x_shape)
+        return grad_a, [g if g is None or s is None else g.reshape(*shape)
+                        for g, s, shape in zip(grad_ops, self.operand_shapes,
+                                               self.in_shapes)]
 
 
 def _remember(program, a, b, operands, route) -> None:
@@ -520,7 +557,11 @@ def _setup_context(ctx, inputs, output, weight_input: int = 2):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grads):
+def _backward(ctx, grads, route: "_RecordedRoute | None" = None):
+    """The rule's gradients (None, grad_a, grad_b, [per operand]); with ``route``, for a
+    node that took the caller's shapes and flattened them inside (KnownEdgeGemm): the
+    saved tensors and ``grads`` go to the rule in the op's 2-D form and its gradients
+    come back in the caller's shapes."""
     # the rules read saved outputs of a formula-less op and run some (the LM head's
     # softmax gradient, the norm's statistics) in place or as kernels: no graph for a
     # second derivative (seen: 0.68 relative error through RoPE's, silently)
@@ -529,10 +570,16 @@ def _backward(ctx, grads):
     a = saved.pop(0) if ctx.has_a else None
     b = saved.pop(0) if ctx.has_b else None
     operands, kept = saved[:ctx.n_operands], saved[ctx.n_operands:]
+    grads = list(grads)
+    if route is not None:
+        a, operands, kept, grads = route.flat_for_backward(
+            a, operands, kept, ctx.keep_outputs, grads, _kept_by_rule(ctx.program)[1])
     outputs = outputs_for_rule(kept, ctx.keep_outputs, ctx.n_outputs)
     with backward.common.weight_grad_wanted(ctx.needs_input_grad[ctx.weight_input]):
         grad_a, grad_b, grad_ops = backward.vjp(parse(ctx.program), a, b, operands, outputs,
-                                                list(grads))
+                                                grads)
+    if route is not None:
+        grad_a, grad_ops = route.shaped_like_inputs(grad_a, grad_ops)
     return None, grad_a, grad_b, grad_ops
 
 
@@ -605,9 +652,34 @@ class KnownGemm(torch.autograd.Function):
         return (None, None, grad_a, grad_b, *grad_ops)
 
 
-# autograd's C++ apply for KnownGemm, bound once (record() without its checks: the guard
-# that found the class has made them)
+class KnownEdgeGemm(torch.autograd.Function):
+    """KnownGemm for a call in the model's shapes ([*lead, K] in, [*lead, N] and
+    [*lead, 1] out: a chain's edge): the route (_RecordedRoute) flattens x and the
+    operands into the op's 2-D form inside the node, launches, and gives the outputs
+    back in the model's shapes; the backward reshapes between the two. Outside the node
+    each reshape would be an autograd view node of its own."""
+
+    @staticmethod
+    def forward(route, program, x, b, *operands):
+        a, flat = route.flatten(x, operands)
+        return route.unflatten_fresh(route.launch(a, b, flat))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        route, program, x, b, *operands = inputs
+        ctx.route = route
+        _setup_context(ctx, (program, x, b, operands), list(output), weight_input=3)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _, grad_a, grad_b, grad_ops = _backward(ctx, grads, ctx.route)
+        return (None, None, grad_a, grad_b, *grad_ops)
+
+
+# autograd's C++ apply for KnownGemm and KnownEdgeGemm, bound once (record() without its
+# checks: the guard that found the class has made them)
 _apply_known = super(torch.autograd.Function, KnownGemm).apply
+_apply_known_edge = super(torch.autograd.Function, KnownEdgeGemm).apply
 
 
 def gemm_with_grad(program, a, b, operands) -> tuple[torch.Tensor, ...]:
@@ -674,16 +746,16 @@ def _linear(run, program, x, weight, operands):
     if sharding.is_dtensor(weight):  # tensor parallelism: each rank runs on its shards
         outs = sharding.run_sharded(run, program, prog, a, weight, ops)
     else:
-        outs = run(program, a, weight, ops)
+        flat_outs = outs = run(program, a, weight, ops)
         if run is _direct_call and x.dim() != 2:
             outs = layouts.unflatten_outputs(prog, outs, x.shape[:-1])
             _remember_reshaped(_EdgeRoute, "edge", program, x, weight, operands, a,
-                               ops, outs)
+                               ops, outs, flat_outs)
             return outs
         if run is gemm_with_grad and not torch._C._are_functorch_transforms_active():
             outs = layouts.unflatten_outputs(prog, outs, x.shape[:-1])
             _remember_reshaped(_RecordedRoute, "recorded", program, x, weight,
-                               operands, a, ops, outs)
+                               operands, a, ops, outs, flat_outs)
             return outs
     return layouts.unflatten_outputs(prog, outs, x.shape[:-1])
 
