@@ -371,7 +371,7 @@ class _RecordedRoute(_Reshaped):
         it may eager's); the buffer is fresh, so the alias is its only user."""
         if self.out_shapes is None:
             return tuple(outs)
-        return tuple(o.view(*s).detach() for o, s in zip(outs, self.out_shapes))
+        return tuple(o.reshape(*s).detach() for o, s in zip(outs, self.out_shapes))
 
     def flat_for_backward(self, a, operands, kept, keep_outputs, grads, dtype_only):
         """The saved tensors and the outputs' gradients in the op's 2-D form (the rule's);
