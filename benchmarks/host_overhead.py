@@ -130,7 +130,7 @@ def per_program(calls) -> list[tuple[str, str, float]]:
     # what Inductor's code calls (kernels/inductor_calls.py: the op's kernel inside a
     # check of the profiler's state), installed by the backend's compile before this
     from torch._inductor.select_algorithm import extern_kernels
-    direct = getattr(extern_kernels, "coda_gemm_epilogue_nograd", ops._execute_nograd)
+    kernel_fn = getattr(extern_kernels, "coda_gemm_epilogue_nograd", ops._execute_nograd)
     for program, (a, b, operands) in calls.items():
         prog = parse(program)
         if not prog.gemm:
@@ -148,7 +148,7 @@ def per_program(calls) -> list[tuple[str, str, float]]:
                 "chained": lambda: ops.fused_linear(program, a, b, *operands),
                 "direct": lambda: ops.execute(program, a, b, operands),
                 "nograd": lambda: ops.gemm_epilogue_nograd(program, a, b, operands),
-                "kernel": lambda: direct(program, a, b, operands),
+                "kernel": lambda: kernel_fn(program, a, b, operands),
                 "op": lambda: torch.ops.coda.gemm_epilogue(program, a, b, operands),
                 "linear": lambda: torch.nn.functional.linear(x, b)}
             if isinstance(route, quack_path.Launch):

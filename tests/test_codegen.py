@@ -1151,6 +1151,58 @@ def test_a_recorded_call_in_the_models_shapes_flattens_inside_its_node(monkeypat
         assert (got_grads[3] is None) == (1 not in used)  # γ reaches the loss through h2
 
 
+def test_the_host_tables_per_program_rows_run_on_stub_launches(monkeypatch):
+    """benchmarks/host_overhead.per_program (the GPU's host table) calls every column's
+    variant, with and without gradients, on a small model's captured programs (the
+    launches stubbed, the timing loop replaced by calling each variant twice): a table
+    that fails after its first program costs a GPU call to find out."""
+    import os
+    import sys
+    import torch
+    from coda_rewrite.kernels import ops, quack_path
+    from coda_rewrite.models import Llama, LlamaArgs
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "benchmarks"))
+    import host_overhead
+
+    class Stub(quack_path.Launch):
+        def __init__(self, ks):
+            self.ks, self.calls, self.norm = ks, 0, None
+
+        def __call__(self, a, b, operands):
+            self.calls += 1
+            return ops._run_reference(self.ks.program, a, b, list(operands))
+
+    monkeypatch.setattr(ops, "_routes", {})
+    monkeypatch.setattr(ops, "_last", {})
+    monkeypatch.setattr(quack_path, "select", lambda prog, program, a, b, operands:
+                        ((generate(prog), None), None))
+    monkeypatch.setattr(quack_path, "prepare", lambda ks, module, a, b, operands: Stub(ks))
+    called = []
+
+    def interleaved(fns, calls=None, rounds=None):
+        for name, fn in fns.items():
+            fn()
+            fn()
+            called.append(name)
+        return {name: 1.0 for name in fns}
+    monkeypatch.setattr(host_overhead, "interleaved", interleaved)
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                            vocab_size=256, max_seq_len=64)).to(torch.bfloat16).eval()
+    x = torch.randint(0, 256, (1, 16))
+    calls = host_overhead.captured(coda_rewrite.optimize(model, min_fused_rows=0), x, ops,
+                                   "execute")
+    rows = host_overhead.per_program(calls)
+    from coda_rewrite.codegen.program import parse
+    gemms = sum(1 for program in calls if parse(program).gemm)
+    assert gemms >= 3 and len(rows) >= 11 * gemms
+    for column in ("graph", "chained", "kernel", "launch", "grad", "linear"):
+        assert column in called, column
+    assert all(us == 1.0 for _, _, us in rows if us == us)  # NaN: no backward
+
+
 def test_a_training_step_records_the_launches_it_ran_before(monkeypatch):
     """optimize()'s training forward with every lowerable program on a (stub) kernel
     route: after the first call of each metadata class, fused calls are recorded around
