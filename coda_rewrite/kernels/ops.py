@@ -353,14 +353,16 @@ def _remember_reshaped(route: type[_Reshaped], kind: str, program, x, weight, op
 # shapes runs KnownEdgeGemm, which flattens and reshapes back inside its node. Measured
 # on the 2-core CPU (stub launch, rowscale program): 17.2 -> 8.9 µs a recorded call in
 # the op's 2-D form, 22.1 -> 13.5 in the model's shapes with the reshapes outside the
-# node (each an autograd view node of its own), 11.7 with them inside; on an H100
-# machine's host the reshapes outside cost 20 µs of a 68-µs call (F.linear's: 26).
+# node (each an autograd view node of its own); with them inside, a four-output program
+# whose tile operand requires grad 38.1 -> 26.2 µs (the one-output rowscale unchanged).
+# On an H100 machine's host the reshapes outside cost 20 µs of a q/k/v call's 68
+# (F.linear's recorded call: 26).
 class _RecordedRoute(_Reshaped):
     """A program's launch for the recorded calls of one metadata class."""
     __slots__ = ()
 
     def __call__(self, program, x, weight, operands) -> tuple[torch.Tensor, ...]:
-        if self.rows is None and not any(self.operand_shapes):  # the op's own form
+        if self.rows is None and all(s is None for s in self.operand_shapes):  # 2-D
             return _apply_known(self.launch, program, x, weight, *operands)
         return _apply_known_edge(self, program, x, weight, *operands)
 
