@@ -74,16 +74,31 @@ def bench_rounds(fns: dict, rounds: int = 3) -> dict:
     lands on every variant alike; spread is (max − min) / median over the rounds: a
     difference between variants smaller than it is noise."""
     import statistics
+    out = {}
+    for k, ts in bench_by_round(fns, rounds).items():
+        med = statistics.median(ts)
+        out[k] = (med, (max(ts) - min(ts)) / med)
+    return out
+
+
+def bench_by_round(fns: dict, rounds: int = 3) -> dict:
+    """{name: [ms of each round]} of variants timed in alternating rounds (bench_rounds):
+    round i of every variant ran side by side, so a ratio of two variants taken round by
+    round (paired) cancels what moved the host or the card between rounds."""
     seen = {k: [] for k in fns}
     names = list(fns)
     for i in range(rounds):
         for k in (names if i % 2 == 0 else names[::-1]):
             seen[k].append(bench(fns[k], warmup=10, rep=100))
-    out = {}
-    for k, ts in seen.items():
-        med = statistics.median(ts)
-        out[k] = (med, (max(ts) - min(ts)) / med)
-    return out
+    return seen
+
+
+def paired(times: dict, name: str, base: str) -> tuple[float, float, float]:
+    """``name``'s speed over ``base``'s, round by round (bench_by_round): the median and
+    the range of the per-round ratios."""
+    import statistics
+    ratios = [b / t for t, b in zip(times[name], times[base])]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def classify(name: str) -> str:
@@ -135,3 +150,17 @@ def kernel_top(fn, n: int = 15) -> str:
     return "\n".join(f"    {t / 1e3:8.2f} ms  {calls[k]:5d}x  {k[:110]}"
                      for k, t in time_by.most_common(n))
 
+
+
+def rewrites_since(backends=()) -> str:
+    """The reports' records since the last call (the "coda" backend's session report and
+    those of ``backends``, CodaBackend objects), by pattern and outcome (rewritten, or the
+    code it was left with): which families a variant fused, and why the others not."""
+    from coda_rewrite.backend import SESSION_REPORT
+    from coda_rewrite.report import REWRITTEN
+    seen = collections.Counter()
+    for report in [SESSION_REPORT] + [b.report for b in backends]:
+        seen.update((r.pattern, "rewritten" if r.status == REWRITTEN else r.code or r.status)
+                    for r in report.records)
+        report.graphs.clear()
+    return ", ".join(f"{p} {s} x{n}" for (p, s), n in sorted(seen.items())) or "no graph"

@@ -7,7 +7,8 @@ Hugging Face decode, each variant timed in alternating rounds.
 forward: the plain Llama (dim 2048, 16 / 8 heads, ffn 5632, vocab 32768, complex RoPE,
 bf16), no_grad, at 2 x 2048 and 2 x 64 tokens: eager, torch.compile, backend="coda",
 optimize(), each also from CUDA graphs (torch.compile's mode="reduce-overhead" for
-both compiles; optimize(cudagraphs=True)). Medians over rounds with their spread.
+both compiles; optimize(cudagraphs=True)). Medians over rounds with their spread, and
+each variant's speed over torch.compile's (graphed: over its graphs') paired by round.
 
 small_m: where fused GEMMs stop paying (options.min_fused_rows), from CUDA graphs.
 
@@ -17,8 +18,9 @@ batch 1 and 8: eager, generate()'s own compile of the decode step (Hugging Face'
 mode="reduce-overhead") with Inductor and with backend="coda"; tokens/s (median of
 $CODA_DECODE_ROUNDS alternating rounds, default 5, with backend="coda" with every GEMM
 fused among them, each variant on its own copy of the model), each variant's speed over
-torch.compile's paired by round (median and range), and how many tokens agree with
-eager.
+torch.compile's paired by round (median and range; torch.compile's own second copy gives
+the noise floor of that ratio), how many tokens agree with eager, and what each coda
+variant's graphs fused.
 
 qwen3: a Hugging Face Qwen3 at Qwen3-8B widths (QK-norm), 2 layers, the forward at 2 x
 2048 and 1 x 256 tokens: eager, torch.compile, backend="coda".
@@ -39,7 +41,8 @@ import time
 
 import torch
 
-from common import bench_rounds, env_line, write_csv
+from common import (bench_by_round, bench_rounds, env_line, paired, rewrites_since,
+                    write_csv)
 
 import coda_rewrite
 from coda_rewrite import CodaBackend, Options
@@ -77,13 +80,16 @@ def forward() -> list:
                 err = float((got.float() - want).norm() / want.norm())
                 print(f"{batch} x {seq} {name}: rel. error vs eager {err:.2e}", flush=True)
                 fns[name] = (lambda m=m: m(x))
-            timed = bench_rounds(fns, rounds=3)
-        base = timed["torch.compile"][0]
-        base_cg = timed["torch.compile, cudagraphs"][0]
-        for name, (ms, spread) in timed.items():
-            ref = base_cg if "cudagraphs" in name else base
-            print(f"{batch} x {seq} {name:<30} {ms:7.3f} ms  (spread {spread:.1%})  "
-                  f"{ref / ms:5.2f}x torch.compile{' (graphed)' if ref is base_cg else ''}")
+            # the host-bound short prompt moves with the host's load: more rounds, and
+            # each variant's ratio taken round by round
+            by_round = bench_by_round(fns, rounds=3 if seq >= 1024 else 7)
+        for name, ts in by_round.items():
+            ms = statistics.median(ts)
+            base = "torch.compile, cudagraphs" if "cudagraphs" in name else "torch.compile"
+            ratio, low, high = paired(by_round, name, base)
+            print(f"{batch} x {seq} {name:<30} {ms:7.3f} ms  (spread "
+                  f"{(max(ts) - min(ts)) / ms:.1%})  {ratio:5.3f}x {base} by round "
+                  f"({low:.3f}-{high:.3f})")
             rows.append((f"{batch}x{seq} {name}", "ms", ms))
     return rows
 
@@ -138,16 +144,18 @@ def decode() -> list:
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).cuda().to(bf).eval()
+    every_gemm = CodaBackend(Options(min_fused_rows=0, cudagraphs=True))
     # generate() with a static cache compiles the decode step itself (its compile_config:
     # mode="reduce-overhead", i.e. CUDA graphs); the prefill runs eager in every variant
     variants = {
         "eager": {"disable_compile": True},
         "torch.compile, reduce-overhead": {"compile_config": tf.CompileConfig()},
+        # the same compile on a copy of its own: the ratio's noise floor (A/A)
+        "torch.compile, reduce-overhead, again": {"compile_config": tf.CompileConfig()},
         'backend="coda", reduce-overhead': {"compile_config": tf.CompileConfig(
             backend="coda")},
         'backend="coda", every GEMM fused': {"compile_config": tf.CompileConfig(
-            backend=CodaBackend(Options(min_fused_rows=0, cudagraphs=True)),
-            mode="default")},
+            backend=every_gemm, mode="default")},
     }
     # One copy of the model per variant. generate() keeps one compiled decode step per
     # model and wraps a new torch.compile whenever the compile config differs from the
@@ -178,6 +186,9 @@ def decode() -> list:
             for name in variants:  # compile + record each variant once
                 for _ in range(2):
                     outs[name] = run(name)[0]
+                if "coda" in name:  # what its graphs (prefill runs eager) fused, and why not
+                    print(f"decode batch {batch} {name}: {rewrites_since([every_gemm])}",
+                          flush=True)
             # variants in alternating rounds (the order reversed every other round): a
             # drift of the clocks or the host's load lands on every variant alike
             names = list(variants)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from common import bench, env_line, kernel_split, kernel_top, write_csv
+from common import bench, env_line, kernel_split, kernel_top, rewrites_since, write_csv
 
 import coda_rewrite
 from coda_rewrite.kernels import ops
@@ -250,17 +250,9 @@ def torchao_float8(model):
 
 
 def what_was_rewritten() -> str:
-    """The reports' records since the last call (the "coda" backend's session report and
-    every CodaBackend's), by pattern and outcome (rewritten, or the code it was left
-    with): which families a variant fused."""
-    from coda_rewrite.backend import SESSION_REPORT
-    from coda_rewrite.report import REWRITTEN
-    seen = collections.Counter()
-    for report in [SESSION_REPORT] + [b.report for b in BACKENDS]:
-        seen.update((r.pattern, "rewritten" if r.status == REWRITTEN else r.code or r.status)
-                    for r in report.records)
-        report.graphs.clear()
-    return ", ".join(f"{p} {s} x{n}" for (p, s), n in sorted(seen.items()))
+    """Which families a variant fused (common.rewrites_since over the "coda" backend's
+    session report and every CodaBackend's)."""
+    return rewrites_since(BACKENDS)
 
 
 BACKENDS: list = []

@@ -1078,7 +1078,9 @@ def test_a_recorded_call_in_a_class_seen_before_records_the_launch_itself(monkey
              ((x2, w, r2, bias), (False, True, False, True), known),    # another class
              ((x2, w, r2, bias), (True, False, True, False), known),    # no weight grad
              ((x2.reshape(2, 3, 8), w, r2.reshape(2, 3, 1), bias),      # a chain's edge
-              (True, True, True, False), edge)]
+              (True, True, True, False), edge),
+             ((x2, w, r2.reshape(6, 1), bias),                          # 2-D x, r [M, 1]:
+              (True, True, True, False), edge)]                         # r alone reshaped
     for args, wants, want_node in cases:
         before = len(slow)
         want_out, want_grads, _ = grads(*args, wants)                   # the full way

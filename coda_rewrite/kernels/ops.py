@@ -296,12 +296,8 @@ class _Reshaped:
     """A program's launch for the calls of one metadata class in the caller's shapes: how
     its first call flattened them into the op's 2-D form (x to ``rows``, each operand
     to its shape, None where it passed as it was) and the shapes its outputs went back
-    to. A 2-D x (a call inside a chain) is flattened by nothing (``rows`` None). The
-    caller's shapes (``x_shape``, ``in_shapes``) and the op's output shapes
-    (``flat_out_shapes``) are what a recorded call's backward reshapes its gradients
-    between (KnownEdgeGemm)."""
-    __slots__ = ("launch", "ks", "rows", "operand_shapes", "out_shapes", "x_shape",
-                 "in_shapes", "flat_out_shapes")
+    to. A 2-D x (a call inside a chain) is flattened by nothing (``rows`` None)."""
+    __slots__ = ("launch", "ks", "rows", "operand_shapes", "out_shapes")
 
     def __init__(self, launch, x, a, operands, flat, outs, flat_outs):
         self.launch, self.ks = launch, launch.ks
@@ -309,8 +305,6 @@ class _Reshaped:
         self.operand_shapes = [None if f is t else tuple(f.shape)
                                for t, f in zip(operands, flat)]
         self.out_shapes = None if a is x else [tuple(o.shape) for o in outs]
-        self.x_shape, self.in_shapes = tuple(x.shape), [tuple(t.shape) for t in operands]
-        self.flat_out_shapes = [tuple(o.shape) for o in flat_outs]
 
     def flatten(self, x, operands):
         return (x if self.rows is None else x.reshape(*self.rows),
@@ -358,11 +352,22 @@ def _remember_reshaped(route: type[_Reshaped], kind: str, program, x, weight, op
 # On an H100 machine's host the reshapes outside cost 20 µs of a q/k/v call's 68
 # (F.linear's recorded call: 26).
 class _RecordedRoute(_Reshaped):
-    """A program's launch for the recorded calls of one metadata class."""
-    __slots__ = ()
+    """A program's launch for the recorded calls of one metadata class. A class whose
+    first call was in the op's own 2-D form (``op_form``) records KnownGemm around the
+    launch; any other records KnownEdgeGemm, whose backward reshapes the gradients
+    between the caller's shapes (``x_shape``, ``in_shapes``) and the op's outputs
+    (``flat_out_shapes``)."""
+    __slots__ = ("op_form", "x_shape", "in_shapes", "flat_out_shapes")
+
+    def __init__(self, launch, x, a, operands, flat, outs, flat_outs):
+        super().__init__(launch, x, a, operands, flat, outs, flat_outs)
+        # an operand reshaped to () is still reshaped: each shape is tested for None
+        self.op_form = self.rows is None and all(s is None for s in self.operand_shapes)
+        self.x_shape, self.in_shapes = tuple(x.shape), [tuple(t.shape) for t in operands]
+        self.flat_out_shapes = [tuple(o.shape) for o in flat_outs]
 
     def __call__(self, program, x, weight, operands) -> tuple[torch.Tensor, ...]:
-        if self.rows is None and all(s is None for s in self.operand_shapes):  # 2-D
+        if self.op_form:
             return _apply_known(self.launch, program, x, weight, *operands)
         return _apply_known_edge(self, program, x, weight, *operands)
 
