@@ -151,7 +151,6 @@ def kernel_top(fn, n: int = 15) -> str:
                      for k, t in time_by.most_common(n))
 
 
-
 def rewrites_since(backends=()) -> str:
     """The reports' records since the last call (the "coda" backend's session report and
     those of ``backends``, CodaBackend objects), by pattern and outcome (rewritten, or the
