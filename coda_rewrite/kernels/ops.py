@@ -296,7 +296,9 @@ class _Reshaped:
     """A program's launch for the calls of one metadata class in the caller's shapes: how
     its first call flattened them into the op's 2-D form (x to ``rows``, each operand
     to its shape, None where it passed as it was) and the shapes its outputs went back
-    to. A 2-D x (a call inside a chain) is flattened by nothing (``rows`` None)."""
+    to. A 2-D x (a call inside a chain) is flattened by nothing (``rows`` None). Every
+    route is made from the same arguments (_remember_reshaped); ``flat_outs``, the op's
+    own outputs, only the recorded route keeps (its backward's shapes)."""
     __slots__ = ("launch", "ks", "rows", "operand_shapes", "out_shapes")
 
     def __init__(self, launch, x, a, operands, flat, outs, flat_outs):
