@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from common import bench_graphed, env_line
+from common import bench, bench_graphed, env_line
 
 bf = torch.bfloat16
 ROWS = 8192
@@ -61,51 +61,55 @@ def main():
     print(env_line(), flush=True)
     which = [a for a in sys.argv[1:] if a in SHAPES] or ["1b"]
     deadline = time.time() + float(os.environ.get("CODA_MAINLOOP_SECONDS", "240"))
-    configs = candidates()
-    rows = []
+    shapes = []
     for family in which:
         for name, n, k in SHAPES[family]:
             torch.manual_seed(0)
             x = torch.randn(ROWS, k, device="cuda", dtype=bf)
             w = torch.randn(n, k, device="cuda", dtype=bf) / k ** 0.5
-            want = torch.mm(x, w.t())
-            cublas = bench_graphed(lambda: torch.mm(x, w.t())) * 1e3
+            shapes.append(dict(family=family, name=name, n=n, k=k, x=x, w=w,
+                               want=torch.mm(x, w.t()), timed={},
+                               cublas=bench_graphed(lambda x=x, w=w: torch.mm(x, w.t())) * 1e3))
+    # configs outermost, in the order candidates() puts them: each compile costs seconds,
+    # so a sweep the deadline cuts short has timed the same configs at every shape
+    for c in candidates():
+        if time.time() > deadline:
+            print(f"deadline: configs from {label(c)} on not timed", flush=True)
+            break
+        for s in shapes:
+            x, w, want = s["x"], s["w"], s["want"]
             out = torch.empty_like(want)
-            timed = {}
-            for c in configs:
-                if time.time() > deadline:
-                    break
-                try:
-                    gemm_tuned.fn(x, w.t(), out, config=c)
-                    torch.cuda.synchronize()
-                except Exception as e:  # a config QuACK refuses at this shape
-                    print(f"  {family} {name}: {label(c)} refused ({type(e).__name__})",
-                          flush=True)
-                    continue
-                err = float((out.float() - want.float()).norm() / want.float().norm())
-                if err > 1e-2:
-                    print(f"  {family} {name}: {label(c)} wrong (rel. error {err:.2e})",
-                          flush=True)
-                    continue
-                timed[label(c)] = bench_graphed(
-                    lambda c=c: gemm_tuned.fn(x, w.t(), out, config=c)) * 1e3
-            if not timed:
-                print(f"{family} {name}: no config ran before the deadline", flush=True)
+            try:
+                gemm_tuned.fn(x, w.t(), out, config=c)
+                torch.cuda.synchronize()
+            except Exception as e:  # a config QuACK refuses at this shape
+                print(f"  {s['name']}: {label(c)} refused ({type(e).__name__})", flush=True)
                 continue
-            best = min(timed, key=timed.get)
-            default = timed.get("128x192 pp c2x1")
-            print(f"{family} {name:<32} M {ROWS} N {n:6d} K {k:5d}: cuBLAS {cublas:8.1f} µs | "
-                  f"QuACK default {default or float('nan'):8.1f} | best {best} "
-                  f"{timed[best]:8.1f} ({timed[best] / cublas:.3f}x cuBLAS) | "
-                  f"{len(timed)} configs", flush=True)
-            ranked = sorted(timed, key=timed.get)[:4]
-            print("    next: " + ", ".join(f"{r} {timed[r]:.1f}" for r in ranked[1:]),
-                  flush=True)
-            rows.append((family, name, cublas, default, best, timed[best]))
-    print("\nshape | cuBLAS µs | QuACK default | QuACK best (config) | best / cuBLAS")
-    for family, name, cublas, default, best, t in rows:
-        print(f"{family} {name} | {cublas:.1f} | {default or float('nan'):.1f} | "
-              f"{t:.1f} ({best}) | {t / cublas:.3f}x")
+            err = float((out.float() - want.float()).norm() / want.float().norm())
+            if err > 1e-2:
+                print(f"  {s['name']}: {label(c)} wrong (rel. error {err:.2e})", flush=True)
+                continue
+            call = lambda c=c, x=x, w=w, out=out: gemm_tuned.fn(x, w.t(), out, config=c)
+            try:
+                s["timed"][label(c)] = bench_graphed(call) * 1e3
+            except Exception as e:  # not capturable: a plain loop (host time may show)
+                print(f"  {s['name']}: {label(c)} not graphed ({type(e).__name__}: {e})",
+                      flush=True)
+                s["timed"][label(c)] = bench(call) * 1e3
+            print(f"  {s['name']}: {label(c)} {s['timed'][label(c)]:.1f} µs "
+                  f"(cuBLAS {s['cublas']:.1f})", flush=True)
+    print("\nshape | M N K | cuBLAS µs | QuACK default | QuACK best (config) | best / cuBLAS"
+          " | configs timed")
+    for s in shapes:
+        timed, cublas = s["timed"], s["cublas"]
+        if not timed:
+            print(f"{s['family']} {s['name']} | no config ran", flush=True)
+            continue
+        best = min(timed, key=timed.get)
+        default = timed.get("128x192 pp c2x1", float("nan"))
+        print(f"{s['family']} {s['name']} | {ROWS} {s['n']} {s['k']} | {cublas:.1f} | "
+              f"{default:.1f} | {timed[best]:.1f} ({best}) | {timed[best] / cublas:.3f}x | "
+              f"{len(timed)}")
 
 
 if __name__ == "__main__":
