@@ -145,14 +145,47 @@ def _key(node: fx.Node):
     return None
 
 
+def aten_name(target: Any) -> str | None:
+    """``numpy_T`` for torch.ops.aten.numpy_T (the packet or one of its overloads): the
+    name of an aten op a graph calls directly, None for anything else."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        qualified = target._qualified_op_name
+    elif isinstance(target, torch._ops.OpOverload):
+        qualified = target._schema.name
+    else:
+        return None
+    return qualified[len("aten::"):] if qualified.startswith("aten::") else None
+
+
+# The transposing tensor properties, as dynamo records them: getattr(w, "T") through
+# torch 2.13; torch 2.14 records the property's aten op instead (w.T → aten.numpy_T(w),
+# k.mT → aten.mT(k)).
+_TRANSPOSE_PROPERTIES = {"T": "T", "mT": "mT", "numpy_T": "T"}
+
+
+def transpose_property(node: Any) -> tuple[fx.Node, str] | None:
+    """(x, "T" or "mT") where ``node`` is the property x.T or x.mT, however dynamo
+    recorded it; None otherwise."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args or \
+            not isinstance(node.args[0], fx.Node):
+        return None
+    if node.target is getattr and len(node.args) == 2:
+        name = node.args[1] if node.args[1] in ("T", "mT") else None
+    else:
+        name = aten_name(node.target) if len(node.args) == 1 and not node.kwargs else None
+    return (node.args[0], _TRANSPOSE_PROPERTIES[name]) \
+        if name in _TRANSPOSE_PROPERTIES else None
+
+
 def _transposed_2d(node: Any) -> fx.Node | None:
-    """``w`` if ``node`` is w.T / w.t() / w.transpose(0, 1) / w.permute(1, 0) of a 2-D w."""
+    """``w`` if ``node`` is w.T / w.mT / w.t() / w.transpose(0, 1) / w.permute(1, 0) of a
+    2-D w."""
     if not isinstance(node, fx.Node):
         return None
     src = node.args[0] if node.args else None
     if meta(src) is None or meta(src).dim() != 2:
         return None
-    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+    if transpose_property(node) is not None:
         return src
     if node.op == "call_method" and node.target in _TRANSPOSE_METHODS:
         rest = [a % 2 if isinstance(a, int) else a for a in node.args[1:]]

@@ -5,7 +5,7 @@ knows a family; each family's graph code sits in its own patterns/ module."""
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import operator
 
 import torch
@@ -126,8 +126,25 @@ def _viewlike(u: fx.Node) -> bool:
     return (u.op == "call_method" and u.target in _ALIASING_METHODS) or (
         u.op == "call_function" and (
             (u.target is operator.getitem and not _copying_index(u)) or
-            getattr(u.target, "__name__", "") in _ALIASING_METHODS)) \
+            getattr(u.target, "__name__", "") in _ALIASING_METHODS or
+            _returns_alias(u.target))) \
         or (u.op == "call_function" and u.target is getattr)
+
+
+@functools.lru_cache(maxsize=None)
+def _returns_alias(target) -> bool:
+    """An aten op called directly whose schema (in some overload) returns an alias of an
+    input that it does not write: a view. torch 2.14's dynamo records the tensor
+    properties that way (w.T as aten.numpy_T(w), k.mT as aten.mT(k)), where it recorded
+    getattr before; counting an op as a view is the safe side (more values watched)."""
+    if isinstance(target, torch._ops.OpOverload):
+        overloads = [target]
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = [getattr(target, name) for name in target.overloads()]
+    else:
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for op in overloads for r in op._schema.returns)
 
 
 # Ops whose result never requires grad, whatever the grad mode: a detach, and factories

@@ -1285,15 +1285,16 @@ class _Product(torch.autograd.Function):
 
 def test_record_is_function_apply_and_leaves_traced_calls_to_it(monkeypatch):
     """ops.record: the same outputs, graph and gradients as Function.apply on real
-    tensors (autograd's C++ apply entered directly); a call under a functorch transform,
-    on fake tensors or under dynamo goes through Function.apply itself."""
+    tensors (through the Function's old-style twin, whose apply binds no arguments; its
+    node keeps the Function's name); a call under a functorch transform, on fake tensors
+    or under dynamo goes through Function.apply itself."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from coda_rewrite.kernels import ops
 
-    real_apply = _Product.apply.__func__
+    real_apply = _Product.apply  # a classmethod through torch 2.13, autograd's C++ one after
     seen = []
-    monkeypatch.setattr(_Product, "apply", classmethod(
-        lambda cls, *args: seen.append(1) or real_apply(cls, *args)))
+    monkeypatch.setattr(_Product, "apply", staticmethod(
+        lambda *args: seen.append(1) or real_apply(*args)))
     x, y = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
     got = ops.record(_Product, x, y)
     assert not seen and type(got.grad_fn).__name__ == "_ProductBackward"
@@ -1309,3 +1310,7 @@ def test_record_is_function_apply_and_leaves_traced_calls_to_it(monkeypatch):
     compiled = torch.compile(lambda a, b: ops.record(_Product, a, b), backend="eager",
                              fullgraph=True)
     assert torch.equal(compiled(x.detach(), y.detach()), x.detach() * y.detach())
+    x.grad = y.grad = None
+    compiled(x, y).sum().backward()                                # traced, with its backward
+    assert torch.equal(x.grad, y.detach()) and torch.equal(y.grad, x.detach())
+    assert ops._old_style(_Product) is ops._old_style(_Product)    # made once

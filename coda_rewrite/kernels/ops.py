@@ -35,11 +35,6 @@ from ..codegen.program import Kind, parse
 from ..graph_utils import FUSED_LINEAR_MARK, ROW_CALL_MARK
 from . import backward, inductor_calls, quack_path, sharding
 
-try:  # what Function.apply does to its arguments before autograd's C++ apply (record)
-    from torch._functorch.utils import unwrap_dead_wrappers
-except ImportError:  # pragma: no cover: a PyTorch without it takes Function.apply
-    unwrap_dead_wrappers = None
-
 # (program key, implementation, reason) -> calls, for every call but a generated kernel's
 # (each Launch counts its own: Launch.calls). Read both with runtime_counts().
 RUNTIME: collections.Counter = collections.Counter()
@@ -644,16 +639,14 @@ class KnownGemm(torch.autograd.Function):
     the forward is the launch itself (fresh buffers, never an input), the backward
     FusedGemm's. Entered through autograd's C++ apply on real tensors only (_apply_known):
     a traced call never finds a recorded class, since fake and functional tensors fail
-    the guard."""
+    the guard. Written in the old style, forward(ctx, ...), for the reason record()
+    gives."""
 
     @staticmethod
-    def forward(launch, program, a, b, *operands):
-        return tuple(launch(a, b, list(operands)))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, program, a, b, *operands = inputs
-        _setup_context(ctx, (program, a, b, operands), list(output), weight_input=3)
+    def forward(ctx, launch, program, a, b, *operands):
+        outputs = tuple(launch(a, b, list(operands)))
+        _setup_context(ctx, (program, a, b, operands), list(outputs), weight_input=3)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -669,15 +662,12 @@ class KnownEdgeGemm(torch.autograd.Function):
     each reshape would be an autograd view node of its own."""
 
     @staticmethod
-    def forward(route, program, x, b, *operands):
+    def forward(ctx, route, program, x, b, *operands):
         a, flat = route.flatten(x, operands)
-        return route.unflatten_fresh(route.launch(a, b, flat))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        route, program, x, b, *operands = inputs
+        outputs = route.unflatten_fresh(route.launch(a, b, flat))
         ctx.route = route
-        _setup_context(ctx, (program, x, b, operands), list(output), weight_input=3)
+        _setup_context(ctx, (program, x, b, operands), list(outputs), weight_input=3)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -699,18 +689,38 @@ def gemm_with_grad(program, a, b, operands) -> tuple[torch.Tensor, ...]:
 def record(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)``, every argument of its forward passed, none defaulted.
 
-    On real tensors with no functorch transform active this enters autograd's C++ apply
-    directly. Function.apply's Python layer first binds the arguments to the forward's
-    signature (inspect.signature, for its default values: none here) whenever the
-    Function defines setup_context, then unwraps dead functorch wrappers and calls that
-    same C++ apply: measured on the 2-core CPU, 16.8 µs a call against 3.6 here (a
-    fused GEMM that autograd records in a graph that runs as Python, optimize()'s
+    On real tensors with no functorch transform active this applies ``function``'s
+    old-style twin (_old_style), the same forward, context and backward. Applying a
+    Function that defines setup_context binds its arguments to the forward's signature
+    on every call (inspect.signature, for default values: none here): in Function.apply's
+    Python layer through torch 2.13, from autograd's C++ apply, which calls back into
+    Python for it, since 2.14. Measured on the 2-core CPU, a two-input product: 19 µs a
+    call either way, against 6.0 (torch 2.13) and 3.8 (2.14) for the old style: the cost
+    of a fused GEMM that autograd records in a graph that runs as Python (optimize()'s
     training forward). A traced call (dynamo, AOTAutograd: fake or functional tensors)
-    or one under a transform takes Function.apply, which they recognise."""
-    if unwrap_dead_wrappers is None or torch._C._are_functorch_transforms_active() or \
+    or one under a transform takes ``function.apply``, which they need (functorch's
+    transforms take only Functions that define setup_context)."""
+    if torch._C._are_functorch_transforms_active() or \
             not layouts.real([t for t in args if isinstance(t, torch.Tensor)]):
         return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+    return _old_style(function).apply(*args)
+
+
+@functools.cache
+def _old_style(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``function`` (a Function with setup_context) as an old-style Function of the same
+    name: forward(ctx, *args) runs its forward, then its setup_context on the same
+    arguments and outputs (both with grad mode off, as autograd runs the pair), and its
+    backward is ``function``'s."""
+
+    def forward(ctx, *args):
+        outputs = function.forward(*args)
+        function.setup_context(ctx, args, outputs)
+        return outputs
+
+    return type(function.__name__, (torch.autograd.Function,), {
+        "__module__": function.__module__, "__doc__": _old_style.__doc__,
+        "forward": staticmethod(forward), "backward": staticmethod(function.backward)})
 
 
 # ---- what the rewritten graph calls ---------------------------------------------------

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .. import patterns
 from ..algebra import dense_experts as algebra
 from ..algebra.decision import Rejection, Why
-from ..canonical import canon, meta
+from ..canonical import canon, meta, transpose_property
 from ..capture import describe, model_path
 from ..graph_utils import (CHUNK, NotPlaceable, TracedEmitter, arg, calls, chunk_half,
                            erase_if_dead, sole_user)
@@ -239,7 +239,7 @@ def _column(col) -> tuple[fx.Node, list[fx.Node]] | None:
         values = list(values)
         return [d % 2 for d in values] if all(isinstance(d, int) for d in values) else None
     src = None
-    if t.op == "call_function" and t.target is getattr and t.args[1] in ("T", "mT"):
+    if transpose_property(t) is not None:
         src = t.args[0]
     elif calls(t, {"t", torch.t}):
         src = t.args[0]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .. import patterns
 from ..algebra import explicit_attention as algebra
 from ..algebra.decision import Why
-from ..canonical import canon, meta
+from ..canonical import canon, meta, transpose_property
 from ..capture import describe, model_path
 from ..graph_utils import MATMUL, arg, calls, copy_meta, erase_if_dead
 from .family import Context, Decided
@@ -74,8 +74,9 @@ def _kt(node) -> fx.Node | None:
     last three found missing by tests/test_property_explicit_attention.py)."""
     if not isinstance(node, fx.Node) or meta(node) is None or meta(node).dim() != 4:
         return None
-    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("mT",):
-        return node.args[0]
+    prop = transpose_property(node)
+    if prop is not None:
+        return node.args[0] if prop[1] == "mT" else None
     if node.op == "call_method" and node.target == "permute":
         order = node.args[1] if len(node.args) == 2 else \
             node.args[1:] if len(node.args) > 2 else node.kwargs.get("dims", ())

@@ -62,7 +62,7 @@ from .. import patterns
 from ..algebra import routed_experts as legality
 from ..algebra import row_scale
 from ..algebra.decision import Rejection, Why
-from ..canonical import canon, constant, meta, pair_clamp_limit
+from ..canonical import canon, constant, meta, pair_clamp_limit, transpose_property
 from ..capture import describe, model_path
 from ..codegen.program import EpilogueProgram, Kind, ProgramBuilder
 from ..codegen.reference import dtype_name
@@ -236,11 +236,15 @@ def _expert_weight(b) -> tuple[fx.Node, bool] | None:
     layout, gpt-oss's; kn True)."""
     if not isinstance(b, fx.Node):
         return None
-    if b.op == "call_method" and b.target in ("transpose", "mT") and \
+    if b.op == "call_method" and b.target == "transpose" and \
             isinstance(b.args[0], fx.Node):
         w = meta(b.args[0])
         if w is not None and w.dim() == 3 and sorted(d % 3 for d in b.args[1:]) == [1, 2]:
             return b.args[0], False
+    prop = transpose_property(b)  # W.mT: the last two dims swapped
+    if prop is not None and prop[1] == "mT" and meta(prop[0]) is not None and \
+            meta(prop[0]).dim() == 3:
+        return prop[0], False
     mb = meta(b)
     return (b, True) if mb is not None and mb.dim() == 3 else None
 
