@@ -407,3 +407,45 @@ def test_parameter_paths_as_the_model_names_them(name, path):
     from coda_rewrite.capture import placeholder_path
     node = torch.fx.Graph().placeholder(name)
     assert placeholder_path(node) == path
+
+
+def test_tensor_properties_recorded_as_aten_ops_are_transposes_and_views():
+    """torch 2.14's dynamo records ``w.T`` as aten.numpy_T(w) and ``k.mT`` as aten.mT(k)
+    (through 2.13: getattr(w, "T")), so a hand-made graph in that form: x @ aten.numpy_T(w)
+    is linear(x, w) for a 2-D w (the packet and its overload alike) and not for a 3-D one
+    (.T reverses every dim); the property is a view of w, so an update in place of w is an
+    update of what the GEMM reads; an aten op that returns a fresh tensor is no view."""
+    import operator
+
+    import torch.fx as fx
+
+    from coda_rewrite import canonical, graph_utils
+
+    def graph(w_shape, prop):
+        g = fx.Graph()
+        x, w = g.placeholder("x"), g.placeholder("w")
+        wt = g.call_function(prop, (w,))
+        y = g.call_function(operator.matmul, (x, wt))
+        upd = g.call_method("mul_", (w, 2.0))
+        g.output((y, upd))
+        w_value = torch.empty(*w_shape)
+        x_value = torch.empty(4, w_shape[-1])
+        wt_value = prop(w_value)  # the property's own value: its shape and strides
+        values = {x: x_value, w: w_value, wt: wt_value, y: x_value @ wt_value}
+        for node, value in values.items():
+            node.meta["example_value"] = value
+        return g, x, w, wt, y, upd
+
+    aten = torch.ops.aten
+    for prop in (aten.numpy_T, aten.numpy_T.default, aten.mT, aten.mT.default):
+        g, x, w, wt, y, upd = graph((16, 8), prop)
+        assert canonical.transpose_property(wt) == (w, "mT" if "mT" in str(prop) else "T")
+        assert canonical.canon(y) == canonical.COp("linear", (x, w, None)), prop
+        assert wt in graph_utils.aliases({w})
+        assert graph_utils.in_place_update_of({wt}, g) == (upd, w)
+    g, x, w, wt, y, upd = graph((2, 8, 8), aten.numpy_T)             # 3-D: not a transpose
+    assert canonical.canon(y).name == "matmul"
+    g = fx.Graph()
+    w = g.placeholder("w")
+    fresh = g.call_function(aten.mul.Tensor, (w, w))                  # a new tensor
+    assert fresh not in graph_utils.aliases({w})
