@@ -131,20 +131,21 @@ def _viewlike(u: fx.Node) -> bool:
         or (u.op == "call_function" and u.target is getattr)
 
 
-@functools.lru_cache(maxsize=None)
 def _returns_alias(target) -> bool:
     """An aten op called directly whose schema (in some overload) returns an alias of an
     input that it does not write: a view. torch 2.14's dynamo records the tensor
     properties that way (w.T as aten.numpy_T(w), k.mT as aten.mT(k)), where it recorded
     getattr before; counting an op as a view is the safe side (more values watched)."""
-    if isinstance(target, torch._ops.OpOverload):
-        overloads = [target]
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        overloads = [getattr(target, name) for name in target.overloads()]
-    else:
-        return False
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
+        _schema_returns_alias(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_returns_alias(op) -> bool:
+    overloads = [op] if isinstance(op, torch._ops.OpOverload) else \
+        [getattr(op, name) for name in op.overloads()]
     return any(r.alias_info is not None and not r.alias_info.is_write
-               for op in overloads for r in op._schema.returns)
+               for overload in overloads for r in overload._schema.returns)
 
 
 # Ops whose result never requires grad, whatever the grad mode: a detach, and factories
