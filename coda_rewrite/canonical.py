@@ -145,16 +145,22 @@ def _key(node: fx.Node):
     return None
 
 
-def aten_name(target: Any) -> str | None:
-    """``numpy_T`` for torch.ops.aten.numpy_T (the packet or one of its overloads): the
-    name of an aten op a graph calls directly, None for anything else."""
+def qualified_op_name(target: Any) -> str:
+    """``aten::numpy_T`` for torch.ops.aten.numpy_T (the packet or one of its
+    overloads): the namespace-qualified name of a torch op a graph calls directly, ""
+    for anything else."""
     if isinstance(target, torch._ops.OpOverloadPacket):
-        qualified = target._qualified_op_name
-    elif isinstance(target, torch._ops.OpOverload):
-        qualified = target._schema.name
-    else:
-        return None
-    return qualified[len("aten::"):] if qualified.startswith("aten::") else None
+        return target._qualified_op_name
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    return ""
+
+
+def aten_name(target: Any) -> str | None:
+    """``numpy_T`` for torch.ops.aten.numpy_T: the name of an aten op a graph calls
+    directly, None for anything else."""
+    ns, _, name = qualified_op_name(target).partition("::")
+    return name if ns == "aten" else None
 
 
 # The transposing tensor properties, as dynamo records them: getattr(w, "T") through
@@ -177,7 +183,7 @@ def transpose_property(node: Any) -> tuple[fx.Node, str] | None:
         if name in _TRANSPOSE_PROPERTIES else None
 
 
-def _transposed_2d(node: Any) -> fx.Node | None:
+def transposed_2d(node: Any) -> fx.Node | None:
     """``w`` if ``node`` is w.T / w.mT / w.t() / w.transpose(0, 1) / w.permute(1, 0) of a
     2-D w."""
     if not isinstance(node, fx.Node):
@@ -229,12 +235,12 @@ def canon(node: fx.Node) -> COp | None:
     if grouped is not None:
         return grouped
     if key in _MATMUL and len(args) == 2:
-        w = _transposed_2d(args[1])
+        w = transposed_2d(args[1])
         if w is not None and meta(args[0]) is not None and meta(args[0]).dim() >= 1:
             return COp("linear", (args[0], w, None))
         return COp("matmul", tuple(args))
     if key is torch.addmm and len(args) == 3 and not kw:
-        w = _transposed_2d(args[2])
+        w = transposed_2d(args[2])
         if w is not None:
             return COp("linear", (args[1], w, args[0]))
     if key in _BINARY and len(args) == 2 and not kw:

@@ -255,7 +255,8 @@ class Experts(torch.nn.Module):
         in_mask = (ids_g >= self.e - 1).unsqueeze(-1) if case == "input_fill_other_rows" \
             else mask
         x.masked_fill_(in_mask, 0.0)
-        b = self.gate_up if case == "kn_weights" else self.gate_up.transpose(-2, -1)
+        b = self.gate_up if case == "kn_weights" else self.gate_up.mT if case == "mT" else \
+            self.gate_up.transpose(-2, -1)
         p = _gmm(x, b, offs)
         if case == "halves_bias":  # gpt-oss's per-expert bias, on [gate; up] halves
             p = p + self.bias[ids_g]
@@ -310,6 +311,7 @@ LOOK_ALIKES = {
     "input_fill_other_rows": "moe.input_fill",
     "up_first": "moe.activation",
     "kn_weights": "moe.weight_layout",  # [E, K, 2I] split into halves: no kernel reads it
+    "mT": None,                     # W.mT: the same transpose as W.transpose(-2, -1)
     "halves_bias": "moe.weight_layout",  # a bias over the halves: no kernel adds it
     "elementwise_fill": "moe.fill_not_rows",  # fills gate and up entries apart
     "source_updated": "moe.in_place",         # the gathered source updated after the gather

@@ -413,8 +413,9 @@ def test_tensor_properties_recorded_as_aten_ops_are_transposes_and_views():
     """torch 2.14's dynamo records ``w.T`` as aten.numpy_T(w) and ``k.mT`` as aten.mT(k)
     (through 2.13: getattr(w, "T")), so a hand-made graph in that form: x @ aten.numpy_T(w)
     is linear(x, w) for a 2-D w (the packet and its overload alike) and not for a 3-D one
-    (.T reverses every dim); the property is a view of w, so an update in place of w is an
-    update of what the GEMM reads; an aten op that returns a fresh tensor is no view."""
+    (.T reverses every dim), nor for w.mH (a conjugate transpose, not read as one); the
+    property is a view of w, so an update in place of w is an update of what the GEMM
+    reads; an aten op that returns a fresh tensor is no view."""
     import operator
 
     import torch.fx as fx
@@ -445,6 +446,9 @@ def test_tensor_properties_recorded_as_aten_ops_are_transposes_and_views():
         assert graph_utils.in_place_update_of({wt}, g) == (upd, w)
     g, x, w, wt, y, upd = graph((2, 8, 8), aten.numpy_T)             # 3-D: not a transpose
     assert canonical.canon(y).name == "matmul"
+    g, x, w, wt, y, upd = graph((16, 8), aten.mH)                     # conjugate: not taken
+    assert canonical.transpose_property(wt) is None and canonical.canon(y).name == "matmul"
+    assert wt in graph_utils.aliases({w})                             # a view all the same
     g = fx.Graph()
     w = g.placeholder("w")
     fresh = g.call_function(aten.mul.Tensor, (w, w))                  # a new tensor

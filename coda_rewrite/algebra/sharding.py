@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..canonical import meta
+from ..canonical import meta, qualified_op_name
 from ..capture import describe
 from ..codegen.placements import dtensor_cls, gemm_layout
 from .decision import Why
@@ -77,9 +77,7 @@ def collective_op(node: fx.Node) -> str | None:
     its ``wait_tensor``: what funcol calls and DTensor lowers to), else None."""
     if node.op != "call_function":
         return None
-    qualified = getattr(node.target, "_qualified_op_name", None) or getattr(
-        getattr(node.target, "_schema", None), "name", "")   # packet, or overload
-    ns, _, name = qualified.partition("::")
+    ns, _, name = qualified_op_name(node.target).partition("::")
     if ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
         return name
     return None

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .. import patterns
 from ..algebra import dense_experts as algebra
 from ..algebra.decision import Rejection, Why
-from ..canonical import canon, meta, transpose_property
+from ..canonical import canon, meta, transposed_2d
 from ..capture import describe, model_path
 from ..graph_utils import (CHUNK, NotPlaceable, TracedEmitter, arg, calls, chunk_half,
                            erase_if_dead, sole_user)
@@ -235,20 +235,7 @@ def _column(col) -> tuple[fx.Node, list[fx.Node]] | None:
     t = col.args[0]
     if not isinstance(t, fx.Node) or meta(t) is None or meta(t).dim() != 2:
         return None
-    def dims(values) -> list[int] | None:
-        values = list(values)
-        return [d % 2 for d in values] if all(isinstance(d, int) for d in values) else None
-    src = None
-    if transpose_property(t) is not None:
-        src = t.args[0]
-    elif calls(t, {"t", torch.t}):
-        src = t.args[0]
-    elif calls(t, {"transpose", torch.transpose}) and dims(t.args[1:3]) in ([0, 1], [1, 0]):
-        src = t.args[0]
-    elif calls(t, {"permute"}) and len(t.args) >= 2 and dims(
-            t.args[1] if len(t.args) == 2 and isinstance(t.args[1], (tuple, list))
-            else t.args[1:]) == [1, 0]:
-        src = t.args[0]
+    src = transposed_2d(t)
     return (src, [t, col]) if isinstance(src, fx.Node) else None
 
 
