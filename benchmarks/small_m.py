@@ -6,7 +6,9 @@ Inductor's fused epilogue, at M ∈ {1 … 4096} rows and the 1B and 8B layer sh
 
 The programs and their operands are captured from a one-layer Llama of each shape with
 its LM head and loss (optimize(), every GEMM fused), run at batch 1 and M tokens, so each
-family is timed on the operands the model gives it. Per (family, M):
+family is timed on the operands the model gives it (each reduction width K once: the norm
+producer of the attention output, K = dim, and of the down projection, K = ffn_dim). Per
+(family, K, M):
 
     cuBLAS      F.linear alone, the floor
     unfused     cuBLAS (F.linear) + the program's reference epilogue on its output
@@ -101,13 +103,14 @@ class WithLoss(nn.Module):
 
 
 def capture(fast, vocab: int, rows: int) -> dict:
-    """{family: (program, a, b, operands)} of the fused calls at ``rows`` tokens."""
+    """{(family, K): (program, a, b, operands)} of the fused calls at ``rows`` tokens (the
+    norm producers: o_proj, K = dim, and down, K = ffn_dim)."""
     seen, original = {}, ops.execute
 
     def spy(program, a, b, operands):
-        fam = parse(program).family
-        if parse(program).gemm and fam not in seen:
-            seen[fam] = (program, a.clone(), b.clone(),
+        key = (parse(program).family, a.shape[-1])
+        if parse(program).gemm and key not in seen:
+            seen[key] = (program, a.clone(), b.clone(),
                          [t.clone() if isinstance(t, torch.Tensor) else t for t in operands])
         return original(program, a, b, operands)
 
@@ -145,8 +148,8 @@ def sweep(shape: str, rows_list, configs: dict) -> list:
     fast = coda_rewrite.optimize(WithLoss(model), min_fused_rows=0)
     references, rows_out = {}, []
     for rows in rows_list:
-        for family, (program, a, b, operands) in capture(fast, model.args.vocab_size,
-                                                         rows).items():
+        for (family, _), (program, a, b, operands) in capture(fast, model.args.vocab_size,
+                                                              rows).items():
             if FAMILIES and family not in FAMILIES:
                 continue
             prog = parse(program)
@@ -191,7 +194,8 @@ def sweep(shape: str, rows_list, configs: dict) -> list:
                   + (" | bad: " + ", ".join(f"{k} {e:.1e}" for k, e in errors.items()
                                             if e >= 2e-2) if any(
                       e >= 2e-2 for e in errors.values()) else ""), flush=True)
-            rows_out.append((shape, family, rows, times, best, _name(picked.config)))
+            rows_out.append((shape, f"{family} (K {a.shape[1]})", rows, times, best,
+                             _name(picked.config)))
     return rows_out
 
 

@@ -5,6 +5,7 @@ produce, on a machine with no GPU (PTX checked for wgmma and TMA)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib.util
 import json
 import os
@@ -569,7 +570,43 @@ def test_tile_config_by_row_class():
     assert tile(plain, 2048, 128256) is None
     assert tile(plain, 8192, 4096) is None
     assert tile(table, 8192, 6144) == (128, 128, 2)
-    assert len(row_class_lines()) == 6 and "default" in row_class_lines()[-1]
+    # past the row classes a table of 64-wide heads takes three heads a tile; heads of
+    # 128 or 256 (and an unknown head: AOT's) keep 128; the row classes are unchanged
+    def table_tile(m, n, head_dim):
+        c = config_for(table, m, n, head_dim)
+        return c.tile_m, c.tile_n, c.cluster_m
+    assert table_tile(4096, 3072, 64) == (128, 192, 2)
+    assert table_tile(8192, 6144, 128) == table_tile(8192, 6144, 256) == (128, 128, 2)
+    assert table_tile(8192, 6144, None) == (128, 128, 2)
+    assert table_tile(2048, 3072, 64) == (128, 128, 2) and table_tile(8, 3072, 64)[1] == 128
+    normed = rope_table_program(True, False, torch.bfloat16, passthrough=True,
+                                norm=(64, 1e-6, True, False))
+    assert config_for(normed, 8192, 3072, 64).tile_n == 192  # whole 64-wide groups too
+    # a launch reads the head from its table's width; a program writing row partials
+    # keeps the width a traced graph computes without it (partial_columns)
+    from coda_rewrite.kernels.quack_path import _table_head_dim
+    operands = [torch.ones(1) if o.kind != Kind.COS_SIN else torch.ones(8, 64)
+                for o in table.operands]
+    assert _table_head_dim(table, operands) == 64
+    assert _table_head_dim(plain, [torch.ones(1)] * len(plain.operands)) is None
+    b = ProgramBuilder("table_partials", gemm=True, family="rope")
+    rot = b.rope_table(ACC, b.operand("cs", Kind.COS_SIN), name="rot")
+    b.output(rot, Kind.TILE, "bfloat16")
+    b.output(b.row_sum(b.square(rot), name="ss"), Kind.ROW_PARTIALS, "float32")
+    assert _table_head_dim(b.build(), [torch.ones(8, 64)]) is None
+    # past the row classes a norm producer up to N = 4096 takes 128 x 256 cooperative
+    # tiles (cluster 2); wider producers, and other programs, QuACK's default
+    producer = dataclasses.replace(residual_rmsnorm(), family="residual_rmsnorm")
+    wide = config_for(producer, 8192, 4096)
+    assert (wide.tile_m, wide.tile_n, wide.cluster_m, wide.pingpong) == (128, 256, 2, False)
+    assert config_for(producer, 4096, 2048) == wide
+    assert config_for(producer, 8192, 8192) is None and tile(plain, 8192, 2048) is None
+    assert tile(producer, 4095, 2048) == (128, 128, 2)  # the row classes come first
+    assert len(row_class_lines()) == 7 and "default" in row_class_lines()[-1]
+    assert "cooperative" in row_class_lines()[-2]
+    every = configs_of(producer)
+    assert wide in every and all(config_for(producer, m, n) in every
+                                 for m in (1, 64, 4095, 4096, 8192) for n in (512, 4096, 8192))
     # what AOT compiles: every config either program can get, each once
     assert [None if c is None else (c.tile_m, c.tile_n, c.cluster_m)
             for c in configs_of(plain)] == [(64, 128, 1), (64, 256, 1), (128, 64, 1),

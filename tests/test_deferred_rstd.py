@@ -168,6 +168,8 @@ def test_a_traced_producer_gets_the_width_of_quacks_partials(monkeypatch):
             assert quack_path.partial_columns(producer, m, n, cuda) == want, (m, n, cfg)
             widths.add(want)
     assert 1 in widths and len(widths) > 3  # folded, single-tile and several widths
+    # the pass's producer is the program the norm producers' large class names
+    assert not quack_path.config_for(producer, 8192, 2048).pingpong
 
 
 def test_where_no_launch_can_serve_the_call_the_partials_are_one_column(monkeypatch):
@@ -178,7 +180,8 @@ def test_where_no_launch_can_serve_the_call_the_partials_are_one_column(monkeypa
     monkeypatch.setattr(quack_path, "_arch_violation", lambda index: None)
     monkeypatch.setattr(quack_path, "_default_config", _quack_default_config)
     cuda = torch.device("cuda", 0)
-    assert quack_path.partial_columns(producer, 4096, 2048, cuda) == 11
+    # 2048 columns of the norm producers' 256-wide tiles from 4096 rows
+    assert quack_path.partial_columns(producer, 4096, 2048, cuda) == 8
     monkeypatch.setattr(quack_path, "quack_available", lambda: "quack-kernels unavailable")
     assert quack_path.partial_columns(producer, 4096, 2048, cuda) == 1
     monkeypatch.undo()

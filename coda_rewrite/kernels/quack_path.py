@@ -48,9 +48,16 @@ FP8_FAMILY = fp8.FAMILY  # the programs codegen/fp8.py builds: their configs are
 _STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # A cos/sin table wraps every head_dim columns, so a tile must hold whole heads or a
-# whole fraction of one: such programs run at tile_n 128 (QuACK's default, 192, fits
-# neither 64 nor 128; measured on the H200: BENCHMARKS.md, RoPE sources).
+# whole fraction of one (QuACK's rotary epilogue asserts tile_N % head_dim == 0 or
+# head_dim % tile_N == 0): such programs run at tile_n 128, which fits every head the
+# contract takes (64 and multiples of 128) ...
 TABLE_TILE_N = 128
+# ... and, past the row classes, heads of 64 at QuACK's default width (three heads a
+# tile). The 1B q/k/v + RoPE (head_dim 64, N = 3072, K = 2048) at 8192 rows on an H100:
+# 150.2 µs at 128 x 192 against 178.8 at 128 x 128 (cuBLAS alone 141.9); the plain GEMM
+# 137.6 against 167.2 (BENCHMARKS.md, forty-fifth session). Heads of 128 keep 128: 128 x
+# 256 cooperative measured within 2% of it on the 8B q/k/v.
+TABLE_WIDE_TILE_N = 192
 # ... and QuACK's TMA table load needs whole epilogue subtiles per head (seen on the
 # H200: head_dim 16 fails its "multiple of the epi tile N" check; 64 and 128 run)
 TABLE_MIN_HEAD = 64
@@ -372,11 +379,25 @@ ROW_CLASSES = (  # (rows at most, widest N, (tile_m, tile_n, cluster_m)); first 
 )
 
 
-def config_for(prog: EpilogueProgram, m: int, n: int):
+# Past the row classes, a norm producer (patterns/residual_rmsnorm.norm_program: its
+# epilogue reads the residual and stores z, h2 and the row partials) up to N = 4096 runs
+# on 128 x 256 cooperative tiles, cluster 2: against QuACK's default on an H100 at the
+# 1B and 8B producers (o_proj K = dim, down K = ffn), 4096 and 8192 rows, µs (BENCHMARKS.md,
+# forty-fifth session): 1B down 196.7 / 209.6 and 390.2 / 423.4, 1B o_proj 64.5 / 66.5 and
+# 122.3 / 124.6, 8B down 681.1 / 711.9 and 1360.0 / 1382.7, 8B o_proj 208.4 / 213.1 and,
+# the one loss, 420.2 / 410.7 at 8192 rows. Wider producers were not measured.
+NORM_PRODUCER_FAMILY = "residual_rmsnorm"
+NORM_PRODUCER_LARGE = (4096, (128, 256, 2, 1, False))  # (widest N, tiles: tile_m, tile_n,
+# cluster_m, split_k, pingpong)
+
+
+def config_for(prog: EpilogueProgram, m: int, n: int, head_dim: int | None = None):
     """The GemmConfig to launch ``prog`` with on an (m, n) output (None: QuACK's
     default): the row class's (ROW_CLASSES). A cos/sin table wraps every head_dim
     columns, so table programs keep a tile width of 64 or TABLE_TILE_N (the contract
-    checks head_dim against both)."""
+    checks head_dim against both), and past the row classes TABLE_WIDE_TILE_N where the
+    launch's table has heads of ``head_dim`` = 64 (None: not known, as for AOT, whose
+    tables have heads of 128)."""
     if prog.family == FP8_FAMILY:
         return _fp8_config(m, n)
     table = any(o.kind == Kind.COS_SIN for o in prog.operands)
@@ -386,8 +407,14 @@ def config_for(prog: EpilogueProgram, m: int, n: int):
         tile_m, tile_n, cluster_m, *split_k = row_class
         tile_n = min(tile_n, TABLE_TILE_N) if table else tile_n
         return tile_config(tile_m, _holding(groups, tile_n), cluster_m, *split_k)
+    if prog.gemm and prog.family == NORM_PRODUCER_FAMILY and not table and not groups \
+            and n <= NORM_PRODUCER_LARGE[0]:
+        return tile_config(*NORM_PRODUCER_LARGE[1])
     if table:
-        return tile_config(128, _holding(groups, TABLE_TILE_N), 2)
+        wide = head_dim is not None and TABLE_WIDE_TILE_N % head_dim == 0 \
+            and table_head_fits(head_dim)
+        return tile_config(128, _holding(groups, TABLE_WIDE_TILE_N if wide else TABLE_TILE_N),
+                           2)
     return tile_config(128, _holding(groups, 192), 2) if groups - {64} else None
 
 
@@ -413,6 +440,18 @@ def _first_class(classes, m: int, n: int) -> tuple | None:
     return None
 
 
+def _table_head_dim(prog: EpilogueProgram, operands) -> int | None:
+    """The head width of a launch's cos/sin table ([M, head_dim]), or None: no table, or
+    the program also writes per-tile row partials, whose count a traced graph decides
+    from the shapes alone (partial_columns: config_for without the head)."""
+    if any(o.kind == Kind.ROW_PARTIALS for o in prog.outputs):
+        return None
+    for spec, t in zip(prog.operands, operands):
+        if spec.kind == Kind.COS_SIN:
+            return int(t.shape[-1])
+    return None
+
+
 def _holding(groups: set[int], tile_n: int) -> int:
     """``tile_n``, or the widest group width where it does not hold whole groups (the
     contract has checked each width is one of GROUP_WIDTHS, which divide one another)."""
@@ -426,7 +465,8 @@ def configs_of(prog: EpilogueProgram) -> list:
         return list(dict.fromkeys(tile_config(*tiles) for tiles in
                                   [t for _, _, t in FP8_ROW_CLASSES] + [FP8_LARGE]))
     rows = sorted({r for r, _, _ in ROW_CLASSES})
-    widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None})
+    widths = sorted({w for _, w, _ in ROW_CLASSES if w is not None} |
+                    {NORM_PRODUCER_LARGE[0]})
     out = []
     for m in rows + [rows[-1] + 1]:
         for n in widths + [widths[-1] + 1]:
@@ -451,8 +491,12 @@ def row_class_lines() -> list[str]:
              + f": tiles {t[0]} x {t[1]}, cluster {t[2]}"
              + (f", split-K {t[3]}" if len(t) > 3 and t[3] > 1 else "")
              for rows, widest, t in ROW_CLASSES]
-    return lines + ["otherwise: QuACK's default (128 x 192, cluster 2; "
-                    f"128 x {TABLE_TILE_N} for cos/sin tables)"]
+    widest, (tile_m, tile_n, cluster_m, *_) = NORM_PRODUCER_LARGE
+    return lines + [f"otherwise, a norm producer with N <= {widest}: tiles {tile_m} x "
+                    f"{tile_n}, cluster {cluster_m}, cooperative",
+                    "otherwise: QuACK's default (128 x 192, cluster 2; "
+                    f"cos/sin tables: 128 x {TABLE_WIDE_TILE_N} for heads of 64, else "
+                    f"128 x {TABLE_TILE_N})"]
 
 
 class Planned:
@@ -593,7 +637,7 @@ class Launch:
         width = {o.value: self.n // 2 if o.kind == Kind.PAIR else self.n for o in prog.outputs}
         self.outs = [(name, (self.m, width[value]), self.out_dtypes[value])
                      for value, name in ks.contract.tile_outputs]
-        self.config = config or config_for(prog, self.m, self.n)
+        self.config = config or config_for(prog, self.m, self.n, _table_head_dim(prog, operands))
         t0 = time.perf_counter()
         mod = module.epilogue
         self.planned = Planned(mod, a, b.t(), self._c(operands), self._alloc(),

@@ -143,6 +143,27 @@ def test_pair_and_stateful_kernels(make, shape):
     _check_kernel(prog, m, k, n, seed=m + n)
 
 
+@pytest.mark.parametrize("variant", [(True, False, False), (False, True, False),
+                                     (True, False, True)], ids=["r", "bias", "passthrough"])
+@pytest.mark.parametrize("shape", [(4096, 2048, 3072), (8192, 512, 1088)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_table_rope_on_wide_tiles(variant, shape):
+    """Past the row classes a table of 64-wide heads runs on 192-wide tiles (three heads
+    a tile; quack_path.TABLE_WIDE_TILE_N), N = 1088 ending in a tile of two heads and a
+    half-empty one: against the reference and float64, on the config the launch took."""
+    from coda_rewrite.kernels import quack_path
+    from coda_rewrite.patterns.rope import rope_table_program
+    has_r, has_bias, passthrough = variant
+    prog = rope_table_program(has_r, has_bias, torch.bfloat16, passthrough=passthrough)
+    m, k, n = shape
+    assert quack_path.config_for(prog, m, n, head_dim=64).tile_n == 192
+    _check_kernel(prog, m, k, n, seed=m + n)
+    launches = [route for (key, _), route in ops._routes.items()
+                if key == prog.to_text() and not isinstance(route, str)]
+    assert any(launch.config.tile_n == 192 and launch.m == m and launch.n == n
+               for launch in launches), [(x.config, x.m, x.n) for x in launches]
+
+
 def _cuda_kernels(fn):
     from torch.profiler import ProfilerActivity, profile
     fn()
@@ -1413,20 +1434,27 @@ def test_attention_grad_layout_graphs_sharing_a_cache_entry_on_gpu(inductor):
 
 
 @pytest.mark.parametrize("shape", [(256, 512, 768), (333, 200, 640), (8, 4096, 1024),
-                                   (4096, 1024, 2048)], ids=lambda s: "x".join(map(str, s)))
+                                   (4096, 1024, 2048), (8192, 1024, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_norm_partials_handed_to_the_consumer_on_gpu(shape):
     """deferred_rstd.py on the kernels: the producer is one launch (no finaliser) and
     hands on its [M, T] partials; the consumer forms r from them (epi_ops.RstdOfPartials)
     and gives what it gave with the finaliser's r, to a bf16 rounding, no further from
-    float64."""
+    float64. Tagged as the pass tags it, the producer takes its family's tiles (from 4096
+    rows: 128 x 256 cooperative, quack_path.NORM_PRODUCER_LARGE)."""
     from coda_rewrite import deferred_rstd
+    from coda_rewrite.kernels import quack_path
     m, k, n = shape
     g = torch.Generator(device=DEV).manual_seed(7)
     a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g)
     w = torch.randn(384, n, device=DEV, dtype=torch.bfloat16, generator=g) * n ** -0.5
-    prog, consumer = residual_rmsnorm(), rowscale_bias()
+    prog = dataclasses.replace(residual_rmsnorm(), family=quack_path.NORM_PRODUCER_FAMILY)
+    consumer = rowscale_bias()
     producer, _, d, eps = deferred_rstd._row_scale(prog)
+    assert quack_path.config_for(producer, m, n) == quack_path.config_for(prog, m, n)
+    if m >= 4096:
+        assert not quack_path.config_for(producer, m, n).pingpong
     reader = deferred_rstd._reading_partials(consumer, ["r"], d, eps)
     operands = _operands(prog, m, n, 3)
     bias = _operands(consumer, m, 384, 4)[1]
