@@ -393,7 +393,8 @@ NORM_PRODUCER_LARGE = (4096, (128, 256, 2, 1, False))  # (widest N, tiles: tile_
 
 def config_for(prog: EpilogueProgram, m: int, n: int, head_dim: int | None = None):
     """The GemmConfig to launch ``prog`` with on an (m, n) output (None: QuACK's
-    default): the row class's (ROW_CLASSES). A cos/sin table wraps every head_dim
+    default): the row class's (ROW_CLASSES), past them a norm producer's own
+    (NORM_PRODUCER_LARGE). A cos/sin table wraps every head_dim
     columns, so table programs keep a tile width of 64 or TABLE_TILE_N (the contract
     checks head_dim against both), and past the row classes TABLE_WIDE_TILE_N where the
     launch's table has heads of ``head_dim`` = 64 (None: not known, as for AOT, whose
