@@ -165,9 +165,9 @@ def sweep(shape: str, rows_list, configs: dict) -> list:
             times = {"cuBLAS": bench(lambda: F.linear(a, b)),
                      "unfused": bench(lambda: ref(a, b, *operands))}
             errors = {}
+            head = quack_path._table_head_dim(prog, operands)
             for name, cfg in configs.items():
-                if cfg is not None and any(o.kind == Kind.COS_SIN for o in prog.operands) \
-                        and cfg.tile_n not in (64, 128):
+                if cfg is not None and head and cfg.tile_n % head and head % cfg.tile_n:
                     continue  # a table tile holds whole heads or a whole fraction of one
                 try:
                     launch = quack_path.prepare(*kernel, a, b, operands,
