@@ -193,15 +193,17 @@ def transposed_2d(node: Any) -> fx.Node | None:
         return None
     if transpose_property(node) is not None:
         return src
+    dims = node.args[1:]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):  # permute((1, 0))
+        dims = dims[0]
+    if not all(isinstance(d, int) for d in dims):  # a dim the graph computes: not read
+        return None
+    rest = [d % 2 for d in dims]
     if node.op == "call_method" and node.target in _TRANSPOSE_METHODS:
-        rest = [a % 2 if isinstance(a, int) else a for a in node.args[1:]]
-        if len(rest) == 1 and isinstance(rest[0], (tuple, list)):  # permute((1, 0))
-            rest = [a % 2 for a in rest[0]]
         if node.target == "t" or (node.target == "transpose" and sorted(rest) == [0, 1]) \
                 or (node.target == "permute" and rest == [1, 0]):
             return src
     if node.op == "call_function" and node.target in (torch.t, torch.transpose):
-        rest = [a % 2 for a in node.args[1:]]
         if node.target is torch.t or rest in ([0, 1], [1, 0]):
             return src
     return None

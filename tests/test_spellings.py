@@ -453,3 +453,28 @@ def test_tensor_properties_recorded_as_aten_ops_are_transposes_and_views():
     w = g.placeholder("w")
     fresh = g.call_function(aten.mul.Tensor, (w, w))                  # a new tensor
     assert fresh not in graph_utils.aliases({w})
+
+
+def test_a_transpose_whose_dims_the_graph_computes_is_not_read_as_one():
+    """canonical.transposed_2d reads a transpose's dims only where they are constants:
+    w.transpose(d, 1) with d a value of the graph (a placeholder here) is no transpose it
+    can prove, and the matcher says so instead of failing on the node; constant dims,
+    negative ones and permute's tuple form are still transposes."""
+    import torch.fx as fx
+
+    from coda_rewrite import canonical
+
+    g = fx.Graph()
+    w, d = g.placeholder("w"), g.placeholder("d")
+    w.meta["example_value"] = torch.empty(16, 8)
+    computed = g.call_method("transpose", (w, d, 1))
+    computed_fn = g.call_function(torch.transpose, (w, 0, d))
+    permuted = g.call_method("permute", (w, (d, 0)))
+    assert canonical.transposed_2d(computed) is None
+    assert canonical.transposed_2d(computed_fn) is None
+    assert canonical.transposed_2d(permuted) is None
+    for node in (g.call_method("transpose", (w, -1, 0)), g.call_method("permute", (w, (1, 0))),
+                 g.call_method("permute", (w, 1, 0)), g.call_function(torch.transpose, (w, 1, 0)),
+                 g.call_method("t", (w,)), g.call_function(torch.t, (w,))):
+        assert canonical.transposed_2d(node) is w, node
+    assert canonical.transposed_2d(g.call_method("permute", (w, (0, 1)))) is None
