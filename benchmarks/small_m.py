@@ -89,6 +89,9 @@ def candidates() -> dict:
     every["256x128 c2 coop"] = cfg(256, 128, 2, pingpong=False)
     every["128x256 c2 coop"] = cfg(128, 256, 2, pingpong=False)
     every["256x128 c1 coop"] = cfg(256, 128, 1, pingpong=False)
+    # the gated pair's GEMM at thousands of rows (its plain mainloop's best on the 8B
+    # gate/up, benchmarks/mainloop.py: 192 x 128 ping-pong, a cluster of two along N)
+    every["192x128 c1x2"] = cfg(192, 128, 1, 2)
     chosen = list(filter(None, os.environ.get("CODA_SMALL_M_CONFIGS", "").split(",")))
     return {k: every[k] for k in chosen} if chosen else every
 
