@@ -14,7 +14,15 @@ Seed 20261201 (200 examples) found, against the code of 2026-12-01 (b1de1fe), tw
 causal spellings the prover left as masks (slower attention, never a wrong one):
 ``k < q + 1`` (a strict comparison of integers: now read as k ≤ q,
 algebra/mask._nonstrict) and ``tril(ones(n, n, dtype=bool))`` (a boolean grid of ones
-was not modelled). test_found_causal_spellings keeps them."""
+was not modelled). test_found_causal_spellings keeps them.
+
+A session's probe of 2026-12-07 found a wrong result the generator could not make: one
+arange read along both dims (``i = arange(s); i[None, :] <= i[:, None]``, the common
+hand-written spelling) was one index symbol on two dims, so every comparison of q with k
+was ``x <= x``, true everywhere, and a sliding window ``(k <= q) & (q - k < 3)`` was
+"proved" causal: the window dropped, attention wrong by 0.4 (an anti-causal ``k >= q``
+would have been made causal too). Each dim's index is now its own symbol
+(algebra/mask.MaskInterpreter._aligned); ``index: "one"`` generates that spelling."""
 
 from __future__ import annotations
 
@@ -61,6 +69,9 @@ class Attention(nn.Module):
         c = self.case
         q = (torch.arange(s) + p)[:, None]
         k = torch.arange(s + p)[None, :]
+        if c.get("index") == "one" and not p:  # one arange read along both dims
+            i = torch.arange(s)
+            q, k = i[:, None], i[None, :]
         if c["positions"] is not None:  # transformers 5.25: positions gathered by index
             q, k = self.positions(s + p, given_positions, q, k)
         if c["tril"] == "float":  # a look-alike: tril of float ones is an additive 0/1
@@ -120,6 +131,7 @@ cases = st.fixed_dictionaries({
     "seq": st.sampled_from([1, 3, 6]),
     "positions": st.sampled_from([None, None, "arange", "scaled", "reversed", "shift",
                                   "input"]),
+    "index": st.sampled_from(["two", "one"]),
 })
 
 
@@ -165,14 +177,16 @@ def test_generated_masks_keep_eagers_attention(case):
 
 
 BASE = {"terms": ["k<=q"], "negate": set(), "join": "and", "tril": None, "additive": None,
-        "cache": False, "seq": 6, "positions": None}
+        "cache": False, "seq": 6, "positions": None, "index": "two"}
 
 
 @pytest.mark.parametrize("change", [{"terms": ["k<q+1"]}, {"tril": 0},
                                     {"tril": 0, "additive": "finfo.min"},
                                     {"terms": ["k<q+1"], "additive": "-inf"},
                                     {"positions": "arange"}, {"positions": "scaled"},
-                                    {"positions": "arange", "terms": ["k<q+1"]}])
+                                    {"positions": "arange", "terms": ["k<q+1"]},
+                                    {"index": "one"}, {"index": "one", "terms": ["q>=k"]},
+                                    {"index": "one", "terms": ["k<=q", "window s"]}])
 def test_found_causal_spellings(change):
     seen = []
     _run({**BASE, **change}, note=seen.append)
@@ -184,7 +198,10 @@ def test_found_causal_spellings(change):
                                     {"tril": 0, "cache": True}, {"terms": ["k<=q+1"]},
                                     {"positions": "reversed"}, {"positions": "shift"},
                                     {"positions": "input"},
-                                    {"positions": "arange", "cache": True}])
+                                    {"positions": "arange", "cache": True},
+                                    {"index": "one", "terms": ["q<=k"]},
+                                    {"index": "one", "terms": ["k<=q", "window 2"]},
+                                    {"index": "one", "terms": ["k<q"]}])
 def test_their_look_alikes_keep_the_mask(change):
     seen = []
     _run({**BASE, **change}, note=seen.append)

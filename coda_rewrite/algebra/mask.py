@@ -98,6 +98,38 @@ class MaskInterpreter:
         self.ranges[s] = n
         return s
 
+    def _aligned(self, *syms: Sym) -> list[Sym]:
+        """``syms`` as operands of one broadcasting op (dims aligned from the right), with
+        one index symbol per dim. A symbol stands for the index along the dim it sits on:
+        two symbols on one dim are the same index (two aranges of one length read along
+        the same dim), and one symbol on two dims is two independent indices (one arange
+        read along both, ``i[:, None] - i[None, :]``: q and k, not one; read as one,
+        ``i[None, :] <= i[:, None]`` was ``x <= x``, true everywhere, and a sliding
+        window's ``q - k < w`` was ``0 < w``). Later operands are renamed to agree with
+        earlier ones."""
+        width = max(len(a.dims) for a in syms)
+        on_dim: dict[int, sp.Symbol] = {}     # aligned dim -> its symbol
+        placed: dict[sp.Symbol, int] = {}     # symbol -> the aligned dim it indexes
+        out = []
+        for a in syms:
+            dims, renamed = list(a.dims), {}
+            for i, s in enumerate(dims):
+                at = i - len(dims) + width
+                if s is None or s not in self.ranges:
+                    continue
+                if at in on_dim and on_dim[at] != s:
+                    if self.ranges[on_dim[at]] != self.ranges[s]:
+                        raise NotAMask("two index ranges on one dim")
+                    renamed[s] = on_dim[at]
+                elif placed.get(s, at) != at:
+                    renamed[s] = self._index_symbol(self.ranges[s])
+                dims[i] = renamed.get(s, s)
+                on_dim.setdefault(at, dims[i])
+                placed.setdefault(dims[i], at)
+            out.append(Sym(a.expr.subs(renamed, simultaneous=True), tuple(dims), a.additive)
+                       if renamed else a)
+        return out
+
     def _int(self, a):
         """An int, or the symbol of a size dynamo made dynamic (a SymInt node)."""
         if isinstance(a, fx.Node):
@@ -210,7 +242,7 @@ class MaskInterpreter:
             raise NotAMask(f"{describe(n)} selects between {a!r} and {b!r}, not 0 and a "
                            "masking value", "mask.fill_value")
         if name == "masked_fill":
-            a, c = self.value(args[0]), self.value(args[1])
+            a, c = self._aligned(self.value(args[0]), self.value(args[1]))
             masking = self._fill(n, args[2] if len(args) > 2 else kw.get("value"))
             expr = sp.And(a.expr, sp.Not(c.expr)) if masking else sp.Or(a.expr, c.expr)
             return Sym(expr, _merge(a.dims, c.dims), a.additive)
@@ -248,17 +280,17 @@ class MaskInterpreter:
             return Sym(sp.true if key == "new_ones" else sp.false,
                        (None,) * (m.dim() if m is not None else 0))
         if key in _COMPARE and len(args) == 2:
-            a, b = self.value(args[0]), self.value(args[1])
+            a, b = self._aligned(self.value(args[0]), self.value(args[1]))
             return Sym(_COMPARE[key](a.expr, b.expr), _merge(a.dims, b.dims))
         if key in _ARITH and len(args) == 2 and not kw:
-            a, b = self.value(args[0]), self.value(args[1])
+            a, b = self._aligned(self.value(args[0]), self.value(args[1]))
             if a.additive or b.additive:  # −inf + x = −inf: a sum allows where both do
                 if not (a.additive and b.additive) or _ARITH[key] is not operator.add:
                     raise NotAMask(f"{describe(n)} mixes an additive mask with numbers")
                 return Sym(sp.And(a.expr, b.expr), _merge(a.dims, b.dims), True)
             return Sym(_ARITH[key](a.expr, b.expr), _merge(a.dims, b.dims))
         if key in _LOGIC and len(args) == 2:
-            a, b = self.value(args[0]), self.value(args[1])
+            a, b = self._aligned(self.value(args[0]), self.value(args[1]))
             return Sym(_LOGIC[key](a.expr, b.expr), _merge(a.dims, b.dims))
         if key in _NOT and len(args) == 1:
             a = self.value(args[0])
@@ -301,7 +333,7 @@ class MaskInterpreter:
             out += dims[pos:]
             return Sym(a.expr, tuple(out), a.additive)
         if all(isinstance(i, fx.Node) for i in idx) and isinstance(src, fx.Node):
-            vals = [self.value(i) for i in idx]
+            vals = self._aligned(*(self.value(i) for i in idx))
             dims: tuple = ()
             for v in vals:
                 dims = _merge(dims, v.dims)
