@@ -486,6 +486,9 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
         return Rejection("the mask does not vary along both query and key positions",
                          describe(mask), code="mask.not_2d")
     qs, ks = m.dims[-2], m.dims[-1]
+    if qs == ks:  # one index on both dims (_aligned keeps them apart): nothing to prove
+        return Rejection("the mask's query and key positions are one index",
+                         describe(mask), code="mask.unmodelled")
     # a batch or head index the formula does not read leaves every batch's mask equal
     if any(d is not None and d in m.expr.free_symbols for d in m.dims[:-2]):
         return Rejection("the mask depends on the batch or head (a padding mask): kept",
