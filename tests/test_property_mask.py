@@ -22,7 +22,8 @@ hand-written spelling) was one index symbol on two dims, so every comparison of 
 was ``x <= x``, true everywhere, and a sliding window ``(k <= q) & (q - k < 3)`` was
 "proved" causal: the window dropped, attention wrong by 0.4 (an anti-causal ``k >= q``
 would have been made causal too). Each dim's index is now its own symbol
-(algebra/mask.MaskInterpreter._aligned); ``index: "one"`` generates that spelling."""
+(algebra/mask.MaskInterpreter._aligned); ``index`` "one", "unsqueeze" and "expand"
+generate that spelling three ways."""
 
 from __future__ import annotations
 
@@ -69,9 +70,12 @@ class Attention(nn.Module):
         c = self.case
         q = (torch.arange(s) + p)[:, None]
         k = torch.arange(s + p)[None, :]
-        if c.get("index") == "one" and not p:  # one arange read along both dims
+        if c.get("index", "two") != "two" and not p:  # one arange read along both dims
             i = torch.arange(s)
-            q, k = i[:, None], i[None, :]
+            q, k = {"one": lambda: (i[:, None], i[None, :]),
+                    "unsqueeze": lambda: (i.unsqueeze(1), i.unsqueeze(0)),
+                    "expand": lambda: (i[:, None].expand(s, s), i[None, :].expand(s, s)),
+                    }[c["index"]]()
         if c["positions"] is not None:  # transformers 5.25: positions gathered by index
             q, k = self.positions(s + p, given_positions, q, k)
         if c["tril"] == "float":  # a look-alike: tril of float ones is an additive 0/1
@@ -131,7 +135,7 @@ cases = st.fixed_dictionaries({
     "seq": st.sampled_from([1, 3, 6]),
     "positions": st.sampled_from([None, None, "arange", "scaled", "reversed", "shift",
                                   "input"]),
-    "index": st.sampled_from(["two", "one"]),
+    "index": st.sampled_from(["two", "one", "unsqueeze", "expand"]),
 })
 
 
@@ -186,7 +190,8 @@ BASE = {"terms": ["k<=q"], "negate": set(), "join": "and", "tril": None, "additi
                                     {"positions": "arange"}, {"positions": "scaled"},
                                     {"positions": "arange", "terms": ["k<q+1"]},
                                     {"index": "one"}, {"index": "one", "terms": ["q>=k"]},
-                                    {"index": "one", "terms": ["k<=q", "window s"]}])
+                                    {"index": "one", "terms": ["k<=q", "window s"]},
+                                    {"index": "unsqueeze"}, {"index": "expand"}])
 def test_found_causal_spellings(change):
     seen = []
     _run({**BASE, **change}, note=seen.append)
@@ -201,7 +206,9 @@ def test_found_causal_spellings(change):
                                     {"positions": "arange", "cache": True},
                                     {"index": "one", "terms": ["q<=k"]},
                                     {"index": "one", "terms": ["k<=q", "window 2"]},
-                                    {"index": "one", "terms": ["k<q"]}])
+                                    {"index": "one", "terms": ["k<q"]},
+                                    {"index": "unsqueeze", "terms": ["k<=q", "window 2"]},
+                                    {"index": "expand", "terms": ["k<=q", "window 2"]}])
 def test_their_look_alikes_keep_the_mask(change):
     seen = []
     _run({**BASE, **change}, note=seen.append)
