@@ -22,7 +22,7 @@ hand-written spelling) was one index symbol on two dims, so every comparison of 
 was ``x <= x``, true everywhere, and a sliding window ``(k <= q) & (q - k < 3)`` was
 "proved" causal: the window dropped, attention wrong by 0.4 (an anti-causal ``k >= q``
 would have been made causal too). Each dim's index is now its own symbol
-(algebra/mask.MaskInterpreter._aligned); ``index`` "one", "unsqueeze" and "expand"
+(algebra/mask.MaskInterpreter._broadcast); ``index`` "one", "unsqueeze" and "expand"
 generate that spelling three ways."""
 
 from __future__ import annotations

@@ -75,17 +75,6 @@ def _size(s):
     return int(s)
 
 
-def _merge(a: tuple, b: tuple) -> tuple:
-    n = max(len(a), len(b))
-    a, b = (None,) * (n - len(a)) + a, (None,) * (n - len(b)) + b
-    out = []
-    for x, y in zip(a, b):
-        if x is not None and y is not None and x != y:
-            raise NotAMask("two index symbols on one dim")
-        out.append(x if x is not None else y)
-    return tuple(out)
-
-
 class MaskInterpreter:
     def __init__(self):
         self.cache: dict[fx.Node, Sym] = {}
@@ -98,15 +87,15 @@ class MaskInterpreter:
         self.ranges[s] = n
         return s
 
-    def _aligned(self, *syms: Sym) -> list[Sym]:
-        """``syms`` as operands of one broadcasting op (dims aligned from the right), with
-        one index symbol per dim. A symbol stands for the index along the dim it sits on:
-        two symbols on one dim are the same index (two aranges of one length read along
-        the same dim), and one symbol on two dims is two independent indices (one arange
-        read along both, ``i[:, None] - i[None, :]``: q and k, not one; read as one,
-        ``i[None, :] <= i[:, None]`` was ``x <= x``, true everywhere, and a sliding
-        window's ``q - k < w`` was ``0 < w``). Later operands are renamed to agree with
-        earlier ones."""
+    def _broadcast(self, *syms: Sym) -> tuple[list[Sym], tuple]:
+        """``syms`` as operands of one broadcasting op (dims aligned from the right), and
+        the result's dims: one index symbol per dim. A symbol stands for the index along
+        the dim it sits on: two symbols on one dim are the same index (two aranges of one
+        length read along the same dim), and one symbol on two dims is two independent
+        indices (one arange read along both, ``i[:, None] - i[None, :]``: q and k, not
+        one; read as one, ``i[None, :] <= i[:, None]`` was ``x <= x``, true everywhere,
+        and a sliding window's ``q - k < w`` was ``0 < w``). Later operands are renamed
+        to agree with earlier ones."""
         width = max(len(a.dims) for a in syms)
         on_dim: dict[int, sp.Symbol] = {}     # aligned dim -> its symbol
         placed: dict[sp.Symbol, int] = {}     # symbol -> the aligned dim it indexes
@@ -115,7 +104,7 @@ class MaskInterpreter:
             dims, renamed = list(a.dims), {}
             for i, s in enumerate(dims):
                 at = i - len(dims) + width
-                if s is None or s not in self.ranges:
+                if s is None:
                     continue
                 if at in on_dim and on_dim[at] != s:
                     if self.ranges[on_dim[at]] != self.ranges[s]:
@@ -128,7 +117,7 @@ class MaskInterpreter:
                 placed.setdefault(dims[i], at)
             out.append(Sym(a.expr.subs(renamed, simultaneous=True), tuple(dims), a.additive)
                        if renamed else a)
-        return out
+        return out, tuple(on_dim.get(d) for d in range(width))
 
     def _int(self, a):
         """An int, or the symbol of a size dynamo made dynamic (a SymInt node)."""
@@ -242,10 +231,10 @@ class MaskInterpreter:
             raise NotAMask(f"{describe(n)} selects between {a!r} and {b!r}, not 0 and a "
                            "masking value", "mask.fill_value")
         if name == "masked_fill":
-            a, c = self._aligned(self.value(args[0]), self.value(args[1]))
+            (a, c), dims = self._broadcast(self.value(args[0]), self.value(args[1]))
             masking = self._fill(n, args[2] if len(args) > 2 else kw.get("value"))
             expr = sp.And(a.expr, sp.Not(c.expr)) if masking else sp.Or(a.expr, c.expr)
-            return Sym(expr, _merge(a.dims, c.dims), a.additive)
+            return Sym(expr, dims, a.additive)
         if n.op == "call_function" and t in (torch.hstack, torch.cat, torch.concat):
             parts = args[0]
             dim = (args[1] if len(args) > 1 else kw.get("dim", 0)) if t is not torch.hstack \
@@ -280,18 +269,18 @@ class MaskInterpreter:
             return Sym(sp.true if key == "new_ones" else sp.false,
                        (None,) * (m.dim() if m is not None else 0))
         if key in _COMPARE and len(args) == 2:
-            a, b = self._aligned(self.value(args[0]), self.value(args[1]))
-            return Sym(_COMPARE[key](a.expr, b.expr), _merge(a.dims, b.dims))
+            (a, b), dims = self._broadcast(self.value(args[0]), self.value(args[1]))
+            return Sym(_COMPARE[key](a.expr, b.expr), dims)
         if key in _ARITH and len(args) == 2 and not kw:
-            a, b = self._aligned(self.value(args[0]), self.value(args[1]))
+            (a, b), dims = self._broadcast(self.value(args[0]), self.value(args[1]))
             if a.additive or b.additive:  # −inf + x = −inf: a sum allows where both do
                 if not (a.additive and b.additive) or _ARITH[key] is not operator.add:
                     raise NotAMask(f"{describe(n)} mixes an additive mask with numbers")
-                return Sym(sp.And(a.expr, b.expr), _merge(a.dims, b.dims), True)
-            return Sym(_ARITH[key](a.expr, b.expr), _merge(a.dims, b.dims))
+                return Sym(sp.And(a.expr, b.expr), dims, True)
+            return Sym(_ARITH[key](a.expr, b.expr), dims)
         if key in _LOGIC and len(args) == 2:
-            a, b = self._aligned(self.value(args[0]), self.value(args[1]))
-            return Sym(_LOGIC[key](a.expr, b.expr), _merge(a.dims, b.dims))
+            (a, b), dims = self._broadcast(self.value(args[0]), self.value(args[1]))
+            return Sym(_LOGIC[key](a.expr, b.expr), dims)
         if key in _NOT and len(args) == 1:
             a = self.value(args[0])
             return Sym(sp.Not(a.expr), a.dims)
@@ -333,10 +322,7 @@ class MaskInterpreter:
             out += dims[pos:]
             return Sym(a.expr, tuple(out), a.additive)
         if all(isinstance(i, fx.Node) for i in idx) and isinstance(src, fx.Node):
-            vals = self._aligned(*(self.value(i) for i in idx))
-            dims: tuple = ()
-            for v in vals:
-                dims = _merge(dims, v.dims)
+            vals, dims = self._broadcast(*(self.value(i) for i in idx))
             gathered = self._gathered(src, idx, vals)
             if gathered is not None:
                 # a gather from a value this interpretation models (transformers 5.25's
@@ -486,7 +472,7 @@ def prove_causal(mask: fx.Node, q_len, kv_len) -> Proof | Rejection:
         return Rejection("the mask does not vary along both query and key positions",
                          describe(mask), code="mask.not_2d")
     qs, ks = m.dims[-2], m.dims[-1]
-    if qs == ks:  # one index on both dims (_aligned keeps them apart): nothing to prove
+    if qs == ks:  # one index on both dims (_broadcast keeps them apart): nothing to prove
         return Rejection("the mask's query and key positions are one index",
                          describe(mask), code="mask.unmodelled")
     # a batch or head index the formula does not read leaves every batch's mask equal
