@@ -220,6 +220,37 @@ def _rowscale(bias: bool):
     return p.build()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_traced_backward_puts_the_row_scale_on_dy_outside_float16(bias, dtype):
+    """The rowscale rule traced for Inductor (fake tensors) feeds the saved activation
+    straight to the weight-gradient GEMM and scales dy instead (the scale then rides in
+    dy's own kernel: no r ⊙ a pass over the activation); float16 keeps r on a (its range,
+    kernels/backward/common.wgrad). Either way the gradients stay at the eager rule's
+    distance from float64."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from coda_rewrite.kernels import backward
+    prog = _rowscale(bias)
+    m, n, k = 64, 48, 32
+    a, b, dy = gen(m, k, seed=1), gen(n, k, seed=2), gen(m, n, seed=3)
+    r = gen(m, seed=4).abs() * 40 + 0.5                  # 1/rms: large, as in a model
+    operands = [r] + ([gen(n, seed=5)] if bias else [])
+    want = backward._general_vjp(prog, a, b, operands, [None], [dy])
+
+    def rule(a, b, dy, *operands):
+        g_a, g_b, g_ops = backward.vjp(prog, a, b, list(operands), [None], [dy])
+        return (g_a, g_b, *g_ops)
+    low = [t.to(dtype) for t in (a, b, dy, *operands)]
+    traced = make_fx(rule, tracing_mode="fake")(*low)
+    a_node = next(iter(traced.graph.find_nodes(op="placeholder")))
+    reads_a = [u.target for u in a_node.users]
+    assert (torch.ops.aten.mm.default in reads_a) == (dtype == torch.bfloat16), reads_a
+    eager = rule(*low)
+    for got, plain, ref in zip(traced(*low), eager, [want[0], want[1], *want[2]]):
+        bound = 2 * (plain.double() - ref).norm() / ref.norm() + 1e-3
+        assert (got.double() - ref).norm() / ref.norm() <= bound
+
+
 def _rmsnorm_rowwise(eps_operand: bool):
     p = ProgramBuilder("rmsnorm_rowscale", gemm=False, family="residual_rmsnorm")
     x = p.operand("x", Kind.TILE)

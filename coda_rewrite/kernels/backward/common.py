@@ -77,12 +77,14 @@ def wgrad(d: torch.Tensor, a: torch.Tensor, r: torch.Tensor | None = None
     """dᵀ·a, the weight's gradient, or dᵀ·(r ⊙ a) under a row scale r (float32/64,
     [M, 1]); in the operands' dtype; None where the weight is frozen.
 
-    r goes on the activation, never on d: r ⊙ a is the normalised row eager's own weight
-    gradient reads (of order one), while d is at the loss scale and r can be large (1/rms
-    of a residual stream: about 50 at initialisation), so r ⊙ d can leave float16's range
-    where eager's GEMM operands stay inside it (a float16 step under a loss scale of 2¹⁶
-    gave infinite gradients that way). It is also the narrower of the two in every
-    consumer of a norm (K ≤ N: q/k/v, gate/up, the LM head)."""
+    Given r, it goes on the activation, not on d: r ⊙ a is the normalised row eager's
+    own weight gradient reads (of order one), while d is at the loss scale and r can be
+    large (1/rms of a residual stream: about 50 at initialisation), so r ⊙ d can leave
+    float16's range where eager's GEMM operands stay inside it (a float16 step under a
+    loss scale of 2¹⁶ gave infinite gradients that way). It is also the narrower of the
+    two in every consumer of a norm (K ≤ N: q/k/v, gate/up, the LM head). The one
+    exception is through_scaled_acc's: a traced backward outside float16, where r ⊙ d
+    rides in the kernel that forms d and costs nothing."""
     if not _WANT_WEIGHT_GRAD.get():
         return None
     if r is not None:
@@ -97,21 +99,45 @@ def gemm_grads(d_acc: torch.Tensor, a, b):
     return d @ b, wgrad(d, a)
 
 
-def through_scaled_acc(prog, a, b, operands, dy):
+def _traced(t: torch.Tensor) -> bool:
+    """Whether AOTAutograd is tracing this backward (a fake or functional tensor), for
+    Inductor to compile: codegen/layouts.real's negation, imported late (codegen imports
+    the kernels)."""
+    from ...codegen import layouts
+    return not layouts.real([t])
+
+
+def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
     """Gradients of y = r ⊙ acc (+ bias) given dy (float32/64, or 16-bit where a backward
     GEMM's epilogue formed it): the rowscale rule
     (no acc needed: dr is a row dot with the GEMM dy·b the backward computes anyway).
-    Operands other than r and bias get no gradient."""
+    Operands other than r and bias get no gradient.
+
+    Where r goes: on dy (dy_r = r ⊙ dy feeds both GEMMs: grad_a = dy_r·b, grad_b =
+    dy_rᵀ·a, dr = Σ_k grad_a·a / r) when the backward is traced, dy comes out of a kernel
+    Inductor writes (``dy_fusable``: not an opaque op's output) and the dtype is not
+    float16: the scale then rides in the kernel that forms dy, where r ⊙ a (wgrad's other
+    placement) is a pass of its own over the activation, one per norm and step (0.69 ms
+    of the 1B step on an H100, BENCHMARKS.md forty-seventh session). Otherwise on a, as
+    ``wgrad`` explains (float16's range; an eager backward, where r ⊙ dy would be a pass
+    over the wider side)."""
     by_name = dict(zip((o.name for o in prog.operands), operands))
     grads_by_name = {}
     if "bias" in by_name:  # dy may be 16-bit (formed in a GEMM's epilogue): sum wide
         grads_by_name["bias"] = dy.sum(0, dtype=up(dy).dtype).to(by_name["bias"].dtype)
     if "r" in by_name:
         r = up(by_name["r"])[:, None]
-        g = up(dy.to(b.dtype) @ b)                        # G = dy·b
-        grad_a = (g * r).to(a.dtype)
-        grad_b = wgrad(dy, a, r)
-        grads_by_name["r"] = (g * up(a)).sum(-1).to(by_name["r"].dtype)
+        if dy_fusable and a.dtype != torch.float16 and _traced(dy):
+            dy_r = (up(dy) * r).to(b.dtype)               # in dy's own kernel
+            grad_a = dy_r @ b                              # r ⊙ (dy·b)
+            grad_b = wgrad(dy_r, a)
+            grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / r[:, 0]).to(
+                by_name["r"].dtype)
+        else:
+            g = up(dy.to(b.dtype) @ b)                    # G = dy·b
+            grad_a = (g * r).to(a.dtype)
+            grad_b = wgrad(dy, a, r)
+            grads_by_name["r"] = (g * up(a)).sum(-1).to(by_name["r"].dtype)
     else:
         grad_a, grad_b = gemm_grads(dy, a, b)
     return grad_a, grad_b, [grads_by_name.get(o.name) for o in prog.operands]

@@ -34,7 +34,9 @@ def _gated_vjp(prog, a, b, operands, outputs, grads):
         dp = dp_direct if dp is None else dp + up(dp_direct)
     if dp is None:
         return None, None, [None] * len(operands)
-    return through_scaled_acc(prog, a, b, operands, dp)
+    # dp_direct alone is coda::dgated's output (opaque to Inductor): r ⊙ dp would be a
+    # pass of its own over [M, 2I], wider than a
+    return through_scaled_acc(prog, a, b, operands, dp, dy_fusable=dy is not None)
 
 
 RULE = Rule(shaped(_gated_parts), _gated_vjp, lambda prog: ([1], set()))
