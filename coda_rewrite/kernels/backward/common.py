@@ -114,12 +114,13 @@ def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
     Operands other than r and bias get no gradient.
 
     Where r goes: on dy (dy_r = r ⊙ dy feeds both GEMMs: grad_a = dy_r·b, grad_b =
-    dy_rᵀ·a, dr = Σ_k grad_a·a / r) when the backward is traced, dy comes out of a kernel
-    Inductor writes (``dy_fusable``: not an opaque op's output) and the dtype is not
-    float16: the scale then rides in the kernel that forms dy, where r ⊙ a (wgrad's other
-    placement) is a pass of its own over the activation, one per norm and step (0.69 ms
-    of the 1B step on an H100, BENCHMARKS.md forty-seventh session). Otherwise on a, as
-    ``wgrad`` explains (float16's range; an eager backward, where r ⊙ dy would be a pass
+    dy_rᵀ·a, dr = Σ_k grad_a·a / r; 0 on a row whose r is 0, where only r³·dr is read)
+    when the backward is traced, dy comes out of a kernel Inductor writes
+    (``dy_fusable``: not an opaque op's output) and the dtype is not float16: the scale
+    then rides in the kernel that forms dy, where r ⊙ a (wgrad's other placement) is a
+    pass of its own over the activation, one per norm and step (0.69 ms of the 1B step
+    on an H100, BENCHMARKS.md forty-seventh session). Otherwise on a, as ``wgrad``
+    explains (float16's range; an eager backward, where r ⊙ dy would be a pass
     over the wider side)."""
     by_name = dict(zip((o.name for o in prog.operands), operands))
     grads_by_name = {}
@@ -131,7 +132,9 @@ def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
             dy_r = (up(dy) * r).to(b.dtype)               # in dy's own kernel
             grad_a = dy_r @ b                              # r ⊙ (dy·b)
             grad_b = wgrad(dy_r, a)
-            grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / r[:, 0]).to(
+            # a row with r = 0 (z² overflowed) has grad_a = 0 exactly: 0, not 0/0
+            nonzero = torch.where(r[:, 0] == 0, torch.ones_like(r[:, 0]), r[:, 0])
+            grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / nonzero).to(
                 by_name["r"].dtype)
         else:
             g = up(dy.to(b.dtype) @ b)                    # G = dy·b
