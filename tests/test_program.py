@@ -259,6 +259,36 @@ def test_a_traced_backward_puts_the_row_scale_on_dy_outside_float16(bias, dtype)
         assert (got.double() - ref).norm() / ref.norm() <= bound
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_the_gated_rule_scales_dy_only_where_inductor_forms_it(direct):
+    """The gated family's rule in a traced bf16 backward: dp formed from y's gradient in
+    the graph (Inductor's kernel) takes r on dp; dp handed over whole by the down
+    projection's fused dgrad (coda::dgated, opaque: r ⊙ dp would be a pass of its own
+    over [M, 2I]) keeps r on the activation."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from coda_rewrite.kernels import backward
+    from coda_rewrite.patterns.gated_mlp import gated_program
+    prog = gated_program("swiglu", True, False, torch.bfloat16, keep_preact=True)
+    m, i, k = 32, 24, 16
+    a, b = gen(m, k, seed=1), gen(2 * i, k, seed=2)
+    r = gen(m, seed=4).abs() * 40 + 0.5
+    p = (a @ b.T) * r[:, None]
+    dy, dp = gen(m, i, seed=3), gen(m, 2 * i, seed=5)
+    grads = [None, dp] if direct else [dy, None]
+    want = backward._general_vjp(prog, a, b, [r], [None, p], grads)
+
+    def rule(a, b, r, p, g):
+        g_a, g_b, (g_r,) = backward.vjp(prog, a, b, [r], [None, p],
+                                        [None, g] if direct else [g, None])
+        return g_a, g_b, g_r
+    low = [t.to(torch.bfloat16) for t in (a, b, r, p, dp if direct else dy)]
+    traced = make_fx(rule, tracing_mode="fake")(*low)
+    a_node = next(iter(traced.graph.find_nodes(op="placeholder")))
+    assert (torch.ops.aten.mm.default in [u.target for u in a_node.users]) != direct
+    for got, ref in zip(traced(*low), [want[0], want[1], want[2][0]]):
+        assert (got.double() - ref).norm() / ref.norm() <= 3e-2
+
+
 def _rmsnorm_rowwise(eps_operand: bool):
     p = ProgramBuilder("rmsnorm_rowscale", gemm=False, family="residual_rmsnorm")
     x = p.operand("x", Kind.TILE)
