@@ -130,8 +130,8 @@ def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
         r = up(by_name["r"])[:, None]
         if dy_fusable and a.dtype != torch.float16 and _traced(dy):
             dy_r = (up(dy) * r).to(b.dtype)               # in dy's own kernel
-            grad_a = dy_r @ b                              # r ⊙ (dy·b)
-            grad_b = wgrad(dy_r, a)
+            grad_a = (dy_r @ b).to(a.dtype)                # r ⊙ (dy·b)
+            grad_b = wgrad(dy_r.to(a.dtype), a)
             # a row with r = 0 (z² overflowed) has grad_a = 0 exactly: 0, not 0/0
             nonzero = torch.where(r[:, 0] == 0, torch.ones_like(r[:, 0]), r[:, 0])
             grads_by_name["r"] = ((up(grad_a) * up(a)).sum(-1) / nonzero).to(
