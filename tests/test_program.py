@@ -246,17 +246,23 @@ def test_a_traced_backward_puts_the_row_scale_on_dy_outside_float16(bias, dtype)
     a_node = next(iter(traced.graph.find_nodes(op="placeholder")))
     reads_a = [u.target for u in a_node.users]
     assert (torch.ops.aten.mm.default in reads_a) == (dtype == torch.bfloat16), reads_a
-    eager = list(rule(*low))
-    got_all, want_all = list(traced(*low)), [want[0], want[1], *want[2]]
-    # r on dy: dr on the r = 0 row is 0 (its one reader, the norm's rule, multiplies it
-    # by r³ = 0), where dividing by r would give 0/0; the row's other gradients are exact
-    keep = torch.arange(m) != 3 if dtype == torch.bfloat16 else torch.arange(m) >= 0
-    assert (got_all[2][3] == 0) == (dtype == torch.bfloat16)
-    got_all[2], eager[2], want_all[2] = got_all[2][keep], eager[2][keep], want_all[2][keep]
-    for got, plain, ref in zip(got_all, eager, want_all):
-        assert got.isfinite().all()
-        bound = 2 * (plain.double() - ref).norm() / ref.norm() + 1e-3
-        assert (got.double() - ref).norm() / ref.norm() <= bound
+    got, eager, want = list(traced(*low)), list(rule(*low)), [want[0], want[1], *want[2]]
+    if dtype == torch.bfloat16:
+        # r on dy: dr on the r = 0 row is 0 (its one reader, the norm's rule, multiplies
+        # it by r³ = 0), where dividing by r would give 0/0; the other rows are compared
+        assert got[2][3] == 0
+        got[2], eager[2], want[2] = (t[torch.arange(m) != 3] for t in (got[2], eager[2],
+                                                                         want[2]))
+    _assert_near_the_eager_rule(got, eager, want)
+
+
+def _assert_near_the_eager_rule(got, eager, want):
+    """Each traced gradient finite and within 1.5x the eager rule's error against
+    float64 (bf16 rounding in other places: 0.8–1.3x measured)."""
+    for g, e, w in zip(got, eager, want):
+        assert g.isfinite().all()
+        mine, eagers = ((t.double() - w).norm() / w.norm() for t in (g, e))
+        assert mine <= 1.5 * eagers, (mine, eagers)
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -285,8 +291,7 @@ def test_the_gated_rule_scales_dy_only_where_inductor_forms_it(direct):
     traced = make_fx(rule, tracing_mode="fake")(*low)
     a_node = next(iter(traced.graph.find_nodes(op="placeholder")))
     assert (torch.ops.aten.mm.default in [u.target for u in a_node.users]) != direct
-    for got, ref in zip(traced(*low), [want[0], want[1], want[2][0]]):
-        assert (got.double() - ref).norm() / ref.norm() <= 3e-2
+    _assert_near_the_eager_rule(traced(*low), rule(*low), [want[0], want[1], want[2][0]])
 
 
 def _rmsnorm_rowwise(eps_operand: bool):

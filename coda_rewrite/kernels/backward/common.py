@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ...codegen import layouts
 from ...codegen.program import EpilogueProgram
 
 
@@ -99,14 +100,6 @@ def gemm_grads(d_acc: torch.Tensor, a, b):
     return d @ b, wgrad(d, a)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Whether AOTAutograd is tracing this backward (a fake or functional tensor), for
-    Inductor to compile: codegen/layouts.real's negation, imported late (codegen imports
-    the kernels)."""
-    from ...codegen import layouts
-    return not layouts.real([t])
-
-
 def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
     """Gradients of y = r ⊙ acc (+ bias) given dy (float32/64, or 16-bit where a backward
     GEMM's epilogue formed it): the rowscale rule
@@ -128,7 +121,7 @@ def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
         grads_by_name["bias"] = dy.sum(0, dtype=up(dy).dtype).to(by_name["bias"].dtype)
     if "r" in by_name:
         r = up(by_name["r"])[:, None]
-        if dy_fusable and a.dtype != torch.float16 and _traced(dy):
+        if dy_fusable and a.dtype != torch.float16 and not layouts.real([dy]):
             dy_r = (up(dy) * r).to(b.dtype)               # in dy's own kernel
             grad_a = (dy_r @ b).to(a.dtype)                # r ⊙ (dy·b)
             grad_b = wgrad(dy_r.to(a.dtype), a)
