@@ -99,6 +99,7 @@ def step():
     rounds of $CODA_STEP_STEPS steps, default 3 × 3): median ms/step with the spread
     between rounds and, for each variant, the first variant's speed over its own paired
     by round (median and range); then each variant's peak memory, kernel split and what it fused.
+    Each step starts from no .grad ($CODA_STEP_ACCUMULATE=1: adds to the kept one).
     Shape: $CODA_STEP_SHAPE, batch x tokens (default 2x4096; CODA's own benchmark shape is
     4x8192). Liger patches the model's modules, so it runs after the rounds, alone."""
     import statistics
@@ -173,12 +174,24 @@ def step():
     compiled, first, losses, fused = {}, {}, {}, {}
     times = collections.defaultdict(list)
 
+    # a step starts from no .grad (zero_grad(set_to_none=True), as TorchTitan's and the
+    # HF Trainer's loops do without accumulation), or, with CODA_STEP_ACCUMULATE=1, adds
+    # to the round's kept .grad (gradient accumulation: every step after the first runs
+    # AccumulateGrad's add)
+    accumulate = os.environ.get("CODA_STEP_ACCUMULATE") == "1"
+
+    def one_step(m):
+        loss = run(m)
+        if not accumulate:
+            m.zero_grad(set_to_none=True)
+        return loss
+
     def timed(name):
         m = compiled[name]
         torch.cuda.synchronize()
         t0 = time.time()
         for _ in range(per_round):
-            run(m)
+            one_step(m)
         torch.cuda.synchronize()
         m.zero_grad(set_to_none=True)
         times[name].append((time.time() - t0) / per_round * 1e3)
@@ -205,11 +218,12 @@ def step():
 
     def report(name):
         m = compiled[name]
-        mem = peak_mib(lambda: run(m))
-        split = kernel_split(lambda: run(m))
+        mem = peak_mib(lambda: one_step(m))
+        split = kernel_split(lambda: one_step(m))
         if os.environ.get("CODA_BENCH_TOP"):  # the kernels behind the split, per variant
             top = max(15, int(os.environ["CODA_BENCH_TOP"]))
-            print(f"step {name}: top kernels\n{kernel_top(lambda: run(m), top)}", flush=True)
+            print(f"step {name}: top kernels\n{kernel_top(lambda: one_step(m), top)}",
+                  flush=True)
         m.zero_grad(set_to_none=True)
         ts = times[name]
         ms = statistics.median(ts)

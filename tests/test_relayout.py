@@ -271,6 +271,31 @@ def test_training_keeps_no_copy_of_the_relaid_weights(via):
     grads_match(model, ref)
 
 
+@pytest.mark.parametrize("family,via", [("llama", "optimize"), ("phi3", "optimize"),
+                                        pytest.param("llama", "backend",
+                                                     marks=pytest.mark.inductor)])
+def test_source_gradients_arrive_in_the_parameters_layout(family, via):
+    """The re-layout's backward hands AccumulateGrad each source's gradient with the
+    parameter's strides (interleave_rows' de-interleave is every other row of one
+    [2I, K] gradient: as views, each accumulation step would copy or add it with a
+    strided kernel); over two accumulated steps the gradients match eager's."""
+    model = build(family, layers=1).train()
+    ref = copy.deepcopy(model)
+    fast, report = rewritten(model, via)
+    strided = []
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name, p=p: strided.append(name)
+                        if g.stride() != p.stride() else None)
+    for _ in range(2):  # the second step adds to the kept .grad
+        ids = tokens()
+        loss_of(fast, family, ids).backward()
+        loss_of(ref, family, ids).backward()
+    assert not strided, strided
+    grads_match(model, ref)
+    assert any(r.pattern == "gated_mlp" and r.status == "rewritten"
+               for g in report.graphs for r in g.records)
+
+
 def test_the_training_op_has_its_gradient_only_through_its_function():
     """coda::gemm_relaid_recomputed has no autograd formula: called where a gradient can
     be recorded it refuses (never a silently missing gradient), the fake too (at trace

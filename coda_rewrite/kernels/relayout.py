@@ -235,8 +235,22 @@ def _backward_recomputed(ctx, grads):
     if grad_b is not None and want:
         got = iter(torch.autograd.grad(relaid, want, grad_b.to(relaid.dtype),
                                        allow_unused=True))
-        grad_src = [next(got) if s.requires_grad else None for s in src]
+        grad_src = [in_source_layout(next(got), s) if s.requires_grad else None
+                    for s in src]
     return None, grad_a, None, None, grad_src, grad_ops
+
+
+def in_source_layout(grad: torch.Tensor | None, source: torch.Tensor):
+    """A source's gradient with the source's strides. The re-layout's own backward hands
+    views of grad_b (interleave_rows' de-interleave: every other row of [2I, K]), and
+    AccumulateGrad, which wants a parameter's layout, then copies each (a zeroed
+    .grad) or adds it to the kept one with ATen's strided, non-vectorised kernel
+    (gradient accumulation: 32 × 61 µs in the 1B step on an H100, BENCHMARKS.md
+    forty-seventh session). One copy here instead, in the backward graph where Inductor
+    writes it; AccumulateGrad then takes the tensor as it is or adds it vectorised."""
+    if grad is None or grad.stride() == source.stride() or not source.is_contiguous():
+        return grad
+    return grad.contiguous()
 
 
 def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,
