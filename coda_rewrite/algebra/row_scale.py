@@ -46,7 +46,7 @@ from ..numerics import rel_err
 from . import sharding, statements
 from . import witness as witness_mod
 from .decision import Decision, Proof, Rejection, RejectionKind, Why, code_of
-from .witness import (_MAX_ELEMS, _Unreplayable, _eval, _size, _value, replay_off_thread,
+from .witness import (_MAX_ELEMS, _Unreplayable, _eval, _size, _value, both_arrangements,
                       unavailable)
 
 
@@ -435,7 +435,7 @@ def _gradient_witness(match, programs, consumers, lead, seen: str) -> str | Reje
     under the caller's no_grad, inference mode or saved-tensor hooks (isolated.py).
     Fails closed like the forward."""
     try:
-        grads = replay_off_thread(_witness, match, programs, consumers, lead, False, True)
+        grads = both_arrangements(_witness, match, programs, consumers, lead, False, True)
     except _Unreplayable as e:
         return unavailable(str(e), match.path)
     except (RuntimeError, IndexError, ValueError, TypeError) as e:

@@ -13,7 +13,8 @@ gradient 12% off. So where a match trains, the families whose replay can make it
 leaves (the norms, RoPE, the gated pair, the LM head + loss, the experts) replay it once
 more for the gradients: every input a float64 leaf (MATH: casts as identities, the
 programs' outputs unrounded), the gradients of Σ out·R on both sides to every leaf
-compared (gradient_error; code ``witness.gradients_disagree``). On a fresh thread
+compared (gradient_error; code ``witness.gradients_disagree``), once with each rule
+arranged as an eager backward runs it and once as a compiled one does. On a fresh thread
 (isolated.py).
 A program with a GEMM is differentiated there by its family's backward rule, through the
 op's own autograd glue (kernels/ops.RuleReplayGemm: the reference's forward, the rule
@@ -41,7 +42,7 @@ from ..codegen.program import parse
 from ..graph_utils import SPLIT, fused_linear_call, splits_in_halves
 # the one edge from the legality layer to the runtime: the gradient replay differentiates
 # the fused GEMM with the backward training runs (tests/test_structure.py names it)
-from ..kernels.ops import RuleReplayGemm
+from ..kernels.ops import RuleReplayGemm, arranged_as
 from . import sharding
 from .decision import Rejection, RejectionKind
 from .isolated import off_thread
@@ -257,8 +258,32 @@ def guarded_with_gradients(replay, match, gradients: bool) -> str | Rejection:
     seen = guarded(replay, match)
     if isinstance(seen, Rejection) or not gradients:
         return seen
-    grads = guarded(lambda m: replay_off_thread(replay, m, True), match)
+    grads = guarded(lambda m: both_arrangements(replay, m, True), match)
     return grads if isinstance(grads, Rejection) else f"{seen}; {grads}"
+
+
+def both_arrangements(replay, *args) -> str | Rejection:
+    """A gradient replay ``replay(*args)`` on a fresh thread, run twice: with every rule
+    arranged as an eager backward (optimize()) runs it, and as the backward Inductor
+    compiles does (kernels/backward/common.through_scaled_acc puts a row scale on dy
+    there, on the activation in an eager one; the cross-entropy rule forms the softmax
+    gradient as graph ops): the same gradients through another code path, so each is
+    witnessed. Forced both ways, since the replay runs inside the compiler, where the
+    tensors alone would pick the traced way and never check optimize()'s. The lines
+    joined, or the first rejection; what the replay raises goes to the caller's guard."""
+    eager = replay_off_thread(_arranged(replay, False), *args)
+    if isinstance(eager, Rejection):
+        return eager
+    traced = replay_off_thread(_arranged(replay, True), *args)
+    return traced if isinstance(traced, Rejection) else \
+        f"{eager}; as a compiled backward arranges it: {traced}"
+
+
+def _arranged(replay, traced: bool):
+    def run(*args):
+        with arranged_as(traced):  # on the replay's own thread: a context variable
+            return replay(*args)
+    return run
 
 
 def verdict(err: float, what: str, path: str, tol: float = 1e-6,

@@ -634,6 +634,11 @@ class RuleReplayGemm(FusedGemm):
         return tuple(_fresh(outs, [a, b, *operands]))
 
 
+# The witness replays each rule twice, under arranged_as(False) as an eager backward runs
+# it and under arranged_as(True) as the backward Inductor compiles does
+arranged_as = backward.common.arranged_as
+
+
 class KnownGemm(torch.autograd.Function):
     """FusedGemm for a call in a metadata class whose launch is known (_RecordedRoute):
     the forward is the launch itself (fresh buffers, never an input), the backward

@@ -73,6 +73,31 @@ def weight_grad_wanted(wanted):
         _WANT_WEIGHT_GRAD.reset(token)
 
 
+# Which arrangement the rules take, forced: None lets the tensors decide (traced). The
+# witness's gradient replay runs every rule both ways (algebra/witness.both_arrangements):
+# it runs inside the compiler, where the tensors alone would pick the traced one, while
+# optimize()'s graphs run an eager backward
+_ARRANGEMENT = contextvars.ContextVar("coda_backward_arrangement", default=None)
+
+
+@contextlib.contextmanager
+def arranged_as(traced_backward: bool):
+    """Run rules as a traced backward (True) or an eager one (False) arranges them,
+    whatever the tensors are."""
+    token = _ARRANGEMENT.set(bool(traced_backward))
+    try:
+        yield
+    finally:
+        _ARRANGEMENT.reset(token)
+
+
+def traced(tensors) -> bool:
+    """Whether a rule takes a traced backward's arrangement: fake or functional tensors
+    (what AOTAutograd traces for Inductor), unless arranged_as forces one."""
+    forced = _ARRANGEMENT.get()
+    return not layouts.real(tensors) if forced is None else forced
+
+
 def wgrad(d: torch.Tensor, a: torch.Tensor, r: torch.Tensor | None = None
           ) -> torch.Tensor | None:
     """dᵀ·a, the weight's gradient, or dᵀ·(r ⊙ a) under a row scale r (float32/64,
@@ -121,7 +146,7 @@ def through_scaled_acc(prog, a, b, operands, dy, dy_fusable: bool = True):
         grads_by_name["bias"] = dy.sum(0, dtype=up(dy).dtype).to(by_name["bias"].dtype)
     if "r" in by_name:
         r = up(by_name["r"])[:, None]
-        if dy_fusable and a.dtype != torch.float16 and not layouts.real([dy]):
+        if dy_fusable and a.dtype != torch.float16 and traced([dy]):
             dy_r = (up(dy) * r).to(b.dtype)               # in dy's own kernel
             grad_a = (dy_r @ b).to(a.dtype)                # r ⊙ (dy·b)
             grad_b = wgrad(dy_r.to(a.dtype), a)

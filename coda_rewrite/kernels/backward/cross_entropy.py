@@ -24,7 +24,7 @@ import torch
 
 from ...codegen.program import EpilogueProgram, Kind, scaled_acc_prefix
 from ...codegen import layouts, reference
-from .common import Rule, expect, shaped, up, wgrad
+from .common import Rule, expect, shaped, traced, up, wgrad
 
 _CE_CHUNK_BYTES = 1 << 29
 _NO_INDEX = -(2 ** 31)  # QuACK's ignore_index: a value no target takes
@@ -127,9 +127,8 @@ def _lse_target_vjp(prog, a, b, operands, outputs, grads):
     bias = by_name.get("bias")
     # dy = (softmax(z)·dsm − onehot(t)·dloss + dlogits)·g'(y), in the GEMM dtype
     # traced: fake or functional tensors (torch.compiler.is_compiling() is False while
-    # AOTAutograd traces a backward under torch 2.11)
-    if with_logits and d_logits is not None and not logits_map and \
-            not layouts.real([d_logits]):
+    # AOTAutograd traces a backward under torch 2.11), or the witness replaying that path
+    if with_logits and d_logits is not None and not logits_map and traced([d_logits]):
         dy = traced_softmax_grad(outputs[0], lse, target, d_loss, dsm, d_logits)
         return _gemms_and_operand_grads(prog, a, b, dy, by_name, r, bias, lse)
     if with_logits and _one_pass_violation(outputs[0], d_lse) is None:
