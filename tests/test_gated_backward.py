@@ -385,12 +385,48 @@ def test_a_second_derivative_through_the_fused_backward_raises():
     assert rel_err(dp, want) <= 1e-12
 
 
+def _adapter_model(frozen: bool):
+    """HF Llama (2 layers, LM head untied) with every projection and the LM head frozen
+    (or not), a copy and token ids."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            p.requires_grad_(not frozen)
+    return model, copy.deepcopy(model), torch.randint(0, 128, (2, 16))
+
+
+@pytest.mark.inductor
+def test_frozen_weights_in_a_compiled_step():
+    """The compiled backward's arrangement (a norm's row scale on dy, the re-layout's
+    gradient not taken) with every projection and the LM head frozen: their .grad stays
+    None, and the embedding's and the norms' gradients are eager's."""
+    model, ref, ids = _adapter_model(True)
+    backend = coda_rewrite.CodaBackend(coda_rewrite.Options(fuse_in_training=True))
+    loss = torch.compile(model, backend=backend)(ids, labels=ids).loss
+    loss.backward()
+    want = ref(ids, labels=ids).loss
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    done = {r.pattern for g in backend.report.graphs for r in g.records
+            if r.status == "rewritten"}
+    assert {"residual_rmsnorm_gemm", "gated_mlp", "lm_head_cross_entropy"} <= done, done
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= 1e-5, name
+
+
 @pytest.mark.parametrize("frozen", [True, False])
 def test_frozen_weights_skip_the_weight_gradient_gemm(frozen, monkeypatch):
     """Adapter-style fine-tuning through optimize() (no AOTAutograd to drop unused
     outputs): with every projection and the LM head frozen, no fused GEMM's backward
     runs a wgrad GEMM, and the embedding's gradient is eager's; trainable, they all do."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     from coda_rewrite.kernels import gated_down
     from coda_rewrite.kernels.backward import centred, common, cross_entropy
     computed = []
@@ -402,17 +438,7 @@ def test_frozen_weights_skip_the_weight_gradient_gemm(frozen, monkeypatch):
         return out
     for mod in (common, centred, cross_entropy, gated_down):
         monkeypatch.setattr(mod, "wgrad", spy)
-    cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).train()
-    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied
-    for name, p in model.named_parameters():
-        if name.endswith("proj.weight") or name == "lm_head.weight":
-            p.requires_grad_(not frozen)
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, 128, (2, 16))
+    model, ref, ids = _adapter_model(frozen)
     fast = coda_rewrite.optimize(model, fuse_in_training=True)
     loss = fast(ids, labels=ids).loss
     computed.clear()  # the witnesses' gradient replays (their weights are leaves) ran the
