@@ -9,6 +9,7 @@ memory, and the kernel-time split of the training step.
 (variants: a comma-separated subset of the step's, e.g. ``backend="coda",Liger 0.8.5``,
 or ``ablation``: the families added one at a time; the step's variants run in
 alternating rounds; CODA_STEP_SHAPE=4x8192 for CODA's own benchmark shape;
+CODA_STEP_ACCUMULATE=1 adds each step's gradients to the kept .grad instead of zeroing it;
 CODA_BENCH_TOP=N also prints each variant's top N kernels, at least 15)
 """
 
