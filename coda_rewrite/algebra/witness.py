@@ -269,20 +269,28 @@ def both_arrangements(replay, *args) -> str | Rejection:
     there, on the activation in an eager one; the cross-entropy rule forms the softmax
     gradient as graph ops): the same gradients through another code path, so each is
     witnessed. Forced both ways, since the replay runs inside the compiler, where the
-    tensors alone would pick the traced way and never check optimize()'s. The lines
-    joined, or the first rejection; what the replay raises goes to the caller's guard."""
-    eager = replay_off_thread(_arranged(replay, False), *args)
+    tensors alone would pick the traced way and never check optimize()'s. A replay whose
+    rules never read the arrangement (explicit attention, dense experts: no fused-GEMM
+    rule on the path) runs once. The lines joined, or the first rejection; what the
+    replay raises goes to the caller's guard."""
+    asked = []
+    eager = replay_off_thread(_arranged(replay, False, asked), *args)
     if isinstance(eager, Rejection):
         return eager
-    traced = replay_off_thread(_arranged(replay, True), *args)
+    if not any(asked):
+        return f"{eager} (no rule on its path reads the arrangement: one replay)"
+    traced = replay_off_thread(_arranged(replay, True, asked), *args)
     return traced if isinstance(traced, Rejection) else \
         f"{eager}; as a compiled backward arranges it: {traced}"
 
 
-def _arranged(replay, traced: bool):
+def _arranged(replay, traced: bool, asked: list):
     def run(*args):
-        with arranged_as(traced):  # on the replay's own thread: a context variable
-            return replay(*args)
+        with arranged_as(traced) as arrangement:  # on the replay's own thread
+            try:
+                return replay(*args)
+            finally:
+                asked.append(arrangement.asked)
     return run
 
 

@@ -247,10 +247,13 @@ def in_source_layout(grad: torch.Tensor | None, source: torch.Tensor):
     .grad) or adds it to the kept one with ATen's strided, non-vectorised kernel
     (gradient accumulation: 32 × 61 µs in the 1B step on an H100, BENCHMARKS.md
     forty-seventh session). One copy here instead, in the backward graph where Inductor
-    writes it; AccumulateGrad then takes the tensor as it is or adds it vectorised."""
-    if grad is None or grad.stride() == source.stride() or not source.is_contiguous():
+    writes it; AccumulateGrad then takes the tensor as it is or adds it vectorised.
+    A source that is a view (``w.t()``, a chunk of a packed parameter) gets its own
+    strides, so the view's backward hands the parameter its layout (empty_like keeps a
+    dense view's strides; any other gets a contiguous gradient)."""
+    if grad is None or grad.stride() == source.stride():
         return grad
-    return grad.contiguous()
+    return torch.empty_like(source, dtype=grad.dtype).copy_(grad)
 
 
 def fused_linear_recomputed(program: str, x: torch.Tensor, kind: str, spec: str,

@@ -80,13 +80,22 @@ def weight_grad_wanted(wanted):
 _ARRANGEMENT = contextvars.ContextVar("coda_backward_arrangement", default=None)
 
 
+class Arrangement:
+    """A forced arrangement, and whether a rule read it (``asked``): a replay no rule
+    asked took the one path there is, so the other arrangement is the same replay."""
+
+    def __init__(self, traced_backward: bool):
+        self.traced, self.asked = bool(traced_backward), False
+
+
 @contextlib.contextmanager
 def arranged_as(traced_backward: bool):
     """Run rules as a traced backward (True) or an eager one (False) arranges them,
-    whatever the tensors are."""
-    token = _ARRANGEMENT.set(bool(traced_backward))
+    whatever the tensors are; yields the Arrangement."""
+    arrangement = Arrangement(traced_backward)
+    token = _ARRANGEMENT.set(arrangement)
     try:
-        yield
+        yield arrangement
     finally:
         _ARRANGEMENT.reset(token)
 
@@ -95,7 +104,10 @@ def traced(tensors) -> bool:
     """Whether a rule takes a traced backward's arrangement: fake or functional tensors
     (what AOTAutograd traces for Inductor), unless arranged_as forces one."""
     forced = _ARRANGEMENT.get()
-    return not layouts.real(tensors) if forced is None else forced
+    if forced is None:
+        return not layouts.real(tensors)
+    forced.asked = True
+    return forced.traced
 
 
 def wgrad(d: torch.Tensor, a: torch.Tensor, r: torch.Tensor | None = None
