@@ -308,29 +308,35 @@ class _RMSNorm(torch.nn.Module):
 class _ViewedGatedMLP(torch.nn.Module):
     """A pre-norm SwiGLU block whose gate and up weights reach F.linear as views: two
     chunks of one packed parameter (``w13.chunk(2)``, as fused-QKV-style code keeps
-    them) or the gate stored transposed (``wg_t.t()``, a [K, I] parameter)."""
+    them), every other row of one (``w[0::2]``, a non-dense view), the gate stored
+    transposed (``wg_t.t()``, a [K, I] parameter), or one weight read twice (tied: its
+    gradient is the sum of both sources')."""
 
     def __init__(self, spelling, dim=32, inter=64):
         super().__init__()
         self.spelling, self.norm = spelling, _RMSNorm(dim)
-        if spelling == "packed chunks":
+        if spelling in ("packed chunks", "strided rows"):
             self.w13 = torch.nn.Parameter(torch.randn(2 * inter, dim) / dim ** 0.5)
         else:
-            self.wg_t = torch.nn.Parameter(torch.randn(dim, inter) / dim ** 0.5)
             self.wu = torch.nn.Parameter(torch.randn(inter, dim) / dim ** 0.5)
+        if spelling == "transposed gate":
+            self.wg_t = torch.nn.Parameter(torch.randn(dim, inter) / dim ** 0.5)
         self.w2 = torch.nn.Parameter(torch.randn(dim, inter) / inter ** 0.5)
 
     def forward(self, x):
         h = self.norm(x)
-        gate, up = self.w13.chunk(2) if self.spelling == "packed chunks" else \
-            (self.wg_t.t(), self.wu)
+        gate, up = {"packed chunks": lambda: self.w13.chunk(2),
+                    "strided rows": lambda: (self.w13[0::2], self.w13[1::2]),
+                    "transposed gate": lambda: (self.wg_t.t(), self.wu),
+                    "one weight twice": lambda: (self.wu, self.wu)}[self.spelling]()
         lin = torch.nn.functional.linear
         return x + lin(torch.nn.functional.silu(lin(h, gate)) * lin(h, up), self.w2)
 
 
 @pytest.mark.parametrize("via", ["optimize", pytest.param("backend",
                                                           marks=pytest.mark.inductor)])
-@pytest.mark.parametrize("spelling", ["packed chunks", "transposed gate"])
+@pytest.mark.parametrize("spelling", ["packed chunks", "strided rows", "transposed gate",
+                                      "one weight twice"])
 def test_viewed_sources_hand_their_parameters_its_layout(spelling, via):
     """Look-alikes of the llama case: the re-laid sources are views of the parameters.
     Each gradient reaches its parameter with the parameter's strides (a transposed gate
