@@ -5,10 +5,10 @@ Inductor's fused epilogue, at M ∈ {1 … 4096} rows and the 1B and 8B layer sh
                                                          [--picked]
 
 The programs and their operands are captured from a one-layer Llama of each shape with
-its LM head and loss (optimize(), every GEMM fused), run at batch 1 and M tokens, so each
-family is timed on the operands the model gives it (each reduction width K once: the norm
-producer of the attention output, K = dim, and of the down projection, K = ffn_dim). Per
-(family, K, M):
+its LM head and loss (optimize(), every GEMM fused), run at batch 1 and M tokens (at most
+32768: the RoPE table's length), so each family is timed on the operands the model gives
+it (each reduction width K once: the norm producer of the attention output, K = dim,
+and of the down projection, K = ffn_dim). Per (family, K, M):
 
     cuBLAS      F.linear alone, the floor
     unfused     cuBLAS (F.linear) + the program's reference epilogue on its output
@@ -46,9 +46,9 @@ from coda_rewrite.models import Llama, LlamaArgs
 
 bf = torch.bfloat16
 SHAPES = {"1b": LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                          vocab_size=128256, max_seq_len=8192),
+                          vocab_size=128256, max_seq_len=32768),
           "8b": LlamaArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                          vocab_size=128256, max_seq_len=8192)}
+                          vocab_size=128256, max_seq_len=32768)}
 ROWS = (1, 8, 16, 64, 256, 1024, 4096)
 STATIC = "--static" in sys.argv  # the unfused baseline compiled per M (Inductor's best
 # epilogue kernel for that size, at a compile per family and M) instead of once with

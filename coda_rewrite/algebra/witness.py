@@ -270,8 +270,8 @@ def both_arrangements(replay, *args) -> str | Rejection:
     gradient as graph ops): the same gradients through another code path, so each is
     witnessed. Forced both ways, since the replay runs inside the compiler, where the
     tensors alone would pick the traced way and never check optimize()'s. A replay whose
-    rules never read the arrangement (explicit attention, dense experts: no fused-GEMM
-    rule on the path) runs once. The lines joined, or the first rejection; what the
+    rules never read the arrangement runs once (RoPE's and LayerNorm's rules have one
+    path; explicit attention and dense experts call no fused-GEMM rule). The lines joined, or the first rejection; what the
     replay raises goes to the caller's guard."""
     asked = []
     eager = replay_off_thread(_arranged(replay, False, asked), *args)
