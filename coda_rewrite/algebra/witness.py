@@ -279,7 +279,7 @@ def both_arrangements(replay, *args) -> str | Rejection:
         return eager
     if not any(asked):
         return f"{eager} (no rule on its path reads the arrangement: one replay)"
-    traced = replay_off_thread(_arranged(replay, True, asked), *args)
+    traced = replay_off_thread(_arranged(replay, True, []), *args)
     return traced if isinstance(traced, Rejection) else \
         f"{eager}; as a compiled backward arranges it: {traced}"
 
